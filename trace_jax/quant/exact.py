@@ -1,0 +1,147 @@
+"""Float32 arithmetic that gives the same bits on every XLA backend.
+
+XLA rewrites float division (by a constant or broadcast scalar into a reciprocal multiply)
+and on GPU its division and reciprocal are approximate; its CPU runtime flushes subnormals;
+on GPU it drops `astype(fp4/fp8)` round trips inside `jit`
+(`shared/reference/platform_notes.md`). The scale formulas of DESIGN 3.2 are IEEE float32
+quotients, as torch and numpy compute them. Everything here is built from integer and bit
+operations, comparisons and exact multiplications by powers of two, which every backend
+computes exactly, so the JAX quantizers reproduce the torch twin bit for bit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLT_MIN_NORMAL = np.float32(2.0**-126)
+_MANT_BITS = 23
+_IMPLICIT = 1 << _MANT_BITS
+_MANT_MASK = _IMPLICIT - 1
+
+
+def _bits(x: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+
+def _from_bits(b: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(b.astype(jnp.int32), jnp.float32)
+
+
+def flush_subnormal(x: jax.Array) -> jax.Array:
+  """Replaces float32 subnormals by a zero of the same sign (XLA's CPU runtime does so anyway).
+
+  Both twins flush explicitly so that CPU, GPU and torch see the same input.
+  """
+  b = _bits(x)
+  is_sub = (b & 0x7F800000) == 0
+  return _from_bits(jnp.where(is_sub, b & jnp.int32(-0x80000000), b))
+
+
+def sign_bit(x: jax.Array) -> jax.Array:
+  """True where the float32 sign bit is set (also for -0.0)."""
+  return _bits(x) < 0
+
+
+def ieee_div(a: jax.Array, b: jax.Array) -> jax.Array:
+  """IEEE float32 quotient a / b (round to nearest even) from integer long division.
+
+  Defined for finite a >= 0 and finite normal b > 0. A zero or subnormal `a`, or a
+  quotient below the normal range, gives 0 (callers clamp such quotients from below);
+  a quotient beyond float32 gives +inf.
+  """
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  a, b = jnp.broadcast_arrays(a, b)
+  ai, bi = _bits(a), _bits(b)
+  ea, eb = ai >> _MANT_BITS, bi >> _MANT_BITS
+  ma = (ai & _MANT_MASK) | _IMPLICIT
+  mb = (bi & _MANT_MASK) | _IMPLICIT
+  below = ma < mb
+  r = jnp.where(below, ma << 1, ma)  # now mb <= r < 2 mb, quotient in [1, 2)
+  exp = ea - eb + 127 - below.astype(jnp.int32)
+  q = jnp.zeros_like(r)
+  for _ in range(_MANT_BITS + 2):  # 24 significant bits and one guard bit
+    bit = r >= mb
+    q = (q << 1) | bit.astype(jnp.int32)
+    r = jnp.where(bit, r - mb, r) << 1
+  guard = q & 1
+  q = q >> 1
+  round_up = (guard == 1) & ((r != 0) | ((q & 1) == 1))
+  q = q + round_up.astype(jnp.int32)
+  carry = q >> (_MANT_BITS + 1)
+  q = jnp.where(carry == 1, q >> 1, q)
+  exp = exp + carry
+  out = _from_bits((exp << _MANT_BITS) | (q & _MANT_MASK))
+  out = jnp.where(exp >= 255, jnp.float32(np.inf), out)
+  return jnp.where((exp <= 0) | (ea == 0), jnp.float32(0.0), out)
+
+
+def exponent(x: jax.Array) -> jax.Array:
+  """floor(log2(|x|)) of a normal float32, read from its exponent bits."""
+  return ((_bits(x) >> _MANT_BITS) & 0xFF) - 127
+
+
+def exp2i(e: jax.Array) -> jax.Array:
+  """2**e as an exact float32 for integer e in [-126, 127]."""
+  return _from_bits((e.astype(jnp.int32) + 127) << _MANT_BITS)
+
+
+def round_mantissa(x: jax.Array, keep_bits: int) -> jax.Array:
+  """Rounds normal float32 values to `keep_bits` mantissa bits, RNE, by integer arithmetic."""
+  drop = _MANT_BITS - keep_bits
+  b = _bits(x)
+  lsb = (b >> drop) & 1
+  b = (b + ((1 << (drop - 1)) - 1) + lsb) & ~((1 << drop) - 1)
+  return _from_bits(b)
+
+
+E4M3_MAX = np.float32(448.0)
+E4M3_MIN_NORMAL = np.float32(2.0**-6)
+_E4M3_SUB_STEP = np.float32(2.0**-9)
+
+
+def round_to_e4m3(x: jax.Array) -> jax.Array:
+  """Rounds float32 to the nearest E4M3 value (RNE), saturating at +-448, as float32.
+
+  Normals round to 3 mantissa bits; below 2**-6 the grid is the subnormal step 2**-9.
+  NaN stays NaN. Subnormal float32 inputs are taken as zero.
+  """
+  x = flush_subnormal(x)
+  a = jnp.minimum(jnp.abs(x), E4M3_MAX)
+  normal = round_mantissa(jnp.maximum(a, E4M3_MIN_NORMAL), 3)
+  sub = jnp.round(a * np.float32(2.0**9)) * _E4M3_SUB_STEP  # jnp.round is half-to-even
+  mag = jnp.where(a >= E4M3_MIN_NORMAL, normal, sub)
+  mag = jnp.where(jnp.isnan(x), x, mag)
+  return jnp.where(sign_bit(x), -mag, mag)
+
+
+def e4m3_to_bits(v: jax.Array) -> jax.Array:
+  """uint8 E4M3 encoding of float32 values that are already exact E4M3 values (or NaN)."""
+  b = _bits(v)
+  sign = ((b >> 24) & 0x80).astype(jnp.uint8)
+  a = jnp.abs(v)
+  e = ((b >> _MANT_BITS) & 0xFF) - 127 + 7
+  normal = (e << 3) | ((b >> 20) & 0x7)
+  sub = jnp.round(a * np.float32(2.0**9)).astype(jnp.int32)  # exact: a is a multiple of 2**-9
+  mag = jnp.where(a >= E4M3_MIN_NORMAL, normal, sub)
+  mag = jnp.where(jnp.isnan(v), 0x7F, mag).astype(jnp.uint8)
+  return sign | mag
+
+
+def bits_to_e4m3(bits: jax.Array) -> jax.Array:
+  """Reinterprets uint8 codes as float8_e4m3fn (a bitcast; no rounding)."""
+  return jax.lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fn)
+
+
+def e4m3_value(scale: jax.Array) -> jax.Array:
+  """float32 value of float8_e4m3fn scales, decoded from their bits (exact on every backend)."""
+  bits = jax.lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)
+  e = (bits >> 3) & 0xF
+  m = bits & 0x7
+  normal = exp2i(e - 7) * (np.float32(1.0) + m.astype(jnp.float32) * np.float32(0.125))
+  sub = m.astype(jnp.float32) * _E4M3_SUB_STEP
+  mag = jnp.where(e == 0, sub, normal)
+  mag = jnp.where((bits & 0x7F) == 0x7F, jnp.float32(np.nan), mag)
+  return jnp.where((bits & 0x80) != 0, -mag, mag)

@@ -1,0 +1,335 @@
+"""FP4 (E2M1: NVFP4, MXFP4) and FP8 (E4M3) block quantization, bit-exact on every backend.
+
+The numerics are DESIGN section 3. Codes and scales are computed with comparisons, integer
+arithmetic and exact float32 products only (see `exact.py`), so they match the torch twin
+(`rollout_bridge/torch_quant.py`) and `ml_dtypes` bit for bit on CPU and GPU under default
+XLA flags, inside and outside `jit`.
+
+Defined behaviour at the edges (the same in both twins):
+- Subnormal float32 inputs (|x| < 2**-126) are taken as zero of the same sign.
+- A magnitude that rounds to zero gets code 0 (no negative-zero code) in the block formats.
+- Non-finite input poisons: a block holding NaN or +-Inf gets a NaN block scale and zero
+  codes, and with two-level scaling so does every block under a NaN second-level scale, so
+  dequantization returns NaN there. Eager calls on concrete arrays raise instead
+  (`check_finite`).
+- Shapes: the last axis is the contraction axis and must be a multiple of the block size.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from trace_jax.quant import exact
+
+# E2M1 magnitudes by code 0..7 (DESIGN 3.1).
+E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+E2M1_MAX = np.float32(6.0)
+# Rounding boundaries between neighbours and whether the boundary itself rounds up (RNE: the
+# tie goes to the code with mantissa bit 0, i.e. the even code).
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+                   (3.5, True), (5.0, False))
+
+NVFP4_BLOCK = 16
+MXFP4_BLOCK = 32
+FP8_GROUP = 128
+FP8_MAX = exact.E4M3_MAX
+NVFP4_TENSOR_DIVISOR = np.float32(448.0 * 6.0)
+# Second-level amax floor: all-zero (padding) rows and tensors get a finite, normal scale.
+AMAX_FLOOR = np.float32(2.0**-100)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _check_input(x: jax.Array, block: int, name: str) -> jax.Array:
+  if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{name}: expected a floating-point array, got {getattr(x, 'dtype', type(x))}")
+  if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+    raise TypeError(f"{name}: input dtype must be float32, bfloat16 or float16, got {x.dtype}")
+  if x.ndim == 0:
+    raise ValueError(f"{name}: expected at least 1 dimension (the contraction axis), got a scalar")
+  if x.shape[-1] % block:
+    raise ValueError(
+        f"{name}: contraction size {x.shape[-1]} (last axis of shape {x.shape}) is not "
+        f"divisible by the block size {block}")
+  check_finite(x, name)
+  return exact.flush_subnormal(x.astype(jnp.float32))
+
+
+def check_finite(x: jax.Array, name: str) -> None:
+  """Raises on NaN/Inf in a concrete array; traced arrays are left to NaN poisoning."""
+  if isinstance(x, jax.core.Tracer):
+    return
+  bad = int(jnp.sum(~jnp.isfinite(x)))
+  if bad:
+    raise ValueError(f"{name}: input holds {bad} non-finite values (NaN/Inf); FP4/FP8 codes are "
+                     "undefined for them. Under jit such blocks dequantize to NaN.")
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+  return x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
+
+
+def _unblock(x: jax.Array) -> jax.Array:
+  return x.reshape(x.shape[:-2] + (x.shape[-2] * x.shape[-1],))
+
+
+def _amax(xb: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per-block amax over the last axis, and whether the block holds a non-finite value."""
+  return jnp.max(jnp.abs(xb), axis=-1), ~jnp.all(jnp.isfinite(xb), axis=-1)
+
+
+# ----------------------------------------------------------------------------- E2M1 element
+
+def e2m1_encode(y: jax.Array) -> jax.Array:
+  """E2M1 codes (uint8 0..15) of float values: RNE, ties to even, saturating at +-6.
+
+  Matches `ml_dtypes.float4_e2m1fn` on every non-NaN input (including -0 -> code 8 and
+  +-Inf -> +-6); NaN gives code 0.
+  """
+  y = exact.flush_subnormal(jnp.asarray(y).astype(jnp.float32))
+  a = jnp.abs(y)
+  mag = jnp.zeros(y.shape, jnp.uint8)
+  for mid, tie_up in _E2M1_MIDPOINTS:
+    mag = mag + ((a >= mid) if tie_up else (a > mid)).astype(jnp.uint8)
+  sign = jnp.where(exact.sign_bit(y) & ~jnp.isnan(y), jnp.uint8(8), jnp.uint8(0))
+  return sign | mag
+
+
+def e2m1_decode(codes: jax.Array) -> jax.Array:
+  """float32 values of E2M1 codes (uint8 0..15)."""
+  codes = codes.astype(jnp.int32)
+  grid = jnp.asarray(E2M1_GRID)
+  mag = grid[codes & 7]
+  return jnp.where((codes & 8) != 0, -mag, mag)
+
+
+def _canonical_zero(codes: jax.Array) -> jax.Array:
+  return jnp.where(codes == 8, jnp.uint8(0), codes)
+
+
+def pack_fp4(codes: jax.Array) -> jax.Array:
+  """Packs two 4-bit codes per byte along the last axis: element 2i in the low nibble."""
+  if codes.shape[-1] % 2:
+    raise ValueError(f"pack_fp4: last axis must be even, got shape {codes.shape}")
+  c = codes.astype(jnp.uint8).reshape(codes.shape[:-1] + (codes.shape[-1] // 2, 2))
+  return (c[..., 0] & 0xF) | ((c[..., 1] & 0xF) << 4)
+
+
+def unpack_fp4(packed: jax.Array) -> jax.Array:
+  """Inverse of `pack_fp4`."""
+  p = packed.astype(jnp.uint8)
+  c = jnp.stack([p & 0xF, p >> 4], axis=-1)
+  return c.reshape(p.shape[:-1] + (p.shape[-1] * 2,))
+
+
+# ----------------------------------------------------------------------------- NVFP4
+
+@struct.dataclass
+class NVFP4Tensor:
+  """NVFP4 quantization of an array whose last axis is the contraction axis.
+
+  codes: uint8, shape of x, one E2M1 code per element.
+  block_scale: float8_e4m3fn, x.shape[:-1] + (K // 16,).
+  tensor_scale: float32 second-level scale broadcastable to x.shape[:-1] + (1,), or None.
+  """
+  codes: jax.Array
+  block_scale: jax.Array
+  tensor_scale: jax.Array | None = None
+
+
+def nvfp4_tensor_scale(x: jax.Array, axes: tuple[int, ...] | None = None) -> jax.Array:
+  """Second-level scale `amax / (448 * 6)` over `axes` (kept as size-1 dims).
+
+  axes=None: the whole tensor; axes=(-1,): per row (activations); for stacked expert weights
+  [E, N, K] use axes=(1, 2) (one scale per expert). All-zero inputs use amax 2**-100.
+  """
+  xf = exact.flush_subnormal(jnp.asarray(x).astype(jnp.float32))
+  ax = tuple(range(xf.ndim)) if axes is None else axes
+  amax = jnp.max(jnp.abs(xf), axis=ax, keepdims=True)
+  finite = jnp.isfinite(amax)
+  ts = exact.ieee_div(jnp.maximum(jnp.where(finite, amax, 0.0), AMAX_FLOOR),
+                      NVFP4_TENSOR_DIVISOR)
+  return jnp.where(finite, ts, jnp.float32(np.nan))
+
+
+def nvfp4_row_scale(x: jax.Array) -> jax.Array:
+  """Per-token-row second-level scale for activations (batch-invariant), shape [..., 1]."""
+  return nvfp4_tensor_scale(x, axes=(-1,))
+
+
+def _nvfp4_block_scale(amax: jax.Array, ts: jax.Array | None) -> jax.Array:
+  """E4M3-rounded block scale as float32: clamp((amax / 6) [/ ts], 2**-6, 448)."""
+  bs = exact.ieee_div(jnp.where(jnp.isfinite(amax), amax, 0.0), np.float32(6.0))
+  if ts is not None:
+    bs = exact.ieee_div(bs, jnp.where(jnp.isfinite(ts), ts, 1.0))
+  bs = jnp.clip(bs, exact.E4M3_MIN_NORMAL, exact.E4M3_MAX)
+  return exact.round_mantissa(bs, 3)
+
+
+def _nvfp4_inverse_scale(bs: jax.Array, ts: jax.Array | None) -> jax.Array:
+  """Per-block multiplier: 1 / bs (single level) or (1 / ts) / bs (two level), IEEE float32."""
+  num = jnp.float32(1.0) if ts is None else exact.ieee_div(jnp.float32(1.0), ts)
+  return exact.ieee_div(num, bs)
+
+
+def _encode_blocks(xb: jax.Array, inv: jax.Array, bad: jax.Array) -> jax.Array:
+  y = jnp.clip(xb * inv[..., None], -E2M1_MAX, E2M1_MAX)
+  codes = _canonical_zero(e2m1_encode(y))
+  return jnp.where(bad[..., None], jnp.uint8(0), codes)
+
+
+def _broadcast_ts(ts: jax.Array, x: jax.Array, name: str) -> jax.Array:
+  ts = jnp.asarray(ts, jnp.float32)
+  target = x.shape[:-1] + (1,)
+  try:
+    np.broadcast_shapes(ts.shape, target)
+  except ValueError:
+    raise ValueError(f"{name}: tensor_scale of shape {ts.shape} does not broadcast to "
+                     f"{target} (x.shape[:-1] + (1,))") from None
+  if len(np.broadcast_shapes(ts.shape, target)) != len(target) or \
+      np.broadcast_shapes(ts.shape, target) != target:
+    raise ValueError(f"{name}: tensor_scale of shape {ts.shape} would broadcast x of shape "
+                     f"{x.shape} to a larger shape")
+  return ts
+
+
+def nvfp4_quantize(x: jax.Array, tensor_scale: jax.Array | None = None) -> NVFP4Tensor:
+  """NVFP4 quantization (DESIGN 3.2): 16-element blocks, E4M3 block scales.
+
+  tensor_scale=None: single-level scaling. Otherwise two-level with the given float32
+  second-level scale (from `nvfp4_row_scale` for activations, `nvfp4_tensor_scale` for
+  weights), broadcastable to x.shape[:-1] + (1,).
+  """
+  xf = _check_input(x, NVFP4_BLOCK, "nvfp4_quantize")
+  ts = None if tensor_scale is None else _broadcast_ts(tensor_scale, x, "nvfp4_quantize")
+  xb = _blocks(xf, NVFP4_BLOCK)
+  amax, bad = _amax(xb)
+  if ts is not None:
+    bad = bad | ~jnp.isfinite(ts)  # [..., 1] broadcasts over blocks
+  bs = _nvfp4_block_scale(amax, ts)
+  inv = _nvfp4_inverse_scale(bs, ts)
+  codes = _unblock(_encode_blocks(xb, inv, bad))
+  bs = jnp.where(bad, jnp.float32(np.nan), bs)
+  block_scale = exact.bits_to_e4m3(exact.e4m3_to_bits(bs))
+  return NVFP4Tensor(codes=codes, block_scale=block_scale, tensor_scale=ts)
+
+
+def nvfp4_dequantize(q: NVFP4Tensor) -> jax.Array:
+  """float32 values `code_value * block_scale [* tensor_scale]`."""
+  vals = _blocks(e2m1_decode(q.codes), NVFP4_BLOCK)
+  out = _unblock(vals * exact.e4m3_value(q.block_scale)[..., None])
+  if q.tensor_scale is not None:
+    out = out * q.tensor_scale
+  return out
+
+
+# ----------------------------------------------------------------------------- MXFP4
+
+@struct.dataclass
+class MXFP4Tensor:
+  """MXFP4 (OCP MX v1.0): codes uint8 per element, block_scale float8_e8m0fnu per 32."""
+  codes: jax.Array
+  block_scale: jax.Array
+  tensor_scale: None = None
+
+
+def mxfp4_quantize(x: jax.Array, tensor_scale: None = None) -> MXFP4Tensor:
+  """MXFP4: shared exponent floor(log2(amax)) - 2 per 32 elements, E2M1 RNE, saturating.
+
+  An all-zero block gets scale byte 0 (2**-127). `tensor_scale` exists for signature parity
+  with NVFP4 and must be None.
+  """
+  if tensor_scale is not None:
+    raise ValueError("mxfp4_quantize: MXFP4 has no second-level scale; pass tensor_scale=None")
+  xf = _check_input(x, MXFP4_BLOCK, "mxfp4_quantize")
+  xb = _blocks(xf, MXFP4_BLOCK)
+  amax, bad = _amax(xb)
+  zero = amax == 0
+  e = jnp.clip(exact.exponent(jnp.where(zero | bad, 1.0, amax)) - 2, -127, 127)
+  e = jnp.where(zero, -127, e)
+  # e lies in [-127, 125] (float32 amax < 2**128), so 2**-e is a normal float32.
+  y = xb * exact.exp2i(-e)[..., None]
+  codes = _canonical_zero(e2m1_encode(jnp.clip(y, -E2M1_MAX, E2M1_MAX)))
+  codes = _unblock(jnp.where(bad[..., None], jnp.uint8(0), codes))
+  scale_bits = jnp.where(bad, 0xFF, e + 127).astype(jnp.uint8)
+  block_scale = jax.lax.bitcast_convert_type(scale_bits, jnp.float8_e8m0fnu)
+  return MXFP4Tensor(codes=codes, block_scale=block_scale)
+
+
+def mxfp4_dequantize(q: MXFP4Tensor) -> jax.Array:
+  """float32 values `code_value * 2**scale_exponent`; subnormal results flush to zero."""
+  bits = jax.lax.bitcast_convert_type(q.block_scale, jnp.uint8).astype(jnp.int32)
+  e = jnp.clip(bits - 127, -126, 127)
+  vals = _blocks(e2m1_decode(q.codes), MXFP4_BLOCK)
+  out = vals * exact.exp2i(e)[..., None]
+  # Byte 0 is 2**-127 (not a normal float32): scale by 0.5 first, then by 2**-126.
+  out = jnp.where((bits == 0)[..., None], (vals * np.float32(0.5)) * exact.exp2i(e)[..., None],
+                  out)
+  out = jnp.where((bits == 255)[..., None], jnp.float32(np.nan), out)
+  return _unblock(exact.flush_subnormal(out))
+
+
+# ----------------------------------------------------------------------------- FP8 (Jet-RL)
+
+@struct.dataclass
+class FP8Tensor:
+  """FP8 E4M3 with float32 scales `amax / 448` per block.
+
+  values: float8_e4m3fn, shape of x.
+  scale: float32; activations [..., K // 128] (block_rows=1); weights [..., N // 128, K // 128]
+    (block_rows=128).
+  """
+  values: jax.Array
+  scale: jax.Array
+  block_rows: int = struct.field(pytree_node=False, default=1)
+
+
+def _fp8_scale(amax: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.Array]:
+  s = exact.ieee_div(jnp.maximum(jnp.where(bad, 0.0, amax), AMAX_FLOOR), FP8_MAX)
+  inv = exact.ieee_div(jnp.float32(1.0), s)
+  return jnp.where(bad, jnp.float32(np.nan), s), inv
+
+
+def _fp8_encode(x: jax.Array, inv: jax.Array, bad: jax.Array) -> jax.Array:
+  v = exact.round_to_e4m3(jnp.clip(x * inv, -FP8_MAX, FP8_MAX))
+  v = jnp.where(v == 0, jnp.float32(0.0), v)  # no negative zero
+  v = jnp.where(bad, jnp.float32(0.0), v)
+  return exact.bits_to_e4m3(exact.e4m3_to_bits(v))
+
+
+def fp8_quantize_act(x: jax.Array) -> FP8Tensor:
+  """FP8 E4M3 for activations: one scale per 1 x 128 group along the last axis."""
+  xf = _check_input(x, FP8_GROUP, "fp8_quantize_act")
+  xb = _blocks(xf, FP8_GROUP)
+  amax, bad = _amax(xb)
+  s, inv = _fp8_scale(amax, bad)
+  values = _unblock(_fp8_encode(xb, inv[..., None], bad[..., None]))
+  return FP8Tensor(values=values, scale=s)
+
+
+def fp8_quantize_weight(w: jax.Array) -> FP8Tensor:
+  """FP8 E4M3 for weights [..., N, K] (torch [out, in] order): one scale per 128 x 128 block."""
+  wf = _check_input(w, FP8_GROUP, "fp8_quantize_weight")
+  if w.ndim < 2 or w.shape[-2] % FP8_GROUP:
+    raise ValueError(f"fp8_quantize_weight: expected [..., N, K] with N and K multiples of "
+                     f"{FP8_GROUP}, got shape {w.shape}")
+  n, k = w.shape[-2:]
+  wb = wf.reshape(w.shape[:-2] + (n // FP8_GROUP, FP8_GROUP, k // FP8_GROUP, FP8_GROUP))
+  amax = jnp.max(jnp.abs(wb), axis=(-3, -1))
+  bad = ~jnp.all(jnp.isfinite(wb), axis=(-3, -1))
+  s, inv = _fp8_scale(amax, bad)
+  values = _fp8_encode(wb, inv[..., :, None, :, None], bad[..., :, None, :, None])
+  return FP8Tensor(values=values.reshape(w.shape), scale=s, block_rows=FP8_GROUP)
+
+
+def fp8_dequantize(q: FP8Tensor) -> jax.Array:
+  """float32 values `value * scale` per block."""
+  v = exact.e4m3_value(q.values)
+  if q.block_rows == 1:  # activation groups
+    return _unblock(_blocks(v, FP8_GROUP) * q.scale[..., None])
+  n, k = v.shape[-2:]
+  vb = v.reshape(v.shape[:-2] + (n // FP8_GROUP, FP8_GROUP, k // FP8_GROUP, FP8_GROUP))
+  return (vb * q.scale[..., :, None, :, None]).reshape(v.shape)
