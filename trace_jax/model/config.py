@@ -1,0 +1,226 @@
+"""`ModelConfig`: the Qwen3-MoE shape (HF field names) plus this project's precision fields.
+
+A frozen, hashable dataclass: it is passed to jitted functions as a static argument, and
+`dataclasses.replace(config, dtype="float32")` switches the compute dtype. `from_hf_dict` and
+`to_hf_dict` translate to and from HF `config.json`, reading both spellings that transformers
+4.x/SGLang and transformers 5.x use and writing both (DESIGN section 7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+POLICIES = ("bf16", "fp8_unified", "fp4_rtn", "fp4_trace", "posthoc_fp4")
+FP4_POLICIES = ("fp4_rtn", "fp4_trace", "posthoc_fp4")
+GUIDANCE_MODES = ("compact", "full")
+DTYPES = ("float32", "bfloat16")
+NVFP4_BLOCK = 16
+FP8_GROUP = 128
+
+# HF keys that carry no information for this model but are written for SGLang / transformers.
+_HF_CONSTANTS = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "use_sliding_window": False,
+    "sliding_window": None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Qwen3-MoE decoder shape (HF names) and the precision policy of DESIGN section 4.
+
+  guided_layers: indices of the decoder layers whose quantization sites take rollout guidance
+    in `fp4_trace`; None means the deepest half (`num_hidden_layers // 2 ..`).
+  """
+  vocab_size: int
+  hidden_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  num_experts: int
+  num_experts_per_tok: int
+  moe_intermediate_size: int
+  norm_topk_prob: bool = True
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 1e6
+  max_position_embeddings: int = 32768
+  router_aux_loss_coef: float = 0.001
+  tie_word_embeddings: bool = False
+  dtype: str = "bfloat16"
+  policy: str = "bf16"
+  guided_layers: tuple[int, ...] | None = None
+  guidance_mode: str = "compact"
+
+  def __post_init__(self):
+    if self.guided_layers is None:
+      n = self.num_hidden_layers
+      object.__setattr__(self, "guided_layers", tuple(range(n // 2, n)))
+    elif not isinstance(self.guided_layers, tuple):
+      object.__setattr__(self, "guided_layers", tuple(int(i) for i in self.guided_layers))
+    self._validate()
+
+  def _validate(self) -> None:
+    errors = []
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
+                 "moe_intermediate_size", "max_position_embeddings"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        errors.append(f"{name} must be a positive int, got {v!r}")
+    if errors:
+      raise ValueError("ModelConfig: " + "; ".join(errors))
+    if self.num_attention_heads % self.num_key_value_heads:
+      errors.append(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                    f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
+    if self.head_dim % 2:
+      errors.append(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+    if self.num_experts_per_tok > self.num_experts:
+      errors.append(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                    f"({self.num_experts})")
+    if self.tie_word_embeddings:
+      errors.append("tie_word_embeddings=True is not supported: Qwen3-MoE has an untied lm_head "
+                    "(SGLang does not tie it either)")
+    if self.dtype not in DTYPES:
+      errors.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+    if self.policy not in POLICIES:
+      errors.append(f"unknown precision policy {self.policy!r}; expected one of {POLICIES}")
+    if self.guidance_mode not in GUIDANCE_MODES:
+      errors.append(f"guidance_mode must be one of {GUIDANCE_MODES}, got {self.guidance_mode!r}")
+    bad = [i for i in self.guided_layers if not 0 <= i < self.num_hidden_layers]
+    if bad:
+      errors.append(f"guided_layers {bad} outside [0, {self.num_hidden_layers})")
+    if len(set(self.guided_layers)) != len(self.guided_layers):
+      errors.append(f"guided_layers has duplicates: {self.guided_layers}")
+    if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+      errors.append("rms_norm_eps and rope_theta must be positive")
+    if self.policy in FP4_POLICIES:
+      for name in ("hidden_size", "moe_intermediate_size", "head_dim"):
+        if getattr(self, name) % NVFP4_BLOCK:
+          errors.append(f"policy {self.policy!r} quantizes along {name} in NVFP4 blocks of "
+                        f"{NVFP4_BLOCK}, but {name} = {getattr(self, name)}")
+    if self.policy == "fp8_unified":
+      for name, v in (("hidden_size", self.hidden_size),
+                      ("moe_intermediate_size", self.moe_intermediate_size),
+                      ("num_attention_heads * head_dim", self.num_attention_heads * self.head_dim),
+                      ("num_key_value_heads * head_dim", self.num_key_value_heads * self.head_dim)):
+        if v % FP8_GROUP:
+          errors.append(f"policy 'fp8_unified' uses FP8 blocks of {FP8_GROUP} on every linear "
+                        f"layer, but {name} = {v}")
+    if errors:
+      raise ValueError("ModelConfig: " + "; ".join(errors))
+
+  # --------------------------------------------------------------------------- derived
+
+  @property
+  def num_kv_groups(self) -> int:
+    return self.num_attention_heads // self.num_key_value_heads
+
+  @property
+  def quantized(self) -> bool:
+    """Whether the forward quantizes anything (every policy except `bf16`)."""
+    return self.policy != "bf16"
+
+  def replace(self, **changes: Any) -> ModelConfig:
+    return dataclasses.replace(self, **changes)
+
+  # --------------------------------------------------------------------------- HF config.json
+
+  @classmethod
+  def from_hf_dict(cls, d: dict[str, Any], **overrides: Any) -> ModelConfig:
+    """Reads an HF Qwen3-MoE `config.json` dict (4.x or 5.x spelling)."""
+    model_type = d.get("model_type")
+    if model_type not in (None, "qwen3_moe"):
+      raise ValueError(f"config.json: model_type {model_type!r} is not 'qwen3_moe'")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                           "num_attention_heads", "moe_intermediate_size",
+                           "num_experts_per_tok") if k not in d]
+    if "num_experts" not in d and "num_local_experts" not in d:
+      missing.append("num_experts (or num_local_experts)")
+    if missing:
+      raise ValueError(f"config.json: missing required keys {missing}")
+    if d.get("mlp_only_layers"):
+      raise ValueError("config.json: mlp_only_layers is not supported (every layer is MoE, as "
+                       f"in SGLang), got {d['mlp_only_layers']}")
+    if d.get("decoder_sparse_step", 1) != 1:
+      raise ValueError(f"config.json: decoder_sparse_step must be 1, got "
+                       f"{d['decoder_sparse_step']}")
+    if d.get("attention_bias", False):
+      raise ValueError("config.json: attention_bias=True is not supported")
+    if d.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"config.json: hidden_act must be 'silu', got {d['hidden_act']!r}")
+    rope = d.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", (d.get("rope_scaling") or {}).get("rope_type", "default"))
+    if rope_type != "default":
+      raise ValueError(f"config.json: only default RoPE is supported, got rope_type {rope_type!r}")
+    theta = rope.get("rope_theta", d.get("rope_theta", 1e6))
+    dtype = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
+    kwargs = dict(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+        num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+        head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+        num_experts=d.get("num_experts", d.get("num_local_experts")),
+        num_experts_per_tok=d["num_experts_per_tok"],
+        moe_intermediate_size=d["moe_intermediate_size"],
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+        max_position_embeddings=d.get("max_position_embeddings", 32768),
+        router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        dtype=str(dtype))
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+  def to_hf_dict(self) -> dict[str, Any]:
+    """HF `config.json` with both key spellings and `head_dim` / `norm_topk_prob` explicit."""
+    d = dict(_HF_CONSTANTS)
+    d.update(
+        vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+        num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+        num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+        num_experts=self.num_experts, num_local_experts=self.num_experts,
+        num_experts_per_tok=self.num_experts_per_tok,
+        moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+        rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+        rope_parameters={"rope_theta": self.rope_theta, "rope_type": "default"},
+        max_position_embeddings=self.max_position_embeddings,
+        router_aux_loss_coef=self.router_aux_loss_coef,
+        tie_word_embeddings=self.tie_word_embeddings, dtype=self.dtype, torch_dtype=self.dtype)
+    return d
+
+  def shape_fields(self) -> dict[str, Any]:
+    """The fields that determine parameter shapes (used to check checkpoint/config agreement)."""
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "num_experts", "moe_intermediate_size")
+    return {k: getattr(self, k) for k in keys}
+
+
+# ----------------------------------------------------------------------------- presets
+
+def tiny(**overrides: Any) -> ModelConfig:
+  """A CPU-sized model for tests: every size a multiple of 16 (NVFP4 blocks)."""
+  kwargs = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=64, norm_topk_prob=True, rms_norm_eps=1e-6,
+                rope_theta=10000.0, max_position_embeddings=512, dtype="float32")
+  kwargs.update(overrides)
+  return ModelConfig(**kwargs)
+
+
+def qwen3_30b_a3b(**overrides: Any) -> ModelConfig:
+  """The Qwen3-30B-A3B shape (config.json of the official checkpoint)."""
+  kwargs = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+                num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+                dtype="bfloat16")
+  kwargs.update(overrides)
+  return ModelConfig(**kwargs)

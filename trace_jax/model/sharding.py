@@ -1,0 +1,131 @@
+"""Dimension letters, logical axes and the rules that map them onto a device mesh.
+
+Legend (used in every einsum string and shape comment of `trace_jax.model`):
+  B batch            S query positions     T key/cache positions
+  D model (hidden)   V vocabulary          N query heads
+  G key/value heads  R query heads per kv head (N = G * R)
+  H head dim         E experts             K experts per token (top-k)
+  F expert ffn (moe_intermediate_size)     M routed rows (tokens * K, sorted by expert)
+
+Parameters carry no sharding metadata: their logical axes come from `PARAM_AXES`, a table
+keyed by the parameter's name, so the same rules apply to an NNX state, a pure dict, or an
+abstract (`jax.eval_shape`) tree. A layout is data: `DEFAULT_RULES` maps logical axes to
+mesh axes (`data`, `fsdp`, `expert`, `tensor`); a mesh axis that does not divide a dimension
+is dropped for that dimension (replication), so one rule table serves every model size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+# Logical axis -> mesh axes. Weights are sharded over `fsdp` along the model dim, experts over
+# `expert`, heads / expert ffn / vocab over `tensor`; activations' batch over `data` x `fsdp`.
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp"),
+    "embed": ("fsdp",),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "exp": ("expert",),
+    "mlp": ("tensor",),
+    "norm": (),
+    "router": (),
+}
+
+# Parameter name (last path entries) -> logical axes, torch [out, in] layout everywhere.
+PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("embed", "embedding"): ("vocab", "embed"),          # [V, D]
+    ("q_proj", "kernel"): ("heads", "embed"),            # [N*H, D]
+    ("k_proj", "kernel"): ("kv_heads", "embed"),         # [G*H, D]
+    ("v_proj", "kernel"): ("kv_heads", "embed"),         # [G*H, D]
+    ("o_proj", "kernel"): ("embed", "heads"),            # [D, N*H]
+    ("router", "kernel"): ("router", "embed"),           # [E, D]
+    ("moe", "gate_proj"): ("exp", "mlp", "embed"),       # [E, F, D]
+    ("moe", "up_proj"): ("exp", "mlp", "embed"),         # [E, F, D]
+    ("moe", "down_proj"): ("exp", "embed", "mlp"),       # [E, D, F]
+    ("lm_head", "kernel"): ("vocab", "embed"),           # [V, D]
+    ("scale",): ("norm",),                               # RMSNorm weights [D] or [H]
+}
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
+  """A mesh with axes (data, fsdp, expert, tensor); missing axes get size 1."""
+  unknown = set(shape) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(f"make_mesh: unknown mesh axes {sorted(unknown)}; expected {MESH_AXES}")
+  sizes = tuple(int(shape.get(a, 1)) for a in MESH_AXES)
+  devices = list(jax.devices() if devices is None else devices)
+  n = int(np.prod(sizes))
+  if n > len(devices):
+    raise ValueError(f"make_mesh: mesh {dict(zip(MESH_AXES, sizes))} needs {n} devices, "
+                     f"only {len(devices)} given")
+  return Mesh(np.asarray(devices[:n], dtype=object).reshape(sizes), MESH_AXES)
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                    rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES) -> PartitionSpec:
+  """PartitionSpec for `axes`; mesh axes that do not divide the dimension (or repeat) drop."""
+  used: set[str] = set()
+  spec = []
+  for name, dim in zip(axes, shape):
+    if name is not None and name not in rules:
+      raise KeyError(f"logical axis {name!r} has no sharding rule; rules know {sorted(rules)}")
+    kept = []
+    size = 1
+    for m in (() if name is None else rules[name]):
+      if m in used or mesh.shape[m] == 1:
+        continue
+      if dim % (size * mesh.shape[m]) == 0:
+        kept.append(m)
+        size *= mesh.shape[m]
+    used.update(kept)
+    spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  return PartitionSpec(*spec)
+
+
+def _path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
+  names = []
+  for p in path:
+    key = getattr(p, "key", getattr(p, "name", getattr(p, "idx", None)))
+    if key == "value":  # nnx.Variable's leaf
+      continue
+    names.append(str(key))
+  return tuple(names)
+
+
+def param_axes(path_names: tuple[str, ...]) -> tuple[str, ...]:
+  """Logical axes of the parameter at `path_names` (longest matching suffix in PARAM_AXES)."""
+  for n in (2, 1):
+    if path_names[-n:] in PARAM_AXES:
+      return PARAM_AXES[path_names[-n:]]
+  raise KeyError(f"no logical axes for parameter {'.'.join(path_names)}; add it to PARAM_AXES")
+
+
+def param_shardings(params: Any, mesh: Mesh,
+                    rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES) -> Any:
+  """A tree of NamedSharding matching `params` (arrays or ShapeDtypeStructs)."""
+  def one(path, x):
+    return NamedSharding(mesh, logical_to_spec(param_axes(_path_names(path)), x.shape, mesh,
+                                               rules))
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def activation_sharding(mesh: Mesh, ndim: int,
+                        rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES) -> NamedSharding:
+  """Sharding of a [B, ...] activation or token array: batch over data x fsdp."""
+  batch = tuple(m for m in rules["batch"] if mesh.shape[m] > 1)
+  lead = None if not batch else batch[0] if len(batch) == 1 else batch
+  return NamedSharding(mesh, PartitionSpec(lead, *([None] * (ndim - 1))))
+
+
+def shard_params(params: Any, mesh: Mesh,
+                 rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES) -> Any:
+  """Places `params` on `mesh` by the rules."""
+  return jax.device_put(params, param_shardings(params, mesh, rules))

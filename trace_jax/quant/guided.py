@@ -1,0 +1,172 @@
+"""Rollout-guided FP4 rounding (TRACE, DESIGN 3.5) and the guidance record (DESIGN 5).
+
+Rollout quantizes a site with NVFP4 (two-level, per-row second-level scale) and keeps, per
+element, the code's mantissa bit (compact) or the whole 4-bit code (full), plus its scales.
+Training rounds its own input with the rollout's scales and, between the two E2M1 grid
+points that bracket it, picks the one the rollout chose (same mantissa bit) or the one nearest
+to the rollout value. With no drift this equals round-to-nearest; with drift within one code it
+reproduces the rollout code exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from trace_jax.quant import exact
+from trace_jax.quant.formats import (
+    E2M1_GRID,
+    E2M1_MAX,
+    NVFP4_BLOCK,
+    NVFP4Tensor,
+    _blocks,
+    _canonical_zero,
+    _nvfp4_inverse_scale,
+    _unblock,
+    e2m1_decode,
+    pack_fp4,
+    unpack_fp4,
+)
+
+MODES = ("compact", "full")
+
+
+@struct.dataclass
+class Guidance:
+  """What rollout recorded at one site for a batch of token rows.
+
+  block_scale: float8_e4m3fn [..., K // 16]; row_scale: float32 [..., 1];
+  mantissa: uint8 [..., K // 8], mantissa bits packed 8 per byte (compact mode), or None;
+  codes: uint8 [..., K // 2], 4-bit codes packed 2 per byte (full mode), or None.
+  """
+  block_scale: jax.Array
+  row_scale: jax.Array
+  mantissa: jax.Array | None = None
+  codes: jax.Array | None = None
+
+  @property
+  def mode(self) -> str:
+    return "compact" if self.mantissa is not None else "full"
+
+  @property
+  def k(self) -> int:
+    return self.block_scale.shape[-1] * NVFP4_BLOCK
+
+  @property
+  def nbytes(self) -> int:
+    """Exact bytes of the record's arrays."""
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize
+               for a in (self.block_scale, self.row_scale, self.mantissa, self.codes)
+               if a is not None)
+
+
+def bytes_per_row(k: int, mode: str) -> float:
+  """Guidance bytes per token row of width k: payload + E4M3 block scales + FP32 row scale."""
+  if mode not in MODES:
+    raise ValueError(f"unknown guidance mode {mode!r}; expected one of {MODES}")
+  payload = k // 8 if mode == "compact" else k // 2
+  return payload + k // NVFP4_BLOCK + 4
+
+
+def pack_bits(bits: jax.Array) -> jax.Array:
+  """Packs 0/1 values 8 per byte along the last axis: element 8i+j is bit j of byte i."""
+  if bits.shape[-1] % 8:
+    raise ValueError(f"pack_bits: last axis must be a multiple of 8, got shape {bits.shape}")
+  b = bits.astype(jnp.uint8).reshape(bits.shape[:-1] + (bits.shape[-1] // 8, 8))
+  weights = jnp.asarray(1 << np.arange(8), jnp.uint8)
+  return jnp.sum(b * weights, axis=-1, dtype=jnp.uint8)
+
+
+def unpack_bits(packed: jax.Array) -> jax.Array:
+  """Inverse of `pack_bits` (uint8 0/1 values)."""
+  shifts = jnp.arange(8, dtype=jnp.uint8)
+  b = (packed[..., None] >> shifts) & 1
+  return b.reshape(packed.shape[:-1] + (packed.shape[-1] * 8,)).astype(jnp.uint8)
+
+
+def record(q: NVFP4Tensor, mode: str = "compact") -> Guidance:
+  """The guidance record of a rollout-side two-level NVFP4 quantization."""
+  if mode not in MODES:
+    raise ValueError(f"unknown guidance mode {mode!r}; expected one of {MODES}")
+  if q.tensor_scale is None:
+    raise ValueError("guidance needs two-level NVFP4 (per-row second-level scale); got "
+                     "single-level scaling")
+  row_scale = jnp.broadcast_to(q.tensor_scale, q.codes.shape[:-1] + (1,)).astype(jnp.float32)
+  if mode == "compact":
+    return Guidance(block_scale=q.block_scale, row_scale=row_scale,
+                    mantissa=pack_bits(q.codes & 1))
+  return Guidance(block_scale=q.block_scale, row_scale=row_scale, codes=pack_fp4(q.codes))
+
+
+def validate(x: jax.Array, g: Guidance, name: str = "guidance") -> None:
+  """Raises ValueError when `g` cannot guide an input of x's shape."""
+  k = x.shape[-1]
+  rows = x.shape[:-1]
+  if k % NVFP4_BLOCK:
+    raise ValueError(f"{name}: contraction size {k} is not divisible by {NVFP4_BLOCK}")
+  want = {"block_scale": rows + (k // NVFP4_BLOCK,), "row_scale": rows + (1,)}
+  if g.mantissa is not None:
+    want["mantissa"] = rows + (k // 8,)
+  if g.codes is not None:
+    want["codes"] = rows + (k // 2,)
+  if (g.mantissa is None) == (g.codes is None):
+    raise ValueError(f"{name}: exactly one of mantissa (compact) or codes (full) must be set")
+  for field, shape in want.items():
+    got = getattr(g, field).shape
+    if tuple(got) != tuple(shape):
+      raise ValueError(f"{name}: {field} has shape {tuple(got)}, expected {shape} for an input "
+                       f"of shape {tuple(x.shape)}")
+  dtypes = {"block_scale": jnp.float8_e4m3fn, "row_scale": jnp.float32, "mantissa": jnp.uint8,
+            "codes": jnp.uint8}
+  for field, dt in dtypes.items():
+    a = getattr(g, field)
+    if a is not None and a.dtype != dt:
+      raise ValueError(f"{name}: {field} has dtype {a.dtype}, expected {jnp.dtype(dt).name}")
+
+
+def _bracket(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Magnitude codes (lo, hi) of the E2M1 grid points with grid[lo] <= a <= grid[hi]."""
+  lo = jnp.zeros(a.shape, jnp.uint8)
+  for g in E2M1_GRID[1:]:
+    lo = lo + (a >= g).astype(jnp.uint8)
+  on_grid = a == jnp.asarray(E2M1_GRID)[lo.astype(jnp.int32)]
+  hi = jnp.where(on_grid, lo, jnp.minimum(lo + 1, 7)).astype(jnp.uint8)
+  return lo, hi
+
+
+def guided_codes(x: jax.Array, g: Guidance) -> jax.Array:
+  """E2M1 codes (uint8 per element) of training input x rounded under rollout guidance."""
+  validate(x, g)
+  xf = exact.flush_subnormal(x.astype(jnp.float32))
+  bs = exact.e4m3_value(g.block_scale)
+  inv = _nvfp4_inverse_scale(bs, g.row_scale)
+  z = jnp.clip(_blocks(xf, NVFP4_BLOCK) * inv[..., None], -E2M1_MAX, E2M1_MAX)
+  z = _unblock(z)
+  lo, hi = _bracket(jnp.abs(z))
+  if g.mantissa is not None:
+    bit = unpack_bits(g.mantissa)
+    mag = jnp.where((lo & 1) == bit, lo, hi)
+  else:
+    ref = e2m1_decode(unpack_fp4(g.codes))
+    grid = jnp.asarray(E2M1_GRID)
+    sgn = jnp.where(exact.sign_bit(z), np.float32(-1.0), np.float32(1.0))
+    d_lo = jnp.abs(sgn * grid[lo.astype(jnp.int32)] - ref)
+    d_hi = jnp.abs(sgn * grid[hi.astype(jnp.int32)] - ref)
+    mag = jnp.where(d_lo <= d_hi, lo, hi)
+  sign = jnp.where(exact.sign_bit(z), jnp.uint8(8), jnp.uint8(0))
+  codes = _canonical_zero(sign | mag)
+  # Rows whose guidance is poisoned (NaN scales) get zero codes, as in nvfp4_quantize.
+  bad = ~jnp.isfinite(bs) | ~jnp.isfinite(g.row_scale) | ~jnp.all(
+      jnp.isfinite(_blocks(xf, NVFP4_BLOCK)), axis=-1)
+  return _unblock(jnp.where(bad[..., None], jnp.uint8(0), _blocks(codes, NVFP4_BLOCK)))
+
+
+def guided_quantize(x: jax.Array, g: Guidance) -> NVFP4Tensor:
+  """NVFP4 tensor with the rollout's scales and guided codes (NaN scale where x is not finite)."""
+  codes = guided_codes(x, g)
+  x_bad = ~jnp.all(jnp.isfinite(_blocks(x.astype(jnp.float32), NVFP4_BLOCK)), axis=-1)
+  bits = jax.lax.bitcast_convert_type(g.block_scale, jnp.uint8)
+  block_scale = exact.bits_to_e4m3(jnp.where(x_bad, jnp.uint8(0x7F), bits))
+  return NVFP4Tensor(codes=codes, block_scale=block_scale, tensor_scale=g.row_scale)

@@ -1,0 +1,111 @@
+"""Fake-quantization operators for quantization-aware training (DESIGN 3.7).
+
+Each operator is a `jax.custom_vjp`: the forward returns the quantize-dequantize value in the
+input's dtype (computed with the exact-arithmetic quantizers, so it survives XLA on GPU), the
+backward is straight-through with the cotangent rounded explicitly to BF16, the precision of
+gradients between operators (Jet-RL: FP4/FP8 gradients diverge), and returned in the
+primal's dtype (JAX must add cotangents of one dtype where a value fans out). In the model,
+activations are BF16, so these cotangents are BF16 tensors. They compose with `jit`, `vmap`,
+`grad` and `remat`.
+
+Formats: "nvfp4" (two-level: per-row scale for activations, per-tensor scale over the last
+two axes for weights, i.e. per expert for stacked [E, N, K] weights), "mxfp4", "fp8" (1x128
+activation groups, 128x128 weight blocks). The contraction axis is always the last axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.quant import formats, guided
+from trace_jax.quant.guided import Guidance
+
+FORMATS = ("nvfp4", "mxfp4", "fp8")
+GRAD_DTYPE = jnp.bfloat16
+
+
+def _check_fmt(fmt: str) -> None:
+  if fmt not in FORMATS:
+    raise ValueError(f"unknown quantization format {fmt!r}; expected one of {FORMATS}")
+
+
+def qdq_act(x: jax.Array, fmt: str = "nvfp4") -> jax.Array:
+  """Quantize-dequantize of activations [..., K], float32 result (no gradient rule)."""
+  _check_fmt(fmt)
+  if fmt == "nvfp4":
+    return formats.nvfp4_dequantize(formats.nvfp4_quantize(x, formats.nvfp4_row_scale(x)))
+  if fmt == "mxfp4":
+    return formats.mxfp4_dequantize(formats.mxfp4_quantize(x))
+  return formats.fp8_dequantize(formats.fp8_quantize_act(x))
+
+
+def qdq_weight(w: jax.Array, fmt: str = "nvfp4") -> jax.Array:
+  """Quantize-dequantize of weights [..., N, K], float32 result (no gradient rule)."""
+  _check_fmt(fmt)
+  if w.ndim < 2:
+    raise ValueError(f"qdq_weight: expected weights [..., N, K], got shape {w.shape}")
+  if fmt == "nvfp4":
+    ts = formats.nvfp4_tensor_scale(w, axes=(-2, -1))
+    return formats.nvfp4_dequantize(formats.nvfp4_quantize(w, ts))
+  if fmt == "mxfp4":
+    return formats.mxfp4_dequantize(formats.mxfp4_quantize(w))
+  return formats.fp8_dequantize(formats.fp8_quantize_weight(w))
+
+
+def _straight_through(qdq: Callable[..., jax.Array], n_aux: int = 0) -> Callable[..., jax.Array]:
+  """Wraps qdq(x, *aux) as a custom_vjp with identity (BF16) gradient for x, none for aux."""
+
+  @jax.custom_vjp
+  def op(x, *aux):
+    return qdq(x, *aux).astype(x.dtype)
+
+  def fwd(x, *aux):
+    return op(x, *aux), jnp.zeros((), x.dtype)
+
+  def bwd(like, g):
+    return (g.astype(GRAD_DTYPE).astype(like.dtype),) + (None,) * n_aux
+
+  op.defvjp(fwd, bwd)
+  return op
+
+
+_FQ_ACT = {fmt: _straight_through(lambda x, f=fmt: qdq_act(x, f)) for fmt in FORMATS}
+_FQ_WEIGHT = {fmt: _straight_through(lambda w, f=fmt: qdq_weight(w, f)) for fmt in FORMATS}
+
+
+def _fq_guided_impl(x, block_scale, row_scale, mantissa, codes):
+  g = Guidance(block_scale=block_scale, row_scale=row_scale, mantissa=mantissa, codes=codes)
+  return formats.nvfp4_dequantize(guided.guided_quantize(x, g))
+
+
+_FQ_GUIDED = _straight_through(_fq_guided_impl, n_aux=4)
+
+
+def fake_quant_act(x: jax.Array, fmt: str = "nvfp4") -> jax.Array:
+  """Round-to-nearest fake quantization of activations, straight-through BF16 gradient."""
+  _check_fmt(fmt)
+  return _FQ_ACT[fmt](x)
+
+
+def fake_quant_weight(w: jax.Array, fmt: str = "nvfp4") -> jax.Array:
+  """Round-to-nearest fake quantization of weights [..., N, K], straight-through BF16 gradient."""
+  _check_fmt(fmt)
+  return _FQ_WEIGHT[fmt](w)
+
+
+def fake_quant_act_guided(x: jax.Array, g: Guidance) -> jax.Array:
+  """NVFP4 fake quantization of activations rounded under rollout guidance (TRACE)."""
+  guided.validate(x, g)
+  return _FQ_GUIDED(x, g.block_scale, g.row_scale, g.mantissa, g.codes)
+
+
+def quantize_act_record(x: jax.Array, mode: str = "compact") -> tuple[jax.Array, Guidance]:
+  """Rollout side: NVFP4 (per-row two-level) activations and the guidance record they leave.
+
+  Returns the dequantized activations in x's dtype and the record (compact or full).
+  """
+  q = formats.nvfp4_quantize(x, formats.nvfp4_row_scale(x))
+  return formats.nvfp4_dequantize(q).astype(x.dtype), guided.record(q, mode)
