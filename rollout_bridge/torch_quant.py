@@ -1,7 +1,10 @@
 """Torch twin of `trace_jax.quant` (DESIGN section 3), for rollout servers (SGLang plugin).
 
-Written as the literal formulas, in IEEE float32 as torch computes them on CPU and GPU:
-this file is the reference the exact-arithmetic JAX quantizers reproduce bit for bit. Rounding
+Written as the literal formulas, in IEEE float32: this file is the reference the
+exact-arithmetic JAX quantizers reproduce bit for bit. Every division goes through `_div`
+with a full tensor divisor: on CUDA, torch turns division by a Python scalar into a
+multiplication by its reciprocal (measured on the H200: 3,681 of 16,384 row scales
+`amax / 2688` off by one ulp), while tensor-by-tensor division is IEEE-rounded. Rounding
 to E2M1 is nearest-grid-point search with ties to the even code, an algorithm independent of
 the JAX side's comparison ladder; E4M3 rounding is torch's own float8 cast.
 
@@ -64,6 +67,16 @@ def _prepare(x: torch.Tensor, block: int, name: str, allow_nonfinite: bool) -> t
     if bad:
       raise ValueError(f"{name}: input holds {bad} non-finite values (NaN/Inf)")
   return flush_subnormal(x)
+
+
+def _div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
+  """IEEE float32 a / b on every device: both operands as full tensors, never a scalar."""
+  if not isinstance(a, torch.Tensor):
+    a = torch.full_like(b, a)
+  if not isinstance(b, torch.Tensor):
+    b = torch.full_like(a, b)
+  a, b = torch.broadcast_tensors(a, b)
+  return torch.div(a.contiguous(), b.contiguous())
 
 
 def flush_subnormal(x: torch.Tensor) -> torch.Tensor:
@@ -139,7 +152,7 @@ def nvfp4_tensor_scale(x: torch.Tensor, dims: tuple[int, ...] | None = None) -> 
     finite = finite.all(dim=d, keepdim=True)
   amax = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf)).amax(dim=dims,
                                                                               keepdim=True)
-  ts = amax.clamp(min=AMAX_FLOOR) / (448.0 * 6.0)
+  ts = _div(amax.clamp(min=AMAX_FLOOR), 448.0 * 6.0)
   return torch.where(finite, ts, torch.full_like(ts, float("nan")))
 
 
@@ -154,17 +167,17 @@ def nvfp4_quantize(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, *,
   xb = _blocks(xf, NVFP4_BLOCK)
   amax, bad = _amax(xb)
   if tensor_scale is None:
-    bs = amax / 6.0
+    bs = _div(amax, 6.0)
   else:
     ts = tensor_scale.float()
     bad = bad | ~torch.isfinite(ts)
-    bs = (amax / 6.0) / torch.where(torch.isfinite(ts), ts, torch.ones_like(ts))
+    bs = _div(_div(amax, 6.0), torch.where(torch.isfinite(ts), ts, torch.ones_like(ts)))
   bs8 = bs.clamp(E4M3_MIN_NORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
   bsf = bs8.float()
   if tensor_scale is None:
-    inv = 1.0 / bsf
+    inv = _div(1.0, bsf)
   else:
-    inv = (1.0 / torch.where(torch.isfinite(ts), ts, torch.ones_like(ts))) / bsf
+    inv = _div(_div(1.0, torch.where(torch.isfinite(ts), ts, torch.ones_like(ts))), bsf)
   y = (xb * inv.unsqueeze(-1)).clamp(-6.0, 6.0)
   codes = _canonical_zero(e2m1_encode(y))
   codes = torch.where(bad.unsqueeze(-1), torch.zeros_like(codes), codes)
@@ -213,7 +226,7 @@ def mxfp4_dequantize(q: MXFP4Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- FP8
 
 def _fp8_encode(x: torch.Tensor, s: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
-  inv = 1.0 / s
+  inv = _div(1.0, s)
   v = (x * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
   v = torch.where((v == 0) | bad, torch.zeros_like(v), v)
   return v.to(torch.float8_e4m3fn)
@@ -224,7 +237,7 @@ def fp8_quantize_act(x: torch.Tensor, *, allow_nonfinite: bool = False) -> FP8Te
   xf = _prepare(x, FP8_GROUP, "fp8_quantize_act", allow_nonfinite)
   xb = _blocks(xf, FP8_GROUP)
   amax, bad = _amax(xb)
-  s = amax.clamp(min=AMAX_FLOOR) / E4M3_MAX
+  s = _div(amax.clamp(min=AMAX_FLOOR), E4M3_MAX)
   values = _unblock(_fp8_encode(xb, s.unsqueeze(-1), bad.unsqueeze(-1)))
   return FP8Tensor(values=values, scale=torch.where(bad, torch.full_like(s, float("nan")), s))
 
@@ -240,7 +253,7 @@ def fp8_quantize_weight(w: torch.Tensor, *, allow_nonfinite: bool = False) -> FP
   finite = torch.isfinite(wb)
   amax = torch.where(finite, wb.abs(), torch.zeros_like(wb)).amax(dim=(-3, -1))
   bad = ~finite.all(dim=-1).all(dim=-2)
-  s = amax.clamp(min=AMAX_FLOOR) / E4M3_MAX
+  s = _div(amax.clamp(min=AMAX_FLOOR), E4M3_MAX)
   values = _fp8_encode(wb, s[..., :, None, :, None], bad[..., :, None, :, None])
   return FP8Tensor(values=values.reshape(w.shape),
                    scale=torch.where(bad, torch.full_like(s, float("nan")), s),
@@ -297,7 +310,7 @@ def guided_codes(x: torch.Tensor, rec: dict[str, torch.Tensor]) -> torch.Tensor:
   xf = flush_subnormal(x.float())
   bs = rec["block_scale"].float()
   ts = rec["row_scale"].float()
-  inv = (1.0 / ts) / bs
+  inv = _div(_div(1.0, ts), bs)
   z = _unblock((_blocks(xf, NVFP4_BLOCK) * inv.unsqueeze(-1)).clamp(-6.0, 6.0))
   a = z.abs()
   grid = E2M1_GRID.to(x.device)

@@ -1,0 +1,154 @@
+"""Small helpers shared by the experiment launchers (flags, timing, logging, JSON, devices).
+
+Imports only the standard library, numpy and absl at module level, so the GPU check can use it
+on a machine without the package's optional dependencies (e.g. no ml_collections).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TextIO
+
+import numpy as np
+from absl import flags
+
+
+def parse_flags(fv: flags.FlagValues, argv: Sequence[str]) -> bool:
+  """Parses argv (argv[0] is the program) into a script's own FlagValues.
+
+  Each launcher keeps its flags in a private `FlagValues` (not absl's global FLAGS), so that
+  several launchers can be imported and run in one process (tests, the GPU check) without
+  duplicate-flag errors and without one run's flags leaking into the next. Returns False when
+  help was asked for (it is printed), True otherwise.
+  """
+  argv = list(argv) if argv else ["prog"]
+  if any(a in ("-h", "--help", "--helpfull", "-?") for a in argv[1:]):
+    print(fv.get_help())
+    return False
+  fv.unparse_flags()
+  fv(argv)
+  return True
+
+
+def flag_dict(fv: flags.FlagValues) -> dict[str, Any]:
+  """The parsed values of the flags defined in fv (for the JSON record of a run)."""
+  return {name: fv[name].value for name in sorted(fv) if not name.startswith("?")}
+
+
+def set_gpu_memory_env() -> None:
+  """Lets JAX and torch share one GPU: no 75% preallocation by XLA (unless the user set it).
+
+  Must run before JAX creates its backend (the first device query or array).
+  """
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def device_description() -> dict[str, Any]:
+  """JAX backend, device kind and count, and library versions."""
+  import jax
+
+  devs = jax.devices()
+  return {
+      "backend": jax.default_backend(),
+      "device_kind": devs[0].device_kind if devs else "none",
+      "device_count": len(devs),
+      "devices": [str(d) for d in devs],
+      "jax": jax.__version__,
+  }
+
+
+def median_seconds(fn: Callable[[], Any], sync: Callable[[Any], Any], warmup: int,
+                   reps: int) -> tuple[float, float]:
+  """Median and minimum wall time of fn() over reps calls after warmup calls.
+
+  `sync(out)` must block until the device work behind out is done (`jax.block_until_ready`,
+  or a `torch.cuda.synchronize` wrapper), so that asynchronous dispatch is timed fully.
+  """
+  for _ in range(warmup):
+    out = fn()
+    sync(out)
+    del out
+  times = []
+  for _ in range(max(reps, 1)):
+    t0 = time.perf_counter()
+    out = fn()
+    sync(out)
+    times.append(time.perf_counter() - t0)
+    del out
+  return statistics.median(times), min(times)
+
+
+def _to_jsonable(obj: Any) -> Any:
+  if isinstance(obj, dict):
+    return {str(k): _to_jsonable(v) for k, v in obj.items()}
+  if isinstance(obj, list | tuple):
+    return [_to_jsonable(v) for v in obj]
+  if isinstance(obj, np.ndarray):
+    return _to_jsonable(obj.tolist())
+  if isinstance(obj, np.generic):
+    return obj.item()
+  if isinstance(obj, float) and not np.isfinite(obj):
+    return None
+  return obj
+
+
+def write_json(path: str, obj: Any) -> None:
+  """Writes obj as indented JSON (numpy values converted, non-finite floats as null)."""
+  if not path:
+    return
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(_to_jsonable(obj), f, indent=2, sort_keys=False)
+    f.write("\n")
+
+
+class Tee:
+  """A text stream that writes to several streams (the console and a log file)."""
+
+  def __init__(self, *streams: TextIO):
+    self.streams = streams
+
+  def write(self, s: str) -> int:
+    for st in self.streams:
+      st.write(s)
+    return len(s)
+
+  def flush(self) -> None:
+    for st in self.streams:
+      st.flush()
+
+  def isatty(self) -> bool:
+    return False
+
+
+@contextlib.contextmanager
+def tee_output(log_path: str) -> Iterator[TextIO]:
+  """Copies everything printed to stdout and stderr into log_path while active."""
+  os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+  with open(log_path, "w", buffering=1) as log:
+    old_out, old_err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = Tee(old_out, log), Tee(old_err, log)
+    try:
+      yield log
+    finally:
+      sys.stdout, sys.stderr = old_out, old_err
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]],
+                 align: str | None = None) -> str:
+  """Aligned plain-text table; align holds 'l' or 'r' per column (default: first left)."""
+  cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+  widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+  align = align or "l" + "r" * (len(header) - 1)
+
+  def line(r: Sequence[str]) -> str:
+    return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align))
+
+  sep = "  ".join("-" * w for w in widths)
+  return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])

@@ -1,0 +1,726 @@
+"""Rollout guidance store: TensorStore zarr3, one group per rollout batch (DESIGN section 5).
+
+Layout of a batch `<root>/<batch_id>/` (a zarr3 group):
+  seq_offsets                      int64 [num_seqs + 1]; sequence s owns token rows
+                                   [seq_offsets[s], seq_offsets[s + 1]) of every array
+  layer_{i:03d}/{site}/{field}     site in SITES, field mantissa|codes, block_scale, row_scale;
+                                   rows = all sequences' tokens concatenated (ragged), e.g.
+                                   moe_in [T, K/8], expert_mid [T, top_k, I/8], k [T, kv, hd/8]
+  layer_{i:03d}/routing/ids        int32 [T, top_k] routed expert ids
+  manifest.json                    written last, atomically (tmp + rename)
+
+Every array uses the `sharding_indexed` codec (outer chunk = a shard of `shard_tokens` rows,
+inner chunks of `chunk_tokens` rows, each `bytes` + `zstd`; index `bytes` + `crc32c`).
+Float8 block scales are stored as their uint8 bytes; the manifest records the logical dtype.
+A batch without a manifest is incomplete (writer crashed or still writing) and is never read.
+
+Writes run on a background thread (TensorStore futures inside), so rollout generation only pays
+for shape checks and a host snapshot. The reader validates everything against the manifest and
+the trainer's expected config hash, and either raises or flags sequences for RTN fallback.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+import tensorstore as ts
+
+from trace_jax.quant.guided import Guidance, bytes_per_row
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+FORMAT = "trace_jax.guidance"
+MANIFEST = "manifest.json"
+SITES = ("moe_in", "expert_mid", "k", "v")
+ROUTING = "routing"
+ON_MISSING = ("error", "fallback")
+# Logical dtype of each field, and the dtype its bytes are stored as.
+FIELD_DTYPES = {"mantissa": "uint8", "codes": "uint8", "block_scale": "float8_e4m3fn",
+                "row_scale": "float32", "ids": "int32"}
+STORED_DTYPES = {**FIELD_DTYPES, "block_scale": "uint8"}
+MODE_FIELDS = {"compact": ("mantissa", "block_scale", "row_scale"),
+               "full": ("codes", "block_scale", "row_scale")}
+_BATCH_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+SeqId = int | str
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreOptions:
+  """Chunking and compression of every array (rows = tokens along axis 0)."""
+  shard_tokens: int = 4096
+  chunk_tokens: int = 256
+  zstd_level: int = 3
+  zstd_checksum: bool = True  # a flipped byte in a chunk fails the read instead of passing
+
+  def __post_init__(self):
+    if self.chunk_tokens <= 0 or self.shard_tokens <= 0:
+      raise ValueError(f"StoreOptions: chunk sizes must be positive, got {self}")
+    if self.shard_tokens % self.chunk_tokens:
+      raise ValueError(f"StoreOptions: shard_tokens ({self.shard_tokens}) must be a multiple of "
+                       f"chunk_tokens ({self.chunk_tokens})")
+
+
+class GuidanceError(RuntimeError):
+  """Guidance that cannot be used, naming the batch, layer, site and sequences involved."""
+
+  def __init__(self, reason: str, batch_id: str, layer: int | None = None,
+               site: str | None = None, seq_ids: Sequence[SeqId] = ()):
+    self.reason, self.batch_id, self.layer, self.site = reason, batch_id, layer, site
+    self.seq_ids = list(seq_ids)
+    where = [f"guidance batch {batch_id!r}"]
+    if layer is not None:
+      where.append(f"layer {layer}")
+    if site is not None:
+      where.append(f"site {site!r}")
+    if self.seq_ids:
+      shown = ", ".join(repr(s) for s in self.seq_ids[:8])
+      more = f", ... ({len(self.seq_ids)} in all)" if len(self.seq_ids) > 8 else ""
+      where.append(f"sequences [{shown}{more}]")
+    super().__init__(f"{', '.join(where)}: {reason}")
+
+
+def array_path(layer: int, site: str, field: str) -> str:
+  """Path of one (layer, site, field) array inside a batch group."""
+  return f"layer_{layer:03d}/{site}/{field}"
+
+
+def config_hash(config: Any) -> str:
+  """Stable hash of the precision-policy config (dataclass, mapping, ConfigDict or str).
+
+  Rollout and trainer hash the same object; the reader refuses guidance from another policy.
+  """
+  if isinstance(config, str):
+    return config
+  if dataclasses.is_dataclass(config) and not isinstance(config, type):
+    config = dataclasses.asdict(config)
+  elif hasattr(config, "to_dict"):
+    config = config.to_dict()
+  blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+  return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def ragged_rows(x: np.ndarray, lengths: Sequence[int], starts: Sequence[int] | None = None
+                ) -> np.ndarray:
+  """Concatenates x[b, starts[b]:starts[b] + lengths[b]] over b: padded [B, S, ...] -> [T, ...]."""
+  starts = [0] * len(lengths) if starts is None else starts
+  x = np.asarray(x)
+  return np.concatenate([x[b, s:s + n] for b, (s, n) in enumerate(zip(starts, lengths))], axis=0)
+
+
+def _norm_id(s: Any) -> SeqId:
+  if isinstance(s, np.integer | int) and not isinstance(s, bool):
+    return int(s)
+  if isinstance(s, str):
+    return s
+  raise TypeError(f"sequence ids must be int or str, got {type(s).__name__}: {s!r}")
+
+
+def _zarr_metadata(shape: Sequence[int], dtype: str, outer: int, inner: int,
+                   opts: StoreOptions) -> dict[str, Any]:
+  """zarr3 metadata: regular grid of `outer`-row shards, each `inner`-row zstd sub-chunks."""
+  trailing = [int(d) for d in shape[1:]]
+  return {
+      "shape": [int(d) for d in shape], "data_type": dtype,
+      "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [outer] + trailing}},
+      "chunk_key_encoding": {"name": "default"},
+      "codecs": [{"name": "sharding_indexed", "configuration": {
+          "chunk_shape": [inner] + trailing,
+          "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                     {"name": "zstd", "configuration": {"level": opts.zstd_level,
+                                                        "checksum": opts.zstd_checksum}}],
+          "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                           {"name": "crc32c"}],
+          "index_location": "end"}}],
+  }
+
+
+def _spec(path: str, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+  spec: dict[str, Any] = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path + "/"}}
+  if metadata is None:
+    spec["fill_missing_data_reads"] = False  # a lost chunk is an error, never zeros
+  else:
+    spec["metadata"] = metadata
+    spec["store_data_equal_to_fill_value"] = True  # every chunk exists, so the above holds
+  return spec
+
+
+def _write_json_atomic(path: str, obj: Any) -> None:
+  """Writes JSON to a temporary file, fsyncs it and renames it over `path`."""
+  tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1, sort_keys=True)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+  dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+  try:
+    os.fsync(dfd)
+  finally:
+    os.close(dfd)
+
+
+def _write_group(path: str, attributes: dict[str, Any] | None = None) -> None:
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, "zarr.json"), "w") as f:
+    json.dump({"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}, f)
+
+
+def _dir_bytes(path: str) -> int:
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
+             if f != MANIFEST)
+
+
+def _to_host(a: Any) -> np.ndarray:
+  """Host copy of a (jax or numpy) array, in its stored dtype (float8 -> its uint8 bytes)."""
+  h = np.ascontiguousarray(np.asarray(a))
+  return h.view(np.uint8) if h.dtype == ml_dtypes.float8_e4m3fn else h
+
+
+def _per_token(n: float, tokens: int) -> float | None:
+  return n / tokens if tokens else None
+
+
+# ------------------------------------------------------------------------------------ writer
+
+
+@dataclasses.dataclass
+class BatchWrite:
+  """A batch write in flight: `stats` now, `result()` (the manifest) once durable."""
+  batch_id: str
+  stats: dict[str, Any]
+  future: cf.Future
+
+  def done(self) -> bool:
+    return self.future.done()
+
+  def result(self, timeout: float | None = None) -> dict[str, Any]:
+    return self.future.result(timeout)
+
+
+class GuidanceWriter:
+  """Writes rollout batches' guidance asynchronously; `flush()` waits for all of them.
+
+  root: local directory holding one subdirectory (zarr3 group) per batch.
+  config_hash: `config_hash(...)` of the precision policy that produced the guidance.
+  max_pending: batches in flight before `write_batch` blocks (bounds host memory).
+  """
+
+  def __init__(self, root: str | os.PathLike, config_hash: str,
+               options: StoreOptions | None = None, max_pending: int = 4,
+               overwrite: bool = False):
+    self.root = os.fspath(root)
+    self.config_hash = config_hash
+    self.options = options or StoreOptions()
+    self.overwrite = overwrite
+    os.makedirs(self.root, exist_ok=True)
+    self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="guidance-writer")
+    self._slots = threading.BoundedSemaphore(max_pending)
+    self._pending: list[BatchWrite] = []
+    self._lock = threading.Lock()
+    self._ctx = ts.Context()
+    self._closed = False
+
+  def write_batch(self, batch_id: str | int, seq_ids: Sequence[SeqId],
+                  token_counts: Sequence[int], guidance: Mapping[int, Mapping[str, Guidance]],
+                  routing: Mapping[int, Any] | None = None) -> BatchWrite:
+    """Queues one rollout batch; returns at once with its byte stats.
+
+    guidance[layer][site]: Guidance whose rows are the batch's tokens, sequence after sequence
+    (`ragged_rows` builds that from padded [B, S, ...]); routing[layer]: int32 [T, top_k].
+    """
+    if self._closed:
+      raise RuntimeError("GuidanceWriter is closed")
+    bid = str(batch_id)
+    if not _BATCH_ID.match(bid):
+      raise ValueError(f"batch id {bid!r} must match {_BATCH_ID.pattern}")
+    seq_ids = [_norm_id(s) for s in seq_ids]
+    counts = [int(c) for c in token_counts]
+    if len(seq_ids) != len(counts):
+      raise ValueError(f"batch {bid!r}: {len(seq_ids)} seq ids but {len(counts)} token counts")
+    if len(set(seq_ids)) != len(seq_ids):
+      dup = sorted({str(s) for s, n in Counter(seq_ids).items() if n > 1})
+      raise ValueError(f"batch {bid!r}: duplicate sequence ids {dup}")
+    if any(c < 0 for c in counts):
+      raise ValueError(f"batch {bid!r}: negative token counts {counts}")
+    arrays, info, stats = self._collect(bid, sum(counts), guidance, routing or {})
+    stats.update(batch_id=bid, num_seqs=len(seq_ids))
+    bdir = os.path.join(self.root, bid)
+    with self._lock:
+      if any(p.batch_id == bid and not p.done() for p in self._pending):
+        raise ValueError(f"batch {bid!r} is already being written")
+    if os.path.exists(bdir):
+      if not self.overwrite:
+        raise FileExistsError(f"guidance batch directory {bdir} exists (overwrite=False)")
+      if os.path.exists(os.path.join(bdir, MANIFEST)):
+        os.remove(os.path.join(bdir, MANIFEST))  # incomplete from now on, for every reader
+    offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+    arrays["seq_offsets"] = offsets
+    info["seq_offsets"] = {"dtype": "int64", "stored_dtype": "int64", "shape": [len(offsets)]}
+    for a in arrays.values():  # start device->host copies now; the worker waits on them
+      if isinstance(a, jax.Array):
+        a.copy_to_host_async()
+    arrays = {p: (a.copy() if isinstance(a, np.ndarray) else a) for p, a in arrays.items()}
+    manifest = {
+        "format": FORMAT, "schema_version": SCHEMA_VERSION, "batch_id": bid,
+        "config_hash": self.config_hash, "mode": stats["mode"], "seq_ids": seq_ids,
+        "token_counts": counts, "num_tokens": sum(counts),
+        "layers": sorted({int(layer) for layer in guidance}),
+        "sites": sorted({s for sites in guidance.values() for s in sites}, key=SITES.index),
+        "routing_layers": sorted(int(layer) for layer in (routing or {})),
+        "arrays": info, "storage": dataclasses.asdict(self.options),
+    }
+    self._slots.acquire()
+    try:
+      fut = self._pool.submit(self._write_job, bdir, arrays, manifest, stats)
+    except BaseException:
+      self._slots.release()
+      raise
+    fut.add_done_callback(lambda _: self._slots.release())
+    handle = BatchWrite(bid, stats, fut)
+    with self._lock:
+      self._pending.append(handle)
+    log.info("guidance batch %s queued: %d tokens, %.1f B/token (%s; full codes %.1f B/token)",
+             bid, stats["num_tokens"], stats["guidance_bytes_per_token"] or 0.0, stats["mode"],
+             stats["full_bytes_per_token"] or 0.0)
+    return handle
+
+  def _collect(self, bid: str, tokens: int, guidance: Mapping[int, Mapping[str, Guidance]],
+               routing: Mapping[int, Any]) -> tuple[dict, dict, dict]:
+    """Checks shapes/dtypes (no data movement); returns arrays, manifest entries, byte stats."""
+    arrays: dict[str, Any] = {}
+    info: dict[str, dict[str, Any]] = {}
+    modes = {g.mode for sites in guidance.values() for g in sites.values()}
+    if len(modes) > 1:
+      raise ValueError(f"batch {bid!r}: mixed guidance modes {sorted(modes)}")
+    mode = modes.pop() if modes else "compact"
+    b = Counter()
+    for layer, sites in guidance.items():
+      for site, g in sites.items():
+        where = f"batch {bid!r} layer {layer} site {site!r}"
+        if site not in SITES:
+          raise ValueError(f"{where}: unknown site; sites are {SITES}")
+        if (g.mantissa is None) == (g.codes is None):
+          raise ValueError(f"{where}: exactly one of mantissa or codes must be set")
+        lead = tuple(g.block_scale.shape[:-1])
+        k = g.k
+        want = {"block_scale": lead + (k // 16,), "row_scale": lead + (1,),
+                "mantissa": lead + (k // 8,), "codes": lead + (k // 2,)}
+        if not lead or lead[0] != tokens:
+          raise ValueError(f"{where}: rows {lead} must start with the batch's {tokens} tokens")
+        for field in MODE_FIELDS[mode]:
+          a = getattr(g, field)
+          if tuple(a.shape) != want[field]:
+            raise ValueError(f"{where}: {field} shape {tuple(a.shape)}, expected {want[field]}")
+          if np.dtype(a.dtype).name != FIELD_DTYPES[field]:
+            raise ValueError(f"{where}: {field} dtype {np.dtype(a.dtype).name}, expected "
+                             f"{FIELD_DTYPES[field]}")
+          path = array_path(int(layer), site, field)
+          arrays[path] = a
+          info[path] = {"dtype": FIELD_DTYPES[field], "stored_dtype": STORED_DTYPES[field],
+                        "shape": list(a.shape)}
+        rows = int(np.prod(lead))
+        b["guidance_bytes"] += g.nbytes
+        b["compact_bytes"] += int(rows * bytes_per_row(k, "compact"))
+        b["full_bytes"] += int(rows * bytes_per_row(k, "full"))
+    for layer, ids in routing.items():
+      path = array_path(int(layer), ROUTING, "ids")
+      if ids.ndim != 2 or ids.shape[0] != tokens or np.dtype(ids.dtype) != np.int32:
+        raise ValueError(f"batch {bid!r} layer {layer} routing: ids must be int32 "
+                         f"[{tokens}, top_k], got {np.dtype(ids.dtype).name} {tuple(ids.shape)}")
+      arrays[path] = ids
+      info[path] = {"dtype": "int32", "stored_dtype": "int32", "shape": list(ids.shape)}
+      b["routing_bytes"] += int(np.prod(ids.shape)) * 4
+    stats: dict[str, Any] = {"mode": mode, "num_tokens": tokens}
+    for key in ("guidance_bytes", "compact_bytes", "full_bytes", "routing_bytes"):
+      stats[key] = int(b[key])
+      stats[key + "_per_token"] = _per_token(b[key], tokens)
+    stats["full_over_compact"] = (b["full_bytes"] / b["compact_bytes"]
+                                  if b["compact_bytes"] else None)
+    return arrays, info, stats
+
+  def _write_job(self, bdir: str, arrays: dict[str, Any], manifest: dict[str, Any],
+                 stats: dict[str, Any]) -> dict[str, Any]:
+    """Background: all arrays (TensorStore futures, awaited jointly), then the manifest."""
+    if os.path.exists(bdir):
+      shutil.rmtree(bdir)
+    _write_group(bdir, {"format": FORMAT, "schema_version": SCHEMA_VERSION})
+    for layer in set(manifest["layers"]) | set(manifest["routing_layers"]):
+      _write_group(os.path.join(bdir, f"layer_{layer:03d}"))
+    for path in arrays:
+      if path.count("/") == 2:
+        _write_group(os.path.join(bdir, os.path.dirname(path)))
+    opts = self.options
+    host = {p: _to_host(a) for p, a in arrays.items()}
+    opens = {}
+    for path, h in host.items():
+      if path == "seq_offsets":
+        n = max(1, h.shape[0])
+        md = _zarr_metadata(h.shape, "int64", n, n, opts)
+      else:
+        md = _zarr_metadata(h.shape, h.dtype.name, opts.shard_tokens, opts.chunk_tokens, opts)
+      opens[path] = ts.open(_spec(os.path.join(bdir, path), md), create=True,
+                            context=self._ctx)
+    writes = [opens[p].result().write(h) for p, h in host.items() if h.size]
+    for w in writes:
+      w.commit.result()
+    stored = _dir_bytes(bdir)
+    manifest = dict(manifest)
+    manifest["bytes"] = {**{k: v for k, v in stats.items() if "bytes" in k or k == "full_over_"
+                            "compact"},
+                         "stored_bytes": stored,
+                         "stored_bytes_per_token": _per_token(stored, manifest["num_tokens"])}
+    now = time.time()
+    manifest["created_unix"] = now
+    manifest["created_utc"] = datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat()
+    _write_json_atomic(os.path.join(bdir, MANIFEST), manifest)
+    return manifest
+
+  def flush(self) -> list[dict[str, Any]]:
+    """Waits for every queued batch; raises GuidanceError naming the batches that failed."""
+    with self._lock:
+      pending, self._pending = self._pending, []
+    cf.wait([p.future for p in pending])
+    failed = [(p.batch_id, p.future.exception()) for p in pending if p.future.exception()]
+    if failed:
+      bid, err = failed[0]
+      names = [b for b, _ in failed]
+      raise GuidanceError(f"write failed ({type(err).__name__}: {err}); failed batches {names} "
+                          "have no manifest and will not be read", bid) from err
+    return [p.future.result() for p in pending]
+
+  def close(self) -> None:
+    """Flushes, then stops the writer thread."""
+    if self._closed:
+      return
+    try:
+      self.flush()
+    finally:
+      self._closed = True
+      self._pool.shutdown(wait=True)
+
+  def __enter__(self) -> GuidanceWriter:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
+
+# ------------------------------------------------------------------------------------ reader
+
+
+@dataclasses.dataclass
+class GuidanceBatch:
+  """Guidance for a selection of sequences, rows ragged in selection order.
+
+  valid[s] False: sequence s falls back to RTN (it has no rows: seq_offsets[s] == [s + 1]).
+  guidance[layer][site] and routing[layer] hold host (numpy) arrays.
+  """
+  batch_id: str
+  seq_ids: list[SeqId]
+  seq_offsets: np.ndarray
+  valid: np.ndarray
+  guidance: dict[int, dict[str, Guidance]]
+  routing: dict[int, np.ndarray]
+  manifest: dict[str, Any] | None
+  problems: list[str]
+
+
+@dataclasses.dataclass
+class ReaderStats:
+  """Counters of what the reader did (updated from the prefetch thread too)."""
+  batches_read: int = 0
+  fallback_batches: int = 0
+  fallback_sequences: int = 0
+  reasons: Counter = dataclasses.field(default_factory=Counter)
+
+
+class _Selection:
+  """Tracks which selected sequences are still usable; raises or flags on each problem."""
+
+  def __init__(self, reader: GuidanceReader, batch_id: str, seq_ids: list[SeqId]):
+    self.reader, self.batch_id, self.seq_ids = reader, batch_id, seq_ids
+    self.valid = np.ones(len(seq_ids), bool)
+    self.problems: list[str] = []
+
+  def fail(self, reason: str, idx: Sequence[int] | None = None, layer: int | None = None,
+           site: str | None = None, kind: str = "invalid") -> None:
+    idx = list(range(len(self.seq_ids))) if idx is None else list(idx)
+    err = GuidanceError(reason, self.batch_id, layer, site, [self.seq_ids[i] for i in idx])
+    if self.reader.on_missing == "error":
+      raise err
+    self.valid[idx] = False
+    self.problems.append(str(err))
+    with self.reader._stats_lock:
+      self.reader.stats.reasons[kind] += 1
+    log.warning("RTN fallback: %s", err)
+
+
+class GuidanceReader:
+  """Reads and validates guidance batches for the trainer, with optional prefetch.
+
+  expected_config_hash: the trainer's `config_hash(...)`; guidance from another policy is bad.
+  on_missing: "error" raises GuidanceError; "fallback" flags the affected sequences (RTN),
+    logs a warning and counts them in `stats.fallback_sequences`.
+  layers / sites / routing_layers: what the trainer needs (None: whatever the manifest lists).
+  """
+
+  def __init__(self, root: str | os.PathLike, expected_config_hash: str,
+               on_missing: str = "error", layers: Sequence[int] | None = None,
+               sites: Sequence[str] | None = None,
+               routing_layers: Sequence[int] | None = None):
+    if on_missing not in ON_MISSING:
+      raise ValueError(f"on_missing must be one of {ON_MISSING}, got {on_missing!r}")
+    bad = [s for s in sites or () if s not in SITES]
+    if bad:
+      raise ValueError(f"unknown sites {bad}; sites are {SITES}")
+    self.root = os.fspath(root)
+    self.expected_config_hash = expected_config_hash
+    self.on_missing = on_missing
+    self.layers = None if layers is None else [int(i) for i in layers]
+    self.sites = None if sites is None else list(sites)
+    self.routing_layers = None if routing_layers is None else [int(i) for i in routing_layers]
+    self.stats = ReaderStats()
+    self._stats_lock = threading.Lock()
+    self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="guidance-prefetch")
+    self._prefetched: dict[tuple, cf.Future] = {}
+    self._ctx = ts.Context()
+
+  def complete_batches(self) -> list[str]:
+    """Batch ids under root that have a manifest (only these are readable)."""
+    if not os.path.isdir(self.root):
+      return []
+    return sorted(d for d in os.listdir(self.root)
+                  if os.path.isfile(os.path.join(self.root, d, MANIFEST)))
+
+  def prefetch(self, batch_id: str | int, seq_ids: Sequence[SeqId] | None = None) -> cf.Future:
+    """Starts reading a batch on the background thread; `get` (or the future) returns it."""
+    key = self._key(batch_id, seq_ids)
+    if key not in self._prefetched:
+      self._prefetched[key] = self._pool.submit(self.read, batch_id, seq_ids)
+    return self._prefetched[key]
+
+  def get(self, batch_id: str | int, seq_ids: Sequence[SeqId] | None = None,
+          timeout: float | None = None) -> GuidanceBatch:
+    """The prefetched batch when there is one for this selection, else a fresh read."""
+    fut = self._prefetched.pop(self._key(batch_id, seq_ids), None)
+    return fut.result(timeout) if fut is not None else self.read(batch_id, seq_ids)
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=True, cancel_futures=True)
+
+  @staticmethod
+  def _key(batch_id: str | int, seq_ids: Sequence[SeqId] | None) -> tuple:
+    return (str(batch_id), None if seq_ids is None else tuple(_norm_id(s) for s in seq_ids))
+
+  def read(self, batch_id: str | int, seq_ids: Sequence[SeqId] | None = None) -> GuidanceBatch:
+    """Validates and reads a batch for `seq_ids` (None: all sequences, in stored order)."""
+    bid = str(batch_id)
+    requested = None if seq_ids is None else [_norm_id(s) for s in seq_ids]
+    manifest = self._manifest(bid, requested)
+    if isinstance(manifest, GuidanceBatch):
+      return manifest
+    stored_ids = list(manifest["seq_ids"])
+    sel_ids = stored_ids if requested is None else requested
+    sel = _Selection(self, bid, sel_ids)
+    where = {s: i for i, s in enumerate(stored_ids)}
+    unknown = [j for j, s in enumerate(sel_ids) if s not in where]
+    if unknown:
+      sel.fail(f"sequence ids not in this batch (it holds {len(stored_ids)})", unknown,
+               kind="unknown_sequence")
+    idx = np.array([where.get(s, -1) for s in sel_ids], np.int64)
+    counts = np.asarray(manifest["token_counts"], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    self._check_offsets(bid, manifest, offsets, sel)
+    paths = self._wanted_arrays(manifest, sel)
+    stores = self._open_arrays(bid, manifest, paths, offsets, idx, sel)
+    data = self._read_rows(stores, offsets, idx, sel)
+    return self._assemble(bid, manifest, data, offsets, idx, sel)
+
+  def _manifest(self, bid: str, requested: list[SeqId] | None) -> dict | GuidanceBatch:
+    """The validated manifest, or (fallback) an all-RTN batch when the batch is unusable."""
+    sel = _Selection(self, bid, requested or [])
+    path = os.path.join(self.root, bid, MANIFEST)
+    try:
+      with open(path) as f:
+        manifest = json.load(f)
+    except FileNotFoundError:
+      return self._unusable(sel, "incomplete batch: no manifest.json (writer crashed or still "
+                            f"writing); refusing to read {os.path.dirname(path)}",
+                            "missing_manifest")
+    except (OSError, ValueError) as e:
+      return self._unusable(sel, f"unreadable manifest.json: {e}", "bad_manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+      return self._unusable(sel, f"manifest.json is not a {FORMAT} manifest", "bad_manifest")
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+      return self._unusable(sel, f"schema version {manifest.get('schema_version')!r}, this "
+                            f"reader reads {SCHEMA_VERSION}", "schema_version")
+    if manifest.get("config_hash") != self.expected_config_hash:
+      return self._unusable(sel, f"config hash {manifest.get('config_hash')!r} of the writing "
+                            f"policy != trainer's expected {self.expected_config_hash!r} "
+                            "(guidance from another precision policy or model config)",
+                            "config_hash")
+    ids, counts = manifest.get("seq_ids", []), manifest.get("token_counts", [])
+    if (len(ids) != len(counts) or sum(counts) != manifest.get("num_tokens")
+        or any(c < 0 for c in counts) or manifest.get("mode") not in MODE_FIELDS):
+      return self._unusable(sel, "manifest is inconsistent (seq ids, token counts, num_tokens "
+                            "or mode)", "bad_manifest")
+    return manifest
+
+  def _unusable(self, sel: _Selection, reason: str, kind: str) -> GuidanceBatch:
+    sel.fail(reason, kind=kind)
+    self._count(sel, batch_failed=True)
+    n = len(sel.seq_ids)
+    return GuidanceBatch(sel.batch_id, sel.seq_ids, np.zeros(n + 1, np.int64),
+                         np.zeros(n, bool), {}, {}, None, sel.problems)
+
+  def _count(self, sel: _Selection, batch_failed: bool = False) -> None:
+    with self._stats_lock:
+      self.stats.batches_read += 1
+      self.stats.fallback_sequences += int((~sel.valid).sum())
+      self.stats.fallback_batches += int(batch_failed or not sel.valid.all())
+
+  def _check_offsets(self, bid: str, manifest: dict, offsets: np.ndarray,
+                     sel: _Selection) -> None:
+    try:
+      t = ts.open(_spec(os.path.join(self.root, bid, "seq_offsets")), open=True,
+                  context=self._ctx).result()
+      stored = t.read().result()
+    except ValueError as e:
+      sel.fail(f"seq_offsets array unreadable: {e}", kind="missing_array")
+      return
+    if stored.dtype != np.int64 or not np.array_equal(stored, offsets):
+      sel.fail("seq_offsets array disagrees with the manifest's token counts",
+               kind="corrupt_array")
+
+  def _wanted_arrays(self, manifest: dict, sel: _Selection) -> dict[str, tuple[int, str]]:
+    """Array paths the trainer needs -> (layer, site); flags (layer, site)s the batch lacks."""
+    mode_fields = MODE_FIELDS[manifest["mode"]]
+    layers = manifest["layers"] if self.layers is None else self.layers
+    sites = manifest["sites"] if self.sites is None else self.sites
+    rlayers = manifest["routing_layers"] if self.routing_layers is None else self.routing_layers
+    wanted = [(layer, site, f) for layer in layers for site in sites for f in mode_fields]
+    wanted += [(layer, ROUTING, "ids") for layer in rlayers]
+    out = {}
+    for layer, site, field in wanted:
+      path = array_path(layer, site, field)
+      if path not in manifest["arrays"]:
+        sel.fail(f"{field} not recorded in this batch", layer=layer, site=site,
+                 kind="missing_array")
+      else:
+        out[path] = (layer, site)
+    return out
+
+  def _open_arrays(self, bid: str, manifest: dict, paths: dict[str, tuple[int, str]],
+                   offsets: np.ndarray, idx: np.ndarray, sel: _Selection) -> dict[str, Any]:
+    """Opens arrays concurrently; checks dtype and shape against the manifest and schema."""
+    futs = {p: ts.open(_spec(os.path.join(self.root, bid, p)), open=True, context=self._ctx)
+            for p in paths}
+    stores = {}
+    for path, fut in futs.items():
+      layer, site = paths[path]
+      field = path.rsplit("/", 1)[1]
+      entry = manifest["arrays"][path]
+      try:
+        t = fut.result()
+      except ValueError as e:
+        sel.fail(f"array {path} missing or unopenable: {e}", layer=layer, site=site,
+                 kind="missing_array")
+        continue
+      want_shape = tuple(entry["shape"])
+      if (entry.get("dtype") != FIELD_DTYPES[field] or t.dtype.name != STORED_DTYPES[field]
+          or want_shape[0] != manifest["num_tokens"]):
+        sel.fail(f"array {path} has dtype {t.dtype.name} (manifest {entry.get('dtype')}/"
+                 f"{entry.get('stored_dtype')}, schema {FIELD_DTYPES[field]})", layer=layer,
+                 site=site, kind="corrupt_array")
+        continue
+      if tuple(t.shape) != want_shape:
+        if tuple(t.shape[1:]) == want_shape[1:] and t.shape[0] < want_shape[0]:
+          cut = [j for j, i in enumerate(idx) if i >= 0 and offsets[i + 1] > t.shape[0]]
+          if cut:
+            sel.fail(f"array {path} truncated to {t.shape[0]} of {want_shape[0]} token rows",
+                     cut, layer=layer, site=site, kind="truncated_array")
+        else:
+          sel.fail(f"array {path} has shape {tuple(t.shape)}, manifest says {want_shape}",
+                   layer=layer, site=site, kind="corrupt_array")
+          continue
+      stores[path] = (t, layer, site)
+    return stores
+
+  def _read_rows(self, stores: dict[str, Any], offsets: np.ndarray, idx: np.ndarray,
+                 sel: _Selection) -> dict[str, list[tuple[list[int], np.ndarray]]]:
+    """Reads the token ranges of still-valid sequences, merging adjacent ones into runs."""
+    runs: list[tuple[list[int], int, int]] = []  # (selection positions, start row, stop row)
+    for j in np.flatnonzero(sel.valid):
+      lo, hi = int(offsets[idx[j]]), int(offsets[idx[j] + 1])
+      if runs and runs[-1][2] == lo:
+        runs[-1][0].append(int(j))
+        runs[-1] = (runs[-1][0], runs[-1][1], hi)
+      else:
+        runs.append(([int(j)], lo, hi))
+    futs = {p: [(js, t[lo:hi].read() if hi > lo else None, (lo, hi)) for js, lo, hi in runs]
+            for p, (t, _, _) in stores.items()}
+    data: dict[str, list[tuple[list[int], np.ndarray]]] = {}
+    for path, parts in futs.items():
+      t, layer, site = stores[path]
+      data[path] = []
+      for js, fut, (lo, hi) in parts:
+        try:
+          a = fut.result() if fut is not None else np.zeros((0,) + tuple(t.shape[1:]),
+                                                             t.dtype.numpy_dtype)
+        except ValueError as e:
+          sel.fail(f"array {path} rows [{lo}, {hi}) unreadable (corrupt or lost chunk): {e}",
+                   js, layer=layer, site=site, kind="corrupt_array")
+          continue
+        data[path].append((js, a))
+    return data
+
+  def _assemble(self, bid: str, manifest: dict, data: dict, offsets: np.ndarray,
+                idx: np.ndarray, sel: _Selection) -> GuidanceBatch:
+    """Concatenates the valid sequences' rows into Guidance records and routing ids."""
+    lengths = np.where(sel.valid, offsets[idx + 1] - offsets[idx], 0)
+    out_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    arrays: dict[str, np.ndarray] = {}
+    for path, parts in data.items():
+      pieces = []
+      for js, a in parts:
+        starts = np.concatenate([[0], np.cumsum([offsets[idx[j] + 1] - offsets[idx[j]]
+                                                 for j in js])])
+        pieces += [a[starts[n]:starts[n + 1]] for n, j in enumerate(js) if sel.valid[j]]
+      a = np.concatenate(pieces) if pieces else None
+      if a is None:
+        shape = (0,) + tuple(manifest["arrays"][path]["shape"][1:])
+        a = np.zeros(shape, STORED_DTYPES[path.rsplit("/", 1)[1]])
+      arrays[path] = a.view(ml_dtypes.float8_e4m3fn) if path.endswith("/block_scale") else a
+    guidance: dict[int, dict[str, Guidance]] = {}
+    routing: dict[int, np.ndarray] = {}
+    mantissa_field = MODE_FIELDS[manifest["mode"]][0]
+    for path, a in arrays.items():
+      layer_s, site, field = path.split("/")
+      layer = int(layer_s.removeprefix("layer_"))
+      if site == ROUTING:
+        routing[layer] = a
+      elif field == mantissa_field:
+        fields = {f: arrays.get(array_path(layer, site, f)) for f in MODE_FIELDS[manifest["mode"]]}
+        if all(v is not None for v in fields.values()):
+          guidance.setdefault(layer, {})[site] = Guidance(**fields)
+    self._count(sel)
+    return GuidanceBatch(bid, sel.seq_ids, out_offsets, sel.valid.copy(), guidance, routing,
+                         manifest, sel.problems)

@@ -1,0 +1,134 @@
+"""Qwen3-MoE-compatible decoder in Flax NNX, used as pure functions of (params, config, ...).
+
+`params` is the model's NNX state (`nnx.State` of `nnx.Param`, a pytree); the module graph is
+rebuilt from the (hashable, static) config and merged with `params` inside each function, so
+every function here can be wrapped in `jax.jit(..., static_argnames="config")`.
+
+Entry points:
+  init_params / abstract_params      build parameters (really or as ShapeDtypeStructs)
+  forward                            full sequence or one decode step, with taps/guidance
+  logits                             jitted float32 logits, `bf16` policy (DESIGN section 10)
+  init_cache / prefill / decode_step KV-cache generation helpers
+  aux_loss                           HF load-balancing loss from a forward's router logits
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax.model import sharding
+from trace_jax.model.attention import LayerCache, init_layer_cache
+from trace_jax.model.config import ModelConfig, qwen3_30b_a3b, tiny
+from trace_jax.model.moe import load_balancing_loss
+from trace_jax.model.precision import SITES, GuidanceTree, Precision
+from trace_jax.model.transformer import ForwardOut, Transformer
+
+__all__ = [
+    "SITES", "ForwardOut", "ModelConfig", "Transformer", "abstract_params", "aux_loss",
+    "decode_step", "forward", "graphdef", "init_cache", "init_params", "logits", "prefill",
+    "qwen3_30b_a3b", "sharding", "tiny",
+]
+
+
+def _param_dtype(config: ModelConfig, param_dtype) -> jnp.dtype:
+  return jnp.dtype(config.dtype if param_dtype is None else param_dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def graphdef(config: ModelConfig) -> nnx.GraphDef:
+  """The module graph of `config` (shapes only, nothing allocated)."""
+  model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+  return nnx.split(model)[0]
+
+
+def init_params(config: ModelConfig, key: jax.Array | int = 0,
+                param_dtype: str | jnp.dtype | None = None) -> nnx.State:
+  """Random parameters (normal, std 0.02; norms 1) in `param_dtype` (default config.dtype)."""
+  if isinstance(key, int):
+    key = jax.random.key(key)
+  pdt = _param_dtype(config, param_dtype)
+  return nnx.split(Transformer(config, rngs=nnx.Rngs(params=key), param_dtype=pdt))[1]
+
+
+def abstract_params(config: ModelConfig, param_dtype: str | jnp.dtype | None = None) -> nnx.State:
+  """Parameters as ShapeDtypeStructs (`jax.eval_shape`): any model size, no memory used."""
+  pdt = _param_dtype(config, param_dtype)
+  return jax.eval_shape(
+      lambda: nnx.split(Transformer(config, rngs=nnx.Rngs(0), param_dtype=pdt))[1])
+
+
+def forward(params: nnx.State, config: ModelConfig, tokens: jax.Array,
+            positions: jax.Array | None = None, *, cache: list[LayerCache] | None = None,
+            decode: bool = False, guidance: GuidanceTree | None = None,
+            routing: dict[int, jax.Array] | None = None, tap_layers: tuple[int, ...] = (),
+            tap_mode: str | None = None, record: bool = False) -> ForwardOut:
+  """One forward pass in `config.policy` and `config.dtype`.
+
+  tokens, positions: int32 [B, S] (positions default to 0..S-1).
+  cache: per-layer (k, v) [B, T, G, H]; decode=False fills it (prefill), decode=True writes
+    this call's K/V at `positions` and attends over the whole cache (one step per call, each
+    sequence at its own position).
+  guidance: fp4_trace training: {layer: {site: Guidance}} from rollout taps (same row layout).
+  routing: {layer: expert ids [B, S, K]} to replay instead of the router's top-k.
+  tap_layers / tap_mode: layers whose quantization outcomes (and routing) are returned in
+    `taps`, as Guidance records in `tap_mode` (default config.guidance_mode).
+  record: rollout side (no gradient rules at the quantizers).
+  """
+  tokens = jnp.asarray(tokens, jnp.int32)
+  if tokens.ndim != 2:
+    raise ValueError(f"forward: tokens must be [batch, seq], got shape {tokens.shape}")
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  positions = jnp.asarray(positions, jnp.int32)
+  if positions.shape != tokens.shape:
+    raise ValueError(f"forward: positions {positions.shape} must match tokens {tokens.shape}")
+  if cache is not None and len(cache) != config.num_hidden_layers:
+    raise ValueError(f"forward: cache has {len(cache)} layers, config has "
+                     f"{config.num_hidden_layers}")
+  prec = Precision(config, guidance=guidance, tap_layers=tuple(tap_layers), tap_mode=tap_mode,
+                   record=record)
+  model = nnx.merge(graphdef(config), params)
+  return model(tokens, positions, prec, cache=cache, decode=decode, routing=routing)
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _logits(params: nnx.State, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+  return forward(params, config, tokens).logits.astype(jnp.float32)
+
+
+def logits(params: nnx.State, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+  """float32 logits [B, S, V] of tokens [B, S] in the `bf16` policy, computed in config.dtype."""
+  return _logits(params, config.replace(policy="bf16"), jnp.asarray(tokens, jnp.int32))
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int,
+               dtype: str | jnp.dtype | None = None) -> list[LayerCache]:
+  """Zero KV cache: per layer (k, v) [batch, max_len, G, H] in `dtype` (default config.dtype)."""
+  dt = jnp.dtype(config.dtype if dtype is None else dtype)
+  return [init_layer_cache(batch, max_len, config, dt) for _ in range(config.num_hidden_layers)]
+
+
+def prefill(params: nnx.State, config: ModelConfig, tokens: jax.Array, max_len: int,
+            **kwargs) -> ForwardOut:
+  """Full-sequence forward over tokens [B, S] that also returns a filled KV cache of max_len."""
+  if tokens.shape[1] > max_len:
+    raise ValueError(f"prefill: {tokens.shape[1]} tokens exceed the cache length {max_len}")
+  cache = init_cache(config, tokens.shape[0], max_len)
+  return forward(params, config, tokens, cache=cache, decode=False, **kwargs)
+
+
+def decode_step(params: nnx.State, config: ModelConfig, cache: list[LayerCache],
+                tokens: jax.Array, positions: jax.Array, **kwargs) -> ForwardOut:
+  """One token per sequence: tokens/positions [B] -> ForwardOut with logits [B, 1, V]."""
+  return forward(params, config, jnp.asarray(tokens)[:, None], jnp.asarray(positions)[:, None],
+                 cache=cache, decode=True, **kwargs)
+
+
+def aux_loss(out: ForwardOut, config: ModelConfig, mask: jax.Array | None = None) -> jax.Array:
+  """Load-balancing loss (unscaled; multiply by config.router_aux_loss_coef), as HF computes it."""
+  return load_balancing_loss(out.router_logits, config.num_experts, config.num_experts_per_tok,
+                             mask)

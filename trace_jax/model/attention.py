@@ -1,0 +1,96 @@
+"""Grouped-query attention with q/k RMSNorm, RoPE, causal mask and a per-layer KV cache.
+
+One implementation serves both forward modes. Full sequence (training, prefill): queries
+attend to the keys of the same call, masked causally by position. Decode: the new K/V are
+written into the cache at each sequence's own position and the queries attend to the whole
+cache, masked by `key position <= query position`. K and V are quantized (FP4 policies)
+before they enter the cache, so prefill, decode and training see the same cached values.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax.model.config import ModelConfig
+from trace_jax.model.layers import Linear, RMSNorm, apply_rope
+from trace_jax.model.precision import Precision
+
+# A layer's cache: (k, v), each [B, T, G, H] in the compute dtype.
+LayerCache = tuple[jax.Array, jax.Array]
+
+
+class Attention(nnx.Module):
+  """Qwen3 attention: q/k/v/o projections without bias, RMSNorm on q and k per head."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype):
+    c = config
+    d, n, g, h = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    self.q_proj = Linear(d, n * h, rngs=rngs, param_dtype=param_dtype)
+    self.k_proj = Linear(d, g * h, rngs=rngs, param_dtype=param_dtype)
+    self.v_proj = Linear(d, g * h, rngs=rngs, param_dtype=param_dtype)
+    self.o_proj = Linear(n * h, d, rngs=rngs, param_dtype=param_dtype)
+    self.q_norm = RMSNorm(h, c.rms_norm_eps, param_dtype=param_dtype)
+    self.k_norm = RMSNorm(h, c.rms_norm_eps, param_dtype=param_dtype)
+    self.num_heads, self.num_kv_heads, self.head_dim = n, g, h
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
+               prec: Precision, layer: int, cache: LayerCache | None = None,
+               decode: bool = False) -> tuple[jax.Array, LayerCache | None]:
+    """x [B, S, D], positions [B, S] -> (out [B, S, D], updated cache or None).
+
+    decode=False: attend within x (cache, if given, is filled and returned).
+    decode=True: attend over the whole cache after writing this call's K/V into it.
+    """
+    b, s, _ = x.shape
+    n, g, h = self.num_heads, self.num_kv_heads, self.head_dim
+    xin = prec.linear_input(x)
+    q = self.q_proj(xin, prec.linear_weight).reshape(b, s, n, h)
+    k = self.k_proj(xin, prec.linear_weight).reshape(b, s, g, h)
+    v = self.v_proj(xin, prec.linear_weight).reshape(b, s, g, h)
+    q = apply_rope(self.q_norm(q), cos, sin)
+    k = apply_rope(self.k_norm(k), cos, sin)
+    k = prec.site(layer, "k", k)
+    v = prec.site(layer, "v", v)
+
+    new_cache = None
+    if cache is not None:
+      ck, cv = cache
+      bidx = jnp.arange(b)[:, None]
+      new_cache = (ck.at[bidx, positions].set(k.astype(ck.dtype)),
+                   cv.at[bidx, positions].set(v.astype(cv.dtype)))
+    if decode:
+      if new_cache is None:
+        raise ValueError("decode=True needs a KV cache")
+      keys, values = (a.astype(x.dtype) for a in new_cache)
+      key_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
+    else:
+      keys, values, key_pos = k, v, positions
+    out = attend(q, keys, values, positions, key_pos)
+    out = self.o_proj(prec.linear_input(out.reshape(b, s, n * h)), prec.linear_weight)
+    return out, new_cache
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+           k_pos: jax.Array) -> jax.Array:
+  """Causal GQA: q [B, S, N, H], k/v [B, T, G, H], positions [B, S] / [B, T] -> [B, S, N, H].
+
+  Scores are computed in the compute dtype and soft-maxed in float32 (as HF does); query
+  head n reads kv head n // (N / G).
+  """
+  b, s, n, h = q.shape
+  g = k.shape[2]
+  qg = q.reshape(b, s, g, n // g, h)
+  scores = jnp.einsum("bsgrh,btgh->bgrst", qg, k) * jnp.asarray(h ** -0.5, q.dtype)
+  mask = k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]
+  scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  out = jnp.einsum("bgrst,btgh->bsgrh", probs, v)
+  return out.reshape(b, s, n, h)
+
+
+def init_layer_cache(batch: int, max_len: int, config: ModelConfig,
+                     dtype: jnp.dtype) -> LayerCache:
+  shape = (batch, max_len, config.num_key_value_heads, config.head_dim)
+  return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

@@ -1,0 +1,114 @@
+"""Sparse MoE block: top-k softmax router and SwiGLU routed experts, grouped by expert.
+
+Routing follows HF Qwen3-MoE: softmax over all experts in float32, top-k, optional
+renormalization of the k probabilities (`norm_topk_prob`), weights cast to the compute dtype.
+The experts run as grouped matmuls: the (token, slot) rows are sorted by expert and each
+projection is one `jax.lax.ragged_dot_general` over the stacked weights, so the cost is that of
+the selected experts only and there is no Python loop over experts. Expert weights are stacked
+in torch order with the contraction axis last: gate/up [E, F, D], down [E, D, F], so FP4 blocks
+of 16 run along the contraction axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax.model.config import ModelConfig
+from trace_jax.model.layers import Linear, _normal
+from trace_jax.model.precision import Precision
+
+# lhs [M, in] (ragged over M) x rhs [E, out, in] (group axis 0, contraction axis 2) -> [M, out].
+_GROUPED_DN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """Rows x [M, in] sorted by group, weights w [E, out, in] -> [M, out]."""
+  return jax.lax.ragged_dot_general(x, w, group_sizes, _GROUPED_DN,
+                                    preferred_element_type=x.dtype)
+
+
+def route(router_logits: jax.Array, k: int, norm_topk_prob: bool, dtype: jnp.dtype,
+          replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Top-k expert ids [T, K] int32 and combine weights [T, K] from router logits [T, E].
+
+  replay: expert ids to use instead of the top-k (rollout routing replayed in training); their
+  weights are the router's probabilities for those experts, renormalized likewise.
+  """
+  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+  if replay is None:
+    top_p, top_i = jax.lax.top_k(probs, k)
+  else:
+    top_i = replay.astype(jnp.int32)
+    top_p = jnp.take_along_axis(probs, top_i, axis=-1)
+  if norm_topk_prob:
+    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+  return top_i.astype(jnp.int32), top_p.astype(dtype)
+
+
+def load_balancing_loss(router_logits: list[jax.Array], num_experts: int, k: int,
+                        mask: jax.Array | None = None) -> jax.Array:
+  """HF `load_balancing_loss_func`: E * sum_e f_e * P_e over all layers' rows.
+
+  f_e: fraction of (row, slot) assignments to expert e (counts / rows, summing to k);
+  P_e: mean router probability of e. Rows of every layer are pooled, as HF concatenates them.
+  router_logits: per layer [T, E]; mask: [T] (1 for real tokens) or None.
+  """
+  logits = jnp.concatenate([r.astype(jnp.float32) for r in router_logits], axis=0)
+  probs = jax.nn.softmax(logits, axis=-1)
+  _, top_i = jax.lax.top_k(probs, k)
+  if mask is None:
+    w = jnp.ones((logits.shape[0],), jnp.float32)
+  else:
+    w = jnp.tile(mask.reshape(-1).astype(jnp.float32), len(router_logits))
+  counts = jnp.sum(jax.nn.one_hot(top_i, num_experts, dtype=jnp.float32) * w[:, None, None],
+                   axis=(0, 1))
+  rows = jnp.sum(w)
+  f = counts / rows
+  p = jnp.sum(probs * w[:, None], axis=0) / rows
+  return jnp.sum(f * p) * num_experts
+
+
+class MoE(nnx.Module):
+  """Router `[E, D]` plus stacked SwiGLU experts."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype):
+    e, f, d = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    self.router = Linear(d, e, rngs=rngs, param_dtype=param_dtype)
+    self.gate_proj = nnx.Param(_normal(rngs, (e, f, d), param_dtype))
+    self.up_proj = nnx.Param(_normal(rngs, (e, f, d), param_dtype))
+    self.down_proj = nnx.Param(_normal(rngs, (e, d, f), param_dtype))
+    self.k = config.num_experts_per_tok
+    self.norm_topk_prob = config.norm_topk_prob
+
+  def __call__(self, x: jax.Array, prec: Precision, layer: int,
+               replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [B, S, D] -> (out [B, S, D], router logits [B*S, E]); replay: ids [B, S, K]."""
+    b, s, d = x.shape
+    e, k = self.gate_proj.shape[0], self.k
+    xt = x.reshape(b * s, d)
+    router_logits = self.router(xt)
+    ids, weights = route(router_logits, k, self.norm_topk_prob, x.dtype,
+                         None if replay is None else replay.reshape(b * s, k))
+    prec.tap(layer, "routing", ids.reshape(b, s, k))
+
+    xq = prec.expert_input(prec.site(layer, "moe_in", x).reshape(b * s, d))
+    gate, up, down = prec.expert_weights(*(w[...].astype(x.dtype) for w in
+                                           (self.gate_proj, self.up_proj, self.down_proj)))
+    # Dispatch: (token, slot) rows sorted by expert id (stable, so token order within a group).
+    flat_ids = ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)
+    group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
+    rows = xq[order // k]                                                    # [M, D]
+    h = jax.nn.silu(grouped_matmul(rows, gate, group_sizes)) * grouped_matmul(rows, up,
+                                                                              group_sizes)
+    h = prec.site(layer, "expert_mid", h, row_order=order, tap_shape=(b, s, k))
+    h = prec.expert_input(h)
+    y = grouped_matmul(h, down, group_sizes)                                 # [M, D]
+    # Combine: back to (token, slot) order, weight, sum over slots.
+    y = jnp.zeros_like(y).at[order].set(y).reshape(b * s, k, d)
+    out = jnp.sum(y * weights[..., None], axis=1)
+    return out.reshape(b, s, d), router_logits

@@ -1,0 +1,123 @@
+"""Where and how the forward quantizes, per precision policy (DESIGN sections 4 and 5).
+
+One `Precision` object lives for one traced forward. The model calls it at every quantization
+site; it applies the policy's fake quantizer (`trace_jax.quant.qat`: quantize-dequantize with
+a straight-through BF16 gradient), rounds under rollout guidance where `fp4_trace` has it, and
+collects "taps" (the quantization outcome per layer and site) when asked.
+
+Sites (TRACE): `moe_in` (a token's input to the routed experts, row = token), `expert_mid`
+(input to a selected expert's down projection, row = (token, top-k slot)), `k` and `v`
+(entering the KV cache, row = (token, kv head), blocks along head_dim), plus the routed
+expert weights (NVFP4, one second-level scale per expert; gate and up share it, as SGLang's
+fused w13 does). `fp8_unified` (Jet-RL) instead quantizes the input and weight of every
+linear layer in the decoder blocks (q/k/v/o projections and experts) with FP8; the router,
+embeddings, norms and lm_head stay in the compute dtype in every policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.model.config import FP4_POLICIES, ModelConfig
+from trace_jax.quant import formats, guided, qat
+from trace_jax.quant.guided import Guidance
+
+SITES = ("moe_in", "expert_mid", "k", "v")
+# guidance[layer][site] -> Guidance; routing[layer] -> int32 [B, S, K].
+GuidanceTree = Mapping[int, Mapping[str, Guidance]]
+
+
+class Precision:
+  """Per-forward quantization context.
+
+  guidance: rollout records for `fp4_trace` training (rows laid out as the taps are).
+  tap_layers: layers whose site outcomes are returned as Guidance records (mode `tap_mode`).
+  record: rollout side; quantize with `quantize_act_record` semantics (no gradient rule).
+  """
+
+  def __init__(self, config: ModelConfig, guidance: GuidanceTree | None = None,
+               tap_layers: tuple[int, ...] = (), tap_mode: str | None = None,
+               record: bool = False):
+    self.config = config
+    self.fp4 = config.policy in FP4_POLICIES
+    self.fp8 = config.policy == "fp8_unified"
+    self.guidance = guidance or {}
+    if self.guidance and config.policy != "fp4_trace":
+      raise ValueError(f"guidance given, but policy {config.policy!r} takes none "
+                       "(only 'fp4_trace' rounds under rollout guidance)")
+    unknown = {(layer, s) for layer, sites in self.guidance.items() for s in sites
+               if s not in SITES}
+    if unknown:
+      raise ValueError(f"guidance for unknown sites {sorted(unknown)}; sites are {SITES}")
+    self.tap_layers = frozenset(tap_layers)
+    self.tap_mode = tap_mode or config.guidance_mode
+    self.record = record
+    self.taps: dict[int, dict[str, Any]] = {}
+
+  # --------------------------------------------------------------------------- activations
+
+  def site(self, layer: int, name: str, x: jax.Array, row_order: jax.Array | None = None,
+           tap_shape: tuple[int, ...] | None = None) -> jax.Array:
+    """Quantizes activation rows x [..., K] at a TRACE site (identity unless an FP4 policy).
+
+    row_order: x's rows are the tap layout's rows gathered by `row_order` (expert_mid is
+    computed sorted by expert, its guidance and taps are in token/slot order); x is then
+    [M, K] and tap_shape the tap layout's leading shape.
+    """
+    if not self.fp4:
+      return x
+    g = None
+    if layer in self.config.guided_layers and name in self.guidance.get(layer, {}):
+      g = self.guidance[layer][name]
+      if row_order is not None:
+        g = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[len(tap_shape):])[row_order], g)
+    if g is not None:
+      y = qat.fake_quant_act_guided(x, g)
+    elif self.record:
+      y = qat.qdq_act(x, "nvfp4").astype(x.dtype)
+    else:
+      y = qat.fake_quant_act(x, "nvfp4")
+    if layer in self.tap_layers:
+      xs = jax.lax.stop_gradient(x)
+      q = (guided.guided_quantize(xs, g) if g is not None
+           else formats.nvfp4_quantize(xs, formats.nvfp4_row_scale(xs)))
+      rec = guided.record(q, self.tap_mode)
+      if row_order is not None:
+        inv = jnp.argsort(row_order)
+        rec = jax.tree.map(lambda a: a[inv].reshape(tap_shape + a.shape[1:]), rec)
+      self.taps.setdefault(layer, {})[name] = rec
+    return y
+
+  def tap(self, layer: int, name: str, value: jax.Array) -> None:
+    """Records a non-quantization outcome (e.g. routing ids) for a tapped layer."""
+    if layer in self.tap_layers:
+      self.taps.setdefault(layer, {})[name] = value
+
+  # --------------------------------------------------------------------------- weights
+
+  def expert_weights(self, gate: jax.Array, up: jax.Array,
+                     down: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Fake-quantized routed expert weights [E, F, D], [E, F, D], [E, D, F]."""
+    if self.fp4:
+      f = gate.shape[1]
+      gate_up = qat.fake_quant_weight(jnp.concatenate([gate, up], axis=1), "nvfp4")
+      return gate_up[:, :f], gate_up[:, f:], qat.fake_quant_weight(down, "nvfp4")
+    if self.fp8:
+      return tuple(qat.fake_quant_weight(w, "fp8") for w in (gate, up, down))
+    return gate, up, down
+
+  def linear_input(self, x: jax.Array) -> jax.Array:
+    """Input of a quantized linear layer: FP8 (1x128 groups) in fp8_unified, else identity."""
+    return qat.fake_quant_act(x, "fp8") if self.fp8 else x
+
+  def linear_weight(self, w: jax.Array) -> jax.Array:
+    """[out, in] weight of an attention projection: FP8 128x128 blocks in fp8_unified."""
+    return qat.fake_quant_weight(w, "fp8") if self.fp8 else w
+
+  def expert_input(self, x: jax.Array) -> jax.Array:
+    """FP8 on the expert matmul inputs in fp8_unified (FP4 sites go through `site`)."""
+    return self.linear_input(x)
