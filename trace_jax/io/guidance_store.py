@@ -57,6 +57,7 @@ FIELD_DTYPES = {"mantissa": "uint8", "codes": "uint8", "block_scale": "float8_e4
 STORED_DTYPES = {**FIELD_DTYPES, "block_scale": "uint8"}
 MODE_FIELDS = {"compact": ("mantissa", "block_scale", "row_scale"),
                "full": ("codes", "block_scale", "row_scale")}
+_NOT_BYTES = ("batch_id", "num_seqs", "num_tokens", "mode")
 _BATCH_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 SeqId = int | str
@@ -69,8 +70,16 @@ class StoreOptions:
   chunk_tokens: int = 256
   zstd_level: int = 3
   zstd_checksum: bool = True  # a flipped byte in a chunk fails the read instead of passing
+  chunk_key_separator: str = "."  # "c.1.0" files: no directory per shard (fewer inodes)
+  # fsync shards and manifest before a batch counts as written. Without it, a machine crash can
+  # leave a manifest over lost chunks: the reader then reports them (missing chunks and
+  # checksums are errors), it never reads zeros.
+  fsync: bool = True
 
   def __post_init__(self):
+    if self.chunk_key_separator not in ("/", "."):
+      raise ValueError(f"StoreOptions: chunk_key_separator must be '/' or '.', got "
+                       f"{self.chunk_key_separator!r}")
     if self.chunk_tokens <= 0 or self.shard_tokens <= 0:
       raise ValueError(f"StoreOptions: chunk sizes must be positive, got {self}")
     if self.shard_tokens % self.chunk_tokens:
@@ -140,7 +149,8 @@ def _zarr_metadata(shape: Sequence[int], dtype: str, outer: int, inner: int,
   return {
       "shape": [int(d) for d in shape], "data_type": dtype,
       "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [outer] + trailing}},
-      "chunk_key_encoding": {"name": "default"},
+      "chunk_key_encoding": {"name": "default",
+                             "configuration": {"separator": opts.chunk_key_separator}},
       "codecs": [{"name": "sharding_indexed", "configuration": {
           "chunk_shape": [inner] + trailing,
           "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
@@ -162,19 +172,21 @@ def _spec(path: str, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
   return spec
 
 
-def _write_json_atomic(path: str, obj: Any) -> None:
-  """Writes JSON to a temporary file, fsyncs it and renames it over `path`."""
+def _write_json_atomic(path: str, obj: Any, fsync: bool = True) -> None:
+  """Writes JSON to a temporary file (fsynced) and renames it over `path`."""
   tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
   with open(tmp, "w") as f:
     json.dump(obj, f, indent=1, sort_keys=True)
     f.flush()
-    os.fsync(f.fileno())
+    if fsync:
+      os.fsync(f.fileno())
   os.replace(tmp, path)
-  dfd = os.open(os.path.dirname(path), os.O_RDONLY)
-  try:
-    os.fsync(dfd)
-  finally:
-    os.close(dfd)
+  if fsync:
+    dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+      os.fsync(dfd)
+    finally:
+      os.close(dfd)
 
 
 def _write_group(path: str, attributes: dict[str, Any] | None = None) -> None:
@@ -183,9 +195,10 @@ def _write_group(path: str, attributes: dict[str, Any] | None = None) -> None:
     json.dump({"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}, f)
 
 
-def _dir_bytes(path: str) -> int:
+def _chunk_bytes(path: str) -> int:
+  """Bytes of the compressed shard files under path (metadata and manifest excluded)."""
   return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
-             if f != MANIFEST)
+             if not f.endswith(".json") and ".json.tmp" not in f)
 
 
 def _to_host(a: Any) -> np.ndarray:
@@ -235,7 +248,7 @@ class GuidanceWriter:
     self._slots = threading.BoundedSemaphore(max_pending)
     self._pending: list[BatchWrite] = []
     self._lock = threading.Lock()
-    self._ctx = ts.Context()
+    self._ctx = ts.Context({"file_io_sync": self.options.fsync})
     self._closed = False
 
   def write_batch(self, batch_id: str | int, seq_ids: Sequence[SeqId],
@@ -245,6 +258,8 @@ class GuidanceWriter:
 
     guidance[layer][site]: Guidance whose rows are the batch's tokens, sequence after sequence
     (`ragged_rows` builds that from padded [B, S, ...]); routing[layer]: int32 [T, top_k].
+    NumPy inputs are copied here; jax arrays are copied to host on the writer thread, so do not
+    donate them to a jitted call before `result()`/`flush()`.
     """
     if self._closed:
       raise RuntimeError("GuidanceWriter is closed")
@@ -381,16 +396,15 @@ class GuidanceWriter:
     writes = [opens[p].result().write(h) for p, h in host.items() if h.size]
     for w in writes:
       w.commit.result()
-    stored = _dir_bytes(bdir)
+    stored = _chunk_bytes(bdir)
     manifest = dict(manifest)
-    manifest["bytes"] = {**{k: v for k, v in stats.items() if "bytes" in k or k == "full_over_"
-                            "compact"},
-                         "stored_bytes": stored,
-                         "stored_bytes_per_token": _per_token(stored, manifest["num_tokens"])}
+    manifest["bytes"] = {k: v for k, v in stats.items() if k not in _NOT_BYTES}
+    manifest["bytes"].update(stored_chunk_bytes=stored,
+                             stored_chunk_bytes_per_token=_per_token(stored, stats["num_tokens"]))
     now = time.time()
     manifest["created_unix"] = now
     manifest["created_utc"] = datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat()
-    _write_json_atomic(os.path.join(bdir, MANIFEST), manifest)
+    _write_json_atomic(os.path.join(bdir, MANIFEST), manifest, opts.fsync)
     return manifest
 
   def flush(self) -> list[dict[str, Any]]:
@@ -577,11 +591,17 @@ class GuidanceReader:
                             f"policy != trainer's expected {self.expected_config_hash!r} "
                             "(guidance from another precision policy or model config)",
                             "config_hash")
-    ids, counts = manifest.get("seq_ids", []), manifest.get("token_counts", [])
-    if (len(ids) != len(counts) or sum(counts) != manifest.get("num_tokens")
-        or any(c < 0 for c in counts) or manifest.get("mode") not in MODE_FIELDS):
-      return self._unusable(sel, "manifest is inconsistent (seq ids, token counts, num_tokens "
-                            "or mode)", "bad_manifest")
+    try:
+      ids, counts = list(manifest["seq_ids"]), [int(c) for c in manifest["token_counts"]]
+      ok = (len(ids) == len(counts) == len(set(ids)) and min(counts, default=0) >= 0
+            and sum(counts) == manifest["num_tokens"] and manifest["mode"] in MODE_FIELDS
+            and isinstance(manifest["arrays"], dict)
+            and all(isinstance(manifest[k], list) for k in ("layers", "sites", "routing_layers")))
+    except (KeyError, TypeError, ValueError):
+      ok = False
+    if not ok:
+      return self._unusable(sel, "manifest is inconsistent or lacks fields (seq ids, token "
+                            "counts, num_tokens, mode, arrays, layers, sites)", "bad_manifest")
     return manifest
 
   def _unusable(self, sel: _Selection, reason: str, kind: str) -> GuidanceBatch:
@@ -603,7 +623,7 @@ class GuidanceReader:
       t = ts.open(_spec(os.path.join(self.root, bid, "seq_offsets")), open=True,
                   context=self._ctx).result()
       stored = t.read().result()
-    except ValueError as e:
+    except Exception as e:  # TensorStore reports I/O and decode errors as ValueError
       sel.fail(f"seq_offsets array unreadable: {e}", kind="missing_array")
       return
     if stored.dtype != np.int64 or not np.array_equal(stored, offsets):
@@ -640,7 +660,7 @@ class GuidanceReader:
       entry = manifest["arrays"][path]
       try:
         t = fut.result()
-      except ValueError as e:
+      except Exception as e:  # TensorStore reports I/O and decode errors as ValueError
         sel.fail(f"array {path} missing or unopenable: {e}", layer=layer, site=site,
                  kind="missing_array")
         continue
@@ -653,7 +673,8 @@ class GuidanceReader:
         continue
       if tuple(t.shape) != want_shape:
         if tuple(t.shape[1:]) == want_shape[1:] and t.shape[0] < want_shape[0]:
-          cut = [j for j, i in enumerate(idx) if i >= 0 and offsets[i + 1] > t.shape[0]]
+          cut = [j for j, i in enumerate(idx)
+                 if i >= 0 and offsets[i + 1] > max(t.shape[0], offsets[i])]
           if cut:
             sel.fail(f"array {path} truncated to {t.shape[0]} of {want_shape[0]} token rows",
                      cut, layer=layer, site=site, kind="truncated_array")
@@ -667,29 +688,33 @@ class GuidanceReader:
   def _read_rows(self, stores: dict[str, Any], offsets: np.ndarray, idx: np.ndarray,
                  sel: _Selection) -> dict[str, list[tuple[list[int], np.ndarray]]]:
     """Reads the token ranges of still-valid sequences, merging adjacent ones into runs."""
-    runs: list[tuple[list[int], int, int]] = []  # (selection positions, start row, stop row)
+    runs: list[list] = []  # [selection positions, start row, stop row]
     for j in np.flatnonzero(sel.valid):
       lo, hi = int(offsets[idx[j]]), int(offsets[idx[j] + 1])
       if runs and runs[-1][2] == lo:
         runs[-1][0].append(int(j))
-        runs[-1] = (runs[-1][0], runs[-1][1], hi)
+        runs[-1][2] = hi
       else:
-        runs.append(([int(j)], lo, hi))
-    futs = {p: [(js, t[lo:hi].read() if hi > lo else None, (lo, hi)) for js, lo, hi in runs]
+        runs.append([[int(j)], lo, hi])
+    futs = {p: [(js, lo, hi, t[lo:hi].read()) for js, lo, hi in runs]
             for p, (t, _, _) in stores.items()}
     data: dict[str, list[tuple[list[int], np.ndarray]]] = {}
     for path, parts in futs.items():
       t, layer, site = stores[path]
       data[path] = []
-      for js, fut, (lo, hi) in parts:
+      for js, lo, hi, fut in parts:
         try:
-          a = fut.result() if fut is not None else np.zeros((0,) + tuple(t.shape[1:]),
-                                                             t.dtype.numpy_dtype)
-        except ValueError as e:
-          sel.fail(f"array {path} rows [{lo}, {hi}) unreadable (corrupt or lost chunk): {e}",
-                   js, layer=layer, site=site, kind="corrupt_array")
+          data[path].append((js, fut.result()))
           continue
-        data[path].append((js, a))
+        except Exception:  # TensorStore reports I/O and decode errors as ValueError
+          pass
+        for j in js:  # narrow a failed run down to the sequences whose rows are bad
+          lo, hi = int(offsets[idx[j]]), int(offsets[idx[j] + 1])
+          try:
+            data[path].append(([j], t[lo:hi].read().result()))
+          except Exception as e:
+            sel.fail(f"array {path} rows [{lo}, {hi}) unreadable (corrupt or lost chunk): {e}",
+                     [j], layer=layer, site=site, kind="corrupt_array")
     return data
 
   def _assemble(self, bid: str, manifest: dict, data: dict, offsets: np.ndarray,

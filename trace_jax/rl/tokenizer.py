@@ -2,7 +2,7 @@
 
 The synthetic tasks (reasoning, coding, long-horizon) only use printable ASCII and newlines,
 so one id per character keeps the vocabulary below 128 and lets tiny models learn them. Ids
-0, 1, 2 are pad, bos and eos; then newline, tab, and printable ASCII 32..126 (99 ids in all).
+0, 1, 2 are pad, bos and eos; then newline, tab, and printable ASCII 32..126 (100 ids in all).
 
 `TextTokenizer` is the small interface the tasks and the GSM8K loader need (`encode`,
 `decode`); `encode_ids` also accepts HF `tokenizers.Tokenizer`, whose `encode` returns an

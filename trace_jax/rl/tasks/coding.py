@@ -53,6 +53,9 @@ class Limits:
   max_abs: int = 10**9
 
 
+DEFAULT_LIMITS = Limits()
+
+
 @dataclasses.dataclass(frozen=True)
 class ExecResult:
   """Outcome of a run: ok and value, or error (one of ERRORS) and a message."""
@@ -78,7 +81,7 @@ def _short(tok: str) -> str:
   return repr(tok if len(tok) <= 24 else tok[:21] + "...")
 
 
-def parse(source: str, limits: Limits = Limits()) -> Program:
+def parse(source: str, limits: Limits = DEFAULT_LIMITS) -> Program:
   """Source -> instructions with resolved jump targets; raises SandboxError("syntax")."""
   if not isinstance(source, str):
     raise SandboxError("syntax", f"source must be a string, got {type(source).__name__}")
@@ -151,7 +154,7 @@ def _arith(op: str, a: int, b: int) -> int:
   return a // b if op == "DIV" else a % b
 
 
-def execute(program: Program, inputs: Sequence[int], limits: Limits = Limits()) -> ExecResult:
+def execute(program: Program, inputs: Sequence[int], limits: Limits = DEFAULT_LIMITS) -> ExecResult:
   """Runs a parsed program on `inputs` within `limits`; never raises for program errors."""
   steps = 0
   try:
@@ -193,6 +196,8 @@ def execute(program: Program, inputs: Sequence[int], limits: Limits = Limits()) 
         if len(stack) >= limits.max_stack:
           raise SandboxError("stack_overflow", f"stack deeper than {limits.max_stack}")
         if op == "PUSH":
+          if abs(arg) > limits.max_abs:
+            raise SandboxError("int_overflow", f"literal {arg} is beyond +-{limits.max_abs}")
           stack.append(arg)
         elif op == "DUP":
           stack.append(_pop(stack, op, 1)[0])
@@ -207,7 +212,7 @@ def execute(program: Program, inputs: Sequence[int], limits: Limits = Limits()) 
     return ExecResult(ok=False, error=e.kind, message=str(e), steps=steps)
 
 
-def run_program(source: str, inputs: Sequence[int], limits: Limits = Limits()) -> ExecResult:
+def run_program(source: str, inputs: Sequence[int], limits: Limits = DEFAULT_LIMITS) -> ExecResult:
   """Parses and runs `source`; a parse error is an ExecResult with error "syntax"."""
   try:
     program = parse(source, limits)
@@ -217,7 +222,7 @@ def run_program(source: str, inputs: Sequence[int], limits: Limits = Limits()) -
 
 
 def score_program(source: str, tests: Sequence[tuple[Sequence[int], int]],
-                  limits: Limits = Limits()) -> float:
+                  limits: Limits = DEFAULT_LIMITS) -> float:
   """Fraction of (inputs, expected) cases the program passes; 0 if it does not parse."""
   if not tests:
     raise ValueError("score_program needs at least one test case")
@@ -290,7 +295,7 @@ class CodingTask:
 
   name = "coding"
 
-  def __init__(self, level: int = 2, num_tests: int = 5, limits: Limits = Limits()):
+  def __init__(self, level: int = 2, num_tests: int = 5, limits: Limits = DEFAULT_LIMITS):
     if level not in (1, 2, 3):
       raise ValueError(f"level must be 1, 2 or 3, got {level!r}")
     if num_tests < 1:

@@ -1,0 +1,360 @@
+"""Guidance store: bit-exact round trips, manifest-last, async writes, prefetch, bad guidance."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from trace_jax.io import guidance_store as gs
+from trace_jax.quant import guided, qat
+from trace_jax.quant.guided import Guidance, bytes_per_row
+
+LENS = (5, 300, 17, 0, 1)  # ragged, with an empty sequence; 323 tokens over 3 shards
+IDS = (11, 7, 42, 3, 99)
+LAYERS = (2, 3)
+TOP_K, KV_HEADS, HIDDEN, INTER, HEAD_DIM = 2, 2, 64, 32, 16
+OPTS = gs.StoreOptions(shard_tokens=128, chunk_tokens=32, fsync=False)  # fsync: real-record test
+HASH = gs.config_hash({"policy": "fp4_trace", "guided_layers": LAYERS})
+T = sum(LENS)
+OFFSETS = np.concatenate([[0], np.cumsum(LENS)])
+
+
+def _records(mode: str) -> tuple[dict, dict]:
+  """Records for every guided layer and site: random bytes in every field.
+
+  Random bit patterns (float8 NaNs, float32 NaNs/infs included) make the round trip a strict
+  bit-exactness test; `test_real_rollout_record_round_trip` covers quantize_act_record output.
+  """
+  rng = np.random.default_rng(0 if mode == "compact" else 1)
+  shapes = {"moe_in": (T, HIDDEN), "expert_mid": (T, TOP_K, INTER),
+            "k": (T, KV_HEADS, HEAD_DIM), "v": (T, KV_HEADS, HEAD_DIM)}
+  per_col = {"block_scale": 16, "mantissa": 8, "codes": 2}
+  guidance = {}
+  for layer in LAYERS:
+    guidance[layer] = {}
+    for site, shape in shapes.items():
+      fields = {f: rng.integers(0, 256, shape[:-1] + (shape[-1] // per_col[f],), np.uint8)
+                for f in gs.MODE_FIELDS[mode] if f in per_col}
+      fields["block_scale"] = fields["block_scale"].view(jnp.float8_e4m3fn)
+      fields["row_scale"] = rng.integers(0, 2**32, shape[:-1] + (1,), np.uint32).view(np.float32)
+      guidance[layer][site] = Guidance(**fields)
+  routing = {layer: rng.integers(0, 8, (T, TOP_K), np.int32) for layer in LAYERS}
+  return guidance, routing
+
+
+RECORDS = {}
+
+
+def records(mode: str) -> tuple[dict, dict]:
+  if mode not in RECORDS:
+    RECORDS[mode] = _records(mode)
+  return RECORDS[mode]
+
+
+def write(root, mode: str = "compact", batch_id: str = "b0", ids=IDS) -> gs.BatchWrite:
+  guidance, routing = records(mode)
+  with gs.GuidanceWriter(root, HASH, OPTS) as w:
+    handle = w.write_batch(batch_id, ids, LENS, guidance, routing)
+  return handle
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory) -> tuple:
+  """One pristine batch per mode (batch id = mode), shared by the read-only tests."""
+  root = tmp_path_factory.mktemp("guidance")
+  stats = {mode: write(root, mode, batch_id=mode).stats for mode in ("compact", "full")}
+  return root, stats
+
+
+def bits(a) -> np.ndarray:
+  """Raw bytes of an array, so NaNs and float8 compare bit for bit."""
+  a = np.ascontiguousarray(np.asarray(a))
+  return a.view(np.uint8)
+
+
+def expected_rows(a, positions) -> np.ndarray:
+  return np.concatenate([np.asarray(a)[OFFSETS[i]:OFFSETS[i + 1]] for i in positions])
+
+
+def assert_batch_matches(batch: gs.GuidanceBatch, mode: str, positions) -> None:
+  """Valid sequences' rows equal the written records bit for bit."""
+  guidance, routing = records(mode)
+  for layer in LAYERS:
+    assert set(batch.guidance[layer]) == set(guidance[layer])
+    for site, g in guidance[layer].items():
+      got = batch.guidance[layer][site]
+      assert got.mode == mode
+      for field in gs.MODE_FIELDS[mode]:
+        want = expected_rows(getattr(g, field), positions)
+        have = getattr(got, field)
+        assert have.dtype == want.dtype, (layer, site, field)
+        assert have.shape == want.shape, (layer, site, field)
+        np.testing.assert_array_equal(bits(have), bits(want), err_msg=f"{layer}/{site}/{field}")
+    np.testing.assert_array_equal(batch.routing[layer], expected_rows(routing[layer], positions))
+
+
+@pytest.mark.parametrize("mode", ["compact", "full"])
+@pytest.mark.parametrize("select", [None, (42, 11, 3, 99), (3,)],
+                         ids=["all", "subset_reordered", "empty_sequence_only"])
+def test_round_trip_bit_exact(stored, mode, select):
+  reader = gs.GuidanceReader(stored[0], HASH)
+  batch = reader.read(mode, select)
+  positions = range(len(IDS)) if select is None else [IDS.index(s) for s in select]
+  assert batch.seq_ids == list(IDS if select is None else select)
+  assert batch.valid.all()
+  np.testing.assert_array_equal(np.diff(batch.seq_offsets), [LENS[i] for i in positions])
+  assert_batch_matches(batch, mode, positions)
+  assert reader.stats.fallback_sequences == 0
+
+
+def test_string_ids(tmp_path):
+  ids = [f"req-{i}" for i in range(len(LENS))]
+  write(tmp_path, "compact", ids=ids)
+  batch = gs.GuidanceReader(tmp_path, HASH).read("b0", ["req-2", "req-1"])
+  assert batch.seq_ids == ["req-2", "req-1"]
+  assert_batch_matches(batch, "compact", [2, 1])
+
+
+def test_real_rollout_record_round_trip(tmp_path):
+  """quantize_act_record's compact record survives the store and guides rounding identically."""
+  x = (jax.random.normal(jax.random.key(0), (T, HIDDEN)) * 3).astype(jnp.bfloat16)
+  rec = jax.jit(qat.quantize_act_record, static_argnums=1)(x, "compact")[1]
+  with gs.GuidanceWriter(tmp_path, HASH, gs.StoreOptions(128, 32)) as w:  # fsync on
+    w.write_batch("real", IDS, LENS, {5: {"moe_in": rec}})
+  back = gs.GuidanceReader(tmp_path, HASH).read("real").guidance[5]["moe_in"]
+  for field in gs.MODE_FIELDS["compact"]:
+    np.testing.assert_array_equal(bits(getattr(back, field)), bits(getattr(rec, field)))
+  as_bytes = jax.lax.bitcast_convert_type(jnp.asarray(back.block_scale), jnp.uint8)
+  np.testing.assert_array_equal(np.asarray(as_bytes), bits(rec.block_scale))
+  guided.validate(x, jax.tree.map(jnp.asarray, back))
+
+
+@pytest.mark.parametrize("mode", ["compact", "full"])
+def test_bytes_per_token_reported(stored, mode):
+  stats = stored[1][mode]
+  per_token = {m: sum(len(LAYERS) * rows * bytes_per_row(k, m)
+                      for rows, k in ((1, HIDDEN), (TOP_K, INTER), (KV_HEADS, HEAD_DIM),
+                                      (KV_HEADS, HEAD_DIM))) for m in ("compact", "full")}
+  assert stats["guidance_bytes_per_token"] == per_token[mode]
+  assert stats["compact_bytes_per_token"] == per_token["compact"]
+  assert stats["full_bytes_per_token"] == per_token["full"]
+  assert stats["full_over_compact"] == per_token["full"] / per_token["compact"]
+  assert stats["routing_bytes_per_token"] == len(LAYERS) * TOP_K * 4
+  guidance, _ = records(mode)
+  assert stats["guidance_bytes"] == sum(g.nbytes for s in guidance.values() for g in s.values())
+  with open(stored[0] / mode / gs.MANIFEST) as f:
+    manifest = json.load(f)
+  assert {k: manifest["bytes"][k] for k in stats if k in manifest["bytes"]} == {
+      k: v for k, v in stats.items() if k not in gs._NOT_BYTES}
+  assert 0 < manifest["bytes"]["stored_chunk_bytes"]
+  print(f"\n{mode}: guidance {stats['guidance_bytes_per_token']:.1f} B/token (compact "
+        f"{stats['compact_bytes_per_token']:.1f}, full {stats['full_bytes_per_token']:.1f}, "
+        f"x{stats['full_over_compact']:.2f}); on disk "
+        f"{manifest['bytes']['stored_chunk_bytes_per_token']:.1f} B/token incl. routing")
+
+
+def test_manifest_contents(stored):
+  with open(stored[0] / "compact" / gs.MANIFEST) as f:
+    manifest = json.load(f)
+  assert manifest["schema_version"] == gs.SCHEMA_VERSION and manifest["config_hash"] == HASH
+  assert manifest["seq_ids"] == list(IDS) and manifest["token_counts"] == list(LENS)
+  assert manifest["layers"] == list(LAYERS) and manifest["routing_layers"] == list(LAYERS)
+  assert manifest["sites"] == list(gs.SITES) and manifest["mode"] == "compact"
+  bs = manifest["arrays"]["layer_003/expert_mid/block_scale"]
+  assert bs == {"dtype": "float8_e4m3fn", "stored_dtype": "uint8", "shape": [T, TOP_K, 2]}
+  assert manifest["created_unix"] > 0 and manifest["storage"]["shard_tokens"] == 128
+
+
+def test_spec_uses_sharding_indexed_and_zstd(stored):
+  path = stored[0] / "compact" / "layer_002" / "k" / "block_scale"
+  t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path) + "/"}},
+              open=True).result()
+  md = t.spec().to_json()["metadata"]
+  assert md["data_type"] == "uint8" and md["shape"] == [T, KV_HEADS, 1]
+  assert md["chunk_grid"]["configuration"]["chunk_shape"] == [128, KV_HEADS, 1]
+  (codec,) = md["codecs"]
+  assert codec["name"] == "sharding_indexed"
+  cfg = codec["configuration"]
+  assert cfg["chunk_shape"] == [32, KV_HEADS, 1]
+  assert [c["name"] for c in cfg["codecs"]] == ["bytes", "zstd"]
+  assert [c["name"] for c in cfg["index_codecs"]] == ["bytes", "crc32c"]
+  shards = sorted(f for f in os.listdir(path) if f != "zarr.json")
+  assert shards == ["c.0.0.0", "c.1.0.0", "c.2.0.0"]  # 323 rows / 128 per shard
+
+
+def test_crash_before_manifest_is_never_read(tmp_path, monkeypatch):
+  def crash(path, obj, fsync=True):
+    raise OSError("simulated crash before the manifest")
+  monkeypatch.setattr(gs, "_write_json_atomic", crash)
+  guidance, routing = records("compact")
+  w = gs.GuidanceWriter(tmp_path, HASH, OPTS)
+  w.write_batch("b0", IDS, LENS, guidance, routing)
+  with pytest.raises(gs.GuidanceError, match="simulated crash"):
+    w.flush()
+  w.close()
+  assert (tmp_path / "b0" / "layer_002" / "moe_in" / "mantissa" / "zarr.json").exists()
+  assert not (tmp_path / "b0" / gs.MANIFEST).exists()
+  reader = gs.GuidanceReader(tmp_path, HASH)
+  assert reader.complete_batches() == []
+  with pytest.raises(gs.GuidanceError, match="no manifest.json"):
+    reader.read("b0")
+  # A manifest temp file left by a crash mid-rename does not count either.
+  (tmp_path / "b0" / "manifest.json.tmp-1-2").write_text("{}")
+  with pytest.raises(gs.GuidanceError, match="no manifest.json"):
+    reader.read("b0")
+
+
+def test_async_write_completes_after_flush(tmp_path, monkeypatch):
+  gate = threading.Event()
+  real = gs._write_json_atomic
+
+  def gated(path, obj, fsync=True):
+    assert gate.wait(10)
+    real(path, obj, fsync)
+  monkeypatch.setattr(gs, "_write_json_atomic", gated)
+  guidance, routing = records("full")
+  w = gs.GuidanceWriter(tmp_path, HASH, OPTS)
+  handles = [w.write_batch(f"b{i}", IDS, LENS, guidance, routing) for i in range(2)]
+  assert not any(h.done() for h in handles)  # write_batch returned with the work in flight
+  assert handles[0].stats["num_tokens"] == T  # stats come back at once
+  reader = gs.GuidanceReader(tmp_path, HASH)
+  with pytest.raises(gs.GuidanceError, match="incomplete batch"):
+    reader.read("b0")
+  gate.set()
+  manifests = w.flush()
+  assert [m["batch_id"] for m in manifests] == ["b0", "b1"]
+  with open(tmp_path / "b1" / gs.MANIFEST) as f:
+    assert json.load(f) == json.loads(json.dumps(manifests[1]))
+  assert all(h.done() for h in handles) and reader.complete_batches() == ["b0", "b1"]
+  assert_batch_matches(reader.read("b1"), "full", range(len(IDS)))
+  w.close()
+
+
+def test_prefetch_returns_same_data(tmp_path):
+  guidance, routing = records("compact")
+  with gs.GuidanceWriter(tmp_path, HASH, OPTS) as w:
+    for i in range(2):
+      w.write_batch(f"step{i}", IDS, LENS, guidance, routing)
+  reader = gs.GuidanceReader(tmp_path, HASH, layers=[3], sites=["k", "v"])
+  fut = reader.prefetch("step1", [99, 42])
+  now = reader.read("step0", [99, 42])  # the trainer works on the current batch meanwhile
+  pre = reader.get("step1", [99, 42])
+  assert fut.done() and pre.batch_id == "step1"
+  assert set(pre.guidance) == {3} and set(pre.guidance[3]) == {"k", "v"}
+  assert set(pre.routing) == set(LAYERS)
+  for site in ("k", "v"):
+    for field in gs.MODE_FIELDS["compact"]:
+      np.testing.assert_array_equal(bits(getattr(pre.guidance[3][site], field)),
+                                    bits(getattr(now.guidance[3][site], field)))
+  np.testing.assert_array_equal(pre.seq_offsets, now.seq_offsets)
+  reader.close()
+
+
+def test_writer_rejects_bad_input(tmp_path):
+  guidance, routing = records("compact")
+  with gs.GuidanceWriter(tmp_path, HASH, OPTS) as w:
+    with pytest.raises(ValueError, match="tokens"):
+      w.write_batch("bad", IDS, (5, 300, 17, 0, 2), guidance, routing)
+    with pytest.raises(ValueError, match="duplicate"):
+      w.write_batch("bad", (1, 1, 2, 3, 4), LENS, guidance, routing)
+    with pytest.raises(ValueError, match="mixed guidance modes"):
+      w.write_batch("bad", IDS, LENS, {2: guidance[2], 3: records("full")[0][3]}, routing)
+    w.write_batch("b0", IDS, LENS, guidance, routing)
+  with gs.GuidanceWriter(tmp_path, HASH, OPTS) as w, pytest.raises(FileExistsError):
+    w.write_batch("b0", IDS, LENS, guidance, routing)
+
+
+def _recreate(path, rows=None, trailing=None):
+  """Rewrites an array in place with another row count or trailing shape (a bad writer)."""
+  old = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path) + "/"}},
+                open=True).result()
+  data = old.read().result()
+  data = data[:rows] if rows is not None else data
+  if trailing is not None:
+    data = np.zeros((data.shape[0],) + trailing, data.dtype)
+  md = gs._zarr_metadata(data.shape, data.dtype.name, 128, 32, OPTS)
+  t = ts.open(gs._spec(str(path), md), create=True, delete_existing=True).result()
+  t.write(data).result()
+
+
+def _corrupt_shard(path):
+  """Flips bytes inside shard 1 (rows 128..255: only sequence position 1 lives there)."""
+  shard = path / "c.1.0.0"
+  raw = bytearray(shard.read_bytes())
+  for i in range(4, len(raw) - 40, 7):
+    raw[i] ^= 0x5A
+  shard.write_bytes(bytes(raw))
+
+
+ALL = list(range(len(IDS)))
+# name -> (damage(batch_dir), reader kwargs, requested ids, flagged positions, error regex)
+CASES = {
+    "missing_manifest": (lambda d: os.remove(d / gs.MANIFEST), {}, IDS, ALL,
+                         r"'b0'.*incomplete batch: no manifest"),
+    "garbled_manifest": (lambda d: (d / gs.MANIFEST).write_text("{not json"), {}, IDS, ALL,
+                         r"'b0'.*unreadable manifest.json"),
+    "missing_array": (lambda d: shutil.rmtree(d / "layer_003" / "k" / "row_scale"), {}, IDS, ALL,
+                      r"'b0', layer 3, site 'k'.*row_scale missing"),
+    "truncated_array": (lambda d: _recreate(d / "layer_002" / "moe_in" / "mantissa", rows=310),
+                        {}, IDS, [2, 4], r"layer 2, site 'moe_in', sequences \[42, 99\].*"
+                        r"truncated to 310 of 323"),
+    "wrong_shape": (lambda d: _recreate(d / "layer_003" / "expert_mid" / "block_scale",
+                                        trailing=(TOP_K, 3)), {}, IDS, ALL,
+                    r"layer 3, site 'expert_mid'.*has shape \(323, 2, 3\)"),
+    "wrong_config_hash": (lambda d: None, {"expected_config_hash": "sha256:other"}, IDS, ALL,
+                          r"'b0'.*config hash 'sha256:.*' .* != trainer's expected "
+                          r"'sha256:other'"),
+    "unknown_seq_id": (lambda d: None, {}, IDS + ("nope",), [5],
+                       r"'b0', sequences \['nope'\]: sequence ids not in this batch"),
+    "lost_shard": (lambda d: os.remove(d / "layer_003" / "routing" / "ids" / "c.1.0"), {},
+                   IDS, [1], r"layer 3, site 'routing', sequences \[7\].*missing"),
+    "corrupt_chunk": (lambda d: _corrupt_shard(d / "layer_002" / "v" / "mantissa"), {}, IDS, [1],
+                      r"layer 2, site 'v', sequences \[7\].*unreadable"),
+}
+
+
+@pytest.mark.parametrize("on_missing", ["error", "fallback"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_guidance(tmp_path, caplog, case, on_missing):
+  damage, kwargs, ids, flagged, pattern = CASES[case]
+  write(tmp_path)
+  damage(tmp_path / "b0")
+  kwargs = {"expected_config_hash": HASH, **kwargs}
+  reader = gs.GuidanceReader(tmp_path, on_missing=on_missing, **kwargs)
+  if on_missing == "error":
+    with pytest.raises(gs.GuidanceError, match=pattern):
+      reader.read("b0", ids)
+    return
+  with caplog.at_level(logging.WARNING, logger=gs.__name__):
+    batch = reader.read("b0", ids)
+  assert list(np.flatnonzero(~batch.valid)) == flagged
+  assert reader.stats.fallback_sequences == len(flagged)
+  assert reader.stats.fallback_batches == 1
+  assert any("RTN fallback" in r.message for r in caplog.records)
+  lens = np.diff(batch.seq_offsets)
+  assert all(lens[j] == 0 for j in flagged)
+  kept = [j for j in range(len(ids)) if j not in flagged]
+  if kept:
+    assert_batch_matches(batch, "compact", kept)
+  assert all(a.shape[0] == 0 for sites in batch.guidance.values() for g in sites.values()
+             for a in (g.block_scale, g.row_scale, g.mantissa)) or kept
+  # Counting accumulates over reads.
+  reader.read("b0", ids)
+  assert reader.stats.fallback_sequences == 2 * len(flagged)
+
+
+def test_ragged_rows_and_config_hash():
+  padded = np.arange(3 * 4 * 2).reshape(3, 4, 2)
+  got = gs.ragged_rows(padded, [2, 0, 3], starts=[1, 0, 0])
+  np.testing.assert_array_equal(got, np.concatenate([padded[0, 1:3], padded[2, :3]]))
+  assert gs.config_hash({"a": 1, "b": (2, 3)}) == gs.config_hash({"b": [2, 3], "a": 1})
+  assert gs.config_hash({"a": 1}) != gs.config_hash({"a": 2})

@@ -1,0 +1,44 @@
+"""Per-row token sampling: temperature, top-k, top-p, greedy at temperature 0.
+
+Pure functions of float32 logits [B, V] and per-row settings, so one jitted program serves a
+batch of requests with different settings. The returned log-probability is that of the chosen
+token under the unmodified policy (log_softmax of the logits, temperature 1), which is what
+the trainer recomputes and what SGLang reports as `output_token_logprobs`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def filter_logits(logits: jax.Array, temps: jax.Array, top_ps: jax.Array,
+                  top_ks: jax.Array) -> jax.Array:
+  """Temperature-scaled logits with everything outside top-k / the top-p nucleus at -inf."""
+  v = logits.shape[-1]
+  scaled = logits / jnp.maximum(temps, 1e-6)[:, None]
+  order = jnp.argsort(-scaled, axis=-1)
+  sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+  rank = jnp.arange(v)[None, :]
+  k = jnp.where(top_ks <= 0, v, jnp.minimum(top_ks, v))[:, None]
+  keep_sorted = rank < k
+  probs = jax.nn.softmax(jnp.where(keep_sorted, sorted_logits, -jnp.inf), axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
+  keep_sorted &= before < top_ps[:, None]
+  keep_sorted = keep_sorted.at[:, 0].set(True)
+  keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
+      keep_sorted)
+  return jnp.where(keep, scaled, -jnp.inf)
+
+
+def sample(logits: jax.Array, keys: jax.Array, temps: jax.Array, top_ps: jax.Array,
+           top_ks: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """One token per row and its log-probability under log_softmax(logits).
+
+  keys: one typed PRNG key per row (so a row's draw never depends on the other rows).
+  """
+  filtered = filter_logits(logits, temps, top_ps, top_ks)
+  drawn = jax.vmap(jax.random.categorical)(keys, filtered)
+  tokens = jnp.where(temps <= 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
