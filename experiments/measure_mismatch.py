@@ -1,0 +1,221 @@
+"""Rollout/trainer mismatch under FP4: RTN QAT against TRACE guided rounding.
+
+Generates with the embedded engine (FP4 rollout, recording the full 4-bit codes of every
+layer and site plus routing), then scores the same tokens with the training forward under
+`fp4_rtn` and under `fp4_trace` (guidance at the guided layers, compact mode by default) and
+compares, per layer and site, the trainer's FP4 codes with the rollout's, the routing, and the
+log-probabilities of the sampled tokens.
+
+  python -m experiments.measure_mismatch --json_out=/tmp/mismatch.json
+
+With no flag but --json_out it uses the tiny CPU config. Writes JSON and a per-layer PNG.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from trace_jax import model as model_lib
+from trace_jax.model.config import ModelConfig
+from trace_jax.model.precision import SITES
+from trace_jax.quant import guided
+from trace_jax.rl import losses
+from trace_jax.rollout import guidance_layout
+from trace_jax.rollout.engine import InProcessEngine
+from trace_jax.rollout.protocol import SamplingParams
+from trace_jax.train import scoring
+
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Where to write the JSON report.",
+                                required=True)
+_PNG_OUT = flags.DEFINE_string("png_out", None, "Per-layer plot (default: next to the JSON).")
+_CONFIG = flags.DEFINE_string("config", None, "Config .py (get_config() with a `model` dict of "
+                              "ModelConfig fields and optional `mismatch` settings); default: "
+                              "the tiny CPU model.")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 8, "Prompts to generate from.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 12, "Prompt length (random token ids).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 16, "Tokens generated per prompt.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed for weights, prompts and sampling.")
+_MODE = flags.DEFINE_enum("guidance_mode", "compact", ["compact", "full"],
+                          "Guidance kept for the fp4_trace training forward.")
+_REPLAY = flags.DEFINE_bool("routing_replay", False, "Replay the rollout's routing in training.")
+
+
+def tiny_config() -> ModelConfig:
+  """The default: the tiny model in bfloat16, whose prefill/decode drift is realistic."""
+  return model_lib.tiny(dtype="bfloat16")
+
+
+def load_config(path: str | None) -> ModelConfig:
+  if path is None:
+    return tiny_config()
+  import importlib.util
+
+  from ml_collections import config_flags  # noqa: F401  (only for users' config files)
+  spec = importlib.util.spec_from_file_location("mismatch_config", path)
+  if spec is None or spec.loader is None:
+    raise ValueError(f"cannot load config file {path}")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  cfg = mod.get_config()
+  fields = dict(cfg.model) if "model" in cfg else {}
+  preset = fields.pop("preset", "tiny")
+  return getattr(model_lib, preset)(**fields)
+
+
+def _flip_rate(a: np.ndarray, b: np.ndarray) -> float:
+  return float(np.mean(a != b)) if a.size else 0.0
+
+
+def _routing_flips(train: np.ndarray, rollout: np.ndarray) -> float:
+  """Fraction of tokens whose set of selected experts differs."""
+  return float(np.mean(np.any(np.sort(train, -1) != np.sort(rollout, -1), axis=-1)))
+
+
+def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
+            sampling: Sequence[SamplingParams], guidance_mode: str = "compact",
+            routing_replay: bool = False) -> dict[str, Any]:
+  """Runs rollout and both training policies; returns the report dict."""
+  n_layers = config.num_hidden_layers
+  all_layers = tuple(range(n_layers))
+  guided_layers = tuple(config.guided_layers)
+  rollout_cfg = dataclasses.replace(config, policy="fp4_trace", guided_layers=all_layers,
+                                    guidance_mode="full")
+  engine = InProcessEngine(params, rollout_cfg)
+  t0 = time.perf_counter()
+  samples = engine.generate(prompts, sampling)
+  rollout_s = time.perf_counter() - t0
+  rec = engine.last_guidance
+  seqs = [s.prompt + s.tokens for s in samples]
+  n_new = sum(len(s.tokens) for s in samples)
+  rollout_logp = [np.asarray(s.logprobs, np.float32) for s in samples]
+
+  report: dict[str, Any] = {
+      "config": {k: v for k, v in dataclasses.asdict(config).items()},
+      "num_sequences": len(samples), "generated_tokens": n_new,
+      "guided_layers": list(guided_layers), "guidance_mode": guidance_mode,
+      "routing_replay": routing_replay, "rollout_seconds": rollout_s,
+      "policies": {},
+  }
+  routing = rec["routing"] if routing_replay else None
+  for policy in ("fp4_rtn", "fp4_trace"):
+    cfg = dataclasses.replace(config, policy=policy, guidance_mode=guidance_mode)
+    g = None
+    if policy == "fp4_trace":
+      g = {layer: {site: (guidance_layout.to_compact(rec["guidance"][layer][site])
+                          if guidance_mode == "compact" else rec["guidance"][layer][site])
+                   for site in SITES}
+           for layer in guided_layers}
+    out = scoring.score(params, cfg, seqs, guidance=g, routing=routing, tap_layers=all_layers,
+                        tap_mode="full")
+    per_layer: dict[str, dict[str, float]] = {}
+    guided_flips, guided_total = 0, 0
+    all_flips, all_total = 0, 0
+    for layer in all_layers:
+      row = {}
+      for site in SITES:
+        a = np.asarray(guidance_layout.codes_of(out["taps"][layer][site]))
+        b = np.asarray(guidance_layout.codes_of(rec["guidance"][layer][site]))
+        row[site] = _flip_rate(a, b)
+        flips = int(np.sum(a != b))
+        all_flips += flips
+        all_total += a.size
+        if layer in guided_layers:
+          guided_flips += flips
+          guided_total += a.size
+      row["routing"] = _routing_flips(np.asarray(out["taps"][layer]["routing"]),
+                                      np.asarray(rec["routing"][layer]))
+      per_layer[str(layer)] = row
+    # Completion tokens: rows P-1 .. P+n-2 of each sequence's scores.
+    lt = np.concatenate([lp[len(s.prompt) - 1:] for lp, s in zip(out["logprobs"], samples)])
+    lr = np.concatenate(rollout_logp)
+    m = losses.mismatch_metrics(jnp.asarray(lt), jnp.asarray(lr), jnp.ones_like(jnp.asarray(lt)))
+    report["policies"][policy] = {
+        "flip_rate_guided_sites": guided_flips / max(guided_total, 1),
+        "flip_rate_all_sites": all_flips / max(all_total, 1),
+        "per_layer": per_layer,
+        "routing_flip_rate": float(np.mean([per_layer[str(i)]["routing"] for i in all_layers])),
+        "mean_abs_dlogp": float(m["mean_abs_dlogp"]), "k3_kl": float(m["k3_kl"]),
+        "max_abs_dp": float(m["max_abs_dp"]),
+    }
+  rtn, trace = report["policies"]["fp4_rtn"], report["policies"]["fp4_trace"]
+  report["flip_rate_rtn"] = rtn["flip_rate_guided_sites"]
+  report["flip_rate_trace"] = trace["flip_rate_guided_sites"]
+  report["routing_flip_rate"] = {p: v["routing_flip_rate"] for p, v in report["policies"].items()}
+  report["mean_abs_dlogp"] = {p: v["mean_abs_dlogp"] for p, v in report["policies"].items()}
+  report["k3_kl"] = {p: v["k3_kl"] for p, v in report["policies"].items()}
+  tokens = sum(rec["token_counts"])
+  comp = sum(guidance_layout.to_compact(rec["guidance"][layer][site]).nbytes
+             for layer in guided_layers for site in SITES)
+  full_all = sum(rec["guidance"][layer][site].nbytes for layer in all_layers for site in SITES)
+  report["guidance_bytes_per_token"] = comp / tokens
+  report["full_guidance_bytes_per_token_all_layers"] = full_all / tokens
+  report["compact_vs_full_ratio"] = full_all / max(comp, 1)
+  report["guidance_bytes_per_row_formula"] = {
+      f"{mode}_K{k}": guided.bytes_per_row(k, mode) for mode in ("compact", "full")
+      for k in (config.hidden_size, config.head_dim, config.moe_intermediate_size)}
+  return report
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+  """Per-layer flip rates (all sites pooled) for both policies, guided layers shaded."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  layers = sorted(int(k) for k in report["policies"]["fp4_rtn"]["per_layer"])
+  fig, axes = plt.subplots(1, len(SITES), figsize=(4 * len(SITES), 3.2), sharey=True)
+  for ax, site in zip(axes, SITES):
+    for j, policy in enumerate(("fp4_rtn", "fp4_trace")):
+      vals = [report["policies"][policy]["per_layer"][str(i)][site] for i in layers]
+      ax.bar(np.asarray(layers) + (j - 0.5) * 0.38, vals, width=0.38, label=policy)
+    for i in report["guided_layers"]:
+      ax.axvspan(i - 0.5, i + 0.5, color="0.92", zorder=0)
+    ax.set_title(site)
+    ax.set_xlabel("layer (shaded: guided)")
+    ax.set_xticks(layers)
+  axes[0].set_ylabel("FP4 code flip rate vs rollout")
+  axes[0].legend()
+  fig.suptitle("Rollout/trainer FP4 code flips per layer")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  config = load_config(_CONFIG.value)
+  key = jax.random.key(_SEED.value)
+  params = model_lib.init_params(config, jax.random.fold_in(key, 0))
+  rng = np.random.default_rng(_SEED.value)
+  prompts = rng.integers(0, config.vocab_size, (_NUM_PROMPTS.value, _PROMPT_LEN.value)).tolist()
+  sampling = [SamplingParams(max_new_tokens=_MAX_NEW.value, seed=_SEED.value * 1000 + i)
+              for i in range(_NUM_PROMPTS.value)]
+  report = measure(params, config, prompts, sampling, _MODE.value, _REPLAY.value)
+  os.makedirs(os.path.dirname(os.path.abspath(_JSON_OUT.value)), exist_ok=True)
+  with open(_JSON_OUT.value, "w") as f:
+    json.dump(report, f, indent=1)
+  png = _PNG_OUT.value or os.path.splitext(_JSON_OUT.value)[0] + ".png"
+  plot(report, png)
+  print(f"{'policy':<10} {'flips@guided':>13} {'flips@all':>10} {'routing':>8} "
+        f"{'|dlogp|':>9} {'k3_kl':>10}")
+  for p, v in report["policies"].items():
+    print(f"{p:<10} {v['flip_rate_guided_sites']:>13.5f} {v['flip_rate_all_sites']:>10.5f} "
+          f"{v['routing_flip_rate']:>8.4f} {v['mean_abs_dlogp']:>9.5f} {v['k3_kl']:>10.2e}")
+  print(f"guidance bytes/token: {report['guidance_bytes_per_token']:.1f} (compact, guided "
+        f"layers) vs {report['full_guidance_bytes_per_token_all_layers']:.1f} (full codes, all "
+        f"layers): {report['compact_vs_full_ratio']:.2f}x smaller")
+  print(f"wrote {_JSON_OUT.value} and {png}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,91 @@
+"""Guidance rows between the rollout's ragged layout and the trainer's padded batch.
+
+The rollout engine and the guidance store hold a batch's guidance as ragged rows: the tokens
+of every sequence, one sequence after another (`counts[i]` rows for sequence i, the positions
+its training forward will see: prompt + completion[:-1]). The training forward wants
+[B, S, ...] with padding. Padding rows get benign values (scale 1, code 0, routing 0..K-1), so
+they never produce NaN that attention could carry into real rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax.quant import formats, guided
+from trace_jax.quant.guided import Guidance
+
+_E4M3_ONE = np.uint8(0x38)
+
+
+def _pad(a: np.ndarray, counts: Sequence[int], seq_len: int, fill: Any) -> np.ndarray:
+  out = np.empty((len(counts), seq_len) + a.shape[1:], a.dtype)
+  out[...] = fill
+  start = 0
+  for i, c in enumerate(counts):
+    if c > seq_len:
+      raise ValueError(f"sequence {i} has {c} guidance rows, more than the padded length "
+                       f"{seq_len}")
+    out[i, :c] = a[start:start + c]
+    start += c
+  if start != a.shape[0]:
+    raise ValueError(f"guidance has {a.shape[0]} rows, but the counts add up to {start}")
+  return out
+
+
+def pad_guidance(g: Guidance, counts: Sequence[int], seq_len: int) -> Guidance:
+  """Ragged Guidance rows [T, ...] -> padded [B, seq_len, ...]."""
+  bs = np.asarray(g.block_scale).view(np.uint8)
+  fields = {
+      "block_scale": _pad(bs, counts, seq_len, _E4M3_ONE).view(jnp.float8_e4m3fn),
+      "row_scale": _pad(np.asarray(g.row_scale), counts, seq_len, np.float32(1.0)),
+      "mantissa": None if g.mantissa is None else _pad(np.asarray(g.mantissa), counts,
+                                                       seq_len, 0),
+      "codes": None if g.codes is None else _pad(np.asarray(g.codes), counts, seq_len, 0),
+  }
+  return Guidance(**{k: None if v is None else jnp.asarray(v) for k, v in fields.items()})
+
+
+def pad_routing(ids: np.ndarray, counts: Sequence[int], seq_len: int) -> jnp.ndarray:
+  """Ragged routing ids [T, K] -> [B, seq_len, K]; padding rows route to experts 0..K-1."""
+  ids = np.asarray(ids)
+  out = _pad(ids, counts, seq_len, 0)
+  for i, c in enumerate(counts):
+    out[i, c:] = np.arange(ids.shape[-1])
+  return jnp.asarray(out, jnp.int32)
+
+
+def pad_tree(guidance: Mapping[int, Mapping[str, Guidance]], counts: Sequence[int],
+             seq_len: int) -> dict[int, dict[str, Guidance]]:
+  return {int(layer): {site: pad_guidance(g, counts, seq_len) for site, g in sites.items()}
+          for layer, sites in guidance.items()}
+
+
+def unpad(a: Any, counts: Sequence[int]) -> np.ndarray:
+  """Padded [B, S, ...] -> ragged rows [sum(counts), ...] (numpy)."""
+  a = np.asarray(a)
+  return np.concatenate([a[i, :c] for i, c in enumerate(counts)], axis=0)
+
+
+def unpad_guidance(g: Guidance, counts: Sequence[int]) -> Guidance:
+  return Guidance(**{f: None if getattr(g, f) is None else unpad(getattr(g, f), counts)
+                     for f in ("block_scale", "row_scale", "mantissa", "codes")})
+
+
+def to_compact(g: Guidance) -> Guidance:
+  """A full-mode record reduced to compact mode (mantissa bits of its codes, same scales)."""
+  if g.mantissa is not None:
+    return g
+  codes = formats.unpack_fp4(jnp.asarray(g.codes))
+  return Guidance(block_scale=g.block_scale, row_scale=g.row_scale,
+                  mantissa=guided.pack_bits(codes & 1))
+
+
+def codes_of(g: Guidance) -> jnp.ndarray:
+  """Per-element 4-bit codes of a full-mode record."""
+  if g.codes is None:
+    raise ValueError("codes_of needs a full-mode record (4-bit codes)")
+  return formats.unpack_fp4(jnp.asarray(g.codes))

@@ -1,0 +1,1 @@
+"""Training-side pieces: scoring sequences, the GRPO step, checkpoints."""

@@ -1,0 +1,76 @@
+"""Log-probabilities of sampled tokens under the training forward, with guidance and taps.
+
+The trainer scores prompt + completion with one full-sequence forward over tokens[:-1]; its
+rows line up with the rollout's guidance rows (prompt + completion[:-1]). Used by the GRPO
+step's old-policy pass and by the mismatch measurement.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax import model as model_lib
+from trace_jax.model.config import ModelConfig
+from trace_jax.rollout import guidance_layout
+from trace_jax.rollout.engine import bucket
+
+_MIN_SEQ_BUCKET = 16
+
+
+def pack_sequences(sequences: Sequence[Sequence[int]], seq_len: int | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+  """Inputs tokens[:-1] and targets tokens[1:], right-padded to a bucketed length.
+
+  Returns (inputs [B, S], targets [B, S], counts) with counts[i] = len(seq_i) - 1 rows.
+  """
+  counts = [len(s) - 1 for s in sequences]
+  if min(counts) < 1:
+    raise ValueError("every sequence needs at least 2 tokens to be scored")
+  s = seq_len or bucket(max(counts), _MIN_SEQ_BUCKET)
+  inputs = np.zeros((len(sequences), s), np.int32)
+  targets = np.zeros((len(sequences), s), np.int32)
+  for i, seq in enumerate(sequences):
+    inputs[i, :counts[i]] = seq[:-1]
+    targets[i, :counts[i]] = seq[1:]
+  return inputs, targets, counts
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tap_layers", "tap_mode"))
+def _score(params, config: ModelConfig, inputs, targets, guidance, routing, *,
+           tap_layers: tuple[int, ...], tap_mode: str | None):
+  out = model_lib.forward(params, config, inputs, guidance=guidance or None,
+                          routing=routing or None, tap_layers=tap_layers, tap_mode=tap_mode)
+  logp = jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], out.taps
+
+
+def score(params: Any, config: ModelConfig, sequences: Sequence[Sequence[int]], *,
+          guidance: Mapping[int, Mapping[str, Any]] | None = None,
+          routing: Mapping[int, Any] | None = None, tap_layers: Sequence[int] = (),
+          tap_mode: str | None = None) -> dict[str, Any]:
+  """Per-token log-probs of tokens[1:] of each sequence, and ragged taps.
+
+  guidance / routing: ragged rows (as the engine and the store hold them) for the sequences in
+  order; they are padded here. Returns {"logprobs": list of np arrays (len(seq) - 1 each),
+  "taps": {layer: {site: ragged rows}}, "counts": rows per sequence}.
+  """
+  inputs, targets, counts = pack_sequences(sequences)
+  s = inputs.shape[1]
+  g = guidance_layout.pad_tree(guidance, counts, s) if guidance else {}
+  r = ({int(k): guidance_layout.pad_routing(v, counts, s) for k, v in routing.items()}
+       if routing else {})
+  logp, taps = _score(params, config, jnp.asarray(inputs), jnp.asarray(targets), g, r,
+                      tap_layers=tuple(tap_layers), tap_mode=tap_mode)
+  logp = np.asarray(logp)
+  ragged_taps = {
+      layer: {site: (guidance_layout.unpad_guidance(v, counts) if site != "routing"
+                     else guidance_layout.unpad(v, counts)) for site, v in sites.items()}
+      for layer, sites in taps.items()}
+  return {"logprobs": [logp[i, :c] for i, c in enumerate(counts)], "taps": ragged_taps,
+          "counts": counts}
