@@ -1,0 +1,29 @@
+"""The real Qwen3-30B-A3B shape, for users with clusters: load the HF checkpoint with
+`python -m experiments.convert_checkpoint --direction=hf_to_orbax`, pass it with
+--sft_checkpoint, and shard over a mesh (`trace_jax.model.sharding`). Not run on CI."""
+
+import ml_collections
+
+from configs import quickstart
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = quickstart.get_config()
+  c.model = ml_collections.ConfigDict(dict(preset="qwen3_30b_a3b", dtype="bfloat16",
+                                           guidance_mode="compact"))
+  c.task = ml_collections.ConfigDict(dict(name="gsm8k", kwargs=dict()))
+  c.max_prompt_len = 512
+  c.seq_len = 2048
+  c.sft.steps = 0
+  c.rl.steps = 400
+  c.rl.prompts_per_step = 64
+  c.rl.group_size = 16
+  c.rl.max_new_tokens = 1536
+  c.rl.lr = 1e-6
+  c.rl.routing_replay = True
+  c.eval.num_prompts = 256
+  c.eval.every = 50
+  c.checkpoint_every = 25
+  # Mesh for `trace_jax.model.sharding`: data x fsdp x expert x tensor.
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=4, expert=8, tensor=1))
+  return c

@@ -1,0 +1,59 @@
+"""Training batches from rollout samples: padded token arrays, masks, advantages, guidance.
+
+Row t of a sequence predicts token t+1, so a sequence of prompt P and completion C tokens gives
+P + C - 1 rows; the loss covers the C rows that predict completion tokens. The sequence length
+is fixed per run (`seq_len`) so the jitted step compiles once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax.rollout import guidance_layout
+from trace_jax.rollout.protocol import Sample
+
+
+def sequence_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                   seq_len: int) -> dict[str, np.ndarray]:
+  """inputs/targets [B, seq_len], valid (real rows) and loss_mask (completion rows)."""
+  b = len(prompts)
+  inputs = np.zeros((b, seq_len), np.int32)
+  targets = np.zeros((b, seq_len), np.int32)
+  valid = np.zeros((b, seq_len), np.float32)
+  loss_mask = np.zeros((b, seq_len), np.float32)
+  for i, (p, c) in enumerate(zip(prompts, completions)):
+    seq = list(p) + list(c)
+    n = len(seq) - 1
+    if n > seq_len:
+      raise ValueError(f"sequence {i} needs {n} rows, more than seq_len={seq_len}")
+    inputs[i, :n] = seq[:-1]
+    targets[i, :n] = seq[1:]
+    valid[i, :n] = 1.0
+    loss_mask[i, len(p) - 1:n] = 1.0
+  return {"inputs": inputs, "targets": targets, "valid": valid, "loss_mask": loss_mask}
+
+
+def rl_batch(samples: Sequence[Sample], advantages: np.ndarray, seq_len: int,
+             guidance: Mapping[int, Mapping[str, Any]] | None = None,
+             routing: Mapping[int, Any] | None = None) -> dict[str, Any]:
+  """The GRPO step's batch; guidance/routing are ragged rows in sample order (or None)."""
+  batch: dict[str, Any] = sequence_batch([s.prompt for s in samples],
+                                         [s.tokens for s in samples], seq_len)
+  logp_rollout = np.zeros((len(samples), seq_len), np.float32)
+  for i, s in enumerate(samples):
+    p = len(s.prompt)
+    logp_rollout[i, p - 1:p - 1 + len(s.tokens)] = s.logprobs
+  batch["logp_rollout"] = logp_rollout
+  batch["advantages"] = np.asarray(advantages, np.float32)
+  counts = [len(s.prompt) + len(s.tokens) - 1 for s in samples]
+  out = {k: jnp.asarray(v) for k, v in batch.items()}
+  if guidance:
+    out["guidance"] = guidance_layout.pad_tree(guidance, counts, seq_len)
+  if routing:
+    out["routing"] = {int(k): guidance_layout.pad_routing(v, counts, seq_len)
+                      for k, v in routing.items()}
+  return out

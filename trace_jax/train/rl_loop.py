@@ -1,0 +1,369 @@
+"""SFT warm start and the GRPO loop with rollout-guided FP4 QAT (DESIGN 8).
+
+One RL step: sample prompts (seeded by (seed, step)), roll out G completions each through a
+`RolloutEngine` (in-process by default) that records guidance into the TensorStore guidance
+store under FP4 policies, score rewards, read the guidance back, take one on-policy GRPO step
+(guided rounding at the guided sites under `fp4_trace`), measure the rollout/trainer mismatch,
+sync the weights to the engine, log, and checkpoint. Every random choice is a function of
+(seed, step), so a run killed at any point resumes from its last checkpoint exactly.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from tqdm.auto import tqdm
+
+from trace_jax import model as model_lib
+from trace_jax.io import guidance_store
+from trace_jax.model.config import FP4_POLICIES, ModelConfig
+from trace_jax.quant import guided
+from trace_jax.rl import advantages as adv_lib
+from trace_jax.rl.tasks import get_task
+from trace_jax.rl.tokenizer import BOS_ID, EOS_ID, CharTokenizer
+from trace_jax.rollout import guidance_layout
+from trace_jax.rollout.engine import InProcessEngine, bucket
+from trace_jax.rollout.protocol import RolloutEngine, Sample, SamplingParams
+from trace_jax.train import batch as batch_lib
+from trace_jax.train import step as step_lib
+
+log = logging.getLogger(__name__)
+
+METRIC_KEYS = ("reward", "mean_abs_dlogp", "k3_kl", "max_abs_dp", "flip_rate_guided",
+               "routing_flip_rate", "guidance_bytes_per_token", "loss", "grad_norm",
+               "rollout_tokens_per_s", "train_tokens_per_s", "response_len")
+
+
+# ------------------------------------------------------------------------------ config
+
+def model_config(cfg: ml_collections.ConfigDict, policy: str | None = None) -> ModelConfig:
+  """The ModelConfig of `cfg.model` (a preset name plus field overrides)."""
+  fields = dict(cfg.model)
+  preset = fields.pop("preset", "tiny")
+  if "guided_layers" in fields and fields["guided_layers"] is not None:
+    fields["guided_layers"] = tuple(fields["guided_layers"])
+  if policy is not None:
+    fields["policy"] = policy
+  return getattr(model_lib, preset)(**fields)
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+  """Fails early, with the offending field named, before anything is compiled."""
+  for section in ("model", "task", "sft", "rl"):
+    if section not in cfg:
+      raise ValueError(f"config has no `{section}` section")
+  mc = model_config(cfg)
+  tok = CharTokenizer()
+  if mc.vocab_size < tok.vocab_size:
+    raise ValueError(f"model.vocab_size={mc.vocab_size} is smaller than the tokenizer's "
+                     f"{tok.vocab_size}")
+  for p in cfg.policies:
+    model_config(cfg, p)  # raises on unknown policies / incompatible sizes
+  if cfg.rl.group_size < 2:
+    raise ValueError(f"rl.group_size must be >= 2 for group-normalised advantages, got "
+                     f"{cfg.rl.group_size}")
+  if cfg.rl.is_mode not in ("truncate", "mask", "none"):
+    raise ValueError(f"rl.is_mode must be truncate|mask|none, got {cfg.rl.is_mode!r}")
+  get_task(cfg.task.name, **dict(cfg.task.get("kwargs", {})))
+
+
+def _seed(*parts: int) -> int:
+  """A 31-bit seed from integers (deterministic, order-sensitive)."""
+  return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0]
+             & 0x7FFFFFFF)
+
+
+# ------------------------------------------------------------------------------ task plumbing
+
+@dataclasses.dataclass
+class TaskIO:
+  """A task with the tokenizer: prompts to ids, completions to text and rewards."""
+  task: Any
+  tok: CharTokenizer
+
+  def prompts(self, seed: int, n: int) -> tuple[list[Any], list[list[int]]]:
+    problems = self.task.sample(seed, n)
+    return problems, [[BOS_ID] + list(self.tok.encode(p.prompt)) for p in problems]
+
+  def text(self, tokens: list[int]) -> str:
+    """Completion text; ids past the tokenizer's vocabulary (a larger model vocab) read '?'."""
+    return "".join(self.tok.decode([t]) if t < self.tok.vocab_size else "?"
+                   for t in tokens if t != EOS_ID)
+
+  def rewards(self, problems: list[Any], samples: list[Sample]) -> np.ndarray:
+    return np.asarray([self.task.reward(p, self.text(s.tokens))
+                       for p, s in zip(problems, samples)], np.float32)
+
+
+def make_task_io(cfg: ml_collections.ConfigDict) -> TaskIO:
+  return TaskIO(get_task(cfg.task.name, **dict(cfg.task.get("kwargs", {}))), CharTokenizer())
+
+
+# ------------------------------------------------------------------------------ SFT
+
+def run_sft(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True
+            ) -> tuple[Any, list[dict[str, float]]]:
+  """Supervised warm start on task demonstrations; returns (params, loss history)."""
+  mc = model_config(cfg, "bf16")
+  io = make_task_io(cfg)
+  s = cfg.sft
+  tx = step_lib.make_optimizer(step_lib.OptimConfig(
+      lr=s.lr, warmup_steps=s.warmup_steps, total_steps=s.steps, weight_decay=s.weight_decay))
+  params = model_lib.init_params(mc, jax.random.fold_in(jax.random.key(cfg.seed), 0),
+                                 param_dtype=jnp.float32)
+  state = step_lib.init_state(params, tx)
+  history = []
+  bar = tqdm(range(s.steps), desc="sft", disable=not progress, dynamic_ncols=True)
+  for i in bar:
+    problems, prompts = io.prompts(_seed(cfg.seed, 1, i), s.batch_size)
+    demos = [list(io.tok.encode(io.task.demonstration(p))) + [EOS_ID] for p in problems]
+    b = batch_lib.sequence_batch(prompts, demos, cfg.seq_len)
+    state, m = step_lib.sft_step(state, {k: jnp.asarray(v) for k, v in b.items()}, config=mc,
+                                 tx=tx)
+    if i % 10 == 0 or i == s.steps - 1:
+      loss = float(m["loss"])
+      history.append({"step": i, "loss": loss})
+      bar.set_postfix(loss=f"{loss:.3f}")
+  return state.params, history
+
+
+# ------------------------------------------------------------------------------ evaluation
+
+def evaluate(engine: RolloutEngine, io: TaskIO, cfg: ml_collections.ConfigDict) -> float:
+  """Mean reward of greedy completions on a fixed prompt set (the same for every policy)."""
+  problems, prompts = io.prompts(_seed(cfg.seed, 2), cfg.eval.num_prompts)
+  sp = SamplingParams(max_new_tokens=cfg.rl.max_new_tokens, temperature=0.0,
+                      stop_token_ids=(EOS_ID,), seed=0)
+  return float(np.mean(io.rewards(problems, engine.generate(prompts, sp))))
+
+
+# ------------------------------------------------------------------------------ RL
+
+def _bits_mismatch(a: guided.Guidance, b: guided.Guidance, valid: np.ndarray) -> tuple[int, int]:
+  """Elements whose mantissa bit (compact record) differs, over valid rows."""
+  x = np.unpackbits(np.asarray(a.mantissa), axis=-1, bitorder="little")
+  y = np.unpackbits(np.asarray(b.mantissa), axis=-1, bitorder="little")
+  sel = valid.astype(bool)
+  return int(np.sum(x[sel] != y[sel])), int(x[sel].size)
+
+
+def _checkpointer(path: str, keep: int) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(
+      os.path.abspath(path),
+      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+
+class CSVLog:
+  """Appends one row per step; survives restarts (rows past the resumed step are dropped)."""
+
+  def __init__(self, path: str, resume_step: int):
+    self.path = path
+    rows = []
+    if os.path.exists(path):
+      with open(path) as f:
+        rows = [r for r in csv.DictReader(f) if int(r["step"]) < resume_step]
+    with open(path, "w", newline="") as f:
+      w = csv.DictWriter(f, fieldnames=("step",) + METRIC_KEYS)
+      w.writeheader()
+      w.writerows(rows)
+
+  def write(self, row: dict[str, Any]) -> None:
+    with open(self.path, "a", newline="") as f:
+      csv.DictWriter(f, fieldnames=("step",) + METRIC_KEYS, extrasaction="ignore").writerow(row)
+
+
+def _tb_writer(logdir: str):
+  try:
+    from tensorboardX import SummaryWriter
+  except ImportError:  # pragma: no cover - tensorboardX is a dependency
+    log.warning("tensorboardX not installed: no TensorBoard summaries")
+    return None
+  return SummaryWriter(logdir)
+
+
+def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_params: Any, *,
+           engine_factory: Callable[[Any, ModelConfig, Any], RolloutEngine] | None = None,
+           max_steps: int | None = None, progress: bool = True) -> dict[str, Any]:
+  """GRPO under `policy` from `init_params`; resumes from `workdir`'s last checkpoint.
+
+  engine_factory(params, rollout_config, guidance_writer) -> RolloutEngine (default: the
+  in-process engine). max_steps stops early (to simulate a kill in tests). Returns the run's
+  summary (final/best eval reward, mean mismatch, throughput) and writes metrics.csv,
+  TensorBoard summaries and history.json under workdir.
+  """
+  r = cfg.rl
+  os.makedirs(workdir, exist_ok=True)
+  mc = model_config(cfg, policy)
+  fp4 = policy in FP4_POLICIES
+  guided_layers = tuple(mc.guided_layers) if fp4 else ()
+  io = make_task_io(cfg)
+  tx = step_lib.make_optimizer(step_lib.OptimConfig(
+      lr=r.lr, warmup_steps=r.warmup_steps, total_steps=r.steps, weight_decay=r.weight_decay))
+  rl = step_lib.RLConfig(clip_eps_low=r.clip_eps, clip_eps_high=r.clip_eps, is_mode=r.is_mode,
+                         is_cap=r.is_cap, kl_coef=0.0, aux_loss_coef=r.aux_loss_coef)
+  state = step_lib.init_state(init_params, tx)
+  ckpt = _checkpointer(os.path.join(workdir, "ckpt"), keep=2)
+  history: list[dict[str, Any]] = []
+  evals: list[dict[str, float]] = []
+  start = 0
+  if ckpt.latest_step() is not None:
+    start = int(ckpt.latest_step())
+    restored = ckpt.restore(start, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(state), meta=ocp.args.JsonRestore()))
+    state = restored.state
+    history, evals = restored.meta["history"], restored.meta["evals"]
+    log.info("resumed %s from step %d", workdir, start)
+
+  # Rollout precision: the policy's forward, recording guidance (compact) at the guided
+  # layers under FP4 policies (fp4_rtn records it only to measure flips).
+  writer = None
+  if fp4:
+    gdir = os.path.join(workdir, "guidance")
+    writer = guidance_store.GuidanceWriter(gdir, guidance_store.config_hash(mc),
+                                           options=guidance_store.StoreOptions(fsync=False),
+                                           overwrite=True)
+    reader = guidance_store.GuidanceReader(gdir, guidance_store.config_hash(mc),
+                                           on_missing=r.on_missing_guidance)
+  rollout_cfg = dataclasses.replace(mc, policy="fp4_trace" if fp4 else policy)
+  factory = engine_factory or (lambda p, c, w: InProcessEngine(p, c, guidance_writer=w,
+                                                               record_guidance=fp4))
+  engine = factory(state.params, rollout_cfg, writer)
+  csv_log = CSVLog(os.path.join(workdir, "metrics.csv"), start)
+  tb = _tb_writer(os.path.join(workdir, "tb"))
+  if start == 0 and not evals:
+    evals.append({"step": 0, "reward": evaluate(engine, io, cfg)})
+
+  fallback_batches = 0
+  end = r.steps if max_steps is None else min(r.steps, max_steps)
+  bar = tqdm(range(start, end), desc=policy, disable=not progress, dynamic_ncols=True,
+             initial=start, total=r.steps)
+  for step in bar:
+    problems, prompts = io.prompts(_seed(cfg.seed, 3, step), r.prompts_per_step)
+    problems = [p for p in problems for _ in range(r.group_size)]
+    prompts = [p for p in prompts for _ in range(r.group_size)]
+    sampling = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                               top_p=r.top_p, stop_token_ids=(EOS_ID,),
+                               seed=_seed(cfg.seed, 4, step, i)) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    samples = engine.generate(prompts, sampling)
+    rollout_s = time.perf_counter() - t0
+    rewards = io.rewards(problems, samples)
+    advantages = np.asarray(adv_lib.group_advantages(jnp.asarray(rewards), r.group_size))
+
+    guidance, routing, record = None, None, None
+    if fp4:
+      writer.flush()
+      bid = samples[0].guidance["batch_id"]
+      gb = reader.read(bid, [s.guidance["seq_id"] for s in samples])
+      if np.all(gb.valid):
+        record = gb.guidance
+      else:  # on_missing="fallback": the reader logged and counted it; train this batch RTN
+        log.warning("step %d: guidance batch %s incomplete (%s); RTN for this batch", step,
+                    bid, gb.problems)
+        fallback_batches += 1
+      if policy == "fp4_trace":
+        guidance = record
+      if r.routing_replay and record is not None:
+        routing = gb.routing
+      if not r.keep_guidance:
+        shutil.rmtree(os.path.join(writer.root, bid), ignore_errors=True)
+    batch = batch_lib.rl_batch(samples, advantages, cfg.seq_len, guidance, routing)
+    t1 = time.perf_counter()
+    state, m, taps = step_lib.grpo_step(state, batch, config=mc, tx=tx, rl=rl,
+                                        tap_layers=guided_layers)
+    m = jax.device_get(m)
+    train_s = time.perf_counter() - t1
+    engine.update_weights(state.params)
+
+    row = {"step": step, "reward": float(np.mean(rewards)),
+           "mean_abs_dlogp": float(m["mean_abs_dlogp"]), "k3_kl": float(m["k3_kl"]),
+           "max_abs_dp": float(m["max_abs_dp"]), "loss": float(m["loss"]),
+           "grad_norm": float(m["grad_norm"]),
+           "rollout_tokens_per_s": sum(len(s.tokens) for s in samples) / rollout_s,
+           "train_tokens_per_s": float(np.sum(batch["valid"])) / train_s,
+           "response_len": float(np.mean([len(s.tokens) for s in samples]))}
+    if record is not None:
+      counts = [len(s.prompt) + len(s.tokens) - 1 for s in samples]
+      padded = guidance_layout.pad_tree(record, counts, cfg.seq_len)
+      valid = np.asarray(batch["valid"])
+      flips = tot = 0
+      rflips = rtot = 0
+      gbytes = 0
+      for layer in guided_layers:
+        for site, g in padded[layer].items():
+          v = valid.reshape(valid.shape + (1,) * (np.asarray(g.row_scale).ndim - 3))
+          v = np.broadcast_to(v, np.asarray(g.row_scale).shape[:-1])
+          f, t = _bits_mismatch(taps[layer][site], g, v)
+          flips, tot = flips + f, tot + t
+          gbytes += record[layer][site].nbytes
+        a = np.sort(np.asarray(taps[layer]["routing"]), -1)
+        b = np.sort(np.asarray(guidance_layout.pad_routing(
+            gb.routing[layer], counts, cfg.seq_len)), -1)
+        diff = np.any(a != b, axis=-1)[valid.astype(bool)]
+        rflips, rtot = rflips + int(diff.sum()), rtot + diff.size
+      row["flip_rate_guided"] = flips / max(tot, 1)
+      row["routing_flip_rate"] = rflips / max(rtot, 1)
+      row["guidance_bytes_per_token"] = gbytes / max(sum(counts), 1)
+    history.append(row)
+    csv_log.write(row)
+    if tb is not None:
+      for k, v in row.items():
+        if k != "step":
+          tb.add_scalar(f"{policy}/{k}", v, step)
+    bar.set_postfix(reward=f"{row['reward']:.2f}", dlogp=f"{row['mean_abs_dlogp']:.4f}")
+    done = step + 1
+    if done % cfg.eval.every == 0 or done == r.steps:
+      evals.append({"step": done, "reward": evaluate(engine, io, cfg)})
+    if done % cfg.checkpoint_every == 0 or done == end:
+      ckpt.save(done, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          meta=ocp.args.JsonSave({"history": history, "evals": evals})))
+      ckpt.wait_until_finished()
+  ckpt.close()
+  engine.close()
+  if writer is not None:
+    writer.close()
+  if tb is not None:
+    tb.close()
+  summary = summarize(history, evals)
+  summary["guidance_fallback_batches"] = fallback_batches
+  with open(os.path.join(workdir, "history.json"), "w") as f:
+    json.dump({"history": history, "evals": evals, "summary": summary}, f, indent=1)
+  return {"summary": summary, "history": history, "evals": evals, "params": state.params,
+          "state": state}
+
+
+def summarize(history: list[dict[str, Any]], evals: list[dict[str, float]]) -> dict[str, Any]:
+  """Final/best eval reward and run means of the mismatch and throughput metrics."""
+  def mean(k):
+    vals = [h[k] for h in history if k in h]
+    return float(np.mean(vals)) if vals else None
+  rewards = [e["reward"] for e in evals]
+  return {
+      "start_reward": rewards[0] if rewards else None,
+      "final_reward": rewards[-1] if rewards else None,
+      "best_reward": max(rewards) if rewards else None,
+      "train_reward_first": history[0]["reward"] if history else None,
+      "train_reward_last": history[-1]["reward"] if history else None,
+      **{k: mean(k) for k in ("mean_abs_dlogp", "k3_kl", "max_abs_dp", "flip_rate_guided",
+                              "routing_flip_rate", "guidance_bytes_per_token",
+                              "rollout_tokens_per_s", "train_tokens_per_s")},
+  }
+
+
+def default_seq_len(cfg: ml_collections.ConfigDict) -> int:
+  """Rows per training sequence: the longest prompt bucket plus the completion budget."""
+  return bucket(cfg.max_prompt_len + cfg.rl.max_new_tokens - 1, 16)

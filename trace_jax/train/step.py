@@ -1,0 +1,125 @@
+"""Pure, jitted training steps: GRPO with rollout-guided QAT, and SFT.
+
+State is a `TrainState` pytree (FP32 master params, optax state, step). The forward runs in
+`config.dtype` under `config.policy`; fake quantizers return BF16-rounded cotangents, so the
+gradients flowing between operators are BF16 and only the optimizer sees FP32 (Jet-RL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from trace_jax import model as model_lib
+from trace_jax.model.config import ModelConfig
+from trace_jax.rl import losses
+
+
+@struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """AdamW with linear warmup and cosine decay, global-norm clipping."""
+  lr: float = 1e-3
+  warmup_steps: int = 10
+  total_steps: int = 1000
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.95
+  clip_norm: float = 1.0
+  min_lr_ratio: float = 0.1
+
+
+def make_optimizer(c: OptimConfig) -> optax.GradientTransformation:
+  warmup = max(1, min(c.warmup_steps, c.total_steps - 1))
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=c.lr, warmup_steps=warmup,
+      decay_steps=max(c.total_steps, warmup + 1), end_value=c.lr * c.min_lr_ratio)
+  return optax.chain(optax.clip_by_global_norm(c.clip_norm),
+                     optax.adamw(schedule, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay))
+
+
+def init_state(params: Any, tx: optax.GradientTransformation) -> TrainState:
+  # A copy: the jitted steps donate the state, and callers keep their params (e.g. one SFT
+  # start shared by several policies).
+  params = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True), params)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """GRPO loss settings (DESIGN 8)."""
+  clip_eps_low: float = 0.2
+  clip_eps_high: float = 0.2
+  is_mode: str = "truncate"
+  is_cap: float = 5.0
+  kl_coef: float = 0.0
+  aux_loss_coef: float = 0.001
+
+
+def token_logprobs(params: Any, config: ModelConfig, inputs: jax.Array, targets: jax.Array,
+                   guidance: Any = None, routing: Any = None, tap_layers: tuple[int, ...] = ()
+                   ) -> tuple[jax.Array, Any]:
+  """log pi(targets | inputs) [B, S] in float32 and the forward's output."""
+  out = model_lib.forward(params, config, inputs, guidance=guidance or None,
+                          routing=routing or None, tap_layers=tap_layers)
+  logp = jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], out
+
+
+def _grpo_loss(params, config: ModelConfig, rl: RLConfig, batch: dict[str, Any],
+               tap_layers: tuple[int, ...]):
+  logp, out = token_logprobs(params, config, batch["inputs"], batch["targets"],
+                             batch.get("guidance"), batch.get("routing"), tap_layers)
+  mask = batch["loss_mask"]
+  loss, metrics = losses.ppo_clip_loss(
+      logp, None, batch["advantages"], mask, logp_rollout=batch["logp_rollout"],
+      clip_eps_low=rl.clip_eps_low, clip_eps_high=rl.clip_eps_high, is_mode=rl.is_mode,
+      is_cap=rl.is_cap, logp_ref=batch.get("logp_ref"),
+      kl_coef=rl.kl_coef if "logp_ref" in batch else 0.0)
+  aux = model_lib.aux_loss(out, config, batch["valid"].reshape(-1))
+  loss = loss + rl.aux_loss_coef * aux
+  metrics = dict(metrics, aux_loss=aux)
+  return loss, (metrics, out.taps)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tx", "rl", "tap_layers"),
+                   donate_argnames=("state",))
+def grpo_step(state: TrainState, batch: dict[str, Any], *, config: ModelConfig,
+              tx: optax.GradientTransformation, rl: RLConfig, tap_layers: tuple[int, ...] = ()
+              ) -> tuple[TrainState, dict[str, jax.Array], Any]:
+  """One on-policy GRPO update. Returns (state, metrics, taps of the training forward)."""
+  (loss, (metrics, taps)), grads = jax.value_and_grad(_grpo_loss, has_aux=True)(
+      state.params, config, rl, batch, tap_layers)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics, taps
+
+
+def _sft_loss(params, config: ModelConfig, batch: dict[str, Any]):
+  logp, _ = token_logprobs(params, config, batch["inputs"], batch["targets"])
+  mask = batch["loss_mask"].astype(jnp.float32)
+  return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tx"), donate_argnames=("state",))
+def sft_step(state: TrainState, batch: dict[str, Any], *, config: ModelConfig,
+             tx: optax.GradientTransformation) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One supervised step: mean NLL of the demonstration tokens."""
+  loss, grads = jax.value_and_grad(_sft_loss)(state.params, config, batch)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  return (TrainState(step=state.step + 1, params=params, opt_state=opt_state),
+          {"loss": loss, "grad_norm": optax.global_norm(grads)})
