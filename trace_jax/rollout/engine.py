@@ -31,6 +31,15 @@ log = logging.getLogger(__name__)
 
 _MIN_LEN_BUCKET = 16
 _MAX_STOP_IDS = 8
+_SEED_MOD = 2**32
+
+
+def _next_batch_index(writer: Any) -> int:
+  """Continues after the highest batch id already under the writer's root (restarts)."""
+  if writer is None or not os.path.isdir(writer.root):
+    return 0
+  ids = [int(n[1:]) for n in os.listdir(writer.root) if n[:1] == "b" and n[1:].isdigit()]
+  return max(ids) + 1 if ids else 0
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -116,8 +125,8 @@ class InProcessEngine:
     self.writer = guidance_writer
     self.record = (config.policy == "fp4_trace") if record_guidance is None else record_guidance
     self.max_batch = max_batch
-    self._seed_counter = itertools.count(seed * 1_000_003)
-    self._batch_counter = itertools.count()
+    self._seed_counter = itertools.count((seed * 1_000_003) % _SEED_MOD)
+    self._batch_counter = itertools.count(_next_batch_index(guidance_writer))
     self._lock = threading.Lock()
     self.last_guidance: dict[str, Any] | None = None
     self.weights_version = 0
@@ -140,6 +149,9 @@ class InProcessEngine:
       if bad:
         raise ValueError(f"prompt {i} has token ids outside [0, {self.config.vocab_size}): "
                          f"{bad[:5]}")
+      if len(sampling[i].stop_token_ids) > _MAX_STOP_IDS:
+        raise ValueError(f"request {i}: at most {_MAX_STOP_IDS} stop_token_ids, got "
+                         f"{len(sampling[i].stop_token_ids)}")
       if len(p) + sampling[i].max_new_tokens > self.config.max_position_embeddings:
         raise ValueError(f"prompt {i}: {len(p)} + {sampling[i].max_new_tokens} new tokens "
                          f"exceed max_position_embeddings {self.config.max_position_embeddings}")
@@ -189,12 +201,11 @@ class InProcessEngine:
       lens[i] = len(pr)
     pad = [SamplingParams(max_new_tokens=1)] * (b - n)
     sp = sampling + pad
-    seeds = [s.seed if s.seed is not None else next(self._seed_counter) for s in sp]
+    seeds = [(s.seed if s.seed is not None else next(self._seed_counter)) % _SEED_MOD
+             for s in sp]
     keys = jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
     stop = np.full((b, _MAX_STOP_IDS), -1, np.int32)
     for i, s in enumerate(sp):
-      if len(s.stop_token_ids) > _MAX_STOP_IDS:
-        raise ValueError(f"at most {_MAX_STOP_IDS} stop_token_ids per request")
       stop[i, :len(s.stop_token_ids)] = s.stop_token_ids
     tap_layers = tuple(self.config.guided_layers) if self.record else ()
     gen, logps, n_gen, taps = _generate(
@@ -222,10 +233,11 @@ class InProcessEngine:
     counts = [len(s.prompt) + len(s.tokens) - 1 for s in samples]
     idx_b = np.concatenate([np.full(c, i) for i, c in enumerate(counts)])
     idx_t = np.concatenate([np.arange(c) for c in counts])
+    taps = jax.device_get(taps)  # one transfer; gathering on the host compiles nothing
     guidance, routing = {}, {}
     for layer, sites in taps.items():
       for site, rec in sites.items():
-        rows = jax.tree.map(lambda a: a[idx_b, idx_t], rec)
+        rows = jax.tree.map(lambda a: np.asarray(a)[idx_b, idx_t], rec)
         if site == "routing":
           routing[int(layer)] = rows
         else:

@@ -3,7 +3,8 @@
 Pure functions of float32 logits [B, V] and per-row settings, so one jitted program serves a
 batch of requests with different settings. The returned log-probability is that of the chosen
 token under the unmodified policy (log_softmax of the logits, temperature 1), which is what
-the trainer recomputes and what SGLang reports as `output_token_logprobs`.
+the trainer recomputes. (SGLang reports log_softmax(logits / T) unless started with
+SGLANG_RETURN_ORIGINAL_LOGPROB=1; at temperature 1 the two agree.)
 """
 
 from __future__ import annotations

@@ -206,9 +206,10 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
   """
   r = cfg.rl
   os.makedirs(workdir, exist_ok=True)
-  mc = model_config(cfg, policy)
+  # posthoc_fp4 (the no-QAT baseline): NVFP4 rollout, BF16 training forward.
+  mc = model_config(cfg, "bf16" if policy == "posthoc_fp4" else policy)
   fp4 = policy in FP4_POLICIES
-  guided_layers = tuple(mc.guided_layers) if fp4 else ()
+  guided_layers: tuple[int, ...] = ()
   io = make_task_io(cfg)
   tx = step_lib.make_optimizer(step_lib.OptimConfig(
       lr=r.lr, warmup_steps=r.warmup_steps, total_steps=r.steps, weight_decay=r.weight_decay))
@@ -227,17 +228,20 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
     history, evals = restored.meta["history"], restored.meta["evals"]
     log.info("resumed %s from step %d", workdir, start)
 
-  # Rollout precision: the policy's forward, recording guidance (compact) at the guided
-  # layers under FP4 policies (fp4_rtn records it only to measure flips).
+  # Rollout precision: the policy's forward; under FP4 policies NVFP4 W/A/KV with guidance
+  # (compact) recorded at the guided layers (fp4_rtn and posthoc_fp4 record it only to
+  # measure flips; fp4_trace trains on it).
   writer = None
   if fp4:
+    mc_guided = model_config(cfg, "fp4_trace")
+    guided_layers = tuple(mc_guided.guided_layers)
     gdir = os.path.join(workdir, "guidance")
-    writer = guidance_store.GuidanceWriter(gdir, guidance_store.config_hash(mc),
+    writer = guidance_store.GuidanceWriter(gdir, guidance_store.config_hash(mc_guided),
                                            options=guidance_store.StoreOptions(fsync=False),
                                            overwrite=True)
-    reader = guidance_store.GuidanceReader(gdir, guidance_store.config_hash(mc),
+    reader = guidance_store.GuidanceReader(gdir, guidance_store.config_hash(mc_guided),
                                            on_missing=r.on_missing_guidance)
-  rollout_cfg = dataclasses.replace(mc, policy="fp4_trace" if fp4 else policy)
+  rollout_cfg = mc_guided if fp4 else mc
   factory = engine_factory or (lambda p, c, w: InProcessEngine(p, c, guidance_writer=w,
                                                                record_guidance=fp4))
   engine = factory(state.params, rollout_cfg, writer)
@@ -302,21 +306,25 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
       flips = tot = 0
       rflips = rtot = 0
       gbytes = 0
+      train_fp4 = mc.policy in FP4_POLICIES  # posthoc_fp4 trains in BF16: no codes to flip
       for layer in guided_layers:
-        for site, g in padded[layer].items():
+        for site, g in (padded[layer].items() if train_fp4 else ()):
           v = valid.reshape(valid.shape + (1,) * (np.asarray(g.row_scale).ndim - 3))
           v = np.broadcast_to(v, np.asarray(g.row_scale).shape[:-1])
           f, t = _bits_mismatch(taps[layer][site], g, v)
           flips, tot = flips + f, tot + t
-          gbytes += record[layer][site].nbytes
+        gbytes += sum(g.nbytes for g in record[layer].values())
         a = np.sort(np.asarray(taps[layer]["routing"]), -1)
         b = np.sort(np.asarray(guidance_layout.pad_routing(
             gb.routing[layer], counts, cfg.seq_len)), -1)
         diff = np.any(a != b, axis=-1)[valid.astype(bool)]
         rflips, rtot = rflips + int(diff.sum()), rtot + diff.size
-      row["flip_rate_guided"] = flips / max(tot, 1)
+      if train_fp4:
+        row["flip_rate_guided"] = flips / max(tot, 1)
       row["routing_flip_rate"] = rflips / max(rtot, 1)
-      row["guidance_bytes_per_token"] = gbytes / max(sum(counts), 1)
+      # Only fp4_trace consumes guidance; the other FP4 policies record it just to measure.
+      row["guidance_bytes_per_token"] = (gbytes / max(sum(counts), 1)
+                                         if policy == "fp4_trace" else 0.0)
     history.append(row)
     csv_log.write(row)
     if tb is not None:

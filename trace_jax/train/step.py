@@ -43,8 +43,9 @@ class OptimConfig:
 
 def make_optimizer(c: OptimConfig) -> optax.GradientTransformation:
   warmup = max(1, min(c.warmup_steps, c.total_steps - 1))
+  # Warmup starts at lr / warmup (not 0), so the very first update already moves the weights.
   schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=c.lr, warmup_steps=warmup,
+      init_value=c.lr / warmup, peak_value=c.lr, warmup_steps=warmup,
       decay_steps=max(c.total_steps, warmup + 1), end_value=c.lr * c.min_lr_ratio)
   return optax.chain(optax.clip_by_global_norm(c.clip_norm),
                      optax.adamw(schedule, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay))
@@ -104,7 +105,7 @@ def grpo_step(state: TrainState, batch: dict[str, Any], *, config: ModelConfig,
       state.params, config, rl, batch, tap_layers)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+  metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics, taps
 
 
@@ -122,4 +123,4 @@ def sft_step(state: TrainState, batch: dict[str, Any], *, config: ModelConfig,
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   return (TrainState(step=state.step + 1, params=params, opt_state=opt_state),
-          {"loss": loss, "grad_norm": optax.global_norm(grads)})
+          {"loss": loss, "grad_norm": optax.tree.norm(grads)})

@@ -1,0 +1,265 @@
+"""Serve the embedded rollout engine over SGLang's native HTTP API (`rollout_bridge.server`).
+
+  python -m rollout_bridge.serve --port=30000
+  python -m rollout_bridge.serve --port=30000 --config=path/to/config.py \
+      --guidance_dir=/tmp/guidance --api_key=secret
+
+With no flag but --port it serves the tiny CPU model (`trace_jax.model.tiny()`, policy
+`fp4_trace`, random weights from seed 0) on 127.0.0.1. A config file defines `get_config()`
+returning an ml_collections ConfigDict (or a dict) with any of:
+
+  model:      a preset name ("tiny", "qwen3_30b_a3b") or a dict {"preset": name, **ModelConfig
+              field overrides}
+  policy:     precision policy (default: model.policy, else "fp4_trace"); guided_layers and
+              guidance_mode likewise override the model's
+  checkpoint: an HF safetensors directory (`save_hf_checkpoint`) to serve instead of a random
+              init; its config.json fixes the shapes and the compute dtype
+  seed:       random-init seed (default 0)
+  server:     {max_batch, batch_window_ms, pad_batch, max_prompt_len, max_new_tokens_limit,
+              max_body_mb, request_timeout_s, api_key, guidance_dir, host, port}
+
+pad_batch (default true) pads every engine call to max_batch rows: one compiled program per
+(prompt, new-token) length bucket instead of one per power-of-two batch size as well.
+
+Command-line flags override the config file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from absl import flags
+
+from rollout_bridge.server import RolloutServer, ServerOptions
+from trace_jax.rollout.engine import InProcessEngine
+
+log = logging.getLogger("rollout_bridge.serve")
+
+FLAGS = flags.FlagValues()  # private: importing this module never touches absl's global FLAGS
+flags.DEFINE_integer("port", None, "Port to listen on (0: any free port).", flag_values=FLAGS)
+flags.DEFINE_string("host", None, "Address to bind (default 127.0.0.1; 0.0.0.0 exposes the "
+                    "server to the network: set --api_key).", flag_values=FLAGS)
+flags.DEFINE_string("config", None, "Config .py with get_config() (see the module docstring).",
+                    flag_values=FLAGS)
+flags.DEFINE_string("api_key", None, "Require `Authorization: Bearer <key>` (all but /health).",
+                    flag_values=FLAGS)
+flags.DEFINE_string("guidance_dir", None, "Write each batch's guidance here (TensorStore); the "
+                    "responses say where.", flag_values=FLAGS)
+flags.DEFINE_integer("max_batch", None, "Most prompts per engine call (default 32).",
+                     flag_values=FLAGS)
+flags.DEFINE_float("batch_window_ms", None, "How long to collect requests into a batch "
+                   "(default 10 ms).", flag_values=FLAGS)
+flags.DEFINE_bool("pad_batch", None, "Pad every engine call to max_batch rows, so only one "
+                  "batch shape is compiled (default true; --nopad_batch: power-of-two buckets).",
+                  flag_values=FLAGS)
+flags.DEFINE_bool("warmup", False, "Compile before listening (one dummy batch).",
+                  flag_values=FLAGS)
+
+DEFAULTS: dict[str, Any] = {
+    "model": "tiny", "policy": None, "guided_layers": None, "guidance_mode": None,
+    "checkpoint": None, "seed": 0,
+    "server": {"host": "127.0.0.1", "port": 30000, "max_batch": 32, "batch_window_ms": 10.0,
+               "pad_batch": True, "max_prompt_len": None, "max_new_tokens_limit": None,
+               "max_body_mb": 16, "request_timeout_s": 600.0, "api_key": None,
+               "guidance_dir": None},
+}
+_PRESETS = ("tiny", "qwen3_30b_a3b")
+DEFAULT_POLICY = "fp4_trace"
+_BATCH_DIR = re.compile(r"^b(\d+)$")
+
+
+def _plain(x: Any) -> Any:
+  """ConfigDict / FrozenConfigDict / nested mappings -> plain dicts."""
+  if hasattr(x, "to_dict"):
+    x = x.to_dict()
+  if isinstance(x, dict):
+    return {k: _plain(v) for k, v in x.items()}
+  return x
+
+
+def load_config(path: str | None) -> dict[str, Any]:
+  """DEFAULTS updated with `get_config()` of the file at `path` (None: the defaults)."""
+  cfg = {**DEFAULTS, "server": dict(DEFAULTS["server"])}
+  if path is None:
+    return cfg
+  spec = importlib.util.spec_from_file_location("rollout_serve_config", path)
+  if spec is None or spec.loader is None:
+    raise ValueError(f"cannot load config file {path}")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  if not hasattr(mod, "get_config"):
+    raise ValueError(f"config file {path} defines no get_config()")
+  user = _plain(mod.get_config())
+  if not isinstance(user, dict):
+    raise ValueError(f"get_config() in {path} must return a ConfigDict or dict")
+  unknown = sorted(set(user) - set(DEFAULTS))
+  if unknown:
+    raise ValueError(f"config {path}: unknown keys {unknown}; known: {sorted(DEFAULTS)}")
+  server = user.pop("server", None) or {}
+  bad = sorted(set(server) - set(DEFAULTS["server"]))
+  if bad:
+    raise ValueError(f"config {path}: unknown server keys {bad}; known: "
+                     f"{sorted(DEFAULTS['server'])}")
+  cfg.update(user)
+  cfg["server"].update(server)
+  return cfg
+
+
+def model_config(cfg: dict[str, Any]) -> Any:
+  """The ModelConfig of a random-init model: preset + overrides + policy fields."""
+  from trace_jax.model import config as config_lib
+  spec = cfg["model"]
+  fields = {"preset": spec} if isinstance(spec, str) else dict(spec or {})
+  preset = fields.pop("preset", "tiny")
+  if preset not in _PRESETS:
+    raise ValueError(f"unknown model preset {preset!r}; known: {_PRESETS}")
+  fields.update(_policy_fields(cfg))
+  fields.setdefault("policy", DEFAULT_POLICY)
+  return getattr(config_lib, preset)(**fields)
+
+
+def _policy_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+  out = {k: cfg[k] for k in ("policy", "guidance_mode") if cfg.get(k) is not None}
+  if cfg.get("guided_layers") is not None:
+    out["guided_layers"] = tuple(cfg["guided_layers"])
+  return out
+
+
+class ServingEngine(InProcessEngine):
+  """`InProcessEngine` that gathers each batch's ragged guidance rows on the host.
+
+  The base engine gathers them with eager jax indexing whose shapes depend on the batch's
+  total token count, so nearly every new batch composition compiles ~2 small XLA programs per
+  recorded (layer, site, field): seconds per batch on CPU. Fetching the tap buffers once
+  (`device_get`) and gathering with numpy compiles nothing; the rows and the store are the same.
+  """
+
+  def _emit_guidance(self, samples: list[Any], taps: dict) -> None:
+    super()._emit_guidance(samples, jax.device_get(taps))
+
+
+def _resume_batch_ids(engine: Any, root: str) -> None:
+  """Continues guidance batch ids after those already in `root`.
+
+  The engine numbers batches b000000, b000001, ... from 0 in every process, and the writer
+  refuses to overwrite a batch directory, so a restarted server writing to the same directory
+  would fail its first batch. Work-around on the engine's private counter.
+  """
+  taken = [int(m.group(1)) for d in os.listdir(root) if (m := _BATCH_DIR.match(d))]
+  if taken and hasattr(engine, "_batch_counter"):
+    engine._batch_counter = itertools.count(max(taken) + 1)
+    log.info("guidance dir %s has batches up to b%06d; continuing after them", root, max(taken))
+
+
+def build_engine(cfg: dict[str, Any], guidance_dir: str | None = None
+                 ) -> tuple[ServingEngine, str]:
+  """(engine, model_path label) for a config dict from `load_config`."""
+  if cfg.get("checkpoint"):
+    from trace_jax.io import hf
+    path = os.path.abspath(cfg["checkpoint"])
+    config, params = hf.load_hf_checkpoint(path, **{"policy": DEFAULT_POLICY,
+                                                    **_policy_fields(cfg)})
+    model_path = path
+  else:
+    from trace_jax import model as model_lib
+    config = model_config(cfg)
+    params = model_lib.init_params(config, int(cfg.get("seed") or 0))
+    preset = cfg["model"] if isinstance(cfg["model"], str) else (cfg["model"] or {}).get(
+        "preset", "tiny")
+    model_path = f"random-init:{preset}(seed={int(cfg.get('seed') or 0)})"
+  writer = None
+  if guidance_dir:
+    from trace_jax.io import guidance_store
+    root = os.path.abspath(guidance_dir)
+    writer = guidance_store.GuidanceWriter(root, guidance_store.config_hash(config))
+  max_batch = int(cfg["server"].get("max_batch") or 32)
+  engine = ServingEngine(params, config, guidance_writer=writer, max_batch=max(64, max_batch))
+  if writer is not None:
+    _resume_batch_ids(engine, writer.root)
+  return engine, model_path
+
+
+def server_options(cfg: dict[str, Any], model_path: str) -> ServerOptions:
+  s = cfg["server"]
+  return ServerOptions(
+      max_batch=int(s["max_batch"]), batch_window_s=float(s["batch_window_ms"]) / 1e3,
+      pad_batch_to=int(s["max_batch"]) if s.get("pad_batch") else None,
+      max_body_bytes=int(float(s["max_body_mb"]) * 2**20),
+      max_prompt_len=s.get("max_prompt_len"), max_new_tokens_limit=s.get("max_new_tokens_limit"),
+      request_timeout_s=float(s["request_timeout_s"]), api_key=s.get("api_key") or None,
+      model_path=model_path,
+      extra_info={"guidance_dir": s.get("guidance_dir"), "checkpoint": cfg.get("checkpoint")})
+
+
+def build_server(cfg: dict[str, Any]) -> RolloutServer:
+  """Engine + server (not yet serving) for a config dict; binds the socket."""
+  s = cfg["server"]
+  engine, model_path = build_engine(cfg, s.get("guidance_dir"))
+  return RolloutServer(engine, server_options(cfg, model_path), host=s["host"],
+                       port=int(s["port"]))
+
+
+def _apply_flags(cfg: dict[str, Any]) -> dict[str, Any]:
+  s = cfg["server"]
+  for name, key in (("port", "port"), ("host", "host"), ("api_key", "api_key"),
+                    ("guidance_dir", "guidance_dir"), ("max_batch", "max_batch"),
+                    ("batch_window_ms", "batch_window_ms"), ("pad_batch", "pad_batch")):
+    if FLAGS[name].value is not None:
+      s[key] = FLAGS[name].value
+  return cfg
+
+
+def _warmup(server: RolloutServer) -> None:
+  from trace_jax.rollout.protocol import SamplingParams
+  log.info("warming up (compiling the first batch shape)...")
+  server.engine.generate([[0]], [SamplingParams(max_new_tokens=1, temperature=0.0, seed=0)])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv if argv is None else argv)
+  if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
+    print(__doc__)
+    print(FLAGS.get_help())
+    return 0
+  FLAGS.unparse_flags()
+  FLAGS(argv)
+  logging.basicConfig(level=logging.INFO, force=True,  # replaces absl's root handler
+                      format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  cfg = _apply_flags(load_config(FLAGS.config))
+  server = build_server(cfg)
+  if FLAGS.warmup:
+    _warmup(server)
+
+  def _on_signal(signum: int, _frame: Any) -> None:
+    log.info("signal %d: shutting down", signum)
+    threading.Thread(target=server.httpd.shutdown, daemon=True).start()
+
+  signal.signal(signal.SIGTERM, _on_signal)
+  log.info("serving %s (policy %s) on %s", server.options.model_path,
+           server.engine.config.policy, server.url)
+  try:
+    server.serve_forever()
+  except KeyboardInterrupt:
+    pass
+  finally:
+    server.httpd.server_close()
+    server.batcher.stop()
+    try:
+      server.engine.close()  # flushes pending guidance writes
+    except Exception:
+      log.exception("closing the engine failed (guidance writes may be incomplete)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
