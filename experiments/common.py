@@ -126,6 +126,10 @@ class Tee:
   def isatty(self) -> bool:
     return False
 
+  def close(self) -> None:
+    """Leaves the underlying streams open (loggers may hold this stream until exit)."""
+    self.flush()
+
 
 @contextlib.contextmanager
 def tee_output(log_path: str) -> Iterator[TextIO]:

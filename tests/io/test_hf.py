@@ -166,7 +166,7 @@ _EXPERT = "model.layers.1.mlp.experts.3.down_proj.weight"
     pytest.param(lambda t: t.pop(_EXPERT), f"missing tensor {_EXPERT}", id="missing_tensor"),
     pytest.param(lambda t: t.update({_EXPERT: t[_EXPERT][:, :32].contiguous()}),
                  rf"tensor {_EXPERT} has shape \[128, 32\]", id="misshapen_tensor"),
-    pytest.param(lambda t: t.update({"model.layers.9.mlp.gate.weight": t["lm_head.weight"]}),
+    pytest.param(lambda t: t.update({"model.layers.9.mlp.gate.weight": t["lm_head.weight"] * 1}),
                  "unexpected tensors", id="unexpected_tensor"),
 ])
 def test_load_errors(hf_f32, tmp_path, edit, pattern):

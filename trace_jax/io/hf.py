@@ -17,6 +17,7 @@ everything else BF16. `load_nvfp4_checkpoint` decodes it back bit-exactly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -199,6 +200,11 @@ def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None,
   rules as it is read. `config_overrides` set our own fields (policy, guided_layers, ...).
   """
   config = read_config(path, **config_overrides)
+  with open(os.path.join(path, CONFIG_FILE)) as f:
+    qc = json.load(f).get("quantization_config")
+  if qc:
+    raise CheckpointError(f"{path}: a quantized checkpoint ({qc.get('quant_algo', qc)}); use "
+                          "load_nvfp4_checkpoint for NVFP4")
   reader = st.CheckpointReader(path)
   entries = param_entries(config)
   _check_tensors(reader, entries, path, config)
@@ -284,6 +290,7 @@ def nvfp4_quant_config() -> dict[str, Any]:
           "ignore": list(NVFP4_EXCLUDE)}
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def quantize_experts(config: ModelConfig, gate: jax.Array, up: jax.Array,
                      down: jax.Array) -> dict[str, Any]:
   """NVFP4 of one layer's stacked expert weights, as the forward quantizes them.

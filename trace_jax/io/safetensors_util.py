@@ -142,7 +142,9 @@ def write_file(path: str, tensors: list[LazyTensor], metadata: dict[str, str] | 
   with open(tmp, "wb") as f:
     f.write(head)
     for (name, dt, shape, make), size in zip(tensors, sizes):
-      a = np.ascontiguousarray(make())
+      a = np.asarray(make())  # (ascontiguousarray would make 0-d scalars 1-d)
+      if not a.flags.c_contiguous:
+        a = a.copy(order="C")
       if a.dtype != np.dtype(dt) or tuple(a.shape) != tuple(shape):
         raise ValueError(f"write_file: tensor {name} is {a.dtype} {a.shape}, declared "
                          f"{np.dtype(dt)} {tuple(shape)}")

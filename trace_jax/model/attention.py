@@ -51,8 +51,7 @@ class Attention(nnx.Module):
     v = self.v_proj(xin, prec.linear_weight).reshape(b, s, g, h)
     q = apply_rope(self.q_norm(q), cos, sin)
     k = apply_rope(self.k_norm(k), cos, sin)
-    k = prec.site(layer, "k", k)
-    v = prec.site(layer, "v", v)
+    k, v = prec.kv_site(layer, k, v)
 
     new_cache = None
     if cache is not None:

@@ -60,6 +60,30 @@ class Precision:
 
   # --------------------------------------------------------------------------- activations
 
+  def _guidance(self, layer: int, name: str) -> Guidance | None:
+    if layer in self.config.guided_layers:
+      return self.guidance.get(layer, {}).get(name)
+    return None
+
+  def _quantize(self, x: jax.Array, g: Guidance | None,
+                tap: bool) -> tuple[jax.Array, Guidance | None]:
+    """NVFP4 quantize-dequantize of rows x [..., K] (guided where g is given) and its record.
+
+    Without a tap this is the `qat` operator itself. With a tap, one quantization feeds both
+    the output and the record (the quantizers are costly to compile); its output equals the
+    `qat` operator's bit for bit and has the same straight-through BF16 gradient.
+    """
+    if not tap:
+      if g is not None:
+        return qat.fake_quant_act_guided(x, g), None
+      return (qat.qdq_act(x, "nvfp4").astype(x.dtype) if self.record
+              else qat.fake_quant_act(x, "nvfp4")), None
+    xs = jax.lax.stop_gradient(x)
+    q = (guided.guided_quantize(xs, g) if g is not None
+         else formats.nvfp4_quantize(xs, formats.nvfp4_row_scale(xs)))
+    y = formats.nvfp4_dequantize(q).astype(x.dtype)
+    return (y if self.record else _straight_through(x, y)), guided.record(q, self.tap_mode)
+
   def site(self, layer: int, name: str, x: jax.Array, row_order: jax.Array | None = None,
            tap_shape: tuple[int, ...] | None = None) -> jax.Array:
     """Quantizes activation rows x [..., K] at a TRACE site (identity unless an FP4 policy).
@@ -70,27 +94,30 @@ class Precision:
     """
     if not self.fp4:
       return x
-    g = None
-    if layer in self.config.guided_layers and name in self.guidance.get(layer, {}):
-      g = self.guidance[layer][name]
-      if row_order is not None:
-        g = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[len(tap_shape):])[row_order], g)
-    if g is not None:
-      y = qat.fake_quant_act_guided(x, g)
-    elif self.record:
-      y = qat.qdq_act(x, "nvfp4").astype(x.dtype)
-    else:
-      y = qat.fake_quant_act(x, "nvfp4")
-    if layer in self.tap_layers:
-      xs = jax.lax.stop_gradient(x)
-      q = (guided.guided_quantize(xs, g) if g is not None
-           else formats.nvfp4_quantize(xs, formats.nvfp4_row_scale(xs)))
-      rec = guided.record(q, self.tap_mode)
+    g = self._guidance(layer, name)
+    if g is not None and row_order is not None:
+      g = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[len(tap_shape):])[row_order], g)
+    y, rec = self._quantize(x, g, layer in self.tap_layers)
+    if rec is not None:
       if row_order is not None:
         inv = jnp.argsort(row_order)
         rec = jax.tree.map(lambda a: a[inv].reshape(tap_shape + a.shape[1:]), rec)
       self.taps.setdefault(layer, {})[name] = rec
     return y
+
+  def kv_site(self, layer: int, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sites `k` and `v` ([B, S, G, H], rows per (token, kv head)) quantized in one call."""
+    if not self.fp4:
+      return k, v
+    gk, gv = self._guidance(layer, "k"), self._guidance(layer, "v")
+    if (gk is None) != (gv is None):
+      raise ValueError(f"layer {layer}: guidance for one of k/v only; give both or neither")
+    g = None if gk is None else jax.tree.map(lambda a, b: jnp.stack([a, b]), gk, gv)
+    y, rec = self._quantize(jnp.stack([k, v]), g, layer in self.tap_layers)
+    if rec is not None:
+      taps = self.taps.setdefault(layer, {})
+      taps["k"], taps["v"] = (jax.tree.map(lambda a, i=i: a[i], rec) for i in (0, 1))
+    return y[0], y[1]
 
   def tap(self, layer: int, name: str, value: jax.Array) -> None:
     """Records a non-quantization outcome (e.g. routing ids) for a tapped layer."""
@@ -121,3 +148,20 @@ class Precision:
   def expert_input(self, x: jax.Array) -> jax.Array:
     """FP8 on the expert matmul inputs in fp8_unified (FP4 sites go through `site`)."""
     return self.linear_input(x)
+
+
+@jax.custom_vjp
+def _straight_through(x: jax.Array, y: jax.Array) -> jax.Array:
+  """y in the forward; the cotangent goes to x, rounded to BF16 as `qat` does."""
+  return y
+
+
+def _st_fwd(x, y):
+  return y, jnp.zeros((), x.dtype)
+
+
+def _st_bwd(like, g):
+  return g.astype(qat.GRAD_DTYPE).astype(like.dtype), None
+
+
+_straight_through.defvjp(_st_fwd, _st_bwd)

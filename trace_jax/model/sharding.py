@@ -25,11 +25,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
-# Logical axis -> mesh axes. Weights are sharded over `fsdp` along the model dim, experts over
-# `expert`, heads / expert ffn / vocab over `tensor`; activations' batch over `data` x `fsdp`.
+# Logical axis -> mesh axes. Experts are sharded over `expert`; heads, expert ffn and vocab over
+# `tensor`; the model dim over `fsdp` and, for weights that have no expert axis, also over
+# `expert` (a mesh axis is used once per array, so expert weights take `expert` for E first).
+# Activations' batch is split over data x fsdp x expert.
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
-    "embed": ("fsdp",),
+    "batch": ("data", "fsdp", "expert"),
+    "embed": ("fsdp", "expert"),
     "vocab": ("tensor",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
@@ -117,12 +119,12 @@ def param_shardings(params: Any, mesh: Mesh,
   return jax.tree_util.tree_map_with_path(one, params)
 
 
-def activation_sharding(mesh: Mesh, ndim: int,
+def activation_sharding(mesh: Mesh, shape: Sequence[int],
                         rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES) -> NamedSharding:
-  """Sharding of a [B, ...] activation or token array: batch over data x fsdp."""
-  batch = tuple(m for m in rules["batch"] if mesh.shape[m] > 1)
-  lead = None if not batch else batch[0] if len(batch) == 1 else batch
-  return NamedSharding(mesh, PartitionSpec(lead, *([None] * (ndim - 1))))
+  """Sharding of a [B, ...] activation or token array: batch over the `batch` rule's axes
+  (those that divide B)."""
+  axes = ("batch",) + (None,) * (len(shape) - 1)
+  return NamedSharding(mesh, logical_to_spec(axes, shape, mesh, rules))
 
 
 def shard_params(params: Any, mesh: Mesh,

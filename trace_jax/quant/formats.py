@@ -77,8 +77,11 @@ def _unblock(x: jax.Array) -> jax.Array:
 
 
 def _amax(xb: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Per-block amax over the last axis, and whether the block holds a non-finite value."""
-  return jnp.max(jnp.abs(xb), axis=-1), ~jnp.all(jnp.isfinite(xb), axis=-1)
+  """Per-block amax of the finite values over the last axis, and whether the block holds a
+  non-finite value."""
+  finite = jnp.isfinite(xb)
+  return (jnp.max(jnp.where(finite, jnp.abs(xb), 0.0), axis=-1),
+          ~jnp.all(finite, axis=-1))
 
 
 # ----------------------------------------------------------------------------- E2M1 element
@@ -98,11 +101,19 @@ def e2m1_encode(y: jax.Array) -> jax.Array:
   return sign | mag
 
 
+def e2m1_magnitude(m: jax.Array) -> jax.Array:
+  """float32 grid value of magnitude codes 0..7, elementwise (no table gather, so XLA fuses it).
+
+  Codes 0..4 are m / 2; 5 and 6 are m - 2; 7 is 6.
+  """
+  mf = m.astype(jnp.float32)
+  return jnp.where(m <= 4, mf * np.float32(0.5), jnp.where(m <= 6, mf - 2.0, E2M1_MAX))
+
+
 def e2m1_decode(codes: jax.Array) -> jax.Array:
   """float32 values of E2M1 codes (uint8 0..15)."""
   codes = codes.astype(jnp.int32)
-  grid = jnp.asarray(E2M1_GRID)
-  mag = grid[codes & 7]
+  mag = e2m1_magnitude(codes & 7)
   return jnp.where((codes & 8) != 0, -mag, mag)
 
 
@@ -148,9 +159,10 @@ def nvfp4_tensor_scale(x: jax.Array, axes: tuple[int, ...] | None = None) -> jax
   """
   xf = exact.flush_subnormal(jnp.asarray(x).astype(jnp.float32))
   ax = tuple(range(xf.ndim)) if axes is None else axes
-  amax = jnp.max(jnp.abs(xf), axis=ax, keepdims=True)
-  finite = jnp.isfinite(amax)
-  ts = exact.ieee_div(jnp.maximum(jnp.where(finite, amax, 0.0), AMAX_FLOOR),
+  # Explicit: XLA's max reduction does not promise to propagate NaN.
+  finite = jnp.all(jnp.isfinite(xf), axis=ax, keepdims=True)
+  amax = jnp.max(jnp.where(jnp.isfinite(xf), jnp.abs(xf), 0.0), axis=ax, keepdims=True)
+  ts = exact.ieee_div(jnp.maximum(amax, AMAX_FLOOR),
                       NVFP4_TENSOR_DIVISOR)
   return jnp.where(finite, ts, jnp.float32(np.nan))
 
@@ -260,16 +272,23 @@ def mxfp4_quantize(x: jax.Array, tensor_scale: None = None) -> MXFP4Tensor:
 
 
 def mxfp4_dequantize(q: MXFP4Tensor) -> jax.Array:
-  """float32 values `code_value * 2**scale_exponent`; subnormal results flush to zero."""
+  """float32 values `code_value * 2**scale_exponent`; subnormal results flush to zero.
+
+  Built from exponent and mantissa bits: no float multiplication, so no backend can flush
+  or reassociate an intermediate (code magnitudes are 0.5 * 2**0 or (1 + m/2) * 2**(E - 1)).
+  """
   bits = jax.lax.bitcast_convert_type(q.block_scale, jnp.uint8).astype(jnp.int32)
-  e = jnp.clip(bits - 127, -126, 127)
-  vals = _blocks(e2m1_decode(q.codes), MXFP4_BLOCK)
-  out = vals * exact.exp2i(e)[..., None]
-  # Byte 0 is 2**-127 (not a normal float32): scale by 0.5 first, then by 2**-126.
-  out = jnp.where((bits == 0)[..., None], (vals * np.float32(0.5)) * exact.exp2i(e)[..., None],
-                  out)
-  out = jnp.where((bits == 255)[..., None], jnp.float32(np.nan), out)
-  return _unblock(exact.flush_subnormal(out))
+  e = jnp.repeat(bits - 127, MXFP4_BLOCK, axis=-1)
+  codes = q.codes.astype(jnp.int32)
+  m = codes & 7
+  exp = jnp.where(m == 1, -1, (m >> 1) - 1) + e
+  mant = jnp.where(m >= 2, m & 1, 0)
+  out_bits = ((exp + 127) << 23) | (mant << 22)
+  out = jax.lax.bitcast_convert_type(out_bits, jnp.float32)
+  out = jnp.where(exp > 127, jnp.float32(np.inf), out)
+  out = jnp.where((m == 0) | (exp < -126), jnp.float32(0.0), out)
+  out = jnp.where((codes & 8) != 0, -out, out)
+  return jnp.where(jnp.repeat(bits == 255, MXFP4_BLOCK, axis=-1), jnp.float32(np.nan), out)
 
 
 # ----------------------------------------------------------------------------- FP8 (Jet-RL)

@@ -26,6 +26,7 @@ from trace_jax.quant.formats import (
     _nvfp4_inverse_scale,
     _unblock,
     e2m1_decode,
+    e2m1_magnitude,
     pack_fp4,
     unpack_fp4,
 )
@@ -131,7 +132,7 @@ def _bracket(a: jax.Array) -> tuple[jax.Array, jax.Array]:
   lo = jnp.zeros(a.shape, jnp.uint8)
   for g in E2M1_GRID[1:]:
     lo = lo + (a >= g).astype(jnp.uint8)
-  on_grid = a == jnp.asarray(E2M1_GRID)[lo.astype(jnp.int32)]
+  on_grid = a == e2m1_magnitude(lo)
   hi = jnp.where(on_grid, lo, jnp.minimum(lo + 1, 7)).astype(jnp.uint8)
   return lo, hi
 
@@ -150,10 +151,9 @@ def guided_codes(x: jax.Array, g: Guidance) -> jax.Array:
     mag = jnp.where((lo & 1) == bit, lo, hi)
   else:
     ref = e2m1_decode(unpack_fp4(g.codes))
-    grid = jnp.asarray(E2M1_GRID)
     sgn = jnp.where(exact.sign_bit(z), np.float32(-1.0), np.float32(1.0))
-    d_lo = jnp.abs(sgn * grid[lo.astype(jnp.int32)] - ref)
-    d_hi = jnp.abs(sgn * grid[hi.astype(jnp.int32)] - ref)
+    d_lo = jnp.abs(sgn * e2m1_magnitude(lo) - ref)
+    d_hi = jnp.abs(sgn * e2m1_magnitude(hi) - ref)
     mag = jnp.where(d_lo <= d_hi, lo, hi)
   sign = jnp.where(exact.sign_bit(z), jnp.uint8(8), jnp.uint8(0))
   codes = _canonical_zero(sign | mag)

@@ -1,0 +1,369 @@
+"""Quantize / dequantize throughput of `trace_jax.quant`, against the measured copy bandwidth.
+
+Every op is jitted and timed on one large [rows, K] array (median of `--reps` calls after
+`--warmup`, each call ended by `block_until_ready`). For each op the table gives the time, the
+throughput in GB/s of input bytes read, the GB/s of bytes moved (inputs read + outputs written,
+as the arrays are held: JAX keeps one byte per FP4 code), and that bandwidth as a fraction of a
+plain copy (`jnp.copy`, bytes read + written) measured in the same run (DESIGN 9: ratios side
+by side, and the fraction of the limit reached). Where torch is importable, the torch twin
+(`rollout_bridge.torch_quant`, eager) is timed on the same device for the same ops, and the
+table gives JAX's throughput over torch's. On CPU the twin is slow, so by default it runs on
+the first `--torch_max_elements` elements only (throughput is per element, so the ratio holds).
+
+Default size: 2**28 (256M) elements on GPU, 2**24 (16M) elsewhere. The GPU figures are recorded
+by the lead in docs/benchmarks.md; this script records nothing itself except `--json_out`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import flags
+
+from experiments import common
+
+FLAGS = flags.FlagValues()
+flags.DEFINE_integer("size", 0, "Elements of the input (0: 2**28 on GPU, 2**24 otherwise); "
+                     "rounded down to a multiple of --k.", flag_values=FLAGS)
+flags.DEFINE_integer("k", 4096, "Contraction size (last axis); a multiple of 128.",
+                     flag_values=FLAGS)
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Input dtype.", flag_values=FLAGS)
+flags.DEFINE_integer("reps", 0, "Timed calls per op (0: 20 on GPU, 5 otherwise).",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("warmup", 2, "Untimed calls per op first (compilation, allocation).",
+                     flag_values=FLAGS)
+flags.DEFINE_bool("torch", True, "Also time the torch twin (if torch imports).", flag_values=FLAGS)
+flags.DEFINE_string("torch_device", "", "Torch device ('': cuda when JAX runs on GPU and torch "
+                    "sees CUDA, else cpu).", flag_values=FLAGS)
+flags.DEFINE_integer("torch_reps", 0, "Timed torch calls per op (0: 10 on GPU, 3 otherwise).",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("torch_max_elements", -1, "Time torch on at most this many leading elements "
+                     "(-1: all on GPU, 2**18 on CPU; 0: all).", flag_values=FLAGS)
+flags.DEFINE_list("ops", [], "Ops to run (default: all); the copy reference always runs.",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "PRNG seed of the input.", flag_values=FLAGS)
+flags.DEFINE_string("json_out", "runs/bench_quant/bench.json", "JSON output path ('' = none).",
+                    flag_values=FLAGS)
+
+GPU_SIZE = 2**28
+CPU_SIZE = 2**24
+COPY = "copy"
+
+
+@dataclasses.dataclass
+class Op:
+  """One benchmarked op: a JAX function of named inputs, and optionally its torch twin."""
+  name: str
+  fn: Callable[..., Any]
+  inputs: tuple[str, ...]
+  torch_fn: Callable[..., Any] | None = None
+  note: str = ""
+
+
+def _ops() -> list[Op]:
+  """The benchmarked ops; inputs name arrays built by `_jax_inputs` / `_torch_inputs`."""
+  import jax
+  import jax.numpy as jnp
+
+  from trace_jax import quant
+
+  def fq_fwd_bwd(x, ct):
+    y, vjp = jax.vjp(quant.fake_quant_act, x)
+    return y, vjp(ct)[0]
+
+  def fq_guided_fwd_bwd(x, g, ct):
+    y, vjp = jax.vjp(lambda v: quant.fake_quant_act_guided(v, g), x)
+    return y, vjp(ct)[0]
+
+  try:
+    from rollout_bridge import torch_quant as tq
+  except ImportError:
+    tq = None
+
+  def t(fn_name: str) -> Callable[..., Any] | None:
+    return None if tq is None else getattr(tq, fn_name)
+
+  return [
+      Op(COPY, jnp.copy, ("x",), None if tq is None else lambda x: x.clone(),
+         "reference: bytes read + written"),
+      Op("add_one", lambda x: x + jnp.asarray(1, x.dtype), ("x",),
+         None if tq is None else lambda x: x + 1, "elementwise, same bytes as copy"),
+      Op("nvfp4_quantize_1level", quant.nvfp4_quantize, ("x",), t("nvfp4_quantize")),
+      Op("nvfp4_quantize_2level", lambda x: quant.nvfp4_quantize(x, quant.nvfp4_row_scale(x)),
+         ("x",), None if tq is None else lambda x: tq.nvfp4_quantize(x, tq.nvfp4_row_scale(x)),
+         "per-row second-level scale (activations)"),
+      Op("nvfp4_dequantize", quant.nvfp4_dequantize, ("q_nvfp4",), t("nvfp4_dequantize"),
+         "two-level, float32 out"),
+      Op("mxfp4_quantize", quant.mxfp4_quantize, ("x",), t("mxfp4_quantize")),
+      Op("mxfp4_dequantize", quant.mxfp4_dequantize, ("q_mxfp4",), t("mxfp4_dequantize"),
+         "float32 out"),
+      Op("fp8_quantize_act", quant.fp8_quantize_act, ("x",), t("fp8_quantize_act")),
+      Op("fp8_dequantize", quant.fp8_dequantize, ("q_fp8",), t("fp8_dequantize"), "float32 out"),
+      Op("nvfp4_record_compact", lambda x: quant.quantize_act_record(x, "compact"), ("x",), None,
+         "rollout: quantize-dequantize + compact guidance record"),
+      Op("guided_codes_compact", quant.guided_codes, ("x", "g_compact"), t("guided_codes")),
+      Op("guided_codes_full", quant.guided_codes, ("x", "g_full"), t("guided_codes")),
+      Op("fake_quant_fwd", quant.fake_quant_act, ("x",), None, "NVFP4 RTN qdq, custom_vjp"),
+      Op("fake_quant_fwd_bwd", fq_fwd_bwd, ("x", "ct"), None, "forward + straight-through vjp"),
+      Op("fake_quant_guided_fwd", quant.fake_quant_act_guided, ("x", "g_compact"), None,
+         "compact guidance"),
+      Op("fake_quant_guided_fwd_bwd", fq_guided_fwd_bwd, ("x", "g_compact", "ct"), None),
+      Op("fake_quant_fp8_fwd", lambda x: quant.fake_quant_act(x, "fp8"), ("x",), None,
+         "Jet-RL unified FP8"),
+  ]
+
+
+def _nbytes(tree: Any) -> int:
+  import jax
+  import numpy as np
+
+  return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+             for a in jax.tree.leaves(tree))
+
+
+def _jax_inputs(rows: int, k: int, dtype: str, seed: int, needed: set[str]) -> dict[str, Any]:
+  """The input x (Gaussian rows with log-normal row scales) and what the ops derive from it."""
+  import jax
+  import jax.numpy as jnp
+
+  from trace_jax import quant
+
+  @jax.jit
+  def make(key):
+    kx, kr, kc = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (rows, k), jnp.float32)
+    x = x * jnp.exp(jax.random.normal(kr, (rows, 1), jnp.float32))
+    ct = jax.random.normal(kc, (rows, k), jnp.float32)
+    return x.astype(dtype), ct.astype(jnp.bfloat16)
+
+  x, ct = make(jax.random.key(seed))
+  out: dict[str, Any] = {"x": x}
+  if "ct" in needed:
+    out["ct"] = ct
+  del ct
+  builders = {
+      "q_nvfp4": lambda v: quant.nvfp4_quantize(v, quant.nvfp4_row_scale(v)),
+      "q_mxfp4": quant.mxfp4_quantize,
+      "q_fp8": quant.fp8_quantize_act,
+      "g_compact": lambda v: quant.quantize_act_record(v, "compact")[1],
+      "g_full": lambda v: quant.quantize_act_record(v, "full")[1],
+  }
+  for name, build in builders.items():
+    if name in needed:
+      out[name] = jax.block_until_ready(jax.jit(build)(x))
+  return out
+
+
+def _torch_inputs(x_np: Any, dtype: str, device: str, needed: set[str]) -> dict[str, Any]:
+  """The torch twin's inputs from the same data (first rows of the JAX input)."""
+  import numpy as np
+  import torch
+
+  from rollout_bridge import torch_quant as tq
+
+  tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+  x = torch.from_numpy(np.array(x_np, np.float32)).to(device).to(tdt)
+  out: dict[str, Any] = {"x": x}
+  if needed & {"q_nvfp4", "g_compact", "g_full"}:
+    q = tq.nvfp4_quantize(x, tq.nvfp4_row_scale(x))
+    out["q_nvfp4"] = q
+    out["g_compact"] = tq.guidance_record(q, "compact")
+    out["g_full"] = tq.guidance_record(q, "full")
+  if "q_mxfp4" in needed:
+    out["q_mxfp4"] = tq.mxfp4_quantize(x)
+  if "q_fp8" in needed:
+    out["q_fp8"] = tq.fp8_quantize_act(x)
+  return out
+
+
+def _torch_nbytes(obj: Any) -> int:
+  import torch
+
+  if isinstance(obj, torch.Tensor):
+    return obj.numel() * obj.element_size()
+  if isinstance(obj, dict):
+    return sum(_torch_nbytes(v) for v in obj.values())
+  if isinstance(obj, list | tuple):
+    return sum(_torch_nbytes(v) for v in obj)
+  if dataclasses.is_dataclass(obj):
+    return sum(_torch_nbytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+  return 0
+
+
+def _resolve_torch_device(requested: str, backend: str) -> str | None:
+  try:
+    import torch
+  except ImportError:
+    return None
+  if requested:
+    return requested
+  return "cuda" if backend == "gpu" and torch.cuda.is_available() else "cpu"
+
+
+def run_bench(size: int, k: int, dtype: str, reps: int, warmup: int, use_torch: bool,
+              torch_device: str, torch_reps: int, torch_max_elements: int, ops: Sequence[str],
+              seed: int, json_out: str = "") -> dict[str, Any]:
+  """Times the ops and returns the results dict (also what --json_out holds).
+
+  With json_out, the JAX results are written there (marked partial) before the torch twin
+  runs, so that a run stopped during the slow twin still leaves them.
+  """
+  import jax
+  import numpy as np
+
+  backend = jax.default_backend()
+  on_gpu = backend == "gpu"
+  size = size or (GPU_SIZE if on_gpu else CPU_SIZE)
+  reps = reps or (20 if on_gpu else 5)
+  torch_reps = torch_reps or (10 if on_gpu else 3)
+  if torch_max_elements < 0:
+    torch_max_elements = 0 if on_gpu else 2**18
+  if k % 128:
+    raise ValueError(f"--k must be a multiple of 128, got {k}")
+  rows = max(size // k, 1)
+  all_ops = _ops()
+  known = [o.name for o in all_ops]
+  unknown = sorted(set(ops) - set(known))
+  if unknown:
+    raise ValueError(f"unknown ops {unknown}; known: {known}")
+  selected = [o for o in all_ops if not ops or o.name in ops or o.name == COPY]
+  needed = {i for o in selected for i in o.inputs}
+  dev = common.device_description()
+  res: dict[str, Any] = {
+      **dev, "size": rows * k, "rows": rows, "k": k, "dtype": dtype, "reps": reps,
+      "warmup": warmup, "python": platform.python_version(), "ops": {},
+  }
+  print(f"bench_quant: backend {backend}, device {dev['device_kind']} (x{dev['device_count']}), "
+        f"jax {jax.__version__}; input [{rows}, {k}] {dtype} = {rows * k / 2**20:.0f} Mi elements",
+        flush=True)
+
+  inputs = _jax_inputs(rows, k, dtype, seed, needed)
+  for op in selected:
+    args = tuple(inputs[i] for i in op.inputs)
+    entry: dict[str, Any] = {"inputs": list(op.inputs), "note": op.note}
+    try:
+      fn = jax.jit(op.fn)
+      out_shape = jax.eval_shape(fn, *args)
+      entry["bytes_in"] = _nbytes(args)
+      entry["bytes_out"] = _nbytes(out_shape)
+      med, best = common.median_seconds(lambda fn=fn, args=args: fn(*args),
+                                        jax.block_until_ready, warmup, reps)
+      entry.update(median_ms=1e3 * med, min_ms=1e3 * best,
+                   gbps_in=entry["bytes_in"] / med / 1e9,
+                   gbps_moved=(entry["bytes_in"] + entry["bytes_out"]) / med / 1e9)
+    except Exception as e:  # keep benchmarking the rest; the error goes into the record
+      entry["error"] = f"{type(e).__name__}: {e}"[:500]
+    res["ops"][op.name] = entry
+    print(f"  jax   {op.name:28s} "
+          + (f"{entry['median_ms']:9.3f} ms" if "median_ms" in entry else entry["error"]),
+          flush=True)
+  copy_bw = res["ops"][COPY].get("gbps_moved")
+  res["copy_gbps"] = copy_bw
+  for entry in res["ops"].values():
+    if copy_bw and "gbps_moved" in entry:
+      entry["frac_copy"] = entry["gbps_moved"] / copy_bw
+
+  tdev = _resolve_torch_device(torch_device, backend) if use_torch else None
+  res["torch_device"] = tdev
+  if json_out and tdev is not None:
+    common.write_json(json_out, {**res, "partial": "torch twin not yet timed"})
+  if tdev is not None:
+    t_rows = rows if not torch_max_elements else max(min(rows, torch_max_elements // k), 1)
+    x_np = np.asarray(jax.device_get(inputs["x"][:t_rows].astype(np.float32)))
+    del inputs
+    _bench_torch(res, selected, x_np, dtype, tdev, warmup, torch_reps, needed)
+  return res
+
+
+def _bench_torch(res: dict[str, Any], selected: list[Op], x_np: Any, dtype: str, device: str,
+                 warmup: int, reps: int, needed: set[str]) -> None:
+  """Times the torch twin's ops; fills torch_* fields and JAX-over-torch throughput ratios."""
+  import torch
+
+  res["torch"] = torch.__version__
+  res["torch_device_name"] = (torch.cuda.get_device_name(torch.device(device))
+                              if device.startswith("cuda") else platform.processor() or "cpu")
+  res["torch_rows"] = x_np.shape[0]
+  sync = ((lambda _: torch.cuda.synchronize(torch.device(device)))
+          if device.startswith("cuda") else (lambda _: None))
+  print(f"torch twin: torch {torch.__version__} on {device} ({res['torch_device_name']}), "
+        f"{x_np.shape[0]} rows", flush=True)
+  tin = _torch_inputs(x_np, dtype, device, needed)
+  n = x_np.size
+  for op in selected:
+    entry = res["ops"][op.name]
+    if op.torch_fn is None or "median_ms" not in entry:
+      continue
+    args = tuple(tin[i] for i in op.inputs)
+    try:
+      if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(torch.device(device))
+      with torch.inference_mode():
+        med, best = common.median_seconds(lambda f=op.torch_fn, a=args: f(*a), sync, warmup,
+                                          reps)
+      entry.update(torch_median_ms=1e3 * med, torch_min_ms=1e3 * best,
+                   torch_gbps_in=_torch_nbytes(args) / med / 1e9)
+      if device.startswith("cuda"):
+        entry["torch_peak_gb"] = torch.cuda.max_memory_allocated(torch.device(device)) / 1e9
+      # Throughput ratio per element: JAX and torch may have run on different sizes (CPU).
+      jax_per_elem = entry["median_ms"] / res["size"]
+      entry["jax_over_torch"] = (entry["torch_median_ms"] / n) / jax_per_elem
+    except Exception as e:  # e.g. out of memory: record and go on
+      entry["torch_error"] = f"{type(e).__name__}: {e}"[:500]
+    finally:
+      if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    print(f"  torch {op.name:28s} "
+          + (f"{entry['torch_median_ms']:9.3f} ms" if "torch_median_ms" in entry
+             else entry["torch_error"]), flush=True)
+
+
+def format_bench(res: dict[str, Any]) -> str:
+  """The results as an aligned table."""
+  head = ["op", "median ms", "GB/s in", "GB/s moved", "of copy", "torch ms", "jax/torch"]
+  rows = []
+  for name, e in res["ops"].items():
+    if "median_ms" not in e:
+      rows.append([name, "error", "-", "-", "-", "-", "-"])
+      continue
+    rows.append([
+        name, f"{e['median_ms']:.3f}", f"{e['gbps_in']:.1f}", f"{e['gbps_moved']:.1f}",
+        f"{100 * e['frac_copy']:.0f}%" if "frac_copy" in e else "-",
+        f"{e['torch_median_ms']:.3f}" if "torch_median_ms" in e else "-",
+        f"{e['jax_over_torch']:.2f}x" if "jax_over_torch" in e else "-",
+    ])
+  torch_note = ("torch twin not timed" if not res.get("torch_device") else
+                f"torch on {res['torch_device']} ({res.get('torch_device_name')}), "
+                f"{res.get('torch_rows')} of {res['rows']} rows; jax/torch = throughput ratio")
+  lines = [
+      f"bench_quant on {res['backend']} ({res['device_kind']}): [{res['rows']}, {res['k']}] "
+      f"{res['dtype']}, median of {res['reps']} after {res['warmup']} warm-up",
+      f"copy bandwidth (read + write): "
+      f"{res['copy_gbps'] or float('nan'):.1f} GB/s; {torch_note}",
+      common.format_table(head, rows),
+  ]
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> dict[str, Any] | None:
+  """Parses argv (argv[0] is the program name), benchmarks, prints and writes the JSON."""
+  if not common.parse_flags(FLAGS, argv):
+    return None
+  common.set_gpu_memory_env()
+  res = run_bench(FLAGS.size, FLAGS.k, FLAGS.dtype, FLAGS.reps, FLAGS.warmup, FLAGS.torch,
+                  FLAGS.torch_device, FLAGS.torch_reps, FLAGS.torch_max_elements, FLAGS.ops,
+                  FLAGS.seed, FLAGS.json_out)
+  res["flags"] = common.flag_dict(FLAGS)
+  print(format_bench(res))
+  common.write_json(FLAGS.json_out, res)
+  if FLAGS.json_out:
+    print(f"wrote {FLAGS.json_out}")
+  return res
+
+
+if __name__ == "__main__":
+  main(sys.argv)

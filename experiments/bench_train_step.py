@@ -1,0 +1,80 @@
+r"""Times forward+backward of the model per precision policy, side by side in one run.
+
+  python -m experiments.bench_train_step                     # tiny CPU smoke run
+  python -m experiments.bench_train_step --preset=bench_gpu  # matmul-dominated size (H200)
+
+Prints each policy's median step time and its ratio to `bf16`. `fp4_trace` runs with
+guidance recorded by a rollout-side (record=True) forward of the same batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from trace_jax import model as M
+
+_PRESET = flags.DEFINE_enum("preset", "tiny", ["tiny", "bench_gpu"], "model size")
+_POLICIES = flags.DEFINE_list("policies", ["bf16", "fp8_unified", "fp4_rtn", "fp4_trace"],
+                              "policies to time")
+_BATCH = flags.DEFINE_integer("batch", None, "batch size (default per preset)")
+_SEQ = flags.DEFINE_integer("seq", None, "sequence length (default per preset)")
+_STEPS = flags.DEFINE_integer("steps", 5, "timed steps per policy")
+
+
+def _config(preset: str) -> tuple[M.ModelConfig, int, int]:
+  if preset == "tiny":
+    return M.tiny(num_hidden_layers=2, moe_intermediate_size=128, head_dim=64), 2, 64
+  # Qwen3-30B-A3B layer width, fewer layers: matmuls dominate at this batch.
+  return M.qwen3_30b_a3b(num_hidden_layers=4, dtype="bfloat16"), 8, 2048
+
+
+def _loss(params, config, tokens, guidance):
+  out = M.forward(params, config, tokens, guidance=guidance)
+  logp = jax.nn.log_softmax(out.logits[:, :-1].astype(jnp.float32))
+  nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)
+  return jnp.mean(nll) + config.router_aux_loss_coef * M.aux_loss(out, config)
+
+
+def _time(fn, *args, steps: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile
+  times = []
+  for _ in range(steps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return float(np.median(times))
+
+
+def main(argv):
+  del argv
+  base, batch, seq = _config(_PRESET.value)
+  batch, seq = _BATCH.value or batch, _SEQ.value or seq
+  params = M.init_params(base, 0, param_dtype="float32")
+  tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, base.vocab_size)
+  results = {}
+  for policy in _POLICIES.value:
+    config = base.replace(policy=policy)
+    guidance = None
+    if policy == "fp4_trace":
+      taps = jax.jit(lambda p, t, c=config: M.forward(p, c, t, tap_layers=c.guided_layers,
+                                                       record=True).taps)(params, tokens)
+      guidance = {i: {s: taps[i][s] for s in M.SITES} for i in config.guided_layers}
+    step = jax.jit(jax.value_and_grad(functools.partial(_loss, config=config)))
+    results[policy] = _time(lambda p, t, g, f=step: f(p, tokens=t, guidance=g), params, tokens,
+                            guidance, steps=_STEPS.value)
+  ref = results.get("bf16")
+  print(f"device: {jax.devices()[0].device_kind}  batch {batch} x seq {seq}  "
+        f"layers {base.num_hidden_layers}  hidden {base.hidden_size}")
+  for policy, t in results.items():
+    rel = f"{t / ref:.2f}x bf16" if ref else ""
+    print(f"  {policy:12s} {t * 1e3:9.2f} ms/step  {rel}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,250 @@
+"""Guided rounding (DESIGN 3.5) properties with hypothesis, flip rates and byte accounting.
+
+The rollout quantizes x_rollout (NVFP4, per-row two-level) and records guidance; training
+rounds x_train with the rollout's scales. The bracketing grid points, RTN with the rollout's
+scales and all distances are recomputed here in numpy (IEEE float32 + ml_dtypes).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import cases
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import trace_jax.quant as quant
+from trace_jax.quant import guided
+
+F32 = cases.F32
+GRID = cases.E2M1_GRID
+GRID16 = np.concatenate([GRID, -GRID])
+SHAPE = (64, 256)  # one shape for every example and the flip-rate test: one compile
+
+
+@functools.cache
+def _program() -> Callable:
+  def run(x_r, x_t):
+    q = quant.nvfp4_quantize(x_r, quant.nvfp4_row_scale(x_r))
+    gc, gf = quant.record(q, "compact"), quant.record(q, "full")
+    own = quant.nvfp4_quantize(x_t, quant.nvfp4_row_scale(x_t))
+    return {"rollout": q.codes, "block_scale": q.block_scale, "row_scale": q.tensor_scale,
+            "compact": quant.guided_codes(x_t, gc), "full": quant.guided_codes(x_t, gf),
+            "own_rtn": own.codes, "mantissa": gc.mantissa, "packed": gf.codes,
+            "nbytes_compact": jnp.int32(gc.nbytes), "nbytes_full": jnp.int32(gf.nbytes)}
+
+  return jax.jit(run)
+
+
+def _run(x_r: np.ndarray, x_t: np.ndarray) -> dict[str, np.ndarray]:
+  out = _program()(jnp.asarray(x_r, jnp.float32), jnp.asarray(x_t, jnp.float32))
+  return {k: cases.to_numpy(v) for k, v in out.items()}
+
+
+def _analysis(r: dict, x_t: np.ndarray) -> dict[str, np.ndarray]:
+  """z_train with the rollout's scales, its bracket, RTN code, and the neighbour condition."""
+  with np.errstate(all="ignore"):
+    bs = r["block_scale"].view(cases.E4M3).astype(F32)
+    inv = (F32(1) / r["row_scale"]) / bs
+    xt = np.where(np.abs(x_t) < 2.0**-126, np.copysign(F32(0), x_t), x_t).astype(F32)
+    z = np.clip(xt.reshape(bs.shape + (16,)) * inv[..., None], F32(-6), F32(6)).reshape(x_t.shape)
+  a = np.abs(z).astype(np.float64)
+  lo = np.searchsorted(GRID, a, side="right") - 1
+  hi = np.where(GRID[lo] == a, lo, np.minimum(lo + 1, 7))
+  sgn = np.where(np.signbit(z), -1.0, 1.0)
+  rtn = z.astype(cases.E2M1).view(np.uint8) & 0xF
+  rtn = np.where(rtn == 8, 0, rtn).astype(np.uint8)
+  c = GRID16[r["rollout"]]
+  neighbour = (c == sgn * GRID[lo]) | (c == sgn * GRID[hi])
+  return {"z": z, "rtn": rtn, "neighbour": neighbour}
+
+
+def _values(codes: np.ndarray) -> np.ndarray:
+  return GRID16[codes.astype(np.int64)]
+
+
+def _first_bad(mask: np.ndarray, **arrays: np.ndarray) -> str:
+  idx = tuple(np.argwhere(mask)[0])
+  return ", ".join(f"{k}={cases.hexs(np.asarray(v)[idx])}" for k, v in arrays.items()) + \
+      f" at {idx} ({int(mask.sum())} such elements)"
+
+
+@st.composite
+def _rollout_input(draw) -> np.ndarray:
+  """[64, 256] float32: row magnitudes around 2**e (e in -20..20, spread over up to 20
+  binades), elements spread over up to 20 binades within rows, optional zeros, and optionally
+  values snapped to E2M1 grid points / midpoints of a power-of-two scale."""
+  rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+  base = draw(st.floats(-20, 20))
+  row_spread = draw(st.sampled_from([0.0, 4.0, 20.0]))
+  spread = draw(st.sampled_from([0.0, 1.0, 4.0, 20.0]))
+  row_e = base - rng.uniform(0, row_spread, (SHAPE[0], 1))
+  x = rng.standard_normal(SHAPE) * np.exp2(np.clip(row_e - rng.uniform(0, spread, SHAPE), -20, 20))
+  if draw(st.booleans()):
+    pts = np.concatenate([GRID, cases.E2M1_MIDPOINTS]) * 2.0 ** draw(st.integers(-10, 10))
+    snap = rng.random(SHAPE) < 0.5
+    x = np.where(snap, rng.choice(pts, SHAPE) * np.sign(x), x)
+  x = np.where(rng.random(SHAPE) < draw(st.sampled_from([0.0, 0.1])), 0.0, x)
+  return x.astype(F32)
+
+
+def _drift(x: np.ndarray, rel: float, seed: int) -> np.ndarray:
+  return cases.drift(x, rel, seed)
+
+
+HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@HYP
+@given(x_r=_rollout_input(), rel=st.floats(0.0, 3e-3), seed=st.integers(0, 2**32 - 1))
+def test_small_drift_reproduces_rollout_codes(x_r: np.ndarray, rel: float, seed: int) -> None:
+  """x_train = x_rollout * (1 + eps), |eps| <= ~3e-3 * 5 sigma: every rollout code is one of
+  the two grid neighbours of z_train, and the guided code equals it (compact and full)."""
+  x_t = (x_r.astype(np.float64) * (1 + np.clip(rel * np.random.default_rng(seed).standard_normal(
+      SHAPE), -0.015, 0.015))).astype(F32)
+  r = _run(x_r, x_t)
+  an = _analysis(r, x_t)
+  assert an["neighbour"].all(), "rollout code not a neighbour: " + _first_bad(
+      ~an["neighbour"], x_r=x_r, x_t=x_t, z=an["z"], rollout=r["rollout"])
+  for mode in ("compact", "full"):
+    bad = r[mode] != r["rollout"]
+    assert not bad.any(), f"{mode}: " + _first_bad(bad, x_r=x_r, x_t=x_t, z=an["z"],
+                                                    rollout=r["rollout"], guided=r[mode])
+
+
+@HYP
+@given(x_r=_rollout_input(), rel=st.sampled_from([0.01, 0.1, 0.5, 2.0]),
+       seed=st.integers(0, 2**32 - 1))
+def test_any_drift_neighbour_and_distance(x_r: np.ndarray, rel: float, seed: int) -> None:
+  """Any drift (sign flips included): wherever the rollout code is a neighbour of z_train the
+  guided code is the rollout code (both modes), and full-mode guided rounding is never farther
+  (in value) from the rollout code than RTN with the rollout's scales."""
+  x_t = _drift(x_r, rel, seed)
+  r = _run(x_r, x_t)
+  an = _analysis(r, x_t)
+  for mode in ("compact", "full"):
+    bad = an["neighbour"] & (r[mode] != r["rollout"])
+    assert not bad.any(), f"{mode}: " + _first_bad(bad, x_t=x_t, z=an["z"], rollout=r["rollout"],
+                                                    guided=r[mode])
+  c = _values(r["rollout"])
+  d_guided = np.abs(_values(r["full"]) - c)
+  d_rtn = np.abs(_values(an["rtn"]) - c)
+  bad = d_guided > d_rtn
+  assert not bad.any(), "full mode farther than RTN: " + _first_bad(
+      bad, x_t=x_t, z=an["z"], rollout=r["rollout"], guided=r["full"], rtn=an["rtn"])
+  # compact and full differ only where the rollout code is not a neighbour
+  assert np.all((r["compact"] == r["full"]) | ~an["neighbour"])
+
+
+@HYP
+@given(x_r=_rollout_input())
+def test_no_drift_equals_rtn(x_r: np.ndarray) -> None:
+  """x_train == x_rollout: guided codes (both modes) equal RTN, i.e. the rollout's codes,
+  bit for bit, and RTN with the rollout's scales recomputed here."""
+  r = _run(x_r, x_r)
+  an = _analysis(r, x_r)
+  for mode in ("compact", "full"):
+    cases.assert_bits_equal(r[mode], r["rollout"], f"{mode} vs rollout", {"x": x_r})
+  cases.assert_bits_equal(r["own_rtn"], r["rollout"], "own-scale RTN vs rollout", {"x": x_r})
+  cases.assert_bits_equal(an["rtn"], r["rollout"], "numpy RTN vs rollout", {"x": x_r})
+
+
+def test_compact_beyond_one_code_is_outside_the_guarantee() -> None:
+  """The limit of 1-bit guidance (documented in docs/numerics.md): DESIGN 3.5's "never farther
+  than RTN" holds for compact mode only while the rollout code neighbours z_train. Here
+  z_rollout = 3 (code 5, mantissa 1) and z_train = 1.8: compact picks 1.5 (same mantissa bit,
+  distance 1.5) where RTN picks 2 (distance 1); full mode, which knows the code, picks 2."""
+  x_r = np.zeros(SHAPE, F32)
+  x_t = np.zeros(SHAPE, F32)
+  x_r[:, 0], x_t[:, 0] = 6.0, 6.0  # the same rollout and training amax: scales ~1
+  x_r[:, 1], x_t[:, 1] = 3.0, 1.8
+  r = _run(x_r, x_t)
+  an = _analysis(r, x_t)
+  c = _values(r["rollout"])[:, 1]
+  np.testing.assert_array_equal(_values(r["compact"])[:, 1], 1.5)
+  np.testing.assert_array_equal(_values(an["rtn"])[:, 1], 2.0)
+  np.testing.assert_array_equal(c, 3.0)
+  np.testing.assert_array_equal(_values(r["full"])[:, 1], 2.0)
+
+
+# ----------------------------------------------------------------------------- flip rate
+
+@functools.cache
+def _flip_run() -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(14)
+  x_r = rng.standard_normal(SHAPE).astype(F32)
+  x_t = cases.drift(x_r, 1e-3, seed=15)
+  r = {k: cases.to_numpy(v) for k, v in _program()(jnp.asarray(x_r), jnp.asarray(x_t)).items()}
+  return r | {"analysis": _analysis(r, x_t)}
+
+
+def test_flip_rate_rtn_vs_guided() -> None:
+  """64 x 256 normal activations, 1e-3 relative drift: RTN with training's own scales flips
+  codes; guided rounding (both modes) flips none (the drift stays within one code)."""
+  r = _flip_run()
+  rtn_own = int((r["own_rtn"] != r["rollout"]).sum())
+  rtn_rollout_scales = int((r["analysis"]["rtn"] != r["rollout"]).sum())
+  flips = {m: int((r[m] != r["rollout"]).sum()) for m in ("compact", "full")}
+  print(f"\ncode flips of {r['rollout'].size}: RTN own scales {rtn_own}, RTN rollout scales "
+        f"{rtn_rollout_scales}, guided {flips}")
+  assert r["analysis"]["neighbour"].all()
+  assert rtn_own > 0 and rtn_rollout_scales > 0
+  assert flips == {"compact": 0, "full": 0}
+
+
+def test_record_bit_packing() -> None:
+  """Compact: element 8i+j is bit j of byte i of the mantissa bits; full: element 2i is the
+  low nibble of byte i."""
+  r = _flip_run()
+  codes = r["rollout"]
+  bits = (r["mantissa"][..., None] >> np.arange(8, dtype=np.uint8)) & 1
+  np.testing.assert_array_equal(bits.reshape(codes.shape), codes & 1)
+  nib = np.stack([r["packed"] & 0xF, r["packed"] >> 4], axis=-1)
+  np.testing.assert_array_equal(nib.reshape(codes.shape), codes)
+
+
+# ----------------------------------------------------------------------------- bytes
+
+RECORD_SHAPES = [(1, 16), (3, 64), (2, 5, 2048), (7, 4096)]
+
+
+@pytest.mark.parametrize("mode", guided.MODES)
+@pytest.mark.parametrize("shape", RECORD_SHAPES, ids=["x".join(map(str, s)) for s in RECORD_SHAPES])
+def test_nbytes_equals_bytes_per_row(shape: tuple[int, ...], mode: str) -> None:
+  g = jax.eval_shape(lambda v: quant.quantize_act_record(v, mode)[1],
+                     jax.ShapeDtypeStruct(shape, jnp.bfloat16))
+  rows = int(np.prod(shape[:-1]))
+  k = shape[-1]
+  assert g.nbytes == quant.bytes_per_row(k, mode) * rows
+  payload = k // 8 if mode == "compact" else k // 2
+  assert quant.bytes_per_row(k, mode) == payload + k // 16 + 4
+
+
+def test_nbytes_of_a_real_record() -> None:
+  r = _flip_run()
+  assert int(r["nbytes_compact"]) == quant.bytes_per_row(256, "compact") * 64 == 64 * 52
+  assert int(r["nbytes_full"]) == quant.bytes_per_row(256, "full") * 64 == 64 * 148
+
+
+def test_compact_vs_full_caching_budget() -> None:
+  """DESIGN 5 budget at K = 2048 with exact bytes: per site, compact (1 mantissa bit + E4M3
+  scale per 16 + FP32 row scale) is 2.98x smaller than full 4.5-bit caching of the same rows
+  (4-bit codes + scales + the same row scale); guiding only the deeper half of the layers
+  doubles that to 5.96x against full caching of every layer. The 6x of the TRACE paper
+  leaves out the 4-byte row scale that both need."""
+  k = 2048
+  compact = quant.bytes_per_row(k, "compact")
+  full_cache = quant.bytes_per_row(k, "full")
+  assert compact == k // 8 + k // 16 + 4 == 388
+  assert full_cache == k // 2 + k // 16 + 4 == 1156
+  per_site = full_cache / compact
+  whole_model = 2 * per_site  # deeper half of the layers guided, full caching of all
+  print(f"\nK={k}: compact {compact} B/row, full {full_cache} B/row: {per_site:.3f}x per "
+        f"site, {whole_model:.3f}x with half the layers guided")
+  assert 2.97 < per_site < 3.0
+  assert 5.9 < whole_model < 6.0
