@@ -20,7 +20,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from trace_jax.quant import formats, guided
+from trace_jax.quant import exact, formats, guided
 from trace_jax.quant.guided import Guidance
 
 FORMATS = ("nvfp4", "mxfp4", "fp8")
@@ -55,6 +55,18 @@ def qdq_weight(w: jax.Array, fmt: str = "nvfp4") -> jax.Array:
   return formats.fp8_dequantize(formats.fp8_quantize_weight(w))
 
 
+def _round_cotangent(g: jax.Array, dtype: jnp.dtype) -> jax.Array:
+  """g rounded to BF16 precision, in `dtype`.
+
+  For float32 primals the rounding is integer RNE on the bits: an `astype(bf16).astype(f32)`
+  round trip is removed by XLA on GPU (excess precision), which left the gradients unrounded
+  on the H200.
+  """
+  if dtype == jnp.float32:
+    return exact.round_mantissa(g.astype(jnp.float32), 7)
+  return g.astype(GRAD_DTYPE).astype(dtype)
+
+
 def _straight_through(qdq: Callable[..., jax.Array], n_aux: int = 0) -> Callable[..., jax.Array]:
   """Wraps qdq(x, *aux) as a custom_vjp with identity (BF16) gradient for x, none for aux."""
 
@@ -66,7 +78,7 @@ def _straight_through(qdq: Callable[..., jax.Array], n_aux: int = 0) -> Callable
     return op(x, *aux), jnp.zeros((), x.dtype)
 
   def bwd(like, g):
-    return (g.astype(GRAD_DTYPE).astype(like.dtype),) + (None,) * n_aux
+    return (_round_cotangent(g, like.dtype),) + (None,) * n_aux
 
   op.defvjp(fwd, bwd)
   return op

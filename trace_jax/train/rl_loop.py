@@ -160,6 +160,27 @@ def _bits_mismatch(a: guided.Guidance, b: guided.Guidance, valid: np.ndarray) ->
   return int(np.sum(x[sel] != y[sel])), int(x[sel].size)
 
 
+def read_guidance(reader: guidance_store.GuidanceReader, samples: list[Sample]
+                  ) -> guidance_store.GuidanceBatch:
+  """The samples' guidance, rows in sample order, from however many store batches hold it."""
+  groups: dict[str, list[Any]] = {}
+  for s in samples:
+    groups.setdefault(s.guidance["batch_id"], []).append(s.guidance["seq_id"])
+  parts = [reader.read(bid, ids) for bid, ids in groups.items()]
+  if len(parts) == 1:
+    return parts[0]
+  cat = lambda *a: np.concatenate(a, axis=0)
+  first = parts[0]
+  return dataclasses.replace(
+      first, batch_id="+".join(p.batch_id for p in parts),
+      seq_ids=[i for p in parts for i in p.seq_ids],
+      valid=np.concatenate([p.valid for p in parts]),
+      guidance={layer: {site: jax.tree.map(cat, *[p.guidance[layer][site] for p in parts])
+                        for site in first.guidance[layer]} for layer in first.guidance},
+      routing={layer: cat(*[p.routing[layer] for p in parts]) for layer in first.routing},
+      problems=[q for p in parts for q in p.problems])
+
+
 def _checkpointer(path: str, keep: int) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(
       os.path.abspath(path),
@@ -242,8 +263,9 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
     reader = guidance_store.GuidanceReader(gdir, guidance_store.config_hash(mc_guided),
                                            on_missing=r.on_missing_guidance)
   rollout_cfg = mc_guided if fp4 else mc
-  factory = engine_factory or (lambda p, c, w: InProcessEngine(p, c, guidance_writer=w,
-                                                               record_guidance=fp4))
+  batch_rows = max(r.prompts_per_step * r.group_size, cfg.eval.num_prompts)
+  factory = engine_factory or (lambda p, c, w: InProcessEngine(
+      p, c, guidance_writer=w, record_guidance=fp4, max_batch=batch_rows))
   engine = factory(state.params, rollout_cfg, writer)
   csv_log = CSVLog(os.path.join(workdir, "metrics.csv"), start)
   tb = _tb_writer(os.path.join(workdir, "tb"))
@@ -270,20 +292,19 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
     guidance, routing, record = None, None, None
     if fp4:
       writer.flush()
-      bid = samples[0].guidance["batch_id"]
-      gb = reader.read(bid, [s.guidance["seq_id"] for s in samples])
+      gb = read_guidance(reader, samples)
       if np.all(gb.valid):
         record = gb.guidance
       else:  # on_missing="fallback": the reader logged and counted it; train this batch RTN
-        log.warning("step %d: guidance batch %s incomplete (%s); RTN for this batch", step,
-                    bid, gb.problems)
+        log.warning("step %d: guidance incomplete (%s); RTN for this batch", step, gb.problems)
         fallback_batches += 1
       if policy == "fp4_trace":
         guidance = record
       if r.routing_replay and record is not None:
         routing = gb.routing
       if not r.keep_guidance:
-        shutil.rmtree(os.path.join(writer.root, bid), ignore_errors=True)
+        for bid in dict.fromkeys(s.guidance["batch_id"] for s in samples):
+          shutil.rmtree(os.path.join(writer.root, bid), ignore_errors=True)
     batch = batch_lib.rl_batch(samples, advantages, cfg.seq_len, guidance, routing)
     t1 = time.perf_counter()
     state, m, taps = step_lib.grpo_step(state, batch, config=mc, tx=tx, rl=rl,
