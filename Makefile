@@ -16,15 +16,21 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[torch,dev]'
 	touch $(STAMP)
 
+# SGLang 0.5.23's Python classes on CPU torch, --no-deps (tests of the SGLang plugin); no CUDA.
+SGLANG_STAMP := $(VENV)/.sglang-cpu
+$(SGLANG_STAMP): $(STAMP) requirements/sglang-cpu.txt scripts/install_sglang_cpu.sh
+	scripts/install_sglang_cpu.sh $(VENV)
+	touch $@
+
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m experiments.quant_report
+	$(BIN)/python -m experiments.train_rl --config=configs/quickstart.py --workdir=runs/quickstart
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: $(STAMP)
+test: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/ruff check .
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python -m pytest -n 2 -q
 

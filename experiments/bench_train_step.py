@@ -30,9 +30,11 @@ _STEPS = flags.DEFINE_integer("steps", 5, "timed steps per policy")
 def _config(preset: str) -> tuple[M.ModelConfig, int, int]:
   if preset == "tiny":
     return M.tiny(num_hidden_layers=2, moe_intermediate_size=128, head_dim=64), 2, 64
-  # Qwen3-30B-A3B layer width, fewer layers and a 32k vocabulary (the 152k-vocab float32
-  # logits of 16k tokens alone would need 64 GiB): matmuls dominate at this batch.
-  return M.qwen3_30b_a3b(num_hidden_layers=4, vocab_size=32768, dtype="bfloat16"), 4, 2048
+  # Qwen3-30B-A3B layer width with 32 experts, 2 layers and a 32k vocabulary: matmuls
+  # dominate at this batch. (128 experts OOM on the H200: the ragged_dot backward
+  # materialises ~62 GiB at 2048 tokens; 152k-vocab float32 logits alone need 64 GiB at 16k.)
+  return M.qwen3_30b_a3b(num_hidden_layers=2, num_experts=32, vocab_size=32768,
+                         dtype="bfloat16"), 4, 1024
 
 
 def _loss(params, config, tokens, guidance):
