@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from trace_jax.rollout.protocol import Sample, SamplingParams
+from trace_jax.rollout.protocol import Sample, SamplingParams, normalize_request
 
 # Connection-level failures worth retrying: nothing was answered (refused, reset, dropped).
 _RETRYABLE = (ConnectionError, http.client.RemoteDisconnected, http.client.BadStatusLine)
@@ -172,13 +172,9 @@ class HttpRolloutEngine:
   def generate(self, prompts: Sequence[Sequence[int]],
                sampling: SamplingParams | Sequence[SamplingParams]) -> list[Sample]:
     """All prompts in one batched /generate request; one Sample per prompt, in order."""
-    prompts = [[int(t) for t in p] for p in prompts]
+    prompts, sampling = normalize_request(prompts, sampling)
     if not prompts:
       return []
-    if isinstance(sampling, SamplingParams):
-      sampling = [sampling] * len(prompts)
-    if len(sampling) != len(prompts):
-      raise ValueError(f"{len(prompts)} prompts but {len(sampling)} sampling params")
     body = {"input_ids": prompts, "sampling_params": [s.to_sglang() for s in sampling],
             "return_logprob": True}
     out = self._http.request("POST", "/generate", body)

@@ -25,7 +25,7 @@ import numpy as np
 from trace_jax import model as model_lib
 from trace_jax.model.config import ModelConfig
 from trace_jax.rollout import sampling as sampling_lib
-from trace_jax.rollout.protocol import Sample, SamplingParams
+from trace_jax.rollout.protocol import Sample, SamplingParams, normalize_request
 
 log = logging.getLogger(__name__)
 
@@ -135,13 +135,9 @@ class InProcessEngine:
 
   def generate(self, prompts: Sequence[Sequence[int]],
                sampling: SamplingParams | Sequence[SamplingParams]) -> list[Sample]:
-    prompts = [list(map(int, p)) for p in prompts]
+    prompts, sampling = normalize_request(prompts, sampling)
     if not prompts:
       return []
-    if isinstance(sampling, SamplingParams):
-      sampling = [sampling] * len(prompts)
-    if len(sampling) != len(prompts):
-      raise ValueError(f"{len(prompts)} prompts but {len(sampling)} sampling params")
     for i, p in enumerate(prompts):
       if not p:
         raise ValueError(f"prompt {i} is empty")

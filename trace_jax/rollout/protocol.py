@@ -81,6 +81,19 @@ class Sample:
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def normalize_request(prompts: Sequence[Sequence[int]],
+                      sampling: SamplingParams | Sequence[SamplingParams]
+                      ) -> tuple[list[list[int]], list[SamplingParams]]:
+  """Prompts as int lists and one SamplingParams per prompt (a single one is shared)."""
+  prompts = [[int(t) for t in p] for p in prompts]
+  if isinstance(sampling, SamplingParams):
+    sampling = [sampling] * len(prompts)
+  sampling = list(sampling)
+  if len(sampling) != len(prompts):
+    raise ValueError(f"{len(prompts)} prompts but {len(sampling)} sampling params")
+  return prompts, sampling
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
   """What the trainer needs from a rollout server."""
