@@ -24,11 +24,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.sft = ml_collections.ConfigDict(dict(steps=120, batch_size=32, lr=3e-3, warmup_steps=20,
                                          weight_decay=0.0))
   c.rl = ml_collections.ConfigDict(dict(
-      steps=24, prompts_per_step=8, group_size=8, max_new_tokens=16, temperature=1.0,
-      top_p=1.0, lr=5e-4, warmup_steps=3, weight_decay=0.0, clip_eps=0.2, is_mode="truncate",
+      steps=40, prompts_per_step=8, group_size=8, max_new_tokens=16, temperature=1.0,
+      top_p=1.0, lr=1e-4, warmup_steps=3, weight_decay=0.0, clip_eps=0.2, is_mode="truncate",
       is_cap=5.0, aux_loss_coef=0.001, routing_replay=False, on_missing_guidance="error",
       keep_guidance=False))
-  c.eval = ml_collections.ConfigDict(dict(num_prompts=64, every=8))
-  c.checkpoint_every = 8
+  c.eval = ml_collections.ConfigDict(dict(num_prompts=64, every=10))
+  c.checkpoint_every = 10
   c.rollout = ml_collections.ConfigDict(dict(engine="inprocess", url="", api_key=""))
   return c
