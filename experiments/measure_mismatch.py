@@ -33,7 +33,7 @@ from trace_jax.rl import losses
 from trace_jax.rollout import guidance_layout
 from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import SamplingParams
-from trace_jax.train import scoring
+from trace_jax.train import rl_loop, scoring
 
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Where to write the JSON report.",
                                 required=True)
@@ -56,20 +56,16 @@ def tiny_config() -> ModelConfig:
 
 
 def load_config(path: str | None) -> ModelConfig:
+  """The `model` section of a config file (as train_rl reads it), or the tiny default."""
   if path is None:
     return tiny_config()
   import importlib.util
-
-  from ml_collections import config_flags  # noqa: F401  (only for users' config files)
   spec = importlib.util.spec_from_file_location("mismatch_config", path)
   if spec is None or spec.loader is None:
     raise ValueError(f"cannot load config file {path}")
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
-  cfg = mod.get_config()
-  fields = dict(cfg.model) if "model" in cfg else {}
-  preset = fields.pop("preset", "tiny")
-  return getattr(model_lib, preset)(**fields)
+  return rl_loop.model_config(mod.get_config())
 
 
 def _flip_rate(a: np.ndarray, b: np.ndarray) -> float:

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax import model as model_lib
 from trace_jax.model.config import ModelConfig
 from trace_jax.rollout import guidance_layout
 from trace_jax.rollout.engine import bucket
+from trace_jax.train import step as step_lib
 
 _MIN_SEQ_BUCKET = 16
 
@@ -44,10 +44,9 @@ def pack_sequences(sequences: Sequence[Sequence[int]], seq_len: int | None = Non
 @functools.partial(jax.jit, static_argnames=("config", "tap_layers", "tap_mode"))
 def _score(params, config: ModelConfig, inputs, targets, guidance, routing, *,
            tap_layers: tuple[int, ...], tap_mode: str | None):
-  out = model_lib.forward(params, config, inputs, guidance=guidance or None,
-                          routing=routing or None, tap_layers=tap_layers, tap_mode=tap_mode)
-  logp = jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1)
-  return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], out.taps
+  logp, out = step_lib.token_logprobs(params, config, inputs, targets, guidance, routing,
+                                      tap_layers, tap_mode)
+  return logp, out.taps
 
 
 def score(params: Any, config: ModelConfig, sequences: Sequence[Sequence[int]], *,

@@ -70,11 +70,11 @@ class RLConfig:
 
 
 def token_logprobs(params: Any, config: ModelConfig, inputs: jax.Array, targets: jax.Array,
-                   guidance: Any = None, routing: Any = None, tap_layers: tuple[int, ...] = ()
-                   ) -> tuple[jax.Array, Any]:
+                   guidance: Any = None, routing: Any = None, tap_layers: tuple[int, ...] = (),
+                   tap_mode: str | None = None) -> tuple[jax.Array, Any]:
   """log pi(targets | inputs) [B, S] in float32 and the forward's output."""
   out = model_lib.forward(params, config, inputs, guidance=guidance or None,
-                          routing=routing or None, tap_layers=tap_layers)
+                          routing=routing or None, tap_layers=tap_layers, tap_mode=tap_mode)
   logp = jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1)
   return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], out
 
