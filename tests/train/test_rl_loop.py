@@ -62,6 +62,7 @@ def test_one_rl_step(policy, start_params, tmp_path):
 
 def test_resume_after_kill_is_bitwise_identical(start_params, tmp_path):
   cfg = tiny_cfg()
+  cfg.eval.every = 1  # an evals.csv row per step (same engine bucket: no extra compile)
   full = rl_loop.run_rl(cfg, str(tmp_path / "full"), "fp4_trace", start_params,
                         progress=False)
   rl_loop.run_rl(cfg, str(tmp_path / "killed"), "fp4_trace", start_params, max_steps=2,
@@ -70,9 +71,14 @@ def test_resume_after_kill_is_bitwise_identical(start_params, tmp_path):
                            progress=False)
   for a, b in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(resumed["state"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  strip = lambda h: [{k: v for k, v in r.items() if not k.endswith("_per_s")} for r in h]
+  strip = lambda h: [{k: v for k, v in r.items() if k not in rl_loop.TIMING_KEYS} for r in h]
   assert strip(full["history"]) == strip(resumed["history"])
   assert full["evals"] == resumed["evals"]
+  assert [e["step"] for e in full["evals"]] == [0, 1, 2, 3]
+  # The CSVs of the killed-and-resumed run hold each step and eval once, as the full run's.
+  rows, evals = rl_loop.read_curves(str(tmp_path / "killed"))
+  assert strip(rows) == strip(full["history"])
+  assert evals == full["evals"]
 
 
 @pytest.mark.parametrize("field,value,match", [

@@ -44,7 +44,9 @@ log = logging.getLogger(__name__)
 
 METRIC_KEYS = ("reward", "mean_abs_dlogp", "k3_kl", "max_abs_dp", "flip_rate_guided",
                "routing_flip_rate", "guidance_bytes_per_token", "loss", "grad_norm",
-               "rollout_tokens_per_s", "train_tokens_per_s", "response_len")
+               "rollout_tokens_per_s", "train_tokens_per_s", "response_len", "step_s")
+# Wall-clock figures: they differ between otherwise identical runs (resume tests skip them).
+TIMING_KEYS = ("rollout_tokens_per_s", "train_tokens_per_s", "step_s")
 
 
 # ------------------------------------------------------------------------------ config
@@ -188,22 +190,37 @@ def _checkpointer(path: str, keep: int) -> ocp.CheckpointManager:
 
 
 class CSVLog:
-  """Appends one row per step; survives restarts (rows past the resumed step are dropped)."""
+  """Appends one row per line; survives restarts (rows at or past `keep_below` are dropped)."""
 
-  def __init__(self, path: str, resume_step: int):
-    self.path = path
+  def __init__(self, path: str, fields: tuple[str, ...], keep_below: int):
+    self.path, self.fields = path, ("step",) + tuple(fields)
     rows = []
     if os.path.exists(path):
       with open(path) as f:
-        rows = [r for r in csv.DictReader(f) if int(r["step"]) < resume_step]
+        rows = [r for r in csv.DictReader(f) if int(r["step"]) < keep_below]
     with open(path, "w", newline="") as f:
-      w = csv.DictWriter(f, fieldnames=("step",) + METRIC_KEYS)
+      w = csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore")
       w.writeheader()
       w.writerows(rows)
 
   def write(self, row: dict[str, Any]) -> None:
     with open(self.path, "a", newline="") as f:
-      csv.DictWriter(f, fieldnames=("step",) + METRIC_KEYS, extrasaction="ignore").writerow(row)
+      csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore").writerow(row)
+
+
+def read_curves(run_dir: str) -> tuple[list[dict[str, Any]], list[dict[str, float]]]:
+  """(per-step metrics, evals) from a run's metrics.csv and evals.csv; empty if absent.
+
+  Numbers come back as floats (step as int), empty cells as None.
+  """
+  def load(name: str) -> list[dict[str, Any]]:
+    path = os.path.join(run_dir, name)
+    if not os.path.exists(path):
+      return []
+    with open(path) as f:
+      return [{k: int(v) if k == "step" else (float(v) if v != "" else None)
+               for k, v in r.items()} for r in csv.DictReader(f)]
+  return load("metrics.csv"), load("evals.csv")
 
 
 def _tb_writer(logdir: str):
@@ -267,10 +284,21 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
   factory = engine_factory or (lambda p, c, w: InProcessEngine(
       p, c, guidance_writer=w, record_guidance=fp4, max_batch=batch_rows))
   engine = factory(state.params, rollout_cfg, writer)
-  csv_log = CSVLog(os.path.join(workdir, "metrics.csv"), start)
   tb = _tb_writer(os.path.join(workdir, "tb"))
+  # Both CSVs keep exactly the rows the restored checkpoint holds (row k of metrics.csv is
+  # step k; a row of evals.csv is the greedy eval after `step` steps).
+  csv_log = CSVLog(os.path.join(workdir, "metrics.csv"), METRIC_KEYS, keep_below=start)
+  eval_log = CSVLog(os.path.join(workdir, "evals.csv"), ("reward",),
+                    keep_below=max((e["step"] + 1 for e in evals), default=0))
+
+  def run_eval(done: int) -> None:
+    evals.append({"step": done, "reward": evaluate(engine, io, cfg)})
+    eval_log.write(evals[-1])
+    if tb is not None:
+      tb.add_scalar(f"{policy}/eval_reward", evals[-1]["reward"], done)
+
   if start == 0 and not evals:
-    evals.append({"step": 0, "reward": evaluate(engine, io, cfg)})
+    run_eval(0)
 
   fallback_batches = 0
   end = r.steps if max_steps is None else min(r.steps, max_steps)
@@ -283,7 +311,7 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
     sampling = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                top_p=r.top_p, stop_token_ids=(EOS_ID,),
                                seed=_seed(cfg.seed, 4, step, i)) for i in range(len(prompts))]
-    t0 = time.perf_counter()
+    t_step = t0 = time.perf_counter()
     samples = engine.generate(prompts, sampling)
     rollout_s = time.perf_counter() - t0
     rewards = io.rewards(problems, samples)
@@ -346,6 +374,7 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
       # Only fp4_trace consumes guidance; the other FP4 policies record it just to measure.
       row["guidance_bytes_per_token"] = (gbytes / max(sum(counts), 1)
                                          if policy == "fp4_trace" else 0.0)
+    row["step_s"] = time.perf_counter() - t_step  # rollout, guidance, train step, metrics
     history.append(row)
     csv_log.write(row)
     if tb is not None:
@@ -355,7 +384,7 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
     bar.set_postfix(reward=f"{row['reward']:.2f}", dlogp=f"{row['mean_abs_dlogp']:.4f}")
     done = step + 1
     if done % cfg.eval.every == 0 or done == r.steps:
-      evals.append({"step": done, "reward": evaluate(engine, io, cfg)})
+      run_eval(done)
     if done % cfg.checkpoint_every == 0 or done == end:
       ckpt.save(done, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),

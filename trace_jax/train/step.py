@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
@@ -52,10 +53,30 @@ def make_optimizer(c: OptimConfig) -> optax.GradientTransformation:
 
 
 def init_state(params: Any, tx: optax.GradientTransformation) -> TrainState:
-  # A copy: the jitted steps donate the state, and callers keep their params (e.g. one SFT
-  # start shared by several policies).
+  """FP32 master copy of params (callers keep theirs: the steps donate the state) + optimizer.
+
+  Counters made here are uncommitted while restored or sharded params are committed, and jit
+  keys its cache on that: the first step's outputs (all committed) would then compile the step
+  a second time. So every leaf is placed like the params.
+  """
   params = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True), params)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+  placed = [a for a in jax.tree.leaves(params) if getattr(a, "committed", False)]
+  if not placed:
+    return state
+  replicated = _replicated(placed[0].sharding)
+  return jax.tree.map(lambda a: a if a.committed else jax.device_put(a, replicated), state)
+
+
+def _replicated(s: jax.sharding.Sharding) -> jax.sharding.Sharding:
+  """A sharding that replicates over the devices of `s`."""
+  if isinstance(s, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
+  devices = sorted(s.device_set, key=lambda d: d.id)
+  if len(devices) == 1:
+    return jax.sharding.SingleDeviceSharding(devices[0])
+  return jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("d",)),
+                                    jax.sharding.PartitionSpec())
 
 
 @dataclasses.dataclass(frozen=True)
