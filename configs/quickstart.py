@@ -13,7 +13,7 @@ def get_config() -> ml_collections.ConfigDict:
       preset="tiny", vocab_size=100, hidden_size=128, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
       num_experts_per_tok=2, moe_intermediate_size=64, dtype="bfloat16",
-      guidance_mode="compact"))
+      guidance_mode="compact", moe_impl="ragged_dot"))
   c.task = ml_collections.ConfigDict(dict(
       name="reasoning",
       kwargs=dict(difficulty=1, min_steps=1, max_steps=1, max_start=9, max_operand=9,

@@ -13,7 +13,8 @@ def get_config() -> ml_collections.ConfigDict:
       preset="tiny", vocab_size=100, hidden_size=512, num_hidden_layers=6,
       num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
       num_experts_per_tok=4, moe_intermediate_size=256, dtype="bfloat16",
-      max_position_embeddings=1024, guidance_mode="compact"))
+      max_position_embeddings=1024, guidance_mode="compact",
+      moe_impl="ragged_dot"))
   c.task.kwargs = dict(difficulty=1)
   c.max_prompt_len = 128
   c.seq_len = 160

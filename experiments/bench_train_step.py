@@ -3,8 +3,11 @@ r"""Times forward+backward of the model per precision policy, side by side in on
   python -m experiments.bench_train_step                     # tiny CPU smoke run
   python -m experiments.bench_train_step --preset=bench_gpu  # matmul-dominated size (H200)
 
-Prints each policy's median step time and its ratio to `bf16`. `fp4_trace` runs with
-guidance recorded by a rollout-side (record=True) forward of the same batch.
+Prints each (MoE grouped-matmul impl, policy)'s median step time, its ratio to the first
+impl's `bf16`, and XLA's temporary-buffer plan for the step. `fp4_trace` runs with guidance
+recorded by a rollout-side (record=True) forward of the same batch.
+
+  python -m experiments.bench_train_step --preset=bench_gpu --moe_impls=ragged_dot,tiled
 """
 
 from __future__ import annotations
@@ -19,20 +22,33 @@ from absl import app, flags
 
 from trace_jax import model as M
 
-_PRESET = flags.DEFINE_enum("preset", "tiny", ["tiny", "bench_gpu"], "model size")
+_PRESET = flags.DEFINE_enum("preset", "tiny", ["tiny", "small_h200", "bench_gpu"],
+                            "model size (small_h200: configs/small_h200.py's model and batch)")
 _POLICIES = flags.DEFINE_list("policies", ["bf16", "fp8_unified", "fp4_rtn", "fp4_trace"],
                               "policies to time")
 _BATCH = flags.DEFINE_integer("batch", None, "batch size (default per preset)")
 _SEQ = flags.DEFINE_integer("seq", None, "sequence length (default per preset)")
-_STEPS = flags.DEFINE_integer("steps", 5, "timed steps per policy")
+_EXPERTS = flags.DEFINE_integer("experts", None, "number of experts (default per preset; the "
+                                "real Qwen3-30B-A3B has 128)")
+_STEPS = flags.DEFINE_integer("steps", 5, "timed steps per policy (0: compile and report "
+                               "XLA's temporary-buffer plan only)")
+_MOE_IMPLS = flags.DEFINE_list("moe_impls", ["ragged_dot"],
+                               f"grouped-matmul implementations to time, of {M.MOE_IMPLS}")
 
 
 def _config(preset: str) -> tuple[M.ModelConfig, int, int]:
   if preset == "tiny":
     return M.tiny(num_hidden_layers=2, moe_intermediate_size=128, head_dim=64), 2, 64
+  if preset == "small_h200":  # the config's model and one GRPO step's rows
+    from configs import small_h200
+    from trace_jax.train import rl_loop
+    cfg = small_h200.get_config()
+    return (rl_loop.model_config(cfg), cfg.rl.prompts_per_step * cfg.rl.group_size,
+            cfg.seq_len)
   # Qwen3-30B-A3B layer width with 32 experts, 2 layers and a 32k vocabulary: matmuls
-  # dominate at this batch. (128 experts OOM on the H200: the ragged_dot backward
-  # materialises ~62 GiB at 2048 tokens; 152k-vocab float32 logits alone need 64 GiB at 16k.)
+  # dominate at this batch. (128 experts OOM on the H200 with moe_impl=ragged_dot: its
+  # backward materialises ~62 GiB at 2048 tokens; --experts=128 --moe_impls=tiled tries the
+  # tiled grouped matmul. 152k-vocab float32 logits alone need 64 GiB at 16k tokens.)
   return M.qwen3_30b_a3b(num_hidden_layers=2, num_experts=32, vocab_size=32768,
                          dtype="bfloat16"), 4, 1024
 
@@ -45,7 +61,7 @@ def _loss(params, config, tokens, guidance):
 
 
 def _time(fn, *args, steps: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile
+  jax.block_until_ready(fn(*args))  # warm-up
   times = []
   for _ in range(steps):
     t = time.perf_counter()
@@ -58,25 +74,36 @@ def main(argv):
   del argv
   base, batch, seq = _config(_PRESET.value)
   batch, seq = _BATCH.value or batch, _SEQ.value or seq
+  if _EXPERTS.value:
+    base = base.replace(num_experts=_EXPERTS.value)
   params = M.init_params(base, 0, param_dtype="float32")
   tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, base.vocab_size)
-  results = {}
-  for policy in _POLICIES.value:
-    config = base.replace(policy=policy)
-    guidance = None
-    if policy == "fp4_trace":
-      taps = jax.jit(lambda p, t, c=config: M.forward(p, c, t, tap_layers=c.guided_layers,
-                                                       record=True).taps)(params, tokens)
-      guidance = {i: {s: taps[i][s] for s in M.SITES} for i in config.guided_layers}
-    step = jax.jit(jax.value_and_grad(functools.partial(_loss, config=config)))
-    results[policy] = _time(lambda p, t, g, f=step: f(p, tokens=t, guidance=g), params, tokens,
-                            guidance, steps=_STEPS.value)
-  ref = results.get("bf16")
   print(f"device: {jax.devices()[0].device_kind}  batch {batch} x seq {seq}  "
-        f"layers {base.num_hidden_layers}  hidden {base.hidden_size}")
-  for policy, t in results.items():
-    rel = f"{t / ref:.2f}x bf16" if ref else ""
-    print(f"  {policy:12s} {t * 1e3:9.2f} ms/step  {rel}")
+        f"layers {base.num_hidden_layers}  hidden {base.hidden_size}  experts {base.num_experts}",
+        flush=True)
+  ref = None  # the first impl's bf16 time; rows print as they finish (a timeout keeps them)
+  for impl in _MOE_IMPLS.value:
+    for policy in _POLICIES.value:
+      config = base.replace(policy=policy, moe_impl=impl)
+      guidance = None
+      if policy == "fp4_trace":
+        taps = jax.jit(lambda p, t, c=config: M.forward(p, c, t, tap_layers=c.guided_layers,
+                                                         record=True).taps)(params, tokens)
+        guidance = {i: {s: taps[i][s] for s in M.SITES} for i in config.guided_layers}
+      step = jax.jit(jax.value_and_grad(functools.partial(_loss, config=config)))
+      compiled = step.lower(params, tokens=tokens, guidance=guidance).compile()  # once
+      gib = compiled.memory_analysis().temp_size_in_bytes / 2**30
+      if _STEPS.value == 0:
+        print(f"  {impl:10s} {policy:12s} {'-':>9s} ms/step  {'':24s} temp {gib:7.2f} GiB",
+              flush=True)
+        continue
+      t = _time(lambda p, t, g, f=compiled: f(p, tokens=t, guidance=g), params, tokens,
+                guidance, steps=_STEPS.value)
+      if ref is None and impl == _MOE_IMPLS.value[0] and policy == "bf16":
+        ref = t
+      rel = f"{t / ref:.2f}x {_MOE_IMPLS.value[0]} bf16" if ref else ""
+      print(f"  {impl:10s} {policy:12s} {t * 1e3:9.2f} ms/step  {rel:24s} temp {gib:7.2f} GiB",
+            flush=True)
 
 
 if __name__ == "__main__":

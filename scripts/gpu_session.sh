@@ -17,10 +17,12 @@ stamp start
 if [ -z "${SKIP_PYTEST:-}" ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/quant/test_qat.py 2>&1 | tail -3 | log
 fi
-if [ "${BENCH_TIMEOUT:-200}" -gt 1 ]; then
-  timeout "${BENCH_TIMEOUT:-200}" python3 -m experiments.bench_train_step --preset=bench_gpu \
-    --steps=10 ${BENCH_ARGS:-} 2>&1 | grep -v -i warn | tail -8 | log
+if [ "${BENCH_TIMEOUT:-400}" -gt 1 ]; then
+  timeout "${BENCH_TIMEOUT:-400}" python3 -m experiments.bench_train_step --preset=bench_gpu \
+    --steps=10 ${BENCH_ARGS:---moe_impls=ragged_dot,tiled --policies=bf16,fp4_rtn,fp4_trace} \
+    2>&1 | grep -v -i warn | tail -8 | log
 fi
+if [ "${RL_TIMEOUT:-480}" -le 1 ]; then stamp done; exit 0; fi  # RL_TIMEOUT=1 skips the RL run
 W=${RL_WORKDIR:-/tmp/small_h200}
 RL="python3 -m experiments.train_rl --config=${RL_CONFIG:-configs/small_h200.py} --workdir=$W \
   --no_progress ${RL_ARGS:-}"

@@ -87,10 +87,11 @@ def _moe_reference(x, router, gate, up, down, k, norm):
   return out, logits
 
 
+@pytest.mark.parametrize("moe_impl", M.MOE_IMPLS)
 @pytest.mark.parametrize("norm_topk_prob", [pytest.param(True, id="norm_topk"),
                                             pytest.param(False, id="raw_topk")])
-def test_moe_matches_numpy(norm_topk_prob):
-  config = CONFIG.replace(norm_topk_prob=norm_topk_prob)
+def test_moe_matches_numpy(norm_topk_prob, moe_impl):
+  config = CONFIG.replace(norm_topk_prob=norm_topk_prob, moe_impl=moe_impl)
   model = nnx.merge(M.graphdef(config), scaled_params(config, 1))
   moe = model.layers[0].moe
   x = jax.random.normal(jax.random.key(2), (3, 7, config.hidden_size), jnp.float32)

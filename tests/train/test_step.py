@@ -33,3 +33,12 @@ def test_step_compiles_once(placement):
     state, m = step_lib.sft_step(state, batch, config=mc, tx=tx)
   assert np.isfinite(float(m["loss"]))
   assert step_lib.sft_step._cache_size() - before == 1
+
+
+def test_init_state_traces():
+  """init_state works abstractly too (eval_shape: sharding plans, memory estimates)."""
+  mc = rl_loop.model_config(quickstart.get_config(), "bf16")
+  tx = step_lib.make_optimizer(step_lib.OptimConfig(total_steps=4))
+  state = jax.eval_shape(lambda: step_lib.init_state(
+      model_lib.init_params(mc, jax.random.key(0), param_dtype=jnp.float32), tx))
+  assert state.step.shape == () and state.step.dtype == jnp.int32

@@ -22,12 +22,13 @@ from flax import nnx
 
 from trace_jax.model import sharding
 from trace_jax.model.attention import LayerCache, init_layer_cache
-from trace_jax.model.config import ModelConfig, qwen3_30b_a3b, tiny
+from trace_jax.model.config import MOE_IMPLS, ModelConfig, qwen3_30b_a3b, tiny
 from trace_jax.model.moe import load_balancing_loss
 from trace_jax.model.precision import SITES, GuidanceTree, Precision
 from trace_jax.model.transformer import ForwardOut, Transformer
 
 __all__ = [
+    "MOE_IMPLS",
     "SITES", "ForwardOut", "ModelConfig", "Transformer", "abstract_params", "aux_loss",
     "decode_step", "forward", "graphdef", "init_cache", "init_params", "logits", "prefill",
     "qwen3_30b_a3b", "sharding", "tiny",

@@ -15,6 +15,7 @@ POLICIES = ("bf16", "fp8_unified", "fp4_rtn", "fp4_trace", "posthoc_fp4")
 FP4_POLICIES = ("fp4_rtn", "fp4_trace", "posthoc_fp4")
 GUIDANCE_MODES = ("compact", "full")
 DTYPES = ("float32", "bfloat16")
+MOE_IMPLS = ("ragged_dot", "tiled")  # trace_jax.model.grouped
 NVFP4_BLOCK = 16
 FP8_GROUP = 128
 
@@ -38,6 +39,7 @@ class ModelConfig:
 
   guided_layers: indices of the decoder layers whose quantization sites take rollout guidance
     in `fp4_trace`; None means the deepest half (`num_hidden_layers // 2 ..`).
+  moe_impl: how the experts' grouped matmuls run (`trace_jax.model.grouped`); not a shape.
   """
   vocab_size: int
   hidden_size: int
@@ -58,6 +60,7 @@ class ModelConfig:
   policy: str = "bf16"
   guided_layers: tuple[int, ...] | None = None
   guidance_mode: str = "compact"
+  moe_impl: str = "ragged_dot"
 
   def __post_init__(self):
     if self.guided_layers is None:
@@ -94,6 +97,8 @@ class ModelConfig:
       errors.append(f"unknown precision policy {self.policy!r}; expected one of {POLICIES}")
     if self.guidance_mode not in GUIDANCE_MODES:
       errors.append(f"guidance_mode must be one of {GUIDANCE_MODES}, got {self.guidance_mode!r}")
+    if self.moe_impl not in MOE_IMPLS:
+      errors.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
     bad = [i for i in self.guided_layers if not 0 <= i < self.num_hidden_layers]
     if bad:
       errors.append(f"guided_layers {bad} outside [0, {self.num_hidden_layers})")

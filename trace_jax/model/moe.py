@@ -3,10 +3,10 @@
 Routing follows HF Qwen3-MoE: softmax over all experts in float32, top-k, optional
 renormalization of the k probabilities (`norm_topk_prob`), weights cast to the compute dtype.
 The experts run as grouped matmuls: the (token, slot) rows are sorted by expert and each
-projection is one `jax.lax.ragged_dot_general` over the stacked weights, so the cost is that of
-the selected experts only and there is no Python loop over experts. Expert weights are stacked
-in torch order with the contraction axis last: gate/up [E, F, D], down [E, D, F], so FP4 blocks
-of 16 run along the contraction axis.
+projection is one grouped matmul over the stacked weights (`grouped.py`: ragged_dot or padded
+tiles, by `ModelConfig.moe_impl`), so there is no Python loop over experts. Expert weights are
+stacked in torch order with the contraction axis last: gate/up [E, F, D], down [E, D, F], so
+FP4 blocks of 16 run along the contraction axis.
 """
 
 from __future__ import annotations
@@ -16,19 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax.model.config import ModelConfig
+from trace_jax.model.grouped import grouped_matmul
 from trace_jax.model.layers import Linear, _normal
 from trace_jax.model.precision import Precision
-
-# lhs [M, in] (ragged over M) x rhs [E, out, in] (group axis 0, contraction axis 2) -> [M, out].
-_GROUPED_DN = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
-    rhs_group_dimensions=[0])
-
-
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-  """Rows x [M, in] sorted by group, weights w [E, out, in] -> [M, out]."""
-  return jax.lax.ragged_dot_general(x, w, group_sizes, _GROUPED_DN,
-                                    preferred_element_type=x.dtype)
 
 
 def route(router_logits: jax.Array, k: int, norm_topk_prob: bool, dtype: jnp.dtype,
@@ -83,6 +73,7 @@ class MoE(nnx.Module):
     self.down_proj = nnx.Param(_normal(rngs, (e, d, f), param_dtype))
     self.k = config.num_experts_per_tok
     self.norm_topk_prob = config.norm_topk_prob
+    self.impl = config.moe_impl
 
   def __call__(self, x: jax.Array, prec: Precision, layer: int,
                replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -103,11 +94,11 @@ class MoE(nnx.Module):
     order = jnp.argsort(flat_ids, stable=True)
     group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
     rows = xq[order // k]                                                    # [M, D]
-    h = jax.nn.silu(grouped_matmul(rows, gate, group_sizes)) * grouped_matmul(rows, up,
-                                                                              group_sizes)
+    h = (jax.nn.silu(grouped_matmul(rows, gate, group_sizes, self.impl))
+         * grouped_matmul(rows, up, group_sizes, self.impl))
     h = prec.site(layer, "expert_mid", h, row_order=order, tap_shape=(b, s, k))
     h = prec.expert_input(h)
-    y = grouped_matmul(h, down, group_sizes)                                 # [M, D]
+    y = grouped_matmul(h, down, group_sizes, self.impl)                      # [M, D]
     # Combine: back to (token, slot) order, weight, sum over slots.
     y = jnp.zeros_like(y).at[order].set(y).reshape(b * s, k, d)
     out = jnp.sum(y * weights[..., None], axis=1)

@@ -61,7 +61,8 @@ def init_state(params: Any, tx: optax.GradientTransformation) -> TrainState:
   """
   params = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True), params)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-  placed = [a for a in jax.tree.leaves(params) if getattr(a, "committed", False)]
+  placed = [a for a in jax.tree.leaves(params)
+            if not isinstance(a, jax.core.Tracer) and a.committed]  # tracers: under eval_shape
   if not placed:
     return state
   replicated = _replicated(placed[0].sharding)

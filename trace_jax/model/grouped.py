@@ -1,0 +1,124 @@
+"""Grouped matmul for MoE experts: rows sorted by expert times that expert's weight matrix.
+
+Two implementations of one contract, x [M, in] (rows sorted by group, `group_sizes` [E]
+summing to M) times w [E, out, in] -> [M, out]:
+
+- "ragged_dot": `jax.lax.ragged_dot_general`. XLA (CPU and, per the H200 runs, GPU) expands
+  it densely over the groups, so its temporaries grow like E x M: the GRPO step of
+  `configs/small_h200.py` held ~49 GB on the H200 and its CPU buffer plan asks 74 GiB.
+- "tiled": every group padded to whole tiles of `tile` rows (static bound: ceil(M / tile) + E
+  tiles), then batched matmuls of chunks of 64 tiles against their groups' weights, one chunk
+  at a time. Temporaries grow like M + E x tile plus one chunk's gathered weights. Each output
+  row is the same dot product as ragged_dot's, summed in float32 in the kernel's own order
+  (equal up to rounding); the weight gradient sums in float32 over a group's tiles and rounds
+  once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.model.config import MOE_IMPLS
+
+# lhs [M, in] (ragged over M) x rhs [E, out, in] (group axis 0, contraction axis 2) -> [M, out].
+_RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                   impl: str = "ragged_dot") -> jax.Array:
+  """Rows x [M, in] sorted by group, weights w [E, out, in] -> [M, out] in x.dtype."""
+  if impl == "ragged_dot":
+    return jax.lax.ragged_dot_general(x, w, group_sizes, _RAGGED_DN,
+                                      preferred_element_type=x.dtype)
+  if impl == "tiled":
+    return _tiled(x, w, group_sizes, tile_rows(x.shape[0], w.shape[0]))
+  raise ValueError(f"grouped matmul impl must be one of {MOE_IMPLS}, got {impl!r}")
+
+
+def tile_rows(m: int, groups: int) -> int:
+  """Rows per tile: the mean group size rounded up to a power of two, within [8, 128].
+
+  Small M (decode) gets small tiles, so padding every group to a tile costs little.
+  """
+  mean = max(1, -(-m // groups))
+  return min(128, max(8, 1 << (mean - 1).bit_length()))
+
+
+_CHUNK_TILES = 64  # tiles per batched matmul: bounds the gathered weights and their gradient
+
+
+def _layout(group_sizes: jax.Array, m: int, groups: int, tile: int
+            ) -> tuple[jax.Array, jax.Array, int, int]:
+  """(padded row of each input row [M], group of each tile [tiles], tiles, chunk).
+
+  tiles >= ceil(M / tile) + groups - 1, the most any group sizes can need, rounded up to
+  whole chunks of `chunk` tiles.
+  """
+  gs = group_sizes.astype(jnp.int32)
+  padded = (gs + tile - 1) // tile * tile
+  padded_end = jnp.cumsum(padded)
+  row_group = jnp.repeat(jnp.arange(groups, dtype=jnp.int32), gs, total_repeat_length=m)
+  first_row = jnp.cumsum(gs) - gs
+  dest = (padded_end - padded)[row_group] + jnp.arange(m, dtype=jnp.int32) - first_row[row_group]
+  tiles = -(-m // tile) + groups
+  chunk = min(tiles, _CHUNK_TILES)
+  tiles = -(-tiles // chunk) * chunk
+  starts = jnp.arange(tiles, dtype=jnp.int32) * tile
+  # Tiles past the last group hold only zeros; any valid group index will do for them.
+  tile_group = jnp.minimum(jnp.searchsorted(padded_end, starts, side="right"), groups - 1)
+  return dest, tile_group.astype(jnp.int32), tiles, chunk
+
+
+def _to_chunks(a: jax.Array, dest: jax.Array, tiles: int, tile: int, chunk: int) -> jax.Array:
+  """Rows [M, ...] -> [tiles / chunk, chunk, tile, ...], zeros in the padding rows."""
+  out = jnp.zeros((tiles * tile,) + a.shape[1:], a.dtype).at[dest].set(a, unique_indices=True)
+  return out.reshape((tiles // chunk, chunk, tile) + a.shape[1:])
+
+
+def _from_chunks(y: jax.Array, dest: jax.Array) -> jax.Array:
+  return y.reshape((-1,) + y.shape[3:])[dest]
+
+
+def _per_chunk(fn, *xs):
+  """fn over the leading (chunk) axis, one chunk at a time: its temporaries stay chunk-sized."""
+  return jax.lax.map(lambda args: fn(*args), xs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int) -> jax.Array:
+  return _tiled_fwd(x, w, group_sizes, tile)[0]
+
+
+def _tiled_fwd(x, w, group_sizes, tile):
+  dest, tile_group, tiles, chunk = _layout(group_sizes, x.shape[0], w.shape[0], tile)
+  tg = tile_group.reshape(-1, chunk)
+  y = _per_chunk(lambda xc, g: jnp.einsum("tmk,tnk->tmn", xc, w[g],
+                                          preferred_element_type=x.dtype),
+                 _to_chunks(x, dest, tiles, tile, chunk), tg)
+  return _from_chunks(y, dest), (x, w, group_sizes)
+
+
+def _tiled_bwd(tile, res, dy):
+  x, w, group_sizes = res
+  dest, tile_group, tiles, chunk = _layout(group_sizes, x.shape[0], w.shape[0], tile)
+  tg = tile_group.reshape(-1, chunk)
+  dy_c = _to_chunks(dy, dest, tiles, tile, chunk)
+  dx = _per_chunk(lambda dyc, g: jnp.einsum("tmn,tnk->tmk", dyc, w[g],
+                                            preferred_element_type=x.dtype), dy_c, tg)
+
+  def dw_step(acc, args):  # float32 sums over every tile of a group, one rounding at the end
+    dyc, xc, g = args
+    part = jnp.einsum("tmn,tmk->tnk", dyc, xc, preferred_element_type=jnp.float32)
+    return acc + jax.ops.segment_sum(part, g, num_segments=w.shape[0]), None
+
+  dw, _ = jax.lax.scan(dw_step, jnp.zeros(w.shape, jnp.float32),
+                       (dy_c, _to_chunks(x, dest, tiles, tile, chunk), tg))
+  return _from_chunks(dx, dest), dw.astype(w.dtype), None
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
