@@ -12,7 +12,7 @@ the in-process engine by default, or an HTTP server (ours or SGLang) with --roll
 
 from collections.abc import Sequence
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from trace_jax.train import compare
@@ -34,6 +34,8 @@ _SFT_ONLY = flags.DEFINE_bool(
 
 def main(argv: Sequence[str]) -> None:
   del argv
+  if not flags.FLAGS["verbosity"].present:  # progress bars and the table; -v 0 for INFO logs
+    logging.set_verbosity(logging.WARNING)
   cfg = _CONFIG.value
   policies = [] if _SFT_ONLY.value else (_POLICIES.value or list(cfg.policies))
   compare.run(cfg, _WORKDIR.value, policies, _SFT_CKPT.value, _ROLLOUT_URL.value,

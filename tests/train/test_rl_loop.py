@@ -60,6 +60,19 @@ def test_one_rl_step(policy, start_params, tmp_path):
   assert summary["final_reward"] is not None
 
 
+@pytest.mark.parametrize("task,kwargs,seq_len", [
+    pytest.param("coding", {}, 112, id="coding"),  # reward from the sandboxed interpreter
+    pytest.param("gsm8k", {}, 160, id="gsm8k"),    # the shipped JSONL sample, numeric verifier
+])
+def test_rl_step_on_task(task, kwargs, seq_len, start_params, tmp_path):
+  cfg = tiny_cfg()
+  cfg.task.name, cfg.task.kwargs, cfg.seq_len = task, kwargs, seq_len
+  cfg.rl.steps = 1
+  out = rl_loop.run_rl(cfg, str(tmp_path), "bf16", start_params, progress=False)
+  row = out["history"][0]
+  assert 0.0 <= row["reward"] <= 1.0 and np.isfinite(row["loss"]) and row["grad_norm"] > 0
+
+
 def test_resume_after_kill_is_bitwise_identical(start_params, tmp_path):
   cfg = tiny_cfg()
   cfg.eval.every = 1  # an evals.csv row per step (same engine bucket: no extra compile)

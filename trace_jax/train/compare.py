@@ -93,6 +93,8 @@ def run(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None =
     json.dump(summary, f, indent=1)
   plot(workdir, policies)
   print_table(results)
+  print(f"wrote {os.path.join(workdir, 'summary.json')} and "
+        f"{os.path.join(workdir, 'reward_mismatch.png')}; per policy: {workdir}/<policy>/")
   return summary
 
 
