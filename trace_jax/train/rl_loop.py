@@ -44,9 +44,12 @@ log = logging.getLogger(__name__)
 
 METRIC_KEYS = ("reward", "mean_abs_dlogp", "k3_kl", "max_abs_dp", "flip_rate_guided",
                "routing_flip_rate", "guidance_bytes_per_token", "loss", "grad_norm",
-               "rollout_tokens_per_s", "train_tokens_per_s", "response_len", "step_s")
+               "rollout_tokens_per_s", "train_tokens_per_s", "response_len", "guidance_s",
+               "step_s")
 # Wall-clock figures: they differ between otherwise identical runs (resume tests skip them).
-TIMING_KEYS = ("rollout_tokens_per_s", "train_tokens_per_s", "step_s")
+# guidance_s: store flush + read + padding into the batch; step_s: the whole step (rollout,
+# guidance, train step, metrics; not the periodic eval and checkpoint).
+TIMING_KEYS = ("rollout_tokens_per_s", "train_tokens_per_s", "guidance_s", "step_s")
 
 
 # ------------------------------------------------------------------------------ config
@@ -318,6 +321,7 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
     advantages = np.asarray(adv_lib.group_advantages(jnp.asarray(rewards), r.group_size))
 
     guidance, routing, record = None, None, None
+    t_g = time.perf_counter()
     if fp4:
       writer.flush()
       gb = read_guidance(reader, samples)
@@ -334,6 +338,7 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
         for bid in dict.fromkeys(s.guidance["batch_id"] for s in samples):
           shutil.rmtree(os.path.join(writer.root, bid), ignore_errors=True)
     batch = batch_lib.rl_batch(samples, advantages, cfg.seq_len, guidance, routing)
+    guidance_s = time.perf_counter() - t_g
     t1 = time.perf_counter()
     state, m, taps = step_lib.grpo_step(state, batch, config=mc, tx=tx, rl=rl,
                                         tap_layers=guided_layers)
@@ -347,10 +352,11 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
            "grad_norm": float(m["grad_norm"]),
            "rollout_tokens_per_s": sum(len(s.tokens) for s in samples) / rollout_s,
            "train_tokens_per_s": float(np.sum(batch["valid"])) / train_s,
-           "response_len": float(np.mean([len(s.tokens) for s in samples]))}
+           "response_len": float(np.mean([len(s.tokens) for s in samples])),
+           "guidance_s": guidance_s}
     if record is not None:
       counts = [len(s.prompt) + len(s.tokens) - 1 for s in samples]
-      padded = guidance_layout.pad_tree(record, counts, cfg.seq_len)
+      padded = batch.get("guidance") or guidance_layout.pad_tree(record, counts, cfg.seq_len)
       valid = np.asarray(batch["valid"])
       flips = tot = 0
       rflips = rtot = 0
@@ -374,7 +380,7 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
       # Only fp4_trace consumes guidance; the other FP4 policies record it just to measure.
       row["guidance_bytes_per_token"] = (gbytes / max(sum(counts), 1)
                                          if policy == "fp4_trace" else 0.0)
-    row["step_s"] = time.perf_counter() - t_step  # rollout, guidance, train step, metrics
+    row["step_s"] = time.perf_counter() - t_step
     history.append(row)
     csv_log.write(row)
     if tb is not None:
