@@ -53,11 +53,11 @@ _CHUNK_TILES = 64  # tiles per batched matmul: bounds the gathered weights and t
 
 
 def _layout(group_sizes: jax.Array, m: int, groups: int, tile: int
-            ) -> tuple[jax.Array, jax.Array, int, int]:
-  """(padded row of each input row [M], group of each tile [tiles], tiles, chunk).
+            ) -> tuple[jax.Array, jax.Array]:
+  """(padded row of each input row [M], group of each tile [chunks, tiles per chunk]).
 
-  tiles >= ceil(M / tile) + groups - 1, the most any group sizes can need, rounded up to
-  whole chunks of `chunk` tiles.
+  The tile count, ceil(M / tile) + groups, is the most any group sizes can need, rounded up to
+  whole chunks.
   """
   gs = group_sizes.astype(jnp.int32)
   padded = (gs + tile - 1) // tile * tile
@@ -71,13 +71,14 @@ def _layout(group_sizes: jax.Array, m: int, groups: int, tile: int
   starts = jnp.arange(tiles, dtype=jnp.int32) * tile
   # Tiles past the last group hold only zeros; any valid group index will do for them.
   tile_group = jnp.minimum(jnp.searchsorted(padded_end, starts, side="right"), groups - 1)
-  return dest, tile_group.astype(jnp.int32), tiles, chunk
+  return dest, tile_group.astype(jnp.int32).reshape(-1, chunk)
 
 
-def _to_chunks(a: jax.Array, dest: jax.Array, tiles: int, tile: int, chunk: int) -> jax.Array:
-  """Rows [M, ...] -> [tiles / chunk, chunk, tile, ...], zeros in the padding rows."""
-  out = jnp.zeros((tiles * tile,) + a.shape[1:], a.dtype).at[dest].set(a, unique_indices=True)
-  return out.reshape((tiles // chunk, chunk, tile) + a.shape[1:])
+def _to_chunks(a: jax.Array, dest: jax.Array, tile_group: jax.Array, tile: int) -> jax.Array:
+  """Rows [M, ...] -> [chunks, tiles per chunk, tile, ...], zeros in the padding rows."""
+  out = jnp.zeros((tile_group.size * tile,) + a.shape[1:], a.dtype)
+  out = out.at[dest].set(a, unique_indices=True)
+  return out.reshape(tile_group.shape + (tile,) + a.shape[1:])
 
 
 def _from_chunks(y: jax.Array, dest: jax.Array) -> jax.Array:
@@ -95,19 +96,16 @@ def _tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int) -> jax
 
 
 def _tiled_fwd(x, w, group_sizes, tile):
-  dest, tile_group, tiles, chunk = _layout(group_sizes, x.shape[0], w.shape[0], tile)
-  tg = tile_group.reshape(-1, chunk)
+  dest, tg = _layout(group_sizes, x.shape[0], w.shape[0], tile)
   y = _per_chunk(lambda xc, g: jnp.einsum("tmk,tnk->tmn", xc, w[g],
                                           preferred_element_type=x.dtype),
-                 _to_chunks(x, dest, tiles, tile, chunk), tg)
-  return _from_chunks(y, dest), (x, w, group_sizes)
+                 _to_chunks(x, dest, tg, tile), tg)
+  return _from_chunks(y, dest), (x, w, dest, tg)  # the layout is reused by the backward
 
 
 def _tiled_bwd(tile, res, dy):
-  x, w, group_sizes = res
-  dest, tile_group, tiles, chunk = _layout(group_sizes, x.shape[0], w.shape[0], tile)
-  tg = tile_group.reshape(-1, chunk)
-  dy_c = _to_chunks(dy, dest, tiles, tile, chunk)
+  x, w, dest, tg = res
+  dy_c = _to_chunks(dy, dest, tg, tile)
   dx = _per_chunk(lambda dyc, g: jnp.einsum("tmn,tnk->tmk", dyc, w[g],
                                             preferred_element_type=x.dtype), dy_c, tg)
 
@@ -117,7 +115,7 @@ def _tiled_bwd(tile, res, dy):
     return acc + jax.ops.segment_sum(part, g, num_segments=w.shape[0]), None
 
   dw, _ = jax.lax.scan(dw_step, jnp.zeros(w.shape, jnp.float32),
-                       (dy_c, _to_chunks(x, dest, tiles, tile, chunk), tg))
+                       (dy_c, _to_chunks(x, dest, tg, tile), tg))
   return _from_chunks(dx, dest), dw.astype(w.dtype), None
 
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import struct
 
@@ -65,19 +64,10 @@ def init_state(params: Any, tx: optax.GradientTransformation) -> TrainState:
             if not isinstance(a, jax.core.Tracer) and a.committed]  # tracers: under eval_shape
   if not placed:
     return state
-  replicated = _replicated(placed[0].sharding)
-  return jax.tree.map(lambda a: a if a.committed else jax.device_put(a, replicated), state)
-
-
-def _replicated(s: jax.sharding.Sharding) -> jax.sharding.Sharding:
-  """A sharding that replicates over the devices of `s`."""
+  s = placed[0].sharding  # one device, or a mesh: replicate the counters over it
   if isinstance(s, jax.sharding.NamedSharding):
-    return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
-  devices = sorted(s.device_set, key=lambda d: d.id)
-  if len(devices) == 1:
-    return jax.sharding.SingleDeviceSharding(devices[0])
-  return jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("d",)),
-                                    jax.sharding.PartitionSpec())
+    s = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
+  return jax.tree.map(lambda a: a if a.committed else jax.device_put(a, s), state)
 
 
 @dataclasses.dataclass(frozen=True)
