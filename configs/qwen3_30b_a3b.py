@@ -10,7 +10,7 @@ from configs import quickstart
 def get_config() -> ml_collections.ConfigDict:
   c = quickstart.get_config()
   c.model = ml_collections.ConfigDict(dict(preset="qwen3_30b_a3b", dtype="bfloat16",
-                                           guidance_mode="compact", moe_impl="ragged_dot"))
+                                           guidance_mode="compact", moe_impl="tiled"))
   c.task = ml_collections.ConfigDict(dict(name="gsm8k", kwargs=dict()))
   c.max_prompt_len = 512
   c.seq_len = 2048

@@ -32,7 +32,7 @@ _EXPERTS = flags.DEFINE_integer("experts", None, "number of experts (default per
                                 "real Qwen3-30B-A3B has 128)")
 _STEPS = flags.DEFINE_integer("steps", 5, "timed steps per policy (0: compile and report "
                                "XLA's temporary-buffer plan only)")
-_MOE_IMPLS = flags.DEFINE_list("moe_impls", ["ragged_dot"],
+_MOE_IMPLS = flags.DEFINE_list("moe_impls", ["tiled"],
                                f"grouped-matmul implementations to time, of {M.MOE_IMPLS}")
 
 

@@ -1,5 +1,6 @@
 """GRPO loop: one tiny end-to-end step per precision policy, and resume-after-kill equality."""
 
+import importlib
 import json
 
 import jax
@@ -26,6 +27,7 @@ def tiny_cfg():
   c.eval.num_prompts = 4  # same engine bucket as the 4 training samples: one compile
   c.eval.every = 100
   c.checkpoint_every = 1
+  c.max_prompt_len = 104
   c.seq_len = 112
   return c
 
@@ -99,9 +101,13 @@ def test_resume_after_kill_is_bitwise_identical(start_params, tmp_path):
     ("rl.group_size", 1, "group_size"),
     ("rl.is_mode", "clip", "is_mode"),
     ("model.vocab_size", 50, "vocab_size"),
-], ids=["unknown_policy", "group_of_one", "bad_is_mode", "vocab_too_small"])
+    ("max_prompt_len", 64, "rl step 0 has a prompt of 71 tokens > max_prompt_len=64"),
+    ("seq_len", 100, "seq_len=100 cannot hold"),
+], ids=["unknown_policy", "group_of_one", "bad_is_mode", "vocab_too_small",
+        "prompt_longer_than_max_prompt_len", "seq_len_below_prompt_plus_completion"])
 def test_validate_rejects_bad_configs(field, value, match):
   cfg = tiny_cfg()
+  rl_loop.validate(cfg)
   node = cfg
   *path, last = field.split(".")
   for p in path:
@@ -109,3 +115,9 @@ def test_validate_rejects_bad_configs(field, value, match):
   node[last] = value
   with pytest.raises(ValueError, match=match):
     rl_loop.validate(cfg)
+
+
+@pytest.mark.parametrize("name", ["quickstart", "small_h200", "qwen3_30b_a3b"])
+def test_shipped_configs_hold_every_prompt_of_their_run(name):
+  cfg = importlib.import_module(f"configs.{name}").get_config()
+  rl_loop.validate(cfg)  # enumerates the run's SFT, RL and eval prompts

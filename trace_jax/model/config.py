@@ -60,7 +60,7 @@ class ModelConfig:
   policy: str = "bf16"
   guided_layers: tuple[int, ...] | None = None
   guidance_mode: str = "compact"
-  moe_impl: str = "ragged_dot"
+  moe_impl: str = "tiled"
 
   def __post_init__(self):
     if self.guided_layers is None:

@@ -11,7 +11,8 @@ summing to M) times w [E, out, in] -> [M, out]:
   at a time. Temporaries grow like M + E x tile plus one chunk's gathered weights. Each output
   row is the same dot product as ragged_dot's, summed in float32 in the kernel's own order
   (equal up to rounding); the weight gradient sums in float32 over a group's tiles and rounds
-  once.
+  once. The default (`ModelConfig.moe_impl`): on the H200 it ran the small_h200 train step
+  3.0-3.2x faster than ragged_dot with 4.7x less temporary memory (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
     rhs_group_dimensions=[0])
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
-                   impl: str = "ragged_dot") -> jax.Array:
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str
+                   ) -> jax.Array:
   """Rows x [M, in] sorted by group, weights w [E, out, in] -> [M, out] in x.dtype."""
   if impl == "ragged_dot":
     return jax.lax.ragged_dot_general(x, w, group_sizes, _RAGGED_DN,

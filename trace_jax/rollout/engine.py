@@ -3,9 +3,10 @@
 One jitted program per (batch, prompt-length, new-token) bucket runs prefill and the whole
 decode loop (`lax.while_loop`) on the device; nothing returns to the host per token. Requests
 are padded into power-of-two buckets, so a stream of requests of varying sizes compiles only a
-few programs. Under `fp4_trace` the program also records, into preallocated device buffers,
-the guidance (compact or full) of the configured layers and sites plus the routed expert ids,
-for every position the trainer will later run through its forward (prompt + completion[:-1]).
+few programs (one, for prompts under the engine's `min_prompt_len`). Under `fp4_trace` the
+program also records, into preallocated device buffers, the guidance (compact or full) of the
+configured layers and sites plus the routed expert ids, for every position the trainer will
+later run through its forward (prompt + completion[:-1]).
 """
 
 from __future__ import annotations
@@ -45,6 +46,17 @@ def _next_batch_index(writer: Any) -> int:
 def bucket(n: int, minimum: int = 1) -> int:
   """Smallest power of two >= max(n, minimum)."""
   return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+def prompt_bucket(n: int, min_prompt_len: int = 0) -> int:
+  """Padded prompt length for a batch whose longest prompt has n tokens.
+
+  Up to `min_prompt_len` (rounded up to a multiple of 16) every batch gets that one length, so
+  a run whose prompts are bounded compiles one generation program; longer batches, or an
+  engine without a floor, use power-of-two buckets.
+  """
+  floor = -(-int(min_prompt_len) // _MIN_LEN_BUCKET) * _MIN_LEN_BUCKET
+  return floor if n <= floor else bucket(n, _MIN_LEN_BUCKET)
 
 
 def _tap_rows(a: jax.Array, b: int, s: int) -> jax.Array:
@@ -115,16 +127,22 @@ class InProcessEngine:
   `config.guided_layers` (all four sites and routing) is recorded; with a `guidance_writer`
   (`trace_jax.io.guidance_store.GuidanceWriter`) each batch is written asynchronously and every
   Sample carries its handle; without one, the last batch's guidance stays in
-  `self.last_guidance` (ragged rows, for notebooks and tests).
+  `self.last_guidance` (ragged rows, for notebooks and tests). `min_prompt_len` pads every
+  batch's prompts to at least that length (see `prompt_bucket`): a trainer that knows its
+  longest prompt passes it and compiles one program for the whole run.
   """
 
   def __init__(self, params: Any, config: ModelConfig, *, guidance_writer: Any = None,
-               record_guidance: bool | None = None, max_batch: int = 64, seed: int = 0):
+               record_guidance: bool | None = None, max_batch: int = 64, seed: int = 0,
+               min_prompt_len: int = 0):
+    if min_prompt_len < 0:
+      raise ValueError(f"min_prompt_len must be >= 0, got {min_prompt_len}")
     self.params = params
     self.config = config
     self.writer = guidance_writer
     self.record = (config.policy == "fp4_trace") if record_guidance is None else record_guidance
     self.max_batch = max_batch
+    self.min_prompt_len = min_prompt_len
     self._seed_counter = itertools.count((seed * 1_000_003) % _SEED_MOD)
     self._batch_counter = itertools.count(_next_batch_index(guidance_writer))
     self._lock = threading.Lock()
@@ -188,7 +206,7 @@ class InProcessEngine:
                       sampling: list[SamplingParams]) -> list[Sample]:
     n = len(prompts)
     b = bucket(n)
-    p = bucket(max(map(len, prompts)), _MIN_LEN_BUCKET)
+    p = prompt_bucket(max(map(len, prompts)), self.min_prompt_len)
     max_new = bucket(max(s.max_new_tokens for s in sampling), _MIN_LEN_BUCKET)
     tokens = np.zeros((b, p), np.int32)
     lens = np.ones(b, np.int32)

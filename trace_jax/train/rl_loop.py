@@ -35,7 +35,7 @@ from trace_jax.rl import advantages as adv_lib
 from trace_jax.rl.tasks import get_task
 from trace_jax.rl.tokenizer import BOS_ID, EOS_ID, CharTokenizer
 from trace_jax.rollout import guidance_layout
-from trace_jax.rollout.engine import InProcessEngine, bucket
+from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import RolloutEngine, Sample, SamplingParams
 from trace_jax.train import batch as batch_lib
 from trace_jax.train import step as step_lib
@@ -83,6 +83,37 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   if cfg.rl.is_mode not in ("truncate", "mask", "none"):
     raise ValueError(f"rl.is_mode must be truncate|mask|none, got {cfg.rl.is_mode!r}")
   get_task(cfg.task.name, **dict(cfg.task.get("kwargs", {})))
+  check_lengths(cfg)
+
+
+def check_lengths(cfg: ml_collections.ConfigDict) -> None:
+  """Every prompt the run will see fits `max_prompt_len`, and every sequence `seq_len`.
+
+  The prompts are a function of the seed, so this enumerates them (SFT, every RL step, the
+  eval set): a run then never stops at step 57 on one long prompt, and the rollout engine,
+  padded to `max_prompt_len`, compiles one program for the whole run.
+  """
+  r = cfg.rl
+  if cfg.max_prompt_len + r.max_new_tokens - 1 > cfg.seq_len:
+    raise ValueError(f"seq_len={cfg.seq_len} cannot hold max_prompt_len={cfg.max_prompt_len} "
+                     f"+ rl.max_new_tokens={r.max_new_tokens} - 1 rows")
+  io = make_task_io(cfg)
+  sets = [(f"rl step {i}", _seed(cfg.seed, 3, i), r.prompts_per_step) for i in range(r.steps)]
+  sets.append(("the eval set", _seed(cfg.seed, 2), cfg.eval.num_prompts))
+  for where, seed, n in sets:
+    longest = max(map(len, io.prompts(seed, n)[1]))
+    if longest > cfg.max_prompt_len:
+      need = longest + r.max_new_tokens - 1
+      raise ValueError(f"{where} has a prompt of {longest} tokens > max_prompt_len="
+                       f"{cfg.max_prompt_len}; raise max_prompt_len" +
+                       (f" and seq_len to at least {need}" if need > cfg.seq_len else ""))
+  for i in range(cfg.sft.steps):
+    problems, prompts = io.prompts(_seed(cfg.seed, 1, i), cfg.sft.batch_size)
+    longest = max(len(pr) + len(io.tok.encode(io.task.demonstration(p))) + 1
+                  for p, pr in zip(problems, prompts))
+    if longest - 1 > cfg.seq_len:
+      raise ValueError(f"sft step {i} has a prompt + demonstration + EOS of {longest} tokens "
+                       f"({longest - 1} training rows) > seq_len={cfg.seq_len}")
 
 
 def _seed(*parts: int) -> int:
@@ -285,7 +316,8 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
   rollout_cfg = mc_guided if fp4 else mc
   batch_rows = max(r.prompts_per_step * r.group_size, cfg.eval.num_prompts)
   factory = engine_factory or (lambda p, c, w: InProcessEngine(
-      p, c, guidance_writer=w, record_guidance=fp4, max_batch=batch_rows))
+      p, c, guidance_writer=w, record_guidance=fp4, max_batch=batch_rows,
+      min_prompt_len=cfg.max_prompt_len))
   engine = factory(state.params, rollout_cfg, writer)
   tb = _tb_writer(os.path.join(workdir, "tb"))
   # Both CSVs keep exactly the rows the restored checkpoint holds (row k of metrics.csv is
@@ -426,8 +458,3 @@ def summarize(history: list[dict[str, Any]], evals: list[dict[str, float]]) -> d
                               "routing_flip_rate", "guidance_bytes_per_token",
                               "rollout_tokens_per_s", "train_tokens_per_s")},
   }
-
-
-def default_seq_len(cfg: ml_collections.ConfigDict) -> int:
-  """Rows per training sequence: the longest prompt bucket plus the completion budget."""
-  return bucket(cfg.max_prompt_len + cfg.rl.max_new_tokens - 1, 16)
