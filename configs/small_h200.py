@@ -21,8 +21,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.sft.steps = 150
   c.sft.batch_size = 64
   c.sft.lr = 1e-3
-  # Steps are cheap on the H200 (~0.8 s; compiles take minutes). At 16 x 8 samples each GRPO
-  # step held ~49 GB of GPU memory at seq_len 160; 32 x 8 ran out with three policy processes.
+  # Steps are cheap on the H200 (~0.7 s for FP4; compiles take minutes). At 16 x 8 samples a
+  # policy process holds ~15 GB with moe_impl="tiled" (60-83 GB with ragged_dot, where 32 x 8
+  # ran out with three processes sharing the GPU); 32 x 8 under tiled is untried.
   c.rl.steps = 80
   c.rl.prompts_per_step = 16
   c.rl.group_size = 8
