@@ -65,6 +65,7 @@ def test_one_rl_step(policy, start_params, tmp_path):
 @pytest.mark.parametrize("task,kwargs,seq_len", [
     pytest.param("coding", {}, 112, id="coding"),  # reward from the sandboxed interpreter
     pytest.param("gsm8k", {}, 160, id="gsm8k"),    # the shipped JSONL sample, numeric verifier
+    pytest.param("long_horizon", {"max_number": 7}, 176, id="long_horizon"),  # multi-turn
 ])
 def test_rl_step_on_task(task, kwargs, seq_len, start_params, tmp_path):
   cfg = tiny_cfg()
@@ -117,7 +118,7 @@ def test_validate_rejects_bad_configs(field, value, match):
     rl_loop.validate(cfg)
 
 
-@pytest.mark.parametrize("name", ["quickstart", "small_h200", "qwen3_30b_a3b"])
+@pytest.mark.parametrize("name", ["quickstart", "small_h200", "qwen3_30b_a3b", "long_horizon"])
 def test_shipped_configs_hold_every_prompt_of_their_run(name):
   cfg = importlib.import_module(f"configs.{name}").get_config()
   rl_loop.validate(cfg)  # enumerates the run's SFT, RL and eval prompts

@@ -18,8 +18,13 @@ from trace_jax.rollout.protocol import Sample
 
 
 def sequence_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                   seq_len: int) -> dict[str, np.ndarray]:
-  """inputs/targets [B, seq_len], valid (real rows) and loss_mask (completion rows)."""
+                   seq_len: int, completion_masks: Sequence[Sequence[int] | None] | None = None
+                   ) -> dict[str, np.ndarray]:
+  """inputs/targets [B, seq_len], valid (real rows) and loss_mask (completion rows).
+
+  completion_masks[i], when given, keeps only the completion tokens it marks 1 in the loss
+  (a multi-turn episode's actions, not the environment's observations).
+  """
   b = len(prompts)
   inputs = np.zeros((b, seq_len), np.int32)
   targets = np.zeros((b, seq_len), np.int32)
@@ -33,7 +38,14 @@ def sequence_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Seque
     inputs[i, :n] = seq[:-1]
     targets[i, :n] = seq[1:]
     valid[i, :n] = 1.0
-    loss_mask[i, len(p) - 1:n] = 1.0
+    cm = completion_masks[i] if completion_masks is not None else None
+    if cm is None:
+      loss_mask[i, len(p) - 1:n] = 1.0
+    elif len(cm) != len(c):
+      raise ValueError(f"sequence {i}: completion mask has {len(cm)} entries for {len(c)} "
+                       "completion tokens")
+    else:
+      loss_mask[i, len(p) - 1:n] = np.asarray(cm, np.float32)
   return {"inputs": inputs, "targets": targets, "valid": valid, "loss_mask": loss_mask}
 
 
@@ -42,7 +54,8 @@ def rl_batch(samples: Sequence[Sample], advantages: np.ndarray, seq_len: int,
              routing: Mapping[int, Any] | None = None) -> dict[str, Any]:
   """The GRPO step's batch; guidance/routing are ragged rows in sample order (or None)."""
   batch: dict[str, Any] = sequence_batch([s.prompt for s in samples],
-                                         [s.tokens for s in samples], seq_len)
+                                         [s.tokens for s in samples], seq_len,
+                                         [s.meta.get("loss_mask") for s in samples])
   logp_rollout = np.zeros((len(samples), seq_len), np.float32)
   for i, s in enumerate(samples):
     p = len(s.prompt)

@@ -33,11 +33,13 @@ from trace_jax.model.config import FP4_POLICIES, ModelConfig
 from trace_jax.quant import guided
 from trace_jax.rl import advantages as adv_lib
 from trace_jax.rl.tasks import get_task
+from trace_jax.rl.tasks.long_horizon import demonstration_episode
 from trace_jax.rl.tokenizer import BOS_ID, EOS_ID, CharTokenizer
 from trace_jax.rollout import guidance_layout
 from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import RolloutEngine, Sample, SamplingParams
 from trace_jax.train import batch as batch_lib
+from trace_jax.train import episodes
 from trace_jax.train import step as step_lib
 
 log = logging.getLogger(__name__)
@@ -94,16 +96,20 @@ def check_lengths(cfg: ml_collections.ConfigDict) -> None:
   padded to `max_prompt_len`, compiles one program for the whole run.
   """
   r = cfg.rl
-  if cfg.max_prompt_len + r.max_new_tokens - 1 > cfg.seq_len:
-    raise ValueError(f"seq_len={cfg.seq_len} cannot hold max_prompt_len={cfg.max_prompt_len} "
-                     f"+ rl.max_new_tokens={r.max_new_tokens} - 1 rows")
   io = make_task_io(cfg)
+  # A completion, or a whole episode (every turn's action and observation, then EOS).
+  after_prompt = (episodes.max_episode_tokens(io.task, r.max_new_tokens)
+                  if episodes.is_environment(io.task) else r.max_new_tokens)
+  if cfg.max_prompt_len + after_prompt - 1 > cfg.seq_len:
+    raise ValueError(f"seq_len={cfg.seq_len} cannot hold max_prompt_len={cfg.max_prompt_len} "
+                     f"+ {after_prompt} tokens after the prompt (rl.max_new_tokens="
+                     f"{r.max_new_tokens}) - 1 rows")
   sets = [(f"rl step {i}", _seed(cfg.seed, 3, i), r.prompts_per_step) for i in range(r.steps)]
   sets.append(("the eval set", _seed(cfg.seed, 2), cfg.eval.num_prompts))
   for where, seed, n in sets:
     longest = max(map(len, io.prompts(seed, n)[1]))
     if longest > cfg.max_prompt_len:
-      need = longest + r.max_new_tokens - 1
+      need = longest + after_prompt - 1
       raise ValueError(f"{where} has a prompt of {longest} tokens > max_prompt_len="
                        f"{cfg.max_prompt_len}; raise max_prompt_len" +
                        (f" and seq_len to at least {need}" if need > cfg.seq_len else ""))
@@ -140,8 +146,28 @@ class TaskIO:
                    for t in tokens if t != EOS_ID)
 
   def rewards(self, problems: list[Any], samples: list[Sample]) -> np.ndarray:
+    if episodes.is_environment(self.task):  # the environment scored the episode as it ran
+      return np.asarray([s.meta["reward"] for s in samples], np.float32)
     return np.asarray([self.task.reward(p, self.text(s.tokens))
                        for p, s in zip(problems, samples)], np.float32)
+
+  def generate(self, engine: RolloutEngine, problems: list[Any], prompts: list[list[int]],
+               sampling: list[SamplingParams], record: bool = False) -> list[Sample]:
+    """One completion per prompt, or one played episode for environment tasks (`episodes`)."""
+    if episodes.is_environment(self.task):
+      return episodes.play(engine, self.task, self.tok, problems, prompts, sampling,
+                           record=record)
+    return engine.generate(prompts, sampling)
+
+  def demonstrations(self, problems: list[Any], prompts: list[list[int]]
+                     ) -> tuple[list[list[int]], list[list[int]] | None]:
+    """SFT targets after each prompt (+ EOS), and for environment tasks their loss masks."""
+    if not episodes.is_environment(self.task):
+      return [list(self.tok.encode(self.task.demonstration(p))) + [EOS_ID]
+              for p in problems], None
+    eps = [demonstration_episode(self.task, p, self.tok) for p in problems]
+    return ([e.ids[len(pr):].tolist() for e, pr in zip(eps, prompts)],
+            [e.loss_mask[len(pr):].tolist() for e, pr in zip(eps, prompts)])
 
 
 def make_task_io(cfg: ml_collections.ConfigDict) -> TaskIO:
@@ -165,8 +191,8 @@ def run_sft(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True
   bar = tqdm(range(s.steps), desc="sft", disable=not progress, dynamic_ncols=True)
   for i in bar:
     problems, prompts = io.prompts(_seed(cfg.seed, 1, i), s.batch_size)
-    demos = [list(io.tok.encode(io.task.demonstration(p))) + [EOS_ID] for p in problems]
-    b = batch_lib.sequence_batch(prompts, demos, cfg.seq_len)
+    demos, masks = io.demonstrations(problems, prompts)
+    b = batch_lib.sequence_batch(prompts, demos, cfg.seq_len, masks)
     state, m = step_lib.sft_step(state, {k: jnp.asarray(v) for k, v in b.items()}, config=mc,
                                  tx=tx)
     if i % 10 == 0 or i == s.steps - 1:
@@ -183,7 +209,8 @@ def evaluate(engine: RolloutEngine, io: TaskIO, cfg: ml_collections.ConfigDict) 
   problems, prompts = io.prompts(_seed(cfg.seed, 2), cfg.eval.num_prompts)
   sp = SamplingParams(max_new_tokens=cfg.rl.max_new_tokens, temperature=0.0,
                       stop_token_ids=(EOS_ID,), seed=0)
-  return float(np.mean(io.rewards(problems, engine.generate(prompts, sp))))
+  samples = io.generate(engine, problems, prompts, [sp] * len(prompts))
+  return float(np.mean(io.rewards(problems, samples)))
 
 
 # ------------------------------------------------------------------------------ RL
@@ -194,6 +221,11 @@ def _bits_mismatch(a: guided.Guidance, b: guided.Guidance, valid: np.ndarray) ->
   y = np.unpackbits(np.asarray(b.mantissa), axis=-1, bitorder="little")
   sel = valid.astype(bool)
   return int(np.sum(x[sel] != y[sel])), int(x[sel].size)
+
+
+def _sampled_tokens(s: Sample) -> int:
+  """Tokens the policy sampled (an episode's observations are the environment's)."""
+  return int(sum(s.meta["loss_mask"])) if "loss_mask" in s.meta else len(s.tokens)
 
 
 def read_guidance(reader: guidance_store.GuidanceReader, samples: list[Sample]
@@ -326,8 +358,19 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
   eval_log = CSVLog(os.path.join(workdir, "evals.csv"), ("reward",),
                     keep_below=max((e["step"] + 1 for e in evals), default=0))
 
+  def store_batches() -> set[str]:
+    if writer is None:
+      return set()
+    writer.flush()
+    names = os.listdir(writer.root) if os.path.isdir(writer.root) else []
+    return {n for n in names if n[:1] == "b" and n[1:].isdigit()}  # batch dirs only
+
   def run_eval(done: int) -> None:
+    before = store_batches()
     evals.append({"step": done, "reward": evaluate(engine, io, cfg)})
+    if not r.keep_guidance:  # the eval's guidance records train nothing
+      for bid in store_batches() - before:
+        shutil.rmtree(os.path.join(writer.root, bid), ignore_errors=True)
     eval_log.write(evals[-1])
     if tb is not None:
       tb.add_scalar(f"{policy}/eval_reward", evals[-1]["reward"], done)
@@ -347,7 +390,7 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
                                top_p=r.top_p, stop_token_ids=(EOS_ID,),
                                seed=_seed(cfg.seed, 4, step, i)) for i in range(len(prompts))]
     t_step = t0 = time.perf_counter()
-    samples = engine.generate(prompts, sampling)
+    samples = io.generate(engine, problems, prompts, sampling, record=fp4)
     rollout_s = time.perf_counter() - t0
     rewards = io.rewards(problems, samples)
     advantages = np.asarray(adv_lib.group_advantages(jnp.asarray(rewards), r.group_size))
@@ -367,7 +410,8 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
       if r.routing_replay and record is not None:
         routing = gb.routing
       if not r.keep_guidance:
-        for bid in dict.fromkeys(s.guidance["batch_id"] for s in samples):
+        for bid in dict.fromkeys([s.guidance["batch_id"] for s in samples] + [
+            b for s in samples for b in s.meta.get("turn_guidance_batches", ())]):
           shutil.rmtree(os.path.join(writer.root, bid), ignore_errors=True)
     batch = batch_lib.rl_batch(samples, advantages, cfg.seq_len, guidance, routing)
     guidance_s = time.perf_counter() - t_g
@@ -382,7 +426,7 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
            "mean_abs_dlogp": float(m["mean_abs_dlogp"]), "k3_kl": float(m["k3_kl"]),
            "max_abs_dp": float(m["max_abs_dp"]), "loss": float(m["loss"]),
            "grad_norm": float(m["grad_norm"]),
-           "rollout_tokens_per_s": sum(len(s.tokens) for s in samples) / rollout_s,
+           "rollout_tokens_per_s": sum(map(_sampled_tokens, samples)) / rollout_s,
            "train_tokens_per_s": float(np.sum(batch["valid"])) / train_s,
            "response_len": float(np.mean([len(s.tokens) for s in samples])),
            "guidance_s": guidance_s}

@@ -127,6 +127,11 @@ class NumberGuessTask:
   def final_reward(self, state: GameState) -> float:
     return float(state.found)
 
+  @property
+  def max_observation_len(self) -> int:
+    """Characters in the longest observation (an upper bound on its tokens)."""
+    return max(len(o) for o in ("invalid\n", "higher\n", "lower\n")) + len("game over\n")
+
   def binary_search_actions(self, problem: Problem) -> list[str]:
     """The optimal (binary search) action lines for this problem, each ending in newline."""
     lo, hi, target, actions = 1, self.max_number, int(problem.meta["target"]), []
