@@ -55,6 +55,8 @@ def test_one_rl_step(policy, start_params, tmp_path):
     assert 0.0 <= row["flip_rate_guided"] <= 1.0
   if policy == "fp4_trace":
     assert row["guidance_bytes_per_token"] > 0
+  if (tmp_path / "guidance").is_dir():  # FP4 rollouts: the step's and the evals' records
+    assert not [p.name for p in (tmp_path / "guidance").iterdir() if p.name.startswith("b")]
   if policy in ("fp4_rtn", "fp4_trace", "posthoc_fp4"):
     assert 0.0 <= row["routing_flip_rate"] <= 1.0
   assert (tmp_path / "metrics.csv").read_text().count("\n") == 2
