@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from trace_jax import model as model_lib
 from trace_jax.io import guidance_store
+from trace_jax.model import sharding
 from trace_jax.model.config import FP4_POLICIES, ModelConfig
 from trace_jax.quant import guided
 from trace_jax.rl import advantages as adv_lib
@@ -122,6 +123,14 @@ def check_lengths(cfg: ml_collections.ConfigDict) -> None:
                        f"({longest - 1} training rows) > seq_len={cfg.seq_len}")
 
 
+def place_params(params: Any, cfg: ml_collections.ConfigDict) -> Any:
+  """Shards params over `cfg.mesh` ({data, fsdp, expert, tensor} sizes) when the config has
+  one (`trace_jax.model.sharding` rules); otherwise returns them as they are."""
+  if not cfg.get("mesh"):
+    return params
+  return sharding.shard_params(params, sharding.make_mesh(dict(cfg.mesh)))
+
+
 def _seed(*parts: int) -> int:
   """A 31-bit seed from integers (deterministic, order-sensitive)."""
   return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0]
@@ -186,7 +195,8 @@ def run_sft(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True
       lr=s.lr, warmup_steps=s.warmup_steps, total_steps=s.steps, weight_decay=s.weight_decay))
   params = model_lib.init_params(mc, jax.random.fold_in(jax.random.key(cfg.seed), 0),
                                  param_dtype=jnp.float32)
-  state = step_lib.init_state(params, tx)
+  state = step_lib.init_state(place_params(params, cfg), tx)
+  placed = step_lib.placements(state)
   history = []
   bar = tqdm(range(s.steps), desc="sft", disable=not progress, dynamic_ncols=True)
   for i in bar:
@@ -195,6 +205,7 @@ def run_sft(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True
     b = batch_lib.sequence_batch(prompts, demos, cfg.seq_len, masks)
     state, m = step_lib.sft_step(state, {k: jnp.asarray(v) for k, v in b.items()}, config=mc,
                                  tx=tx)
+    state = step_lib.keep_placement(state, placed)
     if i % 10 == 0 or i == s.steps - 1:
       loss = float(m["loss"])
       history.append({"step": i, "loss": loss})
@@ -319,7 +330,7 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
       lr=r.lr, warmup_steps=r.warmup_steps, total_steps=r.steps, weight_decay=r.weight_decay))
   rl = step_lib.RLConfig(clip_eps_low=r.clip_eps, clip_eps_high=r.clip_eps, is_mode=r.is_mode,
                          is_cap=r.is_cap, kl_coef=0.0, aux_loss_coef=r.aux_loss_coef)
-  state = step_lib.init_state(init_params, tx)
+  state = step_lib.init_state(place_params(init_params, cfg), tx)
   ckpt = _checkpointer(os.path.join(workdir, "ckpt"), keep=2)
   history: list[dict[str, Any]] = []
   evals: list[dict[str, float]] = []
@@ -331,6 +342,7 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
     state = restored.state
     history, evals = restored.meta["history"], restored.meta["evals"]
     log.info("resumed %s from step %d", workdir, start)
+  placed = step_lib.placements(state)
 
   # Rollout precision: the policy's forward; under FP4 policies NVFP4 W/A/KV with guidance
   # (compact) recorded at the guided layers (fp4_rtn and posthoc_fp4 record it only to
@@ -418,6 +430,7 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
     t1 = time.perf_counter()
     state, m, taps = step_lib.grpo_step(state, batch, config=mc, tx=tx, rl=rl,
                                         tap_layers=guided_layers)
+    state = step_lib.keep_placement(state, placed)
     m = jax.device_get(m)
     train_s = time.perf_counter() - t1
     engine.update_weights(state.params)

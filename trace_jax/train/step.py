@@ -70,6 +70,22 @@ def init_state(params: Any, tx: optax.GradientTransformation) -> TrainState:
   return jax.tree.map(lambda a: a if a.committed else jax.device_put(a, s), state)
 
 
+def placements(state: Any) -> Any:
+  """Each leaf's sharding: what `keep_placement` restores after every step."""
+  return jax.tree.map(lambda a: a.sharding, state)
+
+
+def keep_placement(state: Any, shardings: Any) -> Any:
+  """Moves leaves whose sharding drifted back to `shardings`.
+
+  On a mesh XLA's propagation may give some outputs (norm scales, counters) other shardings
+  than their inputs; jit keys its cache on input shardings, so the next step would compile
+  again. Leaves already in place are returned as they are (a no-op on one device).
+  """
+  return jax.tree.map(lambda a, s: a if a.sharding == s else jax.device_put(a, s), state,
+                      shardings)
+
+
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
   """GRPO loss settings (DESIGN 8)."""
