@@ -35,11 +35,15 @@ _MAX_STOP_IDS = 8
 _SEED_MOD = 2**32
 
 
+def batch_dirs(root: str) -> set[str]:
+  """Names of the guidance batches this engine wrote under a store root ("b000123")."""
+  names = os.listdir(root) if os.path.isdir(root) else []
+  return {n for n in names if n[:1] == "b" and n[1:].isdigit()}
+
+
 def _next_batch_index(writer: Any) -> int:
   """Continues after the highest batch id already under the writer's root (restarts)."""
-  if writer is None or not os.path.isdir(writer.root):
-    return 0
-  ids = [int(n[1:]) for n in os.listdir(writer.root) if n[:1] == "b" and n[1:].isdigit()]
+  ids = [int(n[1:]) for n in batch_dirs(writer.root)] if writer is not None else []
   return max(ids) + 1 if ids else 0
 
 

@@ -37,7 +37,7 @@ from trace_jax.rl.tasks import get_task
 from trace_jax.rl.tasks.long_horizon import demonstration_episode
 from trace_jax.rl.tokenizer import BOS_ID, EOS_ID, CharTokenizer
 from trace_jax.rollout import guidance_layout
-from trace_jax.rollout.engine import InProcessEngine
+from trace_jax.rollout.engine import InProcessEngine, batch_dirs
 from trace_jax.rollout.protocol import RolloutEngine, Sample, SamplingParams
 from trace_jax.train import batch as batch_lib
 from trace_jax.train import episodes
@@ -116,8 +116,8 @@ def check_lengths(cfg: ml_collections.ConfigDict) -> None:
                        (f" and seq_len to at least {need}" if need > cfg.seq_len else ""))
   for i in range(cfg.sft.steps):
     problems, prompts = io.prompts(_seed(cfg.seed, 1, i), cfg.sft.batch_size)
-    longest = max(len(pr) + len(io.tok.encode(io.task.demonstration(p))) + 1
-                  for p, pr in zip(problems, prompts))
+    demos, _ = io.demonstrations(problems, prompts)
+    longest = max(len(pr) + len(d) for pr, d in zip(prompts, demos))
     if longest - 1 > cfg.seq_len:
       raise ValueError(f"sft step {i} has a prompt + demonstration + EOS of {longest} tokens "
                        f"({longest - 1} training rows) > seq_len={cfg.seq_len}")
@@ -374,15 +374,17 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
     if writer is None:
       return set()
     writer.flush()
-    names = os.listdir(writer.root) if os.path.isdir(writer.root) else []
-    return {n for n in names if n[:1] == "b" and n[1:].isdigit()}  # batch dirs only
+    return batch_dirs(writer.root)
+
+  def drop(batch_ids) -> None:  # guidance read (or never needed): off the disk
+    if writer is not None and not r.keep_guidance:
+      for bid in batch_ids:
+        shutil.rmtree(os.path.join(writer.root, bid), ignore_errors=True)
 
   def run_eval(done: int) -> None:
     before = store_batches()
     evals.append({"step": done, "reward": evaluate(engine, io, cfg)})
-    if not r.keep_guidance:  # the eval's guidance records train nothing
-      for bid in store_batches() - before:
-        shutil.rmtree(os.path.join(writer.root, bid), ignore_errors=True)
+    drop(store_batches() - before)  # the eval's guidance records train nothing
     eval_log.write(evals[-1])
     if tb is not None:
       tb.add_scalar(f"{policy}/eval_reward", evals[-1]["reward"], done)
@@ -421,10 +423,8 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
         guidance = record
       if r.routing_replay and record is not None:
         routing = gb.routing
-      if not r.keep_guidance:
-        for bid in dict.fromkeys([s.guidance["batch_id"] for s in samples] + [
-            b for s in samples for b in s.meta.get("turn_guidance_batches", ())]):
-          shutil.rmtree(os.path.join(writer.root, bid), ignore_errors=True)
+      drop(dict.fromkeys([s.guidance["batch_id"] for s in samples] + [
+          b for s in samples for b in s.meta.get("turn_guidance_batches", ())]))
     batch = batch_lib.rl_batch(samples, advantages, cfg.seq_len, guidance, routing)
     guidance_s = time.perf_counter() - t_g
     t1 = time.perf_counter()
