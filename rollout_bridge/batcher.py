@@ -10,6 +10,11 @@ Per-request seeds keep a request's tokens independent of what else shares its ba
 engine's batch invariance (row results may differ in the last bits between batch shapes).
 `pad_to` pads every engine call to a fixed number of rows, so a server (or a test suite) only
 ever compiles one batch shape.
+
+A job can be waited on from a thread (`Job.wait`) or from an event loop (`Job.add_done_callback`
+runs a callback on the batcher thread when it finishes: the HTTP server turns it into a future,
+so a waiting request holds no thread). `Batcher.cancel` drops a job's still-queued prompts
+when its client has gone.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from trace_jax.rollout.protocol import Sample, SamplingParams
@@ -33,6 +38,10 @@ PAD_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0, seed=0)
 
 class BatcherClosed(RuntimeError):
   """The batcher stopped before the job ran (server shutting down)."""
+
+
+class JobCancelled(RuntimeError):
+  """The job was cancelled (its client went away) before all its prompts ran."""
 
 
 def pad_batch(prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams],
@@ -60,10 +69,37 @@ class Job:
   error: BaseException | None = None
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   remaining: int = 0
+  _callbacks: list[Callable[[Job], None]] = dataclasses.field(
+      default_factory=list, init=False, repr=False)
+  _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False,
+                                            repr=False)
 
   def __post_init__(self):
     self.results = [None] * len(self.prompts)
     self.remaining = len(self.prompts)
+
+  def add_done_callback(self, fn: Callable[[Job], None]) -> None:
+    """Calls fn(job) once the job is done: now if it is, else on the thread that finishes it."""
+    with self._lock:
+      if not self.done.is_set():
+        self._callbacks.append(fn)
+        return
+    fn(self)
+
+  def _finish(self, error: BaseException | None = None) -> None:
+    """Marks the job done (with `error`, unless already done) and runs its callbacks."""
+    with self._lock:
+      if self.done.is_set():
+        return
+      if error is not None:
+        self.error = error
+      self.done.set()
+      callbacks, self._callbacks = self._callbacks, []
+    for fn in callbacks:
+      try:
+        fn(self)
+      except Exception:
+        log.exception("job done-callback failed")
 
   def wait(self, timeout: float | None = None) -> list[Sample]:
     """The job's samples in prompt order; raises the engine's error, or TimeoutError."""
@@ -102,7 +138,7 @@ class Batcher:
     self._stats_lock = threading.Lock()
     self._stats: dict[str, Any] = {
         "jobs": 0, "prompts": 0, "engine_calls": 0, "engine_rows": 0, "padded_rows": 0,
-        "engine_seconds": 0.0, "failed_calls": 0, "max_batch_seen": 0,
+        "engine_seconds": 0.0, "failed_calls": 0, "max_batch_seen": 0, "cancelled_prompts": 0,
         "batch_sizes": collections.Counter(), "last_batch": None}
 
   # ------------------------------------------------------------------------------ lifecycle
@@ -134,7 +170,7 @@ class Batcher:
       raise ValueError(f"{len(prompts)} prompts but {len(sampling)} sampling params")
     job = Job([list(p) for p in prompts], list(sampling))
     if not job.prompts:
-      job.done.set()
+      job._finish()
       return job
     with self._cv:
       if self._stopping:
@@ -145,6 +181,21 @@ class Batcher:
       self._stats["jobs"] += 1
       self._stats["prompts"] += len(job.prompts)
     return job
+
+  def cancel(self, job: Job) -> int:
+    """Drops the job's prompts that are still queued and fails it; returns how many.
+
+    Prompts already in a running engine call finish (their results are discarded).
+    """
+    with self._cv:
+      before = len(self._items)
+      self._items = collections.deque(it for it in self._items if it[0] is not job)
+      dropped = before - len(self._items)
+    if dropped:
+      with self._stats_lock:
+        self._stats["cancelled_prompts"] += dropped
+    job._finish(JobCancelled(f"cancelled with {dropped} prompts still queued"))
+    return dropped
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams],
                timeout: float | None = None) -> list[Sample]:
@@ -253,10 +304,8 @@ class Batcher:
       job.results[i] = s
       job.remaining -= 1
       if job.remaining == 0:
-        job.done.set()
+        job._finish()
 
   @staticmethod
   def _fail(job: Job, err: BaseException) -> None:
-    if not job.done.is_set():
-      job.error = err
-      job.done.set()
+    job._finish(err)

@@ -2,7 +2,7 @@
 
   python -m rollout_bridge.serve --port=30000
   python -m rollout_bridge.serve --port=30000 --config=path/to/config.py \
-      --guidance_dir=/tmp/guidance --api_key=secret
+      --guidance_dir=/tmp/guidance --api_key_file=/run/secrets/rollout_key
 
 With no flag but --port it serves the tiny CPU model (`trace_jax.model.tiny()`, policy
 `fp4_trace`, random weights from seed 0) on 127.0.0.1. A config file defines `get_config()`
@@ -22,6 +22,11 @@ pad_batch (default true) pads every engine call to max_batch rows: one compiled 
 (prompt, new-token) length bucket instead of one per power-of-two batch size as well.
 
 Command-line flags override the config file.
+
+API key (required as `Authorization: Bearer <key>` on every path but /health), the first set of:
+--api_key_file (the file's content, surrounding whitespace stripped) or --api_key (not both),
+the environment variable TRACE_API_KEY, the config's server.api_key. Prefer the file or the
+variable: a --api_key value is visible to every local user in `ps`.
 """
 
 from __future__ import annotations
@@ -33,7 +38,6 @@ import os
 import re
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,11 +52,14 @@ log = logging.getLogger("rollout_bridge.serve")
 FLAGS = flags.FlagValues()  # private: importing this module never touches absl's global FLAGS
 flags.DEFINE_integer("port", None, "Port to listen on (0: any free port).", flag_values=FLAGS)
 flags.DEFINE_string("host", None, "Address to bind (default 127.0.0.1; 0.0.0.0 exposes the "
-                    "server to the network: set --api_key).", flag_values=FLAGS)
+                    "server to the network: set an API key).", flag_values=FLAGS)
 flags.DEFINE_string("config", None, "Config .py with get_config() (see the module docstring).",
                     flag_values=FLAGS)
-flags.DEFINE_string("api_key", None, "Require `Authorization: Bearer <key>` (all but /health).",
+flags.DEFINE_string("api_key", None, "Require `Authorization: Bearer <key>` (all but /health). "
+                    "Visible in `ps`: prefer --api_key_file or $TRACE_API_KEY.",
                     flag_values=FLAGS)
+flags.DEFINE_string("api_key_file", None, "Read the API key from this file (whitespace "
+                    "stripped).", flag_values=FLAGS)
 flags.DEFINE_string("guidance_dir", None, "Write each batch's guidance here (TensorStore); the "
                     "responses say where.", flag_values=FLAGS)
 flags.DEFINE_integer("max_batch", None, "Most prompts per engine call (default 32).",
@@ -76,6 +83,7 @@ DEFAULTS: dict[str, Any] = {
 _PRESETS = ("tiny", "qwen3_30b_a3b")
 DEFAULT_POLICY = "fp4_trace"
 _BATCH_DIR = re.compile(r"^b(\d+)$")
+API_KEY_ENV = "TRACE_API_KEY"
 
 
 def _plain(x: Any) -> Any:
@@ -209,13 +217,40 @@ def build_server(cfg: dict[str, Any]) -> RolloutServer:
                        port=int(s["port"]))
 
 
+def read_api_key_file(path: str) -> str:
+  """The key in `path` (surrounding whitespace stripped); ValueError if unreadable or empty."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      key = f.read().strip()
+  except (OSError, UnicodeDecodeError) as e:
+    raise ValueError(f"cannot read the API key file {path}: {e}") from e
+  if not key:
+    raise ValueError(f"the API key file {path} is empty")
+  return key
+
+
+def resolve_api_key(flag_key: str | None, key_file: str | None, config_key: str | None,
+                    environ: Any = os.environ) -> str | None:
+  """The server's API key: --api_key_file or --api_key, then $TRACE_API_KEY, then the config.
+
+  An empty value counts as unset, except an empty key file, which is an error (a deployment
+  that points at a key file means to require a key).
+  """
+  if flag_key and key_file:
+    raise ValueError("give --api_key or --api_key_file, not both")
+  if key_file:
+    return read_api_key_file(key_file)
+  return flag_key or environ.get(API_KEY_ENV) or config_key or None
+
+
 def _apply_flags(cfg: dict[str, Any]) -> dict[str, Any]:
   s = cfg["server"]
-  for name, key in (("port", "port"), ("host", "host"), ("api_key", "api_key"),
+  for name, key in (("port", "port"), ("host", "host"),
                     ("guidance_dir", "guidance_dir"), ("max_batch", "max_batch"),
                     ("batch_window_ms", "batch_window_ms"), ("pad_batch", "pad_batch")):
     if FLAGS[name].value is not None:
       s[key] = FLAGS[name].value
+  s["api_key"] = resolve_api_key(FLAGS.api_key, FLAGS.api_key_file, s.get("api_key"))
   return cfg
 
 
@@ -242,18 +277,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   def _on_signal(signum: int, _frame: Any) -> None:
     log.info("signal %d: shutting down", signum)
-    threading.Thread(target=server.httpd.shutdown, daemon=True).start()
+    server.shutdown()  # graceful: in-flight requests finish (up to graceful_timeout_s)
 
   signal.signal(signal.SIGTERM, _on_signal)
-  log.info("serving %s (policy %s) on %s", server.options.model_path,
-           server.engine.config.policy, server.url)
+  if not server.options.api_key and server.host not in ("127.0.0.1", "::1", "localhost"):
+    log.warning("serving on %s without an API key: anyone who can reach it can generate and "
+                "load weights (set --api_key_file or $%s)", server.host, API_KEY_ENV)
+  log.info("serving %s (policy %s) on %s%s", server.options.model_path,
+           server.engine.config.policy, server.url,
+           " (API key required)" if server.options.api_key else "")
   try:
     server.serve_forever()
   except KeyboardInterrupt:
     pass
   finally:
-    server.httpd.server_close()
-    server.batcher.stop()
+    server.stop()
     try:
       server.engine.close()  # flushes pending guidance writes
     except Exception:

@@ -2,45 +2,67 @@
 
 Endpoints (SGLang names and shapes, so one client drives this server and a real SGLang server):
   POST /generate                  input_ids (one prompt or a batch), sampling_params,
-                                  return_logprob, rid -> SGLang's {output_ids, meta_info}
+                                  return_logprob, rid, stream -> SGLang's {output_ids, meta_info}
                                   (a list for a batch); meta_info.trace_guidance says where the
-                                  request's guidance was written (our extension)
+                                  request's guidance was written (our extension). stream=true
+                                  answers server-sent events as SGLang does: `data: {chunk}` per
+                                  prompt (a batch's chunks carry `index`), then `data: [DONE]`
   POST /update_weights_from_disk  {"model_path": HF safetensors dir} -> {"success", "message"}
   GET|POST /flush_cache           no cross-request cache here: always succeeds
   GET /health, GET /get_model_info
   GET /trace/guidance             guidance extension: store root, mode, layers, sites, last batch
-  GET /trace/stats                batching counters (engine calls, batch sizes, ...)
+  GET /trace/stats                batching and HTTP counters
 
 Every malformed request gets a 4xx `{"error": {"message", "type"}}` saying what is wrong, and
 is rejected before it reaches the batcher, so a bad request never fails anyone else's batch.
-Standard library only (`http.server.ThreadingHTTPServer`): one thread per connection, the
-handler threads block on the batcher, which runs the engine on its own thread.
+Client input never causes a 500: JSON that is nested too deeply, integers too long to parse and
+invalid UTF-8 are 400s, a body over `max_body_bytes` is a 413, a body (or request head) that
+does not arrive within its deadline is a 408, and the API key is checked before routing, so an
+unauthenticated client learns nothing about the endpoints. docs/reliability.md lists the
+promises and the measured load figures.
+
+HTTP stack: uvicorn (h11 protocol, asyncio) with starlette responses, SGLang's own serving stack.
+One event loop thread does all HTTP work; `/generate` requests wait for the batcher (which runs
+the engine on its own thread) without holding a thread each, so thousands of concurrent
+requests cost sockets, not threads. uvicorn's h11 protocol is subclassed (`_Protocol`) for the
+deadlines it lacks (request head, idle fresh connections) and for JSON protocol errors.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import json
 import logging
 import math
+import re
+import reprlib
+import socket
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import urlsplit
 
-from rollout_bridge.batcher import Batcher, BatcherClosed
+import h11
+import uvicorn
+from starlette.datastructures import Headers
+from starlette.responses import Response, StreamingResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from rollout_bridge.batcher import Batcher, BatcherClosed, Job
 from trace_jax.rollout.protocol import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
 GUIDANCE_SITES = ("moe_in", "expert_mid", "k", "v")
 SEED_LIMIT = 2**32  # the engine builds PRNG keys from uint32 seeds
+INT32_LIMIT = 2**31  # top_k and stop ids travel to the engine as int32
 DEFAULT_MAX_STOP_IDS = 8  # trace_jax.rollout.engine._MAX_STOP_IDS
+SERVER_NAME = "trace-jax-rollout/0.2"
 
 # Top-level /generate fields we implement, and SGLang fields accepted only at a neutral value.
 _GENERATE_KEYS = {"input_ids", "sampling_params", "return_logprob", "rid", "stream",
@@ -70,17 +92,32 @@ _UPDATE_KEYS = {"model_path", "load_format", "weight_version", "flush_cache",
                 "abort_all_requests", "is_async", "torch_empty_cache", "keep_pause",
                 "recapture_cuda_graph", "token_step"}
 
+# Client values quoted in error messages are cut short: a message never echoes a 16 MB list,
+# and quoting a deeply nested value cannot recurse (builtin repr would raise RecursionError).
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxset = 3, 8, 8, 8
+_REPR.maxstring, _REPR.maxlong, _REPR.maxother = 80, 40, 80
+
+
+def _show(v: Any) -> str:
+  """A bounded repr of a client-supplied value, for error messages."""
+  return _REPR.repr(v)
+
 
 class ApiError(Exception):
-  """An HTTP error answered as `{"error": {"message", "type"}}`."""
+  """An HTTP error answered as `{"error": {"message", "type"}}`.
+
+  close: answer with `Connection: close` (the rest of the request cannot be trusted or read).
+  """
 
   def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-               headers: dict[str, str] | None = None):
+               headers: dict[str, str] | None = None, close: bool = False):
     super().__init__(message)
     self.status = int(status)
     self.message = message
     self.kind = kind
     self.headers = headers or {}
+    self.close = close
 
 
 def _bad(message: str) -> ApiError:
@@ -92,7 +129,12 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-  return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+  if isinstance(v, bool) or not isinstance(v, (int, float)):
+    return False
+  try:
+    return math.isfinite(v)
+  except OverflowError:  # an int beyond float range
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,15 +146,30 @@ class ServerOptions:
   (None: max_position_embeddings - 1). max_new_tokens_limit: None means up to the model's
   max_position_embeddings. api_key: required as `Authorization: Bearer <key>` on every path
   except /health. model_path: reported by /get_model_info.
+
+  Transport limits (docs/reliability.md): max_body_bytes (413 above it), max_header_bytes
+  (request line + headers; 431 above it), header_timeout_s (a request's head must be complete
+  this long after its first byte, else 408 and close), body_timeout_s (the whole body must
+  arrive this long after the head, else 408 and close), keep_alive_s (an idle connection,
+  fresh or between requests, is closed after this long), request_timeout_s (a generation
+  waits this long for the engine, else 504), graceful_timeout_s (`stop()` lets in-flight
+  requests finish this long before failing queued ones with 503), backlog (listen queue; the
+  kernel caps it at net.core.somaxconn).
   """
   max_batch: int = 32
   batch_window_s: float = 0.01
   pad_batch_to: int | None = None
   max_body_bytes: int = 16 << 20
+  max_header_bytes: int = 64 << 10
   max_prompts_per_request: int = 1024
   max_prompt_len: int | None = None
   max_new_tokens_limit: int | None = None
   request_timeout_s: float = 600.0
+  header_timeout_s: float = 10.0
+  body_timeout_s: float = 30.0
+  keep_alive_s: float = 30.0
+  graceful_timeout_s: float = 30.0
+  backlog: int = 4096
   api_key: str | None = None
   model_path: str = "random-init"
   weight_version: str = "0"
@@ -127,9 +184,33 @@ class GenerateRequest:
   return_logprob: list[bool]
   rids: list[str]
   is_batch: bool
+  stream: bool = False
 
 
 # ------------------------------------------------------------------------------- validation
+
+def parse_json_body(data: bytes) -> Any:
+  """`json.loads`, with every way client bytes can fail to parse raised as a 400 ApiError.
+
+  Besides syntax errors: invalid UTF-8, nesting deeper than the interpreter's recursion limit
+  (RecursionError) and integer literals beyond Python's int-parsing digit limit (ValueError).
+  """
+  try:
+    return json.loads(data)
+  except RecursionError:
+    raise _bad(f"request body JSON is nested too deeply (the limit is about "
+               f"{sys.getrecursionlimit()} levels)") from None
+  except UnicodeDecodeError as e:
+    raise _bad(f"request body is not valid JSON: not UTF-8 ({e.reason} at byte {e.start})") \
+        from None
+  except json.JSONDecodeError as e:
+    raise _bad(f"request body is not valid JSON: {e}") from None
+  except ValueError as e:
+    if "integer string conversion" in str(e):
+      raise _bad(f"request body JSON has an integer literal of more than "
+                 f"{sys.get_int_max_str_digits()} digits") from None
+    raise _bad(f"request body is not valid JSON: {e}") from None
+
 
 def _parse_prompt(x: Any, where: str, vocab: int, max_len: int) -> list[int]:
   if not isinstance(x, list):
@@ -139,11 +220,11 @@ def _parse_prompt(x: Any, where: str, vocab: int, max_len: int) -> list[int]:
   bad = [(i, t) for i, t in enumerate(x) if not _is_int(t)]
   if bad:
     i, t = bad[0]
-    raise _bad(f"{where}[{i}] = {t!r} is not an integer token id")
+    raise _bad(f"{where}[{i}] = {_show(t)} is not an integer token id")
   oov = [(i, t) for i, t in enumerate(x) if not 0 <= t < vocab]
   if oov:
     i, t = oov[0]
-    raise _bad(f"{where}[{i}] = {t} is outside the vocabulary [0, {vocab}) "
+    raise _bad(f"{where}[{i}] = {_show(t)} is outside the vocabulary [0, {vocab}) "
                f"({len(oov)} out-of-vocab ids)")
   if len(x) > max_len:
     raise _bad(f"{where} has {len(x)} tokens; the longest prompt this server accepts is "
@@ -152,7 +233,8 @@ def _parse_prompt(x: Any, where: str, vocab: int, max_len: int) -> list[int]:
 
 
 def parse_sampling(d: Any, where: str, prompt_len: int, max_positions: int,
-                   max_new_limit: int | None, max_stop_ids: int) -> SamplingParams:
+                   max_new_limit: int | None, max_stop_ids: int,
+                   vocab_size: int | None = None) -> SamplingParams:
   """Validates one SGLang `sampling_params` dict (names, types, ranges) into SamplingParams."""
   if d is None:
     d = {}
@@ -163,44 +245,48 @@ def parse_sampling(d: Any, where: str, prompt_len: int, max_positions: int,
     if key in _NEUTRAL_SAMPLING:
       ok, neutral = _NEUTRAL_SAMPLING[key]
       if not ok(d[key]):
-        raise _bad(f"{where}.{key} = {d[key]!r} is not supported by this server (only "
+        raise _bad(f"{where}.{key} = {_show(d[key])} is not supported by this server (only "
                    f"{neutral})")
       del d[key]
   unknown = sorted(set(d) - _SAMPLING_KEYS)
   if unknown:
-    raise _bad(f"{where} has unsupported keys {unknown}; supported: "
+    raise _bad(f"{where} has unsupported keys {_show(unknown)}; supported: "
                f"{sorted(_SAMPLING_KEYS | set(_NEUTRAL_SAMPLING))}")
   if "max_new_tokens" in d:
     v = d["max_new_tokens"]
     if not _is_int(v) or v < 1:
-      raise _bad(f"{where}.max_new_tokens must be an integer >= 1, got {v!r}")
+      raise _bad(f"{where}.max_new_tokens must be an integer >= 1, got {_show(v)}")
   max_new = d.get("max_new_tokens", SamplingParams.max_new_tokens)
   if max_new_limit is not None and max_new > max_new_limit:
-    raise _bad(f"{where}.max_new_tokens = {max_new} exceeds this server's limit "
+    raise _bad(f"{where}.max_new_tokens = {_show(max_new)} exceeds this server's limit "
                f"{max_new_limit}")
   if prompt_len + max_new > max_positions:
-    raise _bad(f"{where}: prompt of {prompt_len} tokens + max_new_tokens {max_new} exceeds the "
-               f"model's max_position_embeddings {max_positions}")
+    raise _bad(f"{where}: prompt of {prompt_len} tokens + max_new_tokens {_show(max_new)} "
+               f"exceeds the model's max_position_embeddings {max_positions}")
   if "temperature" in d and (not _is_num(d["temperature"]) or d["temperature"] < 0):
-    raise _bad(f"{where}.temperature must be a finite number >= 0, got {d['temperature']!r}")
+    raise _bad(f"{where}.temperature must be a finite number >= 0, got "
+               f"{_show(d['temperature'])}")
   if "top_p" in d and (not _is_num(d["top_p"]) or not 0 < d["top_p"] <= 1):
-    raise _bad(f"{where}.top_p must be a number in (0, 1], got {d['top_p']!r}")
-  if "top_k" in d and (not _is_int(d["top_k"]) or not (d["top_k"] == -1 or d["top_k"] >= 1)):
-    raise _bad(f"{where}.top_k must be -1 (disabled) or an integer >= 1, got {d['top_k']!r}")
+    raise _bad(f"{where}.top_p must be a number in (0, 1], got {_show(d['top_p'])}")
+  if "top_k" in d and (not _is_int(d["top_k"]) or
+                       not (d["top_k"] == -1 or 1 <= d["top_k"] < INT32_LIMIT)):
+    raise _bad(f"{where}.top_k must be -1 (disabled) or an integer in [1, 2**31), got "
+               f"{_show(d['top_k'])}")
   stops = d.get("stop_token_ids")
   if stops is not None:
-    if not isinstance(stops, list) or not all(_is_int(t) and t >= 0 for t in stops):
-      raise _bad(f"{where}.stop_token_ids must be a list of non-negative integers, got "
-                 f"{stops!r}")
+    top = INT32_LIMIT if vocab_size is None else vocab_size
+    if not isinstance(stops, list) or not all(_is_int(t) and 0 <= t < top for t in stops):
+      raise _bad(f"{where}.stop_token_ids must be a list of token ids in [0, {top}), got "
+                 f"{_show(stops)}")
     if len(stops) > max_stop_ids:
       raise _bad(f"{where}.stop_token_ids has {len(stops)} ids; at most {max_stop_ids}")
   for key in ("sampling_seed", "seed"):
     v = d.get(key)
     if v is not None and (not _is_int(v) or not 0 <= v < SEED_LIMIT):
-      raise _bad(f"{where}.{key} must be an integer in [0, 2**32), got {v!r}")
+      raise _bad(f"{where}.{key} must be an integer in [0, 2**32), got {_show(v)}")
   try:
     return SamplingParams.from_sglang(d)
-  except (TypeError, ValueError) as e:
+  except (TypeError, ValueError, OverflowError) as e:
     raise _bad(f"{where}: {e}") from e
 
 
@@ -214,14 +300,18 @@ def parse_generate(body: Any, *, vocab_size: int, max_positions: int, max_prompt
   if unknown:
     if "text" in unknown:
       raise _bad("this server has no tokenizer: send token ids in `input_ids`, not `text`")
-    raise _bad(f"unsupported /generate fields {unknown}; supported: {sorted(_GENERATE_KEYS)}")
-  if body.get("stream"):
-    raise _bad("stream=true is not supported; send stream=false")
+    raise _bad(f"unsupported /generate fields {_show(unknown)}; supported: "
+               f"{sorted(_GENERATE_KEYS)}")
+  stream = body.get("stream")
+  if stream is None:
+    stream = False
+  if not isinstance(stream, bool):
+    raise _bad(f"`stream` must be a bool, got {_show(stream)}")
   if body.get("logprob_start_len") not in (None, -1):
     raise _bad("only logprob_start_len=-1 (output-token logprobs) is supported, got "
-               f"{body['logprob_start_len']!r}")
+               f"{_show(body['logprob_start_len'])}")
   if body.get("top_logprobs_num") not in (None, 0):
-    raise _bad(f"top_logprobs_num is not supported, got {body['top_logprobs_num']!r}")
+    raise _bad(f"top_logprobs_num is not supported, got {_show(body['top_logprobs_num'])}")
   if "input_ids" not in body or body["input_ids"] is None:
     raise _bad("missing `input_ids`: a list of token ids, or a list of such lists for a batch")
   ids = body["input_ids"]
@@ -246,7 +336,8 @@ def parse_generate(body: Any, *, vocab_size: int, max_positions: int, max_prompt
     sps = [sp] * n
   sampling = [parse_sampling(s, f"sampling_params[{i}]" if isinstance(sp, list)
                              else "sampling_params", len(prompts[i]), max_positions,
-                             max_new_limit, max_stop_ids) for i, s in enumerate(sps)]
+                             max_new_limit, max_stop_ids, vocab_size)
+              for i, s in enumerate(sps)]
 
   rl = body.get("return_logprob", False)
   if rl is None:
@@ -258,7 +349,7 @@ def parse_generate(body: Any, *, vocab_size: int, max_positions: int, max_prompt
   elif isinstance(rl, bool):
     rls = [rl] * n
   else:
-    raise _bad(f"`return_logprob` must be a bool, got {rl!r}")
+    raise _bad(f"`return_logprob` must be a bool, got {_show(rl)}")
 
   rid = body.get("rid")
   if rid is None:
@@ -270,7 +361,7 @@ def parse_generate(body: Any, *, vocab_size: int, max_positions: int, max_prompt
     rids = [rid]
   else:
     raise _bad("`rid` must be a string (one prompt) or a list of strings, one per prompt")
-  return GenerateRequest(prompts, sampling, rls, rids, is_batch)
+  return GenerateRequest(prompts, sampling, rls, rids, is_batch, stream)
 
 
 def sglang_output(sample: Sample, rid: str, return_logprob: bool, weight_version: str,
@@ -302,7 +393,9 @@ class RolloutServer:
 
   The engine needs `config` (a ModelConfig), `generate`, `update_weights` and `close`;
   `weights_version`, `writer` (a GuidanceWriter) and `record` are used when present.
-  `start()` serves on a background thread (tests, notebooks); `serve_forever()` blocks.
+  The constructor binds and listens (so `url` is known at once; connections made before
+  `start()` wait in the backlog). `start()` serves on a background thread and returns;
+  `serve_forever()` blocks until `shutdown()`/`stop()`; `stop()` is graceful.
   """
 
   def __init__(self, engine: Any, options: ServerOptions | None = None,
@@ -323,44 +416,96 @@ class RolloutServer:
     self._started = time.time()
     self._counts: dict[str, int] = {"requests": 0, "errors_4xx": 0, "errors_5xx": 0}
     self._counts_lock = threading.Lock()
-    self.httpd = _HTTPServer((host, port), _Handler)
-    self.httpd.app = self
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    self._sock = socket.create_server((host, port), family=family,
+                                      backlog=self.options.backlog)
+    self._address = self._sock.getsockname()[:2]
+    self._uv: _Uvicorn | None = None
     self._thread: threading.Thread | None = None
+    self._stop_lock = threading.Lock()
+    self._stopped = False
+    self._closed = threading.Event()
 
   # ---------------------------------------------------------------------------- lifecycle
 
   @property
   def host(self) -> str:
-    return self.httpd.server_address[0]
+    return self._address[0]
 
   @property
   def port(self) -> int:
-    return self.httpd.server_address[1]
+    return self._address[1]
 
   @property
   def url(self) -> str:
-    return f"http://{self.host}:{self.port}"
+    host = f"[{self.host}]" if ":" in self.host else self.host
+    return f"http://{host}:{self.port}"
 
   def start(self) -> RolloutServer:
-    """Serves on a daemon thread; returns at once."""
+    """Serves on a daemon thread; returns once the server accepts connections."""
+    if self._stopped:
+      raise RuntimeError("this RolloutServer was stopped; make a new one")
+    if self._thread is not None:
+      return self
     self.batcher.start()
-    self._thread = threading.Thread(target=self.httpd.serve_forever, name="rollout-http",
-                                    daemon=True)
+    o = self.options
+    config = _Config(
+        _App(self), http=_Protocol, loop="asyncio", lifespan="off", interface="asgi3",
+        ws="none", log_config=None, access_log=False, proxy_headers=False,
+        server_header=False, headers=[("server", SERVER_NAME)], backlog=o.backlog,
+        timeout_keep_alive=o.keep_alive_s, h11_max_incomplete_event_size=o.max_header_bytes,
+        # A backstop only: stop() fails still-queued jobs after graceful_timeout_s, so their
+        # requests are answered (503) before uvicorn would cancel them.
+        timeout_graceful_shutdown=o.graceful_timeout_s + 60.0)
+    config.header_timeout_s = o.header_timeout_s
+    self._uv = _Uvicorn(config)
+    self._thread = threading.Thread(target=self._run, name="rollout-http", daemon=True)
     self._thread.start()
+    self._uv.ready.wait()
+    if not self._uv.started:
+      raise RuntimeError(f"the HTTP server failed to start: {self._uv.error!r}")
     return self
 
+  def _run(self) -> None:
+    assert self._uv is not None
+    try:
+      self._uv.run(sockets=[self._sock])
+    except BaseException as e:  # SystemExit from uvicorn's start-up failure included
+      self._uv.error = e
+      log.exception("the HTTP server thread failed")
+    finally:
+      self._uv.ready.set()
+
   def serve_forever(self) -> None:
-    self.batcher.start()
-    self.httpd.serve_forever()
+    """Serves until `shutdown()` or `stop()` is called (e.g. by a signal handler)."""
+    self.start()
+    self._closed.wait()
+
+  def shutdown(self) -> None:
+    """Asks for a graceful `stop()` from any thread or a signal handler; returns at once."""
+    threading.Thread(target=self.stop, name="rollout-stop", daemon=True).start()
 
   def stop(self, close_engine: bool = False) -> None:
-    """Stops accepting requests, fails queued jobs, optionally closes the engine."""
-    if self._thread is not None:
-      self.httpd.shutdown()
-    self.httpd.server_close()
-    self.batcher.stop()
-    if self._thread is not None:
-      self._thread.join(10)
+    """Graceful stop: no new connections, in-flight requests finish, then the rest fail.
+
+    Closes the listening socket and idle connections at once; requests being answered get up
+    to `graceful_timeout_s` to finish; then the batcher stops, so jobs still queued are
+    answered 503, and the batch the engine is running completes. Idempotent.
+    """
+    with self._stop_lock:
+      if not self._stopped:
+        self._stopped = True
+        uv, thread = self._uv, self._thread
+        if thread is not None and uv is not None:
+          uv.should_exit = True
+          thread.join(self.options.graceful_timeout_s)
+        self.batcher.stop()
+        if thread is not None:
+          thread.join(90.0)
+          if thread.is_alive():
+            log.warning("the HTTP server thread did not finish")
+        self._sock.close()
+        self._closed.set()
     if close_engine:
       self.engine.close()
 
@@ -398,16 +543,25 @@ class RolloutServer:
 
   # ---------------------------------------------------------------------------- endpoints
 
-  def generate(self, body: Any) -> Any:
-    t0 = time.perf_counter()
-    req = parse_generate(body, vocab_size=self.vocab_size, max_positions=self.max_positions,
-                         max_prompt_len=self.max_prompt_len,
-                         max_new_limit=self.options.max_new_tokens_limit,
-                         max_prompts=self.options.max_prompts_per_request,
-                         max_stop_ids=self.max_stop_ids)
+  def parse_generate_body(self, body: Any) -> GenerateRequest:
+    """`parse_generate` with this server's model and limits."""
+    return parse_generate(body, vocab_size=self.vocab_size, max_positions=self.max_positions,
+                          max_prompt_len=self.max_prompt_len,
+                          max_new_limit=self.options.max_new_tokens_limit,
+                          max_prompts=self.options.max_prompts_per_request,
+                          max_stop_ids=self.max_stop_ids)
+
+  def submit(self, req: GenerateRequest) -> Job:
+    """Queues a validated request on the batcher (503 once the server is stopping)."""
     try:
-      job = self.batcher.submit(req.prompts, req.sampling)
-      samples = job.wait(self.options.request_timeout_s)
+      return self.batcher.submit(req.prompts, req.sampling)
+    except BatcherClosed as e:
+      raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(e), "unavailable") from e
+
+  def job_samples(self, job: Job, timeout: float | None = 0.0) -> list[Sample]:
+    """A finished job's samples, its failure as an ApiError (what the client is told)."""
+    try:
+      return job.wait(timeout)
     except BatcherClosed as e:
       raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(e), "unavailable") from e
     except TimeoutError as e:
@@ -415,12 +569,23 @@ class RolloutServer:
     except ValueError as e:  # the engine refused something our validation let through
       raise _bad(f"generation rejected: {e}") from e
     except Exception as e:
-      log.exception("generation failed")
+      log.error("generation failed: %s: %s", type(e).__name__, e)
       raise ApiError(HTTPStatus.INTERNAL_SERVER_ERROR,
                      f"generation failed: {type(e).__name__}: {e}", "server_error") from e
+
+  def outputs(self, req: GenerateRequest, samples: list[Sample], t0: float
+              ) -> list[dict[str, Any]]:
+    """One SGLang answer per prompt."""
     dt = time.perf_counter() - t0
-    out = [sglang_output(s, rid, rl, self.weight_version(s.meta.get("weights_version")), dt)
-           for s, rid, rl in zip(samples, req.rids, req.return_logprob)]
+    return [sglang_output(s, rid, rl, self.weight_version(s.meta.get("weights_version")), dt)
+            for s, rid, rl in zip(samples, req.rids, req.return_logprob)]
+
+  def generate(self, body: Any) -> Any:
+    """A blocking /generate (no HTTP): the answer object, or raises ApiError."""
+    t0 = time.perf_counter()
+    req = self.parse_generate_body(body)
+    job = self.submit(req)
+    out = self.outputs(req, self.job_samples(job, self.options.request_timeout_s), t0)
     return out if req.is_batch else out[0]
 
   def update_weights_from_disk(self, body: Any) -> tuple[int, dict[str, Any]]:
@@ -428,16 +593,17 @@ class RolloutServer:
       raise _bad("the request body must be a JSON object with `model_path`")
     unknown = sorted(k for k in set(body) - _UPDATE_KEYS if body[k] is not None)
     if unknown:
-      raise _bad(f"unsupported /update_weights_from_disk fields {unknown}; supported: "
+      raise _bad(f"unsupported /update_weights_from_disk fields {_show(unknown)}; supported: "
                  f"{sorted(_UPDATE_KEYS)}")
     path = body.get("model_path")
     if not isinstance(path, str) or not path:
       raise _bad("missing `model_path`: the directory of an HF safetensors checkpoint")
     if body.get("load_format") not in (None, "auto", "safetensors"):
-      raise _bad(f"load_format {body['load_format']!r} is not supported (auto/safetensors)")
+      raise _bad(f"load_format {_show(body['load_format'])} is not supported "
+                 "(auto/safetensors)")
     label = body.get("weight_version")
     if label is not None and not isinstance(label, str):
-      raise _bad(f"`weight_version` must be a string, got {label!r}")
+      raise _bad(f"`weight_version` must be a string, got {_show(label)}")
     with self._update_lock:
       nxt = self._engine_version() + 1
       if label is not None:
@@ -496,141 +662,443 @@ class RolloutServer:
   def stats(self) -> dict[str, Any]:
     with self._counts_lock:
       counts = dict(self._counts)
+    uv = self._uv
+    counts["open_connections"] = len(uv.server_state.connections) if uv is not None else 0
     return {"http": counts, "batcher": self.batcher.stats(),
             "weight_version": self.weight_version()}
 
 
 # ------------------------------------------------------------------------------- HTTP layer
 
-class _HTTPServer(ThreadingHTTPServer):
-  daemon_threads = True
-  allow_reuse_address = True
-  app: RolloutServer
-
-
 _ROUTES: dict[str, tuple[str, ...]] = {
     "/generate": ("POST",), "/update_weights_from_disk": ("POST",),
     "/flush_cache": ("GET", "POST"), "/health": ("GET",), "/get_model_info": ("GET",),
     "/trace/guidance": ("GET",), "/trace/stats": ("GET",)}
+# Methods answered with 404/405 like any other; the rest are 501, as http.server did.
+_KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+_INLINE_BYTES = 64 << 10  # larger bodies are parsed and validated off the event loop
+_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
-class _Handler(BaseHTTPRequestHandler):
-  """Routes, reads bodies with limits, and turns every failure into a JSON error."""
+class _ClientGone(Exception):
+  """The client disconnected: there is nobody to answer."""
 
-  protocol_version = "HTTP/1.1"
-  server_version = "trace-jax-rollout/0.1"
-  timeout = 60  # socket timeout: a client that stops sending mid-body is dropped
-  server: _HTTPServer
 
-  def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
-    log.debug("%s - %s", self.address_string(), format % args)
+def _json_response(status: int, obj: Any, headers: dict[str, str] | None = None,
+                   close: bool = False) -> Response:
+  hdrs = dict(headers or {})
+  if close:
+    hdrs["Connection"] = "close"
+  return Response(json.dumps(obj).encode(), status_code=int(status), headers=hdrs,
+                  media_type="application/json")
 
-  def send_error(self, code: int, message: str | None = None, explain: str | None = None
-                 ) -> None:
-    """Errors raised by http.server itself (bad request line, ...) as JSON too."""
-    self.close_connection = True
+
+def _error_body(message: str, kind: str) -> bytes:
+  return json.dumps({"error": {"message": message, "type": kind}}).encode()
+
+
+@dataclasses.dataclass
+class _Request:
+  """What a handler needs of one HTTP request; `body_done` once the body is fully read."""
+  method: str
+  path: str
+  headers: Headers
+  receive: Callable[[], Any]
+  body_done: bool = False
+  body_size: int = 0
+
+  def has_body(self) -> bool:
+    length = self.headers.get("content-length")
+    return "chunked" in self.headers.get("transfer-encoding", "").lower() or (
+        length is not None and length.strip() not in ("", "0"))
+
+
+class _App:
+  """The ASGI application: auth, routing, bounded body reads, JSON errors, SSE streams."""
+
+  def __init__(self, server: RolloutServer):
+    self.server = server
+
+  async def __call__(self, scope: dict[str, Any], receive: Callable[[], Any],
+                     send: Callable[[Any], Any]) -> None:
+    if scope["type"] != "http":  # lifespan is off and websockets are not served
+      return
+    s = self.server
+    s.count("requests")
+    req = _Request(scope["method"], scope["path"].rstrip("/") or "/", Headers(scope=scope),
+                   receive)
     try:
-      msg = message or HTTPStatus(code).phrase
-    except ValueError:
-      msg = message or "error"
-    self._send_json(code, {"error": {"message": msg, "type": "invalid_request_error"}})
+      response = await self._route(req)
+    except _ClientGone:
+      return
+    except ApiError as e:
+      s.count("errors_5xx" if e.status >= 500 else "errors_4xx")
+      # A body we did not read (all of) cannot be skipped reliably: close instead.
+      close = e.close or (req.has_body() and not req.body_done)
+      response = _json_response(e.status, {"error": {"message": e.message, "type": e.kind}},
+                                e.headers, close)
+    except Exception as e:  # a bug: answer 500 and keep serving
+      log.exception("internal error on %s %s", req.method, req.path)
+      s.count("errors_5xx")
+      response = _json_response(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {
+          "message": f"internal error: {type(e).__name__}: {e}", "type": "server_error"}},
+          close=True)
+    await response(scope, receive, send)
 
-  def _send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
-    data = json.dumps(obj).encode()
-    self.send_response(int(status))
-    self.send_header("Content-Type", "application/json")
-    self.send_header("Content-Length", str(len(data)))
-    for k, v in (headers or {}).items():
-      self.send_header(k, v)
-    if self.close_connection:
-      self.send_header("Connection", "close")
-    self.end_headers()
-    if self.command != "HEAD":
-      self.wfile.write(data)
+  async def _route(self, req: _Request) -> Response:
+    s = self.server
+    s.check_auth(req.path, req.headers.get("authorization"))  # before anything path-specific
+    if req.method not in _KNOWN_METHODS:
+      raise ApiError(HTTPStatus.NOT_IMPLEMENTED, f"Unsupported method ({req.method!r})",
+                     "not_implemented", close=True)
+    methods = _ROUTES.get(req.path)
+    if methods is None:
+      raise ApiError(HTTPStatus.NOT_FOUND, f"unknown path {_show(req.path)}", "not_found")
+    if req.method not in methods:
+      raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"{req.method} is not allowed on "
+                     f"{req.path}; use {'/'.join(methods)}", "method_not_allowed",
+                     {"Allow": ", ".join(methods)})
+    if req.path == "/generate":
+      return await self._generate(req)
+    if req.path == "/update_weights_from_disk":
+      body = await self._read_json(req)
+      loop = asyncio.get_running_loop()
+      status, obj = await loop.run_in_executor(None, s.update_weights_from_disk, body)
+      if int(status) >= 400:
+        s.count("errors_4xx")
+      return _json_response(status, obj)
+    if req.path == "/flush_cache":
+      if req.method == "POST":
+        await self._read_json(req, required=False)
+      return _json_response(HTTPStatus.OK, {
+          "success": True, "message": "Cache flushed (this server keeps no cross-request "
+                                      "cache)."})
+    getters = {"/health": s.health, "/get_model_info": s.model_info,
+               "/trace/guidance": s.guidance_info, "/trace/stats": s.stats}
+    return _json_response(HTTPStatus.OK, getters[req.path]())
 
-  def _read_json(self, required: bool = True) -> Any:
-    if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-      self.close_connection = True
-      raise ApiError(HTTPStatus.LENGTH_REQUIRED, "chunked request bodies are not supported; "
-                     "send a Content-Length", "length_required")
-    length = self.headers.get("Content-Length")
-    if length is None:
+  # ---------------------------------------------------------------------------- bodies
+
+  async def _read_body(self, req: _Request, required: bool) -> bytes | None:
+    """The whole body within `body_timeout_s` and `max_body_bytes`; None if there is none."""
+    o = self.server.options
+    chunked = "chunked" in req.headers.get("transfer-encoding", "").lower()
+    length = req.headers.get("content-length")
+    if length is None and not chunked:
       if required:
-        self.close_connection = True
         raise ApiError(HTTPStatus.LENGTH_REQUIRED, "missing Content-Length header",
-                       "length_required")
-      return {}
+                       "length_required", close=True)
+      req.body_done = True
+      return None
+    n = None
+    if length is not None:
+      try:
+        n = int(length)
+        if n < 0:
+          raise ValueError
+      except ValueError:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"invalid Content-Length {_show(length)}",
+                       close=True) from None
+      if n > o.max_body_bytes:  # refused from the header: the body stays unread
+        raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body of {n} bytes "
+                       f"exceeds the limit of {o.max_body_bytes} bytes", "payload_too_large",
+                       close=True)
+    parts: list[bytes] = []
+    size = 0
+    deadline = asyncio.get_running_loop().time() + o.body_timeout_s
     try:
-      n = int(length)
-      if n < 0:
-        raise ValueError
-    except ValueError:
-      self.close_connection = True
-      raise _bad(f"invalid Content-Length {length!r}") from None
-    limit = self.server.app.options.max_body_bytes
-    if n > limit:
-      self.close_connection = True  # the body stays unread
-      raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body of {n} bytes exceeds "
-                     f"the limit of {limit} bytes", "payload_too_large")
-    data = self.rfile.read(n) if n else b""
-    if len(data) != n:
-      self.close_connection = True
-      raise _bad(f"request body ended after {len(data)} of {n} bytes")
-    if not data.strip():
+      async with asyncio.timeout_at(deadline):
+        while True:
+          msg = await req.receive()
+          if msg["type"] == "http.disconnect":
+            raise _ClientGone
+          chunk = msg.get("body", b"")
+          size += len(chunk)
+          if size > o.max_body_bytes:  # a chunked body can only be measured as it arrives
+            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body exceeds the "
+                           f"limit of {o.max_body_bytes} bytes", "payload_too_large",
+                           close=True)
+          parts.append(chunk)
+          if not msg.get("more_body", False):
+            break
+    except TimeoutError:
+      got = f"{size} of {n}" if n is not None else f"{size}"
+      raise ApiError(HTTPStatus.REQUEST_TIMEOUT, f"request body not received within "
+                     f"{o.body_timeout_s:g} s ({got} bytes arrived)", "request_timeout",
+                     close=True) from None
+    req.body_done = True
+    req.body_size = size
+    return b"".join(parts)
+
+  async def _read_json(self, req: _Request, required: bool = True) -> Any:
+    data = await self._read_body(req, required)
+    if data is None or not data.strip():
       if required:
         raise _bad("empty request body; expected a JSON object")
       return {}
-    try:
-      return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-      raise _bad(f"request body is not valid JSON: {e}") from None
+    return await _offload(len(data), parse_json_body, data)
 
-  def _dispatch(self) -> None:
-    app = self.server.app
-    path = urlsplit(self.path).path.rstrip("/") or "/"
-    app.count("requests")
+  # ---------------------------------------------------------------------------- /generate
+
+  async def _generate(self, req: _Request) -> Response:
+    s = self.server
+    body = await self._read_json(req)
+    t0 = time.perf_counter()
+    greq = await _offload(req.body_size, s.parse_generate_body, body)
+    job = s.submit(greq)
+    if greq.stream:
+      return StreamingResponse(self._events(greq, job, t0), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+    samples = await self._wait(job, req)
+    out = s.outputs(greq, samples, t0)
+    return _json_response(HTTPStatus.OK, out if greq.is_batch else out[0])
+
+  async def _wait(self, job: Job, req: _Request | None) -> list[Sample]:
+    """The job's samples, without a thread per waiting request.
+
+    With `req`, a client that disconnects cancels the job's queued prompts (an RL trainer that
+    times out and retries would otherwise leave its abandoned work in the queue).
+    """
+    s = self.server
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def resolve() -> None:
+      if not done.done():
+        done.set_result(None)
+
+    def on_done(_job: Job) -> None:  # runs on the batcher thread
+      try:
+        loop.call_soon_threadsafe(resolve)
+      except RuntimeError:  # the loop is closed: the server stopped, nobody is waiting
+        pass
+
+    job.add_done_callback(on_done)
+    waits: set[asyncio.Future[Any]] = {done}
+    gone = None
+    if req is not None:
+      gone = asyncio.ensure_future(_disconnected(req))
+      waits.add(gone)
     try:
-      methods = _ROUTES.get(path)
-      if methods is None:
-        raise ApiError(HTTPStatus.NOT_FOUND, f"unknown path {path!r}; endpoints: "
-                       f"{sorted(_ROUTES)}", "not_found")
-      if self.command not in methods:
-        raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"{self.command} is not allowed on "
-                       f"{path}; use {'/'.join(methods)}", "method_not_allowed",
-                       {"Allow": ", ".join(methods)})
-      app.check_auth(path, self.headers.get("Authorization"))
-      status, obj = HTTPStatus.OK, None
-      if path == "/generate":
-        obj = app.generate(self._read_json())
-      elif path == "/update_weights_from_disk":
-        status, obj = app.update_weights_from_disk(self._read_json())
-      elif path == "/flush_cache":
-        if self.command == "POST":
-          self._read_json(required=False)
-        obj = {"success": True, "message": "Cache flushed (this server keeps no cross-request "
-                                           "cache)."}
-      elif path == "/health":
-        obj = app.health()
-      elif path == "/get_model_info":
-        obj = app.model_info()
-      elif path == "/trace/guidance":
-        obj = app.guidance_info()
-      elif path == "/trace/stats":
-        obj = app.stats()
-      if int(status) >= 400:
-        app.count("errors_4xx")
-      self._send_json(status, obj)
+      await asyncio.wait(waits, timeout=s.options.request_timeout_s,
+                         return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+      s.batcher.cancel(job)
+      raise
+    finally:
+      if gone is not None:
+        gone.cancel()
+    if done.done():
+      return s.job_samples(job)
+    s.batcher.cancel(job)
+    if gone is not None and gone.done() and not gone.cancelled():
+      raise _ClientGone
+    raise ApiError(HTTPStatus.GATEWAY_TIMEOUT, f"generation did not finish within "
+                   f"{s.options.request_timeout_s} s", "timeout")
+
+  async def _events(self, greq: GenerateRequest, job: Job, t0: float) -> AsyncIterator[bytes]:
+    """SGLang's stream: one `data: {chunk}` per prompt (with `index` in a batch), `[DONE]`.
+
+    The engine returns whole generations, so each prompt's one chunk is its final answer
+    (finish_reason set). Errors after the stream started are `data: {"error": ...}` chunks, as
+    in SGLang. Starlette cancels this generator if the client disconnects.
+    """
+    s = self.server
+    try:
+      samples = await self._wait(job, None)
+      for i, out in enumerate(s.outputs(greq, samples, t0)):
+        if greq.is_batch:
+          out["index"] = i
+        yield b"data: " + json.dumps(out).encode() + b"\n\n"
     except ApiError as e:
-      app.count("errors_5xx" if e.status >= 500 else "errors_4xx")
-      if self.command == "POST" and e.status in (401, 404, 405) and \
-          self.headers.get("Content-Length") not in (None, "0"):
-        self.close_connection = True  # we did not read the body
-      self._send_json(e.status, {"error": {"message": e.message, "type": e.kind}}, e.headers)
-    except Exception as e:  # a bug: answer 500 and keep serving
-      log.exception("internal error on %s %s", self.command, path)
-      app.count("errors_5xx")
-      self.close_connection = True
-      self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {
-          "message": f"internal error: {type(e).__name__}: {e}", "type": "server_error"}})
+      s.count("errors_5xx" if e.status >= 500 else "errors_4xx")
+      err = {"error": {"message": e.message, "type": e.kind, "code": e.status}}
+      yield b"data: " + json.dumps(err).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"
 
-  do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _dispatch
+
+async def _disconnected(req: _Request) -> None:
+  """Returns when the client disconnects (the body is read: nothing else can arrive)."""
+  while (await req.receive())["type"] != "http.disconnect":
+    pass
+
+
+async def _offload(size: int, fn: Callable[..., Any], *args: Any) -> Any:
+  """fn(*args), on a worker thread for large inputs so the event loop keeps serving."""
+  if size < _INLINE_BYTES:
+    return fn(*args)
+  return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+class _Config(uvicorn.Config):
+  """uvicorn's Config plus the request-head deadline `_Protocol` enforces."""
+  header_timeout_s: float = 10.0
+
+
+class _Uvicorn(uvicorn.Server):
+  """uvicorn's Server that reports when it accepts connections (`ready`, `started`)."""
+
+  def __init__(self, config: uvicorn.Config):
+    super().__init__(config)
+    self.ready = threading.Event()
+    self.error: BaseException | None = None
+
+  async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+    await super().startup(sockets=sockets)
+    self.ready.set()
+
+
+LINGER_S = 2.0  # how long a closing connection drains a request body it did not read
+
+
+class _LingeringTransport:
+  """A transport whose close() half-closes, drains unread input, then closes (lingering close).
+
+  When the server answers before reading a request body (413, 408, 401, ...), closing at once
+  with unread bytes in the kernel buffer makes the kernel send a reset, and the client often
+  loses the answer it was about to read. Instead: send FIN after the answer, discard what
+  still arrives, close when the client does or after LINGER_S. Used only while the client is
+  mid-request (h11 state SEND_BODY or ERROR); otherwise close() closes.
+  """
+
+  def __init__(self, transport: asyncio.Transport, protocol: _Protocol):
+    self._t = transport
+    self._protocol = protocol
+    self.lingering = False
+    self._timer: asyncio.TimerHandle | None = None
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._t, name)
+
+  def is_closing(self) -> bool:
+    return self.lingering or self._t.is_closing()
+
+  def close(self) -> None:
+    if self.is_closing():
+      return
+    if self._protocol.conn.their_state not in (h11.SEND_BODY, h11.ERROR) or \
+        not self._t.can_write_eof():
+      self._t.close()
+      return
+    self.lingering = True
+    try:
+      self._t.write_eof()  # FIN once the answer is flushed; reading stays open
+      self._t.resume_reading()
+    except (OSError, RuntimeError):
+      self._t.close()
+      return
+    self._timer = self._protocol.loop.call_later(LINGER_S, self._t.close)
+
+  def lost(self) -> None:
+    if self._timer is not None:
+      self._timer.cancel()
+      self._timer = None
+
+
+class _Protocol(H11Protocol):
+  """uvicorn's h11 protocol with the deadlines it lacks, JSON protocol errors, lingering close.
+
+  uvicorn times out idle keep-alive connections only after a response, and nothing else: a
+  fresh connection that never sends a byte, or a request head dripped a byte at a time, would
+  hold a connection forever. Here a fresh connection gets the keep-alive idle deadline too,
+  and a request's head must be complete `header_timeout_s` after its first byte (else 408 and
+  close). Protocol errors (bad request line, bad header, head too large) are answered as our
+  JSON errors, and an unknown method as 501, as http.server did. Closing mid-request lingers
+  (`_LingeringTransport`), so early answers are not lost to a connection reset.
+  """
+
+  config: _Config
+
+  def __init__(self, *args: Any, **kwargs: Any):
+    super().__init__(*args, **kwargs)
+    self._head_timer: asyncio.TimerHandle | None = None
+    self._head = bytearray()  # the first bytes of the request head being received
+    self._linger: _LingeringTransport | None = None
+
+  def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+    self._linger = _LingeringTransport(transport, self)  # type: ignore[arg-type]
+    super().connection_made(self._linger)  # type: ignore[arg-type]
+    self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                        self.timeout_keep_alive_handler)
+
+  def connection_lost(self, exc: Exception | None) -> None:
+    self._cancel_head_timer()
+    if self._linger is not None:
+      self._linger.lost()
+    super().connection_lost(exc)
+
+  def data_received(self, data: bytes) -> None:
+    if self._linger is not None and self._linger.lingering:
+      return  # draining a request we already answered
+    if self.conn.their_state is h11.IDLE and data:
+      if len(self._head) < 1024:
+        self._head += data[:1024 - len(self._head)]
+      if self._head_timer is None:
+        self._head_timer = self.loop.call_later(self.config.header_timeout_s, self._head_late)
+    super().data_received(data)
+    if self.conn.their_state is not h11.IDLE:
+      self._cancel_head_timer()
+
+  def on_response_complete(self) -> None:
+    super().on_response_complete()
+    # A pipelined request whose head is only partly buffered gets its deadline now.
+    if (not self.transport.is_closing() and self.conn.their_state is h11.IDLE
+        and self._head_timer is None and self.conn.trailing_data[0]):
+      self._head = bytearray(self.conn.trailing_data[0][:1024])
+      self._head_timer = self.loop.call_later(self.config.header_timeout_s, self._head_late)
+
+  def _cancel_head_timer(self) -> None:
+    if self._head_timer is not None:
+      self._head_timer.cancel()
+      self._head_timer = None
+    self._head.clear()
+
+  def _head_late(self) -> None:
+    self._head_timer = None
+    if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+      return
+    self._reply_and_close(HTTPStatus.REQUEST_TIMEOUT, f"request head not received within "
+                          f"{self.config.header_timeout_s:g} s", "request_timeout")
+
+  def _method(self) -> bytes | None:
+    """The method of the request line received so far, if it is a well-formed token."""
+    line = bytes(self._head).split(b"\r\n", 1)[0]
+    parts = line.split(b" ")
+    if len(parts) == 3 and _TOKEN.fullmatch(parts[0]):
+      return parts[0]
+    return None
+
+  def send_400_response(self, msg: str) -> None:
+    """uvicorn calls this on an h11 RemoteProtocolError (the active exception)."""
+    exc = sys.exc_info()[1]
+    method = self._method()
+    if method is not None and method.decode("ascii") not in _KNOWN_METHODS:
+      self._reply_and_close(HTTPStatus.NOT_IMPLEMENTED,
+                            f"Unsupported method ({method.decode('ascii')!r})",
+                            "not_implemented")
+      return
+    status = int(getattr(exc, "error_status_hint", HTTPStatus.BAD_REQUEST))
+    detail = str(exc) if exc is not None else msg
+    if len(detail) > 200:
+      detail = detail[:200] + "..."
+    self._reply_and_close(status, f"invalid HTTP request: {detail}", "invalid_request_error")
+
+  def _reply_and_close(self, status: int, message: str, kind: str) -> None:
+    app = self.app
+    if isinstance(app, _App):
+      app.server.count("errors_5xx" if status >= 500 else "errors_4xx")
+    body = _error_body(message, kind)
+    try:
+      reason = HTTPStatus(status).phrase
+    except ValueError:
+      reason = ""
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode()), (b"connection", b"close"),
+               (b"server", SERVER_NAME.encode())]
+    try:
+      for event in (h11.Response(status_code=int(status), reason=reason, headers=headers),
+                    h11.Data(data=body), h11.EndOfMessage()):
+        self.transport.write(self.conn.send(event))
+    except h11.LocalProtocolError:  # a response had already started: just close
+      pass
+    self.transport.close()

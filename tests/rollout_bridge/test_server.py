@@ -152,7 +152,7 @@ BAD = [
     ("bad_return_logprob", "POST", G, {"input_ids": [1], "return_logprob": "yes"}, 400,
      "return_logprob"),
     ("bad_rid", "POST", G, {"input_ids": [1], "rid": 7}, 400, "rid"),
-    ("stream", "POST", G, {"input_ids": [1], "stream": True}, 400, "stream"),
+    ("stream_not_bool", "POST", G, {"input_ids": [1], "stream": "yes"}, 400, "stream"),
     ("unknown_field", "POST", G, {"input_ids": [1], "foo": 1}, 400, "unsupported /generate"),
     ("get_generate", "GET", G, None, 405, "use POST"),
     ("delete_health", "DELETE", "/health", None, 405, "use GET"),
