@@ -90,13 +90,23 @@ class Checks:
     print(f"[{tag}] {name}: {detail}", flush=True)
     return ok
 
-  def mismatch(self, name: str, got: Any, want: Any) -> bool:
-    """Bitwise comparison of two arrays; passes when every element's bits agree."""
+  def mismatch(self, name: str, got: Any, want: Any, codes: bool = False) -> bool:
+    """Bitwise comparison of two arrays; passes when every element's bits agree.
+
+    Parity is about bytes, so E2M1 codes 0 and 8 (+0 and -0) differ here. codes=True (E2M1
+    code arrays) also reports how many mismatches are only that sign of zero (equal values,
+    `formats.e2m1_values_equal`), which tells a sign-of-zero bug from a rounding bug.
+    """
     g, w = _bits(np.asarray(got)), _bits(np.asarray(want))
     if g.shape != w.shape:
       return bool(self.add(name, False, f"shape {g.shape} != {w.shape}"))
     bad = int(np.sum(g != w))
     detail = f"{bad} of {g.size} differ"
+    if bad and codes:
+      from trace_jax.quant import formats
+
+      zero_sign = bad - int(np.sum(~formats.e2m1_values_equal(g, w)))
+      detail += f", {zero_sign} of them only in the sign of zero (code 0 vs 8)"
     if bad:
       idx = np.flatnonzero(g.reshape(-1) != w.reshape(-1))[:3]
       detail += f" (first at flat {idx.tolist()}: got {g.reshape(-1)[idx].tolist()}, want " \
@@ -547,15 +557,97 @@ def check_parity(checks: Checks, n_log2: int, device: str, seed: int, k: int = 2
     t_torch = time.perf_counter() - t0
     print(f"  {dname}: jax {t_jax:.1f} s (incl. compile), torch {t_torch:.1f} s", flush=True)
     for key, v in got.items():
-      checks.mismatch(f"parity_{dname}_{key}", v, want[key])
+      checks.mismatch(f"parity_{dname}_{key}", v, want[key], codes=key.endswith("/codes"))
     for mode in ("compact", "full"):
       checks.mismatch(f"parity_{dname}_guided_{mode}", got_g[f"guided_{mode}"],
-                      want[f"guided_{mode}"])
+                      want[f"guided_{mode}"], codes=True)
       g = got_g[f"record_{mode}"]
       field = "mantissa" if mode == "compact" else "codes"
       for f in ("block_scale", "row_scale", field):
         checks.mismatch(f"parity_{dname}_record_{mode}/{f}", getattr(g, f),
                         want[f"record_{mode}"][f])
+
+
+def _sign_of_zero_scale(rows: int, k: int) -> np.ndarray:
+  """The exact block scale 2**j of `sign_of_zero_data`, per 16-block [rows, k // 16]."""
+  r, b = np.arange(rows)[:, None], np.arange(k // 16)[None]
+  return (2.0 ** ((r + b // 2) % 15 - 6)).astype(np.float32)
+
+
+def sign_of_zero_data(rows: int = 64, k: int = 64) -> np.ndarray:
+  """float32 [rows, k] whose 16- and 32-blocks have amax 6 * 2**j (so NVFP4 and MXFP4 scales
+  are exactly 2**j, j in -6..8) and elements that round to zero: -0, +0, -+0.25 * 2**j (the tie,
+  to zero), 2**-20 relative either side of -0.25 * 2**j, small values of both signs, and
+  negative float32 subnormals."""
+  rng = np.random.default_rng(11)
+  small = np.array([-0.0, 0.0, -0.25, 0.25, -0.25 * (1 - 2.0**-20), -0.25 * (1 + 2.0**-20),
+                    -0.1, 0.1, -1e-3])
+  scale = _sign_of_zero_scale(rows, k).astype(np.float64)
+  x = np.zeros((rows, k // 16, 16))
+  for r in range(rows):
+    for b in range(k // 16):
+      vals = rng.choice(small, 13) * scale[r, b]
+      vals = np.where(rng.random(13) < 0.1, -1e-40, vals)  # subnormal in float32
+      blk = np.concatenate([[6.0 * scale[r, b] * (-1) ** r], vals, [0.75 * scale[r, b],
+                                                                    -1.5 * scale[r, b]]])
+      x[r, b] = rng.permutation(blk)
+  return x.reshape(rows, k).astype(np.float32)
+
+
+def check_sign_of_zero(checks: Checks, torch_device: str | None) -> None:
+  """E2M1 codes keep the sign of zero on this backend (docs/numerics.md): NVFP4 (one- and
+  two-level), MXFP4 and guided rounding without drift give code 8 exactly where the input's
+  sign bit is set and the magnitude rounds to zero; the single-level codes equal ml_dtypes';
+  the torch twin on its device gives the same bytes."""
+  import jax
+  import jax.numpy as jnp
+  import ml_dtypes
+
+  from trace_jax import quant
+
+  print("\n== 2. sign of zero in E2M1 codes under jax.jit", flush=True)
+  x = sign_of_zero_data()
+
+  @jax.jit
+  def run(v):
+    q_row = quant.nvfp4_quantize(v, quant.nvfp4_row_scale(v))
+    out = {"nvfp4_1level": quant.nvfp4_quantize(v).codes, "nvfp4_row": q_row.codes,
+           "mxfp4": quant.mxfp4_quantize(v).codes}
+    for mode in ("compact", "full"):
+      out[f"guided_{mode}"] = quant.guided_codes(v, quant.record(q_row, mode))
+    return out
+
+  got = jax.device_get(run(jnp.asarray(x)))
+  flushed = np.where(np.abs(x) < 2.0**-126, np.copysign(np.float32(0), x), x)
+  neg = np.signbit(flushed)
+  for name, c in got.items():
+    c = np.asarray(c)
+    rounds_to_zero = (c & 7) == 0
+    want = np.where(rounds_to_zero, np.where(neg, 8, 0), c).astype(np.uint8)
+    checks.mismatch(f"sign_of_zero_{name}", c, want, codes=True)
+  rows, k = x.shape
+  y = flushed.reshape(rows, k // 16, 16) / _sign_of_zero_scale(rows, k)[..., None]  # exact
+  ref = y.reshape(rows, k).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
+  checks.mismatch("sign_of_zero_nvfp4_1level_vs_ml_dtypes", got["nvfp4_1level"], ref, codes=True)
+  checks.mismatch("sign_of_zero_mxfp4_vs_ml_dtypes", got["mxfp4"], ref, codes=True)
+  checks.add("sign_of_zero_data_has_negative_zeros",
+             bool(np.sum(np.asarray(got["nvfp4_row"]) == 8) > 100),
+             f"{int(np.sum(np.asarray(got['nvfp4_row']) == 8))} codes 8 in {x.size}")
+  if not torch_device:
+    return
+  import torch
+
+  from rollout_bridge import torch_quant as tq
+
+  t = torch.from_numpy(x).to(torch_device)
+  q_row = tq.nvfp4_quantize(t, tq.nvfp4_row_scale(t))
+  want = {"nvfp4_1level": tq.nvfp4_quantize(t).codes, "nvfp4_row": q_row.codes,
+          "mxfp4": tq.mxfp4_quantize(t).codes}
+  for mode in ("compact", "full"):
+    want[f"guided_{mode}"] = tq.guided_codes(t, tq.guidance_record(q_row, mode))
+  for name, w in want.items():
+    checks.mismatch(f"sign_of_zero_{name}_vs_torch_{torch_device}", got[name], _np(w),
+                    codes=True)
 
 
 def check_grad(checks: Checks) -> None:
@@ -659,6 +751,7 @@ def main(argv: Sequence[str]) -> int:
     checks.guard("exhaustive", lambda: check_exhaustive(checks))
     record["platform_trap_naive_wrong"] = checks.guard("platform_trap",
                                                        lambda: check_platform_trap(checks))
+    checks.guard("sign_of_zero", lambda: check_sign_of_zero(checks, torch_device))
     if torch_device:
       checks.guard("parity", lambda: check_parity(checks, max(FLAGS.parity_log2, 18),
                                                   torch_device, FLAGS.seed))
@@ -684,7 +777,8 @@ def main(argv: Sequence[str]) -> int:
 
 def _group(name: str) -> str:
   """Summary group of a check: its name up to the first '/' or dtype-qualified stem."""
-  for prefix in ("parity_bfloat16", "parity_float32", "e2m1_", "e4m3_", "trap_", "ste_grad_"):
+  for prefix in ("parity_bfloat16", "parity_float32", "e2m1_", "e4m3_", "trap_", "ste_grad_",
+                 "sign_of_zero_"):
     if name.startswith(prefix):
       return prefix.rstrip("_")
   return name

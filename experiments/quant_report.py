@@ -35,6 +35,7 @@ from absl import flags
 
 from experiments import common
 from trace_jax import quant
+from trace_jax.quant import formats
 from trace_jax.quant.formats import E2M1_GRID, NVFP4_BLOCK
 
 FLAGS = flags.FlagValues()
@@ -245,6 +246,19 @@ def _guided_reach(site: np.ndarray, rec_codes: np.ndarray, block_scale: np.ndarr
   return ((mag == lo_i) | (mag == hi_i)) & same_sign
 
 
+def code_flip_rate(train: np.ndarray, rollout: np.ndarray, fmt: str) -> float:
+  """Fraction of elements whose quantized value differs between training and rollout.
+
+  FP4 codes are compared as E2M1 values (`formats.e2m1_values_equal`): codes keep the sign of
+  zero, and +0 (code 0) vs -0 (code 8) is no flip. FP8 values never hold -0, so their bytes
+  compare directly.
+  """
+  train, rollout = np.asarray(train), np.asarray(rollout)
+  if fmt == "fp8":
+    return float(np.mean(train != rollout))
+  return float(np.mean(~formats.e2m1_values_equal(train, rollout)))
+
+
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
@@ -313,7 +327,7 @@ def run_report(cfg: dict, progress: bool = False) -> dict[str, Any]:
   flip, scale_flip, reach_miss, drift, out_diff = {}, {}, {}, {}, {}
   for name, fmt, mode in METHODS:
     (outs_t, h_t), (outs_r, h_r) = trains[name], rollouts[fmt]
-    flip[name] = [float(np.mean(outs_t["codes"][l] != outs_r["codes"][l]))
+    flip[name] = [code_flip_rate(outs_t["codes"][l], outs_r["codes"][l], fmt)
                   for l in range(n_layers)]
     drift[name] = [_rel(outs_t["site"][l], outs_r["site"][l]) for l in range(n_layers)]
     out_diff[name] = _rel(h_t, h_r)

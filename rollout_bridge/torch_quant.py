@@ -9,9 +9,10 @@ to E2M1 is nearest-grid-point search with ties to the even code, an algorithm in
 the JAX side's comparison ladder; E4M3 rounding is torch's own float8 cast.
 
 Edge behaviour is the same as in `trace_jax/quant/formats.py`: subnormal inputs count as
-zero, a zero magnitude gets code 0, and a block holding NaN/Inf (or under a NaN second-level
-scale) gets a NaN block scale and zero codes. Eager torch calls raise on non-finite input
-unless `allow_nonfinite=True`.
+zero of the same sign; E2M1 codes keep the sign of zero (a negative value that rounds to zero,
+and -0, get code 8, as ModelOpt, torchao and the hardware's E2M1 convert do; docs/numerics.md);
+a block holding NaN/Inf (or under a NaN second-level scale) gets a NaN block scale and codes 0.
+Eager torch calls raise on non-finite input unless `allow_nonfinite=True`.
 """
 
 from __future__ import annotations
@@ -102,7 +103,9 @@ def _amax(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------- E2M1
 
 def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
-  """E2M1 codes of float values: nearest grid point, ties to the even code, saturating at 6."""
+  """E2M1 codes of float values: nearest grid point, ties to the even code, saturating at 6;
+  the sign from the sign bit, zero included (-0 and negative values that round to zero: code 8).
+  NaN gives code 0."""
   y = flush_subnormal(y.float())
   a = y.abs().clamp(max=6.0)
   grid = E2M1_GRID.to(y.device)
@@ -124,8 +127,9 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
   return torch.where((c & 8) != 0, -mag, mag)
 
 
-def _canonical_zero(codes: torch.Tensor) -> torch.Tensor:
-  return torch.where(codes == 8, torch.zeros_like(codes), codes)
+def e2m1_values_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+  """True where E2M1 codes encode the same value: equal codes, or +0 (code 0) and -0 (code 8)."""
+  return (a == b) | (((a | b) & 7) == 0)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -179,7 +183,7 @@ def nvfp4_quantize(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, *,
   else:
     inv = _div(_div(1.0, torch.where(torch.isfinite(ts), ts, torch.ones_like(ts))), bsf)
   y = (xb * inv.unsqueeze(-1)).clamp(-6.0, 6.0)
-  codes = _canonical_zero(e2m1_encode(y))
+  codes = e2m1_encode(y)  # sign of zero kept
   codes = torch.where(bad.unsqueeze(-1), torch.zeros_like(codes), codes)
   bs8 = torch.where(bad, torch.full_like(bsf, float("nan")), bsf).to(torch.float8_e4m3fn)
   return NVFP4Tensor(codes=_unblock(codes), block_scale=bs8,
@@ -209,7 +213,7 @@ def mxfp4_quantize(x: torch.Tensor, tensor_scale: None = None, *,
   e = (exp.to(torch.int32) - 1 - 2).clamp(-127, 127)  # frexp mantissa in [0.5, 1)
   e = torch.where(zero, torch.full_like(e, -127), e)
   y = torch.ldexp(xb, (-e).unsqueeze(-1).to(torch.float32)).clamp(-6.0, 6.0)
-  codes = _canonical_zero(e2m1_encode(y))
+  codes = e2m1_encode(y)  # sign of zero kept
   codes = torch.where(bad.unsqueeze(-1), torch.zeros_like(codes), codes)
   byte = torch.where(bad, torch.full_like(e, 255), e + 127).to(torch.uint8)
   return MXFP4Tensor(codes=_unblock(codes), block_scale=byte.view(torch.float8_e8m0fnu))
@@ -323,7 +327,7 @@ def guided_codes(x: torch.Tensor, rec: dict[str, torch.Tensor]) -> torch.Tensor:
     ref = e2m1_decode(unpack_fp4(rec["codes"]))
     sgn = torch.where(torch.signbit(z), -1.0, 1.0)
     mag = torch.where((sgn * grid[lo] - ref).abs() <= (sgn * grid[hi] - ref).abs(), lo, hi)
-  codes = _canonical_zero((mag + torch.signbit(z).to(mag.dtype) * 8).to(torch.uint8))
+  codes = (mag + torch.signbit(z).to(mag.dtype) * 8).to(torch.uint8)  # sign of zero kept
   x_bad = ~torch.isfinite(_blocks(xf, NVFP4_BLOCK)).all(-1)
   bad = ~torch.isfinite(bs) | ~torch.isfinite(ts) | x_bad
   return _unblock(torch.where(bad.unsqueeze(-1), torch.zeros_like(_blocks(codes, NVFP4_BLOCK)),

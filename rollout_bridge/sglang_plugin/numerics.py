@@ -12,7 +12,9 @@ are bit-identical to the JAX side:
 - `k` / `v`: each (token, kv head) row over head_dim, after RoPE, before the KV cache.
 Dequantized values are float32 `code * block_scale * second_level_scale`, cast to the compute
 dtype, exactly as the JAX model casts them: this is the Hopper emulation of W4A4 (Hopper has no
-FP4 tensor cores; SGLang's own NVFP4 on SM90 is weight-only Marlin).
+FP4 tensor cores; SGLang's own NVFP4 on SM90 is weight-only Marlin). Codes keep the sign of zero
+(code 8 for a negative value that rounds to zero, docs/numerics.md), so `NVFP4Experts.packed`
+holds the bytes of `trace_jax.io.hf.save_nvfp4_checkpoint` and of ModelOpt checkpoints.
 
 Activation quantization passes `allow_nonfinite=True` to the twin: no host synchronisation per
 call (the twin's non-finite check reads a count back), and a non-finite row dequantizes to NaN.

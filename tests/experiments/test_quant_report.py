@@ -11,6 +11,7 @@ import pytest
 
 from experiments import quant_report
 from trace_jax import quant
+from trace_jax.quant import formats
 
 K = 128
 BATCH = 64
@@ -94,7 +95,18 @@ def test_guided_reach_predicts_guided_flips(mode):
   reach = quant_report._guided_reach(xt, rollout, np.asarray(g.block_scale).astype(np.float32),
                                      np.asarray(g.row_scale))
   assert 0 < np.mean(~reach) < 0.5
-  np.testing.assert_array_equal(guided != rollout, ~reach)
+  # A flip is a change of value: codes keep the sign of zero, and 0 vs 8 (+0 vs -0) is none.
+  np.testing.assert_array_equal(~formats.e2m1_values_equal(guided, rollout), ~reach)
+
+
+def test_flip_rate_compares_fp4_values_not_codes():
+  """+0 (code 0) and -0 (code 8) are the same E2M1 value: no flip; every other code change is
+  one. FP8 bytes compare as they are (FP8 values never hold -0)."""
+  train = np.array([[0, 8, 8, 0, 1, 9, 7, 15]], np.uint8)
+  rollout = np.array([[8, 0, 8, 0, 9, 1, 6, 15]], np.uint8)
+  for fmt in ("nvfp4", "mxfp4"):
+    assert quant_report.code_flip_rate(train, rollout, fmt) == 3 / 8
+  assert quant_report.code_flip_rate(train, rollout, "fp8") == 5 / 8
 
 
 def test_help_returns_without_running(capsys):

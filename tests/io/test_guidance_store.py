@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import threading
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -28,13 +29,13 @@ T = sum(LENS)
 OFFSETS = np.concatenate([[0], np.cumsum(LENS)])
 
 
-def _records(mode: str) -> tuple[dict, dict]:
+def _records(mode: str, seed: int | None = None) -> tuple[dict, dict]:
   """Records for every guided layer and site: random bytes in every field.
 
   Random bit patterns (float8 NaNs, float32 NaNs/infs included) make the round trip a strict
   bit-exactness test; `test_real_rollout_record_round_trip` covers quantize_act_record output.
   """
-  rng = np.random.default_rng(0 if mode == "compact" else 1)
+  rng = np.random.default_rng((0 if mode == "compact" else 1) if seed is None else seed)
   shapes = {"moe_in": (T, HIDDEN), "expert_mid": (T, TOP_K, INTER),
             "k": (T, KV_HEADS, HEAD_DIM), "v": (T, KV_HEADS, HEAD_DIM)}
   per_col = {"block_scale": 16, "mantissa": 8, "codes": 2}
@@ -60,8 +61,10 @@ def records(mode: str) -> tuple[dict, dict]:
   return RECORDS[mode]
 
 
-def write(root, mode: str = "compact", batch_id: str = "b0", ids=IDS) -> gs.BatchWrite:
-  guidance, routing = records(mode)
+def write(root, mode: str = "compact", batch_id: str = "b0", ids=IDS,
+          seed: int | None = None) -> gs.BatchWrite:
+  """Writes one batch; seed: other random records of the same shapes (another batch)."""
+  guidance, routing = records(mode) if seed is None else _records(mode, seed)
   with gs.GuidanceWriter(root, HASH, OPTS) as w:
     handle = w.write_batch(batch_id, ids, LENS, guidance, routing)
   return handle
@@ -170,8 +173,28 @@ def test_manifest_contents(stored):
   assert manifest["layers"] == list(LAYERS) and manifest["routing_layers"] == list(LAYERS)
   assert manifest["sites"] == list(gs.SITES) and manifest["mode"] == "compact"
   bs = manifest["arrays"]["layer_003/expert_mid/block_scale"]
-  assert bs == {"dtype": "float8_e4m3fn", "stored_dtype": "uint8", "shape": [T, TOP_K, 2]}
+  assert {k: v for k, v in bs.items() if k != "seq_crc32"} == {
+      "dtype": "float8_e4m3fn", "stored_dtype": "uint8", "shape": [T, TOP_K, 2]}
   assert manifest["created_unix"] > 0 and manifest["storage"]["shard_tokens"] == 128
+  assert manifest["checksum"]["algorithm"] == "crc32" and gs.SCHEMA_VERSION == 2
+
+
+def test_manifest_checksums_are_crc32_of_each_sequences_rows(stored):
+  """seq_crc32 of every array: zlib CRC-32 of each sequence's rows (C-order bytes of the
+  stored dtype), 8 hex digits per sequence, recomputed here from the written records."""
+  with open(stored[0] / "compact" / gs.MANIFEST) as f:
+    manifest = json.load(f)
+  guidance, routing = records("compact")
+  arrays = {gs.array_path(layer, site, field): getattr(g, field)
+            for layer, sites in guidance.items() for site, g in sites.items()
+            for field in gs.MODE_FIELDS["compact"]}
+  arrays |= {gs.array_path(layer, gs.ROUTING, "ids"): ids for layer, ids in routing.items()}
+  assert set(arrays) == set(manifest["arrays"]) - {"seq_offsets"}
+  for path, a in arrays.items():
+    raw = np.ascontiguousarray(np.asarray(a)).view(np.uint8).reshape(T, -1)
+    want = "".join(f"{zlib.crc32(raw[OFFSETS[i]:OFFSETS[i + 1]].tobytes()):08x}"
+                   for i in range(len(IDS)))
+    assert manifest["arrays"][path]["seq_crc32"] == want, path
 
 
 def test_spec_uses_sharding_indexed_and_zstd(stored):
@@ -295,6 +318,21 @@ def _corrupt_shard(path):
   shard.write_bytes(bytes(raw))
 
 
+def _chunk_from_other_batch(d, array=("layer_002", "v", "mantissa"), shard="c.1.0.0"):
+  """Writes a batch of the same shapes (other data) beside d and copies one of its valid
+  shard files over d's (rows 128..255: only sequence position 1 lives there)."""
+  write(d.parent, batch_id="donor", seed=7)
+  shutil.copyfile(d.parent.joinpath("donor", *array, shard), d.joinpath(*array, shard))
+
+
+def _manifest_from_other_batch(d):
+  """The manifest of a batch of the same shapes and ids (other data) over d's."""
+  write(d.parent, batch_id="donor", seed=7)
+  manifest = json.loads((d.parent / "donor" / gs.MANIFEST).read_text())
+  manifest["batch_id"] = "b0"
+  (d / gs.MANIFEST).write_text(json.dumps(manifest))
+
+
 ALL = list(range(len(IDS)))
 # name -> (damage(batch_dir), reader kwargs, requested ids, flagged positions, error regex)
 CASES = {
@@ -319,7 +357,21 @@ CASES = {
                    IDS, [1], r"layer 3, site 'routing', sequences \[7\].*missing"),
     "corrupt_chunk": (lambda d: _corrupt_shard(d / "layer_002" / "v" / "mantissa"), {}, IDS, [1],
                       r"layer 2, site 'v', sequences \[7\].*unreadable"),
+    "chunk_from_other_batch": (_chunk_from_other_batch, {}, IDS, [1],
+                               r"layer 2, site 'v', sequences \[7\].*CRC-32 mismatch"),
+    "manifest_from_other_batch": (_manifest_from_other_batch, {}, IDS, [0, 1, 2, 4],
+                                  r"'b0', layer \d, site '\w+', sequences \[.*CRC-32 mismatch"),
+    "missing_root": (lambda d: shutil.rmtree(d.parent), {}, IDS, ALL,
+                     r"'b0'.*guidance root .* does not exist"),
 }
+
+
+# The stats reason each case is counted under (default: the case name).
+REASONS = {"garbled_manifest": "bad_manifest", "wrong_shape": "corrupt_array",
+           "wrong_config_hash": "config_hash", "unknown_seq_id": "unknown_sequence",
+           "lost_shard": "corrupt_array", "corrupt_chunk": "corrupt_array",
+           "chunk_from_other_batch": "checksum_mismatch",
+           "manifest_from_other_batch": "checksum_mismatch"}
 
 
 @pytest.mark.parametrize("on_missing", ["error", "fallback"])
@@ -337,6 +389,7 @@ def test_bad_guidance(tmp_path, caplog, case, on_missing):
   with caplog.at_level(logging.WARNING, logger=gs.__name__):
     batch = reader.read("b0", ids)
   assert list(np.flatnonzero(~batch.valid)) == flagged
+  assert reader.stats.reasons[REASONS.get(case, case)] >= 1, reader.stats.reasons
   assert reader.stats.fallback_sequences == len(flagged)
   assert reader.stats.fallback_batches == 1
   assert any("RTN fallback" in r.message for r in caplog.records)
@@ -358,3 +411,182 @@ def test_ragged_rows_and_config_hash():
   np.testing.assert_array_equal(got, np.concatenate([padded[0, 1:3], padded[2, :3]]))
   assert gs.config_hash({"a": 1, "b": (2, 3)}) == gs.config_hash({"b": [2, 3], "a": 1})
   assert gs.config_hash({"a": 1}) != gs.config_hash({"a": 2})
+
+
+# ----------------------------------------------------------------------------- hardening
+
+
+@pytest.mark.parametrize("select", [(7,), (99, 7, 11), IDS, (11, 42, 3, 99)],
+                         ids=["one", "subset", "all", "unaffected"])
+def test_chunk_from_other_batch_detected_in_subsets(tmp_path, select):
+  """A valid shard copied in from another batch of the same shape (TensorStore reads it without
+  complaint) is caught by the per-sequence checksums whatever subset of sequences is read; only
+  the sequence whose rows changed (7: the copied shard holds rows 128..255) is flagged."""
+  write(tmp_path)
+  _chunk_from_other_batch(tmp_path / "b0")
+  raw = ts.open(gs._spec(str(tmp_path / "b0" / "layer_002" / "v" / "mantissa")),
+                open=True).result().read().result()
+  assert not np.array_equal(raw, records("compact")[0][2]["v"].mantissa)  # wrong rows, readable
+  reader = gs.GuidanceReader(tmp_path, HASH, on_missing="fallback")
+  batch = reader.read("b0", select)
+  flagged = [j for j, s in enumerate(select) if s == 7]
+  assert list(np.flatnonzero(~batch.valid)) == flagged
+  assert reader.stats.reasons["checksum_mismatch"] == (1 if flagged else 0)
+  kept = [IDS.index(s) for s in select if s != 7]
+  if kept:
+    assert_batch_matches(batch, "compact", kept)
+  other = gs.GuidanceReader(tmp_path, HASH, layers=[3])  # the damaged array is not read
+  assert other.read("b0", select).valid.all()
+  if flagged:
+    with pytest.raises(gs.GuidanceError, match=r"layer 2, site 'v', sequences \[7\].*CRC-32"):
+      gs.GuidanceReader(tmp_path, HASH).read("b0", select)
+
+
+def _set(path):
+  """Manifest edit: sets the value at `path` (keys into the manifest's JSON) to v."""
+  def edit(m, v):
+    for k in path[:-1]:
+      m = m[k]
+    m[path[-1]] = v
+  return edit
+
+
+def _first_array(m):
+  return m["arrays"]["layer_002/moe_in/mantissa"]
+
+
+# name -> (edit(manifest), value): fields of the wrong type or inconsistent values.
+BAD_FIELDS = {
+    "counts_str": (_set(["token_counts"]), ["5", "300", "17", "0", "1"]),
+    "counts_float": (_set(["token_counts"]), [5.5, 300, 17, 0, 0.5]),
+    "counts_bool": (_set(["token_counts"]), [5, 300, 17, False, True]),
+    "counts_dict": (_set(["token_counts"]), {"a": 1}),
+    "num_tokens_str": (_set(["num_tokens"]), "323"),
+    "layers_str": (_set(["layers"]), ["2", "3"]),
+    "layers_float": (_set(["layers"]), [2.5, 3]),
+    "layers_negative": (_set(["layers"]), [-1, 3]),
+    "routing_layers_none": (_set(["routing_layers"]), None),
+    "sites_int": (_set(["sites"]), [5]),
+    "seq_ids_lists": (_set(["seq_ids"]), [[1], [2], [3], [4], [5]]),
+    "mode_list": (_set(["mode"]), ["compact"]),
+    "arrays_list": (_set(["arrays"]), []),
+    "array_entry_str": (lambda m, v: m["arrays"].__setitem__("layer_002/moe_in/mantissa", v),
+                        "uint8"),
+    "array_shape_str": (lambda m, v: _first_array(m).__setitem__("shape", v), "abc"),
+    "array_shape_none": (lambda m, v: _first_array(m).__setitem__("shape", v), [None, 8]),
+    "array_dtype_list": (lambda m, v: _first_array(m).__setitem__("dtype", v), ["uint8"]),
+    "array_path_traversal": (lambda m, v: m["arrays"].__setitem__("../../x", v),
+                             {"dtype": "uint8", "stored_dtype": "uint8", "shape": [323]}),
+    "missing_field": (lambda m, v: m.pop("token_counts"), None),
+    "manifest_list": (None, [1, 2]),
+}
+
+
+@pytest.mark.parametrize("on_missing", ["error", "fallback"])
+@pytest.mark.parametrize("case", list(BAD_FIELDS))
+def test_manifest_wrong_types_are_a_bad_batch(tmp_path, case, on_missing):
+  """A manifest field of the wrong type (or an inconsistent one) makes the batch unusable:
+  GuidanceError under "error", every sequence flagged and counted as bad_manifest under
+  "fallback"; never a KeyError/TypeError/ValueError."""
+  write(tmp_path)
+  path = tmp_path / "b0" / gs.MANIFEST
+  manifest = json.loads(path.read_text())
+  edit, value = BAD_FIELDS[case]
+  if edit is None:
+    manifest = value
+  else:
+    edit(manifest, value)
+  path.write_text(json.dumps(manifest))
+  reader = gs.GuidanceReader(tmp_path, HASH, on_missing=on_missing)
+  if on_missing == "error":
+    with pytest.raises(gs.GuidanceError, match=r"'b0'.*(bad )?manifest"):
+      reader.read("b0", IDS)
+    return
+  batch = reader.read("b0", IDS)
+  assert not batch.valid.any() and reader.stats.fallback_sequences == len(IDS)
+  assert reader.stats.reasons["bad_manifest"] == 1, reader.stats.reasons
+
+
+def test_schema_1_batches_are_refused(tmp_path):
+  """A batch of the previous schema (no checksums) is unusable: schema_version."""
+  write(tmp_path)
+  path = tmp_path / "b0" / gs.MANIFEST
+  manifest = json.loads(path.read_text())
+  manifest["schema_version"] = 1
+  path.write_text(json.dumps(manifest))
+  reader = gs.GuidanceReader(tmp_path, HASH, on_missing="fallback")
+  assert not reader.read("b0", IDS).valid.any()
+  assert reader.stats.reasons["schema_version"] == 1
+
+
+BAD_IDS = ["../outside/b9", "..", "a/b", "b0/../b1", "b0..", "b0\n", "", ".hidden", "-x",
+           "b" * 129, "a\\b"]
+
+
+@pytest.mark.parametrize("on_missing", ["error", "fallback"])
+def test_read_never_leaves_the_root(tmp_path, on_missing):
+  """read("../outside/b9") of a valid batch outside the root: a bad batch id, nothing read."""
+  write(tmp_path / "outside", batch_id="b9")
+  (tmp_path / "root").mkdir()
+  reader = gs.GuidanceReader(tmp_path / "root", HASH, on_missing=on_missing)
+  for bid in BAD_IDS:
+    if on_missing == "error":
+      with pytest.raises(gs.GuidanceError, match="batch id .* is invalid"):
+        reader.read(bid, IDS)
+    else:
+      batch = reader.read(bid, IDS)
+      assert not batch.valid.any() and not batch.guidance and not batch.routing, bid
+  if on_missing == "fallback":
+    assert reader.stats.reasons["bad_batch_id"] == len(BAD_IDS)
+    assert reader.stats.fallback_sequences == len(BAD_IDS) * len(IDS)
+
+
+def test_batch_ids_on_write(tmp_path):
+  """The writer rejects ids that are not one path component; "b000012" and "b000012.audit"
+  (the audit batches' suffix) are written and read back."""
+  guidance, routing = records("compact")
+  with gs.GuidanceWriter(tmp_path / "root", HASH, OPTS) as w:
+    for bid in BAD_IDS:
+      with pytest.raises(ValueError, match="batch id"):
+        w.write_batch(bid, IDS, LENS, guidance, routing)
+    for bid in ("b000012", "b000012.audit", "step-3_a.b"):
+      w.write_batch(bid, IDS, LENS, guidance, routing)
+  assert not (tmp_path / "outside").exists()
+  reader = gs.GuidanceReader(tmp_path / "root", HASH)
+  assert reader.complete_batches() == ["b000012", "b000012.audit", "step-3_a.b"]
+  for bid in reader.complete_batches():
+    assert_batch_matches(reader.read(bid), "compact", range(len(IDS)))
+
+
+def test_writer_rejects_non_integer_counts_and_bad_layers(tmp_path):
+  """token counts must be integers (no floats, even integral ones, no bools, no strings);
+  layers (guidance and routing keys) non-negative integers."""
+  guidance, routing = records("compact")
+  with gs.GuidanceWriter(tmp_path, HASH, OPTS) as w:
+    for counts in ((5.7, 300, 17, 0, 1), (5.0, 300, 17, 0, 1), (5, 300, 17, False, True),
+                   ("5", 300, 17, 0, 1), np.array(LENS, np.float64)):
+      with pytest.raises(ValueError, match="token counts must be integers"):
+        w.write_batch("bad", IDS, counts, guidance, routing)
+    for layer in (-1, 2.0, True, "2"):
+      with pytest.raises(ValueError, match="guidance layers must be non-negative integers"):
+        w.write_batch("bad", IDS, LENS, {layer: guidance[2]}, {})
+      with pytest.raises(ValueError, match="routing layers must be non-negative integers"):
+        w.write_batch("bad", IDS, LENS, guidance, {layer: routing[2]})
+    w.write_batch("ok", IDS, np.array(LENS, np.int64), {np.int64(2): guidance[2]},
+                  {np.int32(3): routing[3]})
+  assert not (tmp_path / "bad").exists()
+  batch = gs.GuidanceReader(tmp_path, HASH).read("ok")
+  assert set(batch.guidance) == {2} and set(batch.routing) == {3}
+
+
+@pytest.mark.parametrize("on_missing", ["error", "fallback"])
+def test_missing_root_is_named(tmp_path, on_missing):
+  """A reader whose root does not exist says so (not "no manifest.json")."""
+  reader = gs.GuidanceReader(tmp_path / "nowhere", HASH, on_missing=on_missing)
+  assert reader.complete_batches() == []
+  if on_missing == "error":
+    with pytest.raises(gs.GuidanceError, match=r"guidance root .*nowhere does not exist"):
+      reader.read("b0", IDS)
+    return
+  assert not reader.read("b0", IDS).valid.any()
+  assert reader.stats.reasons == {"missing_root": 1}

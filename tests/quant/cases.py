@@ -264,6 +264,10 @@ def _all_zero(rng: np.random.Generator) -> np.ndarray:
 
 
 def _negative_zero(rng: np.random.Generator) -> np.ndarray:
+  """Signed zeros: blocks of -0, of alternating -0/+0, and blocks with amax 6 * 2**j (or -3 *
+  2**j) whose other elements are -0, negative values that round to zero (the -0.25 tie, one
+  2**-20 step inside it, uniform in (-0.25, 0]), one 2**-20 step outside the tie (code 9), and
+  a negative float32 subnormal: codes 8 (sign kept) in every E2M1 format."""
   out = np.empty((ROWS, K // 16, 16), F32)
   for r in range(ROWS):
     s = 2.0 ** ((r % 15) - 6)
@@ -274,8 +278,10 @@ def _negative_zero(rng: np.random.Generator) -> np.ndarray:
       elif kind == 1:
         blk = np.where(np.arange(16) % 2 == 0, -0.0, 0.0)
       else:
-        blk = np.concatenate([[6.0], [-0.0] * 5, [-0.1, -0.2, -0.24, -0.25, -0.01],
-                              rng.uniform(-0.25, 0.0, 5)]) * s
+        blk = np.concatenate([[6.0], [-0.0] * 2, [-0.1, -0.2, -0.24, -0.25, -0.01],
+                              rng.uniform(-0.25, 0.0, 5),
+                              [-0.25 * (1 - 2.0**-20), -0.25 * (1 + 2.0**-20), 0.0]]) * s
+        blk[-1] = -1e-40  # float32 subnormal: flushed to -0
         if kind == 3:
           blk[0] = -blk[0] * 0.5
       out[r, b] = rng.permutation(blk.astype(F32))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import trace_jax.quant as quant
+from trace_jax.quant import formats
 
 F32 = cases.F32
 E4M3 = cases.E4M3
@@ -37,9 +38,9 @@ def _amax_bad(xb: np.ndarray, axis) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _e2m1(y: np.ndarray) -> np.ndarray:
-  """ml_dtypes' E2M1 codes (RNE, saturating); a zero magnitude gets code 0, not 8."""
-  c = np.asarray(y).astype(E2M1).view(np.uint8) & 0xF
-  return np.where(c == 8, 0, c).astype(np.uint8)
+  """ml_dtypes' E2M1 codes (RNE, saturating, sign kept: -0 and negatives that round to zero
+  are code 8)."""
+  return (np.asarray(y).astype(E2M1).view(np.uint8) & 0xF).astype(np.uint8)
 
 
 def _value(codes: np.ndarray) -> np.ndarray:
@@ -156,9 +157,8 @@ def test_matches_reference(fmt: str, data: str, dtype: str) -> None:
   shown = np.stack([_as_experts(c) for c in xf]) if fmt == "nvfp4_expert" else xf
   cases.assert_fields_equal(got, want, f"{fmt} on {data} ({dtype})", shown,
                             cases.FORMATS[fmt][1])
-  for field in ("codes", "values"):
-    if field in got:  # a zero magnitude is never encoded as negative zero
-      assert not np.any(got[field] == (8 if field == "codes" else 0x80)), field
+  if "values" in got:  # FP8 values never hold -0
+    assert not np.any(got["values"] == 0x80)
 
 
 # ----------------------------------------------------------------------------- E2M1 element
@@ -232,7 +232,7 @@ def _chunk(fmt: str, data: str, dtype: str = "float32") -> tuple[np.ndarray, dic
 def test_e2m1_ties_round_to_even() -> None:
   """Blocks 6*s plus every midpoint times s (s = 2**-6..2**8): the block scale is s exactly
   (NVFP4 and MXFP4) and each tie rounds to the even code: 0.25->0, 0.75->1, 1.25->1, 1.75->2,
-  2.5->2, 3.5->4, 5->4 (a zero magnitude is code 0 whatever the sign)."""
+  2.5->2, 3.5->4, 5->4 (a zero keeps its sign: -0.25 and -0 are code 8)."""
   rows = slice(0, 60)
   want_mag = {6.0: 7, 0.25: 0, 0.75: 2, 1.25: 2, 1.75: 4, 2.5: 4, 3.5: 6, 5.0: 6, 0.0: 0}
   x, nv = _chunk("nvfp4", "e2m1_ties")
@@ -246,7 +246,7 @@ def test_e2m1_ties_round_to_even() -> None:
 
   def code(r: float) -> int:
     mag = want_mag[abs(r)]
-    return mag | (8 if r < 0 and mag else 0)
+    return mag | (8 if np.signbit(r) else 0)
 
   want = np.vectorize(code)(rel).astype(np.uint8).reshape(60, 256)
   ctx = {"x/s": rel.astype(F32).reshape(60, 256)}
@@ -308,7 +308,8 @@ def test_mxfp4_dequantize_smallest_scales(jit: bool) -> None:
 
 def test_all_zero_blocks() -> None:
   """All-zero blocks (+0 or -0): NVFP4 scale 2**-6 (one- and two-level), MXFP4 byte 0
-  (2**-127), FP8 scale 2**-100/448; codes 0; an all-zero row has ts = 2**-100/2688."""
+  (2**-127), FP8 scale 2**-100/448; E2M1 codes 0 for +0 and 8 for -0 (dequantized to a zero of
+  the same sign), FP8 values +0; an all-zero row has ts = 2**-100/2688."""
   x, nv = _chunk("nvfp4", "all_zero_blocks")
   zero16 = np.all(x.reshape(128, 16, 16) == 0, axis=-1)
   assert zero16.sum() > 500
@@ -325,9 +326,14 @@ def test_all_zero_blocks() -> None:
   _, fp = _chunk("fp8_act", "all_zero_blocks")
   zero128 = np.all(x.reshape(128, 2, 128) == 0, axis=-1)
   assert np.all(cases.bits(fp["scale"][zero128]) == cases.bits(F32(2.0**-100) / F32(448)))
-  for q, field in ((nv, "codes"), (row, "codes"), (mx, "codes"), (fp, "values")):
-    assert np.all(q[field][x == 0] == 0)
-    assert np.all(cases.bits(q["dequant"][x == 0]) == 0)  # +0.0
+  neg = np.signbit(x)
+  assert (neg & (x == 0)).sum() > 1000 and (~neg & (x == 0)).sum() > 1000
+  for q in (nv, row, mx):
+    np.testing.assert_array_equal(q["codes"][x == 0], np.where(neg, 8, 0)[x == 0])
+    np.testing.assert_array_equal(cases.bits(q["dequant"][x == 0]),
+                                  cases.bits(x[x == 0]))  # +0.0 or -0.0, as the input
+  assert np.all(fp["values"][x == 0] == 0)
+  assert np.all(cases.bits(fp["dequant"][x == 0]) == 0)  # +0.0
 
 
 def test_e4m3_scale_ties_round_to_even() -> None:
@@ -347,13 +353,50 @@ def test_e4m3_scale_ties_round_to_even() -> None:
     assert np.all((bs[is_tie] == lower) | (bs[is_tie] == lower + 1))
 
 
-def test_no_negative_zero_code_anywhere() -> None:
-  """A magnitude that rounds to zero is code 0 (never 8) / E4M3 byte 0 (never 0x80)."""
-  for fmt in cases.FORMATS:
+E2M1_FORMATS = [f for f in cases.FORMATS if not f.startswith("fp8")]
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("fmt", E2M1_FORMATS)
+def test_e2m1_codes_keep_sign_of_zero(fmt: str, dtype: str) -> None:
+  """Over all data: where the magnitude rounds to zero, the code is 8 exactly where the
+  (flushed) input is negative or -0, and 0 where it is +0 or positive (docs/numerics.md), as
+  ModelOpt, torchao and ml_dtypes write it; codes 0 and 8 are equal values. The data holds many
+  of both (negative ties at 0.25, -0 blocks, negative subnormals)."""
+  arr, index = cases.stacked()
+  x = _flush(cases.input_as_f32(arr, dtype))
+  if fmt == "nvfp4_expert":
+    x = np.stack([_as_experts(c) for c in x])
+  codes = cases.jax_results(fmt, dtype)["codes"]
+  zero = (codes & 7) == 0
+  cases.assert_bits_equal(codes[zero], np.where(np.signbit(x[zero]), 8, 0).astype(np.uint8),
+                          f"{fmt} ({dtype}): sign of zero codes", {"x": x[zero]})
+  neg_zero = int(np.sum(codes == 8))
+  assert neg_zero > 10_000 and int(np.sum(codes == 0)) > 10_000, neg_zero
+  sl = index["negative_zero"]
+  assert np.sum(codes[sl] == 8) > 5_000  # the adversarial case is mostly negative zeros
+  assert np.all(formats.e2m1_values_equal(np.uint8(0), np.uint8(8)))
+
+
+def test_fp8_values_never_negative_zero() -> None:
+  """FP8 (E4M3 values, not E2M1 codes) stays as it was: a value that rounds to zero is byte 0
+  (never 0x80)."""
+  for fmt in ("fp8_act", "fp8_weight"):
     for dtype in cases.DTYPES:
-      r = cases.jax_results(fmt, dtype)
-      field = "values" if "values" in r else "codes"
-      assert not np.any(r[field] == (0x80 if field == "values" else 8)), (fmt, dtype)
+      assert not np.any(cases.jax_results(fmt, dtype)["values"] == 0x80), (fmt, dtype)
+
+
+def test_e2m1_values_equal() -> None:
+  """The flip-metric helper: codes are equal values iff equal codes or both zeros (0, 8), on
+  numpy arrays, JAX arrays under jit and Python ints."""
+  a, b = np.meshgrid(np.arange(16, dtype=np.uint8), np.arange(16, dtype=np.uint8))
+  want = cases.bits(_value(a)) == cases.bits(_value(b))
+  want |= (_value(a) == 0) & (_value(b) == 0)
+  np.testing.assert_array_equal(formats.e2m1_values_equal(a, b), want)
+  np.testing.assert_array_equal(
+      np.asarray(jax.jit(formats.e2m1_values_equal)(jnp.asarray(a), jnp.asarray(b))), want)
+  assert want.sum() == 16 + 2 and want[0, 8] and want[8, 0] and not want[1, 9]
+  assert formats.e2m1_values_equal(0, 8) and not formats.e2m1_values_equal(1, 9)
 
 
 # ----------------------------------------------------------------------------- API, shapes

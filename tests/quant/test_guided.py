@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import trace_jax.quant as quant
-from trace_jax.quant import guided
+from trace_jax.quant import formats, guided
 
 F32 = cases.F32
 GRID = cases.E2M1_GRID
@@ -57,8 +57,7 @@ def _analysis(r: dict, x_t: np.ndarray) -> dict[str, np.ndarray]:
   lo = np.searchsorted(GRID, a, side="right") - 1
   hi = np.where(GRID[lo] == a, lo, np.minimum(lo + 1, 7))
   sgn = np.where(np.signbit(z), -1.0, 1.0)
-  rtn = z.astype(cases.E2M1).view(np.uint8) & 0xF
-  rtn = np.where(rtn == 8, 0, rtn).astype(np.uint8)
+  rtn = (z.astype(cases.E2M1).view(np.uint8) & 0xF).astype(np.uint8)  # sign of zero kept
   c = GRID16[r["rollout"]]
   neighbour = (c == sgn * GRID[lo]) | (c == sgn * GRID[hi])
   return {"z": z, "rtn": rtn, "neighbour": neighbour}
@@ -122,13 +121,14 @@ def test_small_drift_reproduces_rollout_codes(x_r: np.ndarray, rel: float, seed:
        seed=st.integers(0, 2**32 - 1))
 def test_any_drift_neighbour_and_distance(x_r: np.ndarray, rel: float, seed: int) -> None:
   """Any drift (sign flips included): wherever the rollout code is a neighbour of z_train the
-  guided code is the rollout code (both modes), and full-mode guided rounding is never farther
-  (in value) from the rollout code than RTN with the rollout's scales."""
+  guided code has the rollout code's value (both modes; a zero takes z_train's sign, so 0 vs 8
+  counts as equal), and full-mode guided rounding is never farther (in value) from the rollout
+  code than RTN with the rollout's scales."""
   x_t = _drift(x_r, rel, seed)
   r = _run(x_r, x_t)
   an = _analysis(r, x_t)
   for mode in ("compact", "full"):
-    bad = an["neighbour"] & (r[mode] != r["rollout"])
+    bad = an["neighbour"] & ~formats.e2m1_values_equal(r[mode], r["rollout"])
     assert not bad.any(), f"{mode}: " + _first_bad(bad, x_t=x_t, z=an["z"], rollout=r["rollout"],
                                                     guided=r[mode])
   c = _values(r["rollout"])
@@ -172,6 +172,30 @@ def test_compact_beyond_one_code_is_outside_the_guarantee() -> None:
   np.testing.assert_array_equal(_values(r["full"])[:, 1], 2.0)
 
 
+def test_zero_keeps_its_sign_under_guidance() -> None:
+  """Negative values that round to zero, and -0: the rollout code is 8, and guided rounding
+  (both modes) without drift gives 8 too, bit for bit. With the training values' signs flipped
+  (small drift across zero) the guided codes are 0: the rollout's value (+0 == -0), and what RTN
+  with the rollout's scales gives."""
+  x_r = np.zeros(SHAPE, F32)
+  x_r[:, ::16] = 6.0  # amax 6 per block: the scales are ~1
+  small = np.array([-0.0, -0.1, -0.25, -0.2, -1e-40, 0.1, 0.0, -0.24], F32)
+  cols = np.arange(SHAPE[1]) % 16 != 0
+  x_r[:, cols] = np.resize(small, (SHAPE[0], int(cols.sum())))
+  r = _run(x_r, x_r)
+  neg = np.signbit(x_r) & cols
+  assert np.all(r["rollout"][neg] == 8) and np.all(r["rollout"][~neg & cols] == 0)
+  for mode in ("compact", "full"):
+    cases.assert_bits_equal(r[mode], r["rollout"], f"{mode} without drift", {"x": x_r})
+  x_t = np.where(cols, -x_r, x_r).astype(F32)
+  r = _run(x_r, x_t)
+  an = _analysis(r, x_t)
+  for mode in ("compact", "full"):
+    np.testing.assert_array_equal(r[mode][:, cols], np.where(np.signbit(x_t[:, cols]), 8, 0))
+    cases.assert_bits_equal(r[mode], an["rtn"], f"{mode} across zero vs RTN", {"x": x_t})
+    assert np.all(formats.e2m1_values_equal(r[mode], r["rollout"]))
+
+
 # ----------------------------------------------------------------------------- flip rate
 
 @functools.cache
@@ -187,9 +211,13 @@ def test_flip_rate_rtn_vs_guided() -> None:
   """64 x 256 normal activations, 1e-3 relative drift: RTN with training's own scales flips
   codes; guided rounding (both modes) flips none (the drift stays within one code)."""
   r = _flip_run()
-  rtn_own = int((r["own_rtn"] != r["rollout"]).sum())
-  rtn_rollout_scales = int((r["analysis"]["rtn"] != r["rollout"]).sum())
-  flips = {m: int((r[m] != r["rollout"]).sum()) for m in ("compact", "full")}
+
+  def count(codes: np.ndarray) -> int:  # flips are value changes (+0 and -0 are equal)
+    return int((~formats.e2m1_values_equal(codes, r["rollout"])).sum())
+
+  rtn_own = count(r["own_rtn"])
+  rtn_rollout_scales = count(r["analysis"]["rtn"])
+  flips = {m: count(r[m]) for m in ("compact", "full")}
   print(f"\ncode flips of {r['rollout'].size}: RTN own scales {rtn_own}, RTN rollout scales "
         f"{rtn_rollout_scales}, guided {flips}")
   assert r["analysis"]["neighbour"].all()

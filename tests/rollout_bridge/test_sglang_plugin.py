@@ -543,6 +543,43 @@ def test_moe_forward_drops_other_rank_experts(data):
   assert torch.equal(part.mid[:, 1], torch.zeros_like(part.mid[:, 1]))
 
 
+def test_expert_codes_keep_sign_of_zero_and_equal_export(tmp_path):
+  """`numerics.quantize_experts` keeps the sign of zero (docs/numerics.md): negative weights
+  that round to zero, -0 and negative subnormals are code 8, +0 and positive ones code 0; and
+  its packed w13 / w2 bytes equal the `weight` bytes that `save_nvfp4_checkpoint` writes for
+  the same weights (gate rows then up rows), so the plugin serves the exported codes."""
+  d = _random_data()
+  rng = np.random.default_rng(5)
+  w = {}
+  for proj in ("gate", "up", "down"):
+    a = d[proj].copy()
+    planted = rng.random(a.shape)
+    a[planted < 0.01] = -0.0
+    a[(planted >= 0.01) & (planted < 0.02)] = 0.0
+    a[(planted >= 0.02) & (planted < 0.025)] = -1e-40  # float32 subnormal: flushed to -0
+    w[proj] = a
+  q13 = numerics.quantize_experts(torch.from_numpy(np.concatenate([w["gate"], w["up"]], 1)))
+  q2 = numerics.quantize_experts(torch.from_numpy(w["down"]))
+  for q, a in ((q13, np.concatenate([w["gate"], w["up"]], 1)), (q2, w["down"])):
+    codes = q.codes().numpy()
+    flushed = np.where(np.abs(a) < 2.0**-126, np.copysign(np.float32(0), a), a)
+    zero = (codes & 7) == 0
+    np.testing.assert_array_equal(codes[zero], np.where(np.signbit(flushed[zero]), 8, 0))
+    assert (codes == 8).sum() > 0.02 * codes.size and (codes == 0).sum() > 0.02 * codes.size
+  pure = nnx.to_pure_dict(init_params(CFG, 0))
+  moe = pure["layers"][LAYER]["moe"]
+  moe["gate_proj"], moe["up_proj"], moe["down_proj"] = w["gate"], w["up"], w["down"]
+  hf.save_nvfp4_checkpoint(str(tmp_path), CFG, pure, progress=False)
+  from safetensors.torch import load_file
+
+  raw = load_file(str(tmp_path / "model.safetensors"))
+  for e in range(E):
+    gate, up, down = (raw[f"{PREFIX}.{e}.{p}.weight"] for p in ("gate_proj", "up_proj",
+                                                                   "down_proj"))
+    assert torch.equal(q13.packed[e], torch.cat([gate, up])), e
+    assert torch.equal(q2.packed[e], down), e
+
+
 # ------------------------------------------------------------------------------ recorder
 
 

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 tq = pytest.importorskip("rollout_bridge.torch_quant")
 
 import trace_jax.quant as quant  # noqa: E402
+from trace_jax.quant import formats  # noqa: E402
 
 F32 = cases.F32
 
@@ -133,6 +134,47 @@ def test_guided_parity(mode: str, data: str, dtype: str, torch_device) -> None:
                             {k: want[k] for k in set(got) - trained}, f"{what}, rollout", x_r)
   cases.assert_fields_equal({k: got[k] for k in trained}, {k: want[k] for k in trained},
                             f"{what}, training", x_t)
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_row", "nvfp4_expert", "mxfp4"])
+def test_torch_codes_keep_sign_of_zero(fmt: str, dtype: str, torch_device) -> None:
+  """The twin's E2M1 codes keep the sign of zero (docs/numerics.md): where the magnitude rounds
+  to zero the code is 8 exactly where the input is negative, -0 or a negative subnormal, as
+  ModelOpt, torchao and ml_dtypes write it (the parity tests then hold JAX to the same bytes)."""
+  arr, index = cases.stacked()
+  x = cases.input_as_f32(arr, dtype)
+  x = np.where(np.abs(x) < 2.0**-126, np.copysign(F32(0), x), x)
+  if fmt == "nvfp4_expert":
+    x = x.reshape(x.shape[0], cases.EXPERTS, -1, x.shape[-1])
+  codes = torch_results(fmt, dtype, str(torch_device))["codes"]
+  zero = (codes & 7) == 0
+  cases.assert_bits_equal(codes[zero], np.where(np.signbit(x[zero]), 8, 0).astype(np.uint8),
+                          f"torch {fmt} ({dtype}): sign of zero", {"x": x[zero]})
+  assert np.sum(codes[index["negative_zero"]] == 8) > 5_000
+
+
+def test_guided_no_drift_keeps_sign_of_zero(torch_device) -> None:
+  """Torch guided rounding without drift equals the rollout codes bit for bit, negative zeros
+  (code 8) included (JAX: tests/quant/test_guided.py; the twins agree: test_guided_parity)."""
+  arr, index = cases.stacked()
+  x = arr[index["negative_zero"]][0]
+  t = torch.from_numpy(np.array(x)).to(torch_device)
+  q = tq.nvfp4_quantize(t, tq.nvfp4_row_scale(t))
+  assert int((q.codes == 8).sum()) > 5_000
+  for mode in ("compact", "full"):
+    rec = tq.guidance_record(q, mode)
+    got = tq.guided_codes(t, rec)
+    cases.assert_bits_equal(got, q.codes, f"torch guided {mode} without drift", {"x": x})
+
+
+def test_values_equal_helper_on_torch(torch_device) -> None:
+  """`e2m1_values_equal` (twin and JAX helper) treats codes 0 and 8 as one value, on tensors."""
+  a = torch.tensor([0, 8, 8, 1, 9, 7], dtype=torch.uint8, device=torch_device)
+  b = torch.tensor([8, 0, 8, 9, 1, 7], dtype=torch.uint8, device=torch_device)
+  want = [True, True, True, False, False, True]
+  assert tq.e2m1_values_equal(a, b).cpu().tolist() == want
+  assert formats.e2m1_values_equal(a, b).cpu().tolist() == want
 
 
 def test_parity_covers_a_million_random_elements() -> None:

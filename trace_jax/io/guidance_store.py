@@ -14,9 +14,26 @@ inner chunks of `chunk_tokens` rows, each `bytes` + `zstd`; index `bytes` + `crc
 Float8 block scales are stored as their uint8 bytes; the manifest records the logical dtype.
 A batch without a manifest is incomplete (writer crashed or still writing) and is never read.
 
+Content checksums (schema 2): for every array the manifest holds `seq_crc32`, the CRC-32
+(`zlib.crc32`, the gzip/PNG polynomial) of each sequence's rows, i.e. of the C-order,
+little-endian stored bytes of rows [seq_offsets[s], seq_offsets[s + 1]), as 8 hex digits per
+sequence. Per sequence, not per array or per chunk, because the trainer reads row ranges of a
+subset of sequences: a per-array digest could only be checked by reading the whole array, and a
+per-chunk digest by reading (and blaming) every sequence that shares the chunk. Per sequence,
+the reader checks exactly the bytes it read (CRC-32 runs at 1.5-3 GB/s per core, several times
+TensorStore's zstd decoding), and a mismatch (e.g. a valid chunk file copied in from another
+batch of the same shape, which TensorStore's own zstd and index checksums accept) flags exactly
+the sequences whose rows changed.
+
+Batch ids are one path component: `[A-Za-z0-9][A-Za-z0-9._-]*` (at most 128 characters) without
+'..' (e.g. "b000012", "b000012.audit"); the writer rejects others, the reader treats them as an
+unusable batch without touching the file system.
+
 Writes run on a background thread (TensorStore futures inside), so rollout generation only pays
-for shape checks and a host snapshot. The reader validates everything against the manifest and
-the trainer's expected config hash, and either raises or flags sequences for RTN fallback.
+for shape checks and a host snapshot. The reader validates the manifest against its schema
+(`manifest_problem`), the trainer's expected config hash and the stored arrays (shapes, dtypes,
+checksums), and either raises GuidanceError or flags sequences for RTN fallback
+(`on_missing`); each problem is counted in `ReaderStats.reasons` under its own reason.
 """
 
 from __future__ import annotations
@@ -32,6 +49,7 @@ import re
 import shutil
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,7 +63,7 @@ from trace_jax.quant.guided import Guidance, bytes_per_row
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: per-sequence CRC-32 of every array (`seq_crc32`)
 FORMAT = "trace_jax.guidance"
 MANIFEST = "manifest.json"
 SITES = ("moe_in", "expert_mid", "k", "v")
@@ -58,7 +76,10 @@ STORED_DTYPES = {**FIELD_DTYPES, "block_scale": "uint8"}
 MODE_FIELDS = {"compact": ("mantissa", "block_scale", "row_scale"),
                "full": ("codes", "block_scale", "row_scale")}
 _NOT_BYTES = ("batch_id", "num_seqs", "num_tokens", "mode")
-_BATCH_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_BATCH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_ARRAY_PATH = re.compile(r"layer_(\d{3,})/([a-z_]+)/([a-z_]+)")
+_HEX = re.compile(r"[0-9a-f]*")
+CHECKSUM = {"algorithm": "crc32", "per": "sequence", "field": "seq_crc32"}
 
 SeqId = int | str
 
@@ -104,6 +125,92 @@ class GuidanceError(RuntimeError):
       more = f", ... ({len(self.seq_ids)} in all)" if len(self.seq_ids) > 8 else ""
       where.append(f"sequences [{shown}{more}]")
     super().__init__(f"{', '.join(where)}: {reason}")
+
+
+def batch_id_problem(batch_id: str) -> str | None:
+  """Why `batch_id` is not a valid batch id (one path component, no '..'), or None."""
+  if not isinstance(batch_id, str) or not _BATCH_ID.fullmatch(batch_id) or ".." in batch_id:
+    return (f"batch id {batch_id!r} is invalid: it must match {_BATCH_ID.pattern} (one path "
+            "component) and hold no '..'")
+  return None
+
+
+def _is_int(x: Any) -> bool:
+  """A true integer: Python or NumPy int, not bool (JSON ints parse as int)."""
+  return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+
+
+def seq_checksums(a: np.ndarray, offsets: Sequence[int], start: int = 0) -> list[int]:
+  """CRC-32 (`zlib.crc32`) of the stored bytes of each sequence's rows of `a`.
+
+  a: host array in its stored dtype whose row 0 is token row `start`; offsets: the sequences'
+  row bounds (seq_offsets, absolute), consecutive pairs covering rows of `a`. The bytes are C
+  order, little-endian (the zarr `bytes` codec's order), so any reader can recompute them.
+  """
+  a = np.ascontiguousarray(a)
+  if a.dtype.byteorder == ">":
+    a = a.astype(a.dtype.newbyteorder("<"))
+  row = a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+  buf = memoryview(a.reshape(-1).view(np.uint8))
+  return [zlib.crc32(buf[(int(lo) - start) * row:(int(hi) - start) * row])
+          for lo, hi in zip(offsets[:-1], offsets[1:], strict=True)]
+
+
+def _crc_hex(crcs: Sequence[int]) -> str:
+  return "".join(f"{c:08x}" for c in crcs)
+
+
+def manifest_problem(manifest: Any) -> str | None:
+  """What is wrong with a manifest's schema (field presence, types, consistency), or None.
+
+  Everything the reader indexes or converts is checked here, so a malformed manifest is a bad
+  batch (fallback or GuidanceError), never a KeyError/TypeError/ValueError from deeper down.
+  """
+  if not isinstance(manifest, dict):
+    return f"manifest is a JSON {type(manifest).__name__}, not an object"
+  for key, kind in (("batch_id", str), ("config_hash", str), ("mode", str), ("seq_ids", list),
+                    ("token_counts", list), ("layers", list), ("sites", list),
+                    ("routing_layers", list), ("arrays", dict), ("checksum", dict)):
+    if not isinstance(manifest.get(key), kind):
+      return (f"field {key!r} is {type(manifest.get(key)).__name__}, expected "
+              f"{kind.__name__}" if key in manifest else f"field {key!r} is missing")
+  if manifest["mode"] not in MODE_FIELDS:
+    return f"mode {manifest['mode']!r} is not one of {sorted(MODE_FIELDS)}"
+  if manifest["checksum"].get("algorithm") != CHECKSUM["algorithm"]:
+    return f"checksum algorithm {manifest['checksum'].get('algorithm')!r} is not crc32"
+  ids, counts = manifest["seq_ids"], manifest["token_counts"]
+  if not all(_is_int(s) or isinstance(s, str) for s in ids) or len(set(ids)) != len(ids):
+    return "seq_ids must be unique ints or strings"
+  if len(counts) != len(ids) or not all(_is_int(c) and c >= 0 for c in counts):
+    return f"token_counts must be {len(ids)} non-negative ints (one per sequence)"
+  if not _is_int(manifest.get("num_tokens")) or manifest["num_tokens"] != sum(counts):
+    return f"num_tokens {manifest.get('num_tokens')!r} is not the sum of token_counts"
+  for key in ("layers", "routing_layers"):
+    vals = manifest[key]
+    if not all(_is_int(v) and v >= 0 for v in vals) or len(set(vals)) != len(vals):
+      return f"{key} must be unique non-negative ints"
+  if not all(isinstance(v, str) and v in SITES for v in manifest["sites"]):
+    return f"sites must be names in {SITES}"
+  for path, entry in manifest["arrays"].items():
+    m = _ARRAY_PATH.fullmatch(path) if isinstance(path, str) else None
+    if path != "seq_offsets" and (m is None or m[2] not in SITES + (ROUTING,)
+                                  or m[3] not in FIELD_DTYPES):
+      return f"unknown array path {path!r}"
+    if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str)
+                                              for k in ("dtype", "stored_dtype")):
+      return f"array {path}: entry must hold dtype and stored_dtype strings"
+    shape = entry.get("shape")
+    if (not isinstance(shape, list) or not shape
+        or not all(_is_int(d) and d >= 0 for d in shape)):
+      return f"array {path}: shape {shape!r} must be a non-empty list of non-negative ints"
+    if path == "seq_offsets":
+      continue
+    if shape[0] != manifest["num_tokens"]:
+      return f"array {path}: {shape[0]} rows, num_tokens is {manifest['num_tokens']}"
+    crc = entry.get("seq_crc32")
+    if not isinstance(crc, str) or len(crc) != 8 * len(ids) or not _HEX.fullmatch(crc):
+      return f"array {path}: seq_crc32 must be {len(ids)} CRC-32s as 8 lowercase hex digits each"
+  return None
 
 
 def array_path(layer: int, site: str, field: str) -> str:
@@ -264,9 +371,14 @@ class GuidanceWriter:
     if self._closed:
       raise RuntimeError("GuidanceWriter is closed")
     bid = str(batch_id)
-    if not _BATCH_ID.match(bid):
-      raise ValueError(f"batch id {bid!r} must match {_BATCH_ID.pattern}")
+    problem = batch_id_problem(bid)
+    if problem:
+      raise ValueError(problem)
     seq_ids = [_norm_id(s) for s in seq_ids]
+    token_counts = list(token_counts)
+    bad = [c for c in token_counts if not _is_int(c)]
+    if bad:
+      raise ValueError(f"batch {bid!r}: token counts must be integers, got {bad[:4]!r}")
     counts = [int(c) for c in token_counts]
     if len(seq_ids) != len(counts):
       raise ValueError(f"batch {bid!r}: {len(seq_ids)} seq ids but {len(counts)} token counts")
@@ -275,6 +387,11 @@ class GuidanceWriter:
       raise ValueError(f"batch {bid!r}: duplicate sequence ids {dup}")
     if any(c < 0 for c in counts):
       raise ValueError(f"batch {bid!r}: negative token counts {counts}")
+    for what, layers in (("guidance", guidance), ("routing", routing or {})):
+      bad = [layer for layer in layers if not _is_int(layer) or layer < 0]
+      if bad:
+        raise ValueError(f"batch {bid!r}: {what} layers must be non-negative integers, got "
+                         f"{bad!r}")
     arrays, info, stats = self._collect(bid, sum(counts), guidance, routing or {})
     stats.update(batch_id=bid, num_seqs=len(seq_ids))
     bdir = os.path.join(self.root, bid)
@@ -300,7 +417,7 @@ class GuidanceWriter:
         "layers": sorted({int(layer) for layer in guidance}),
         "sites": sorted({s for sites in guidance.values() for s in sites}, key=SITES.index),
         "routing_layers": sorted(int(layer) for layer in (routing or {})),
-        "arrays": info, "storage": dataclasses.asdict(self.options),
+        "arrays": info, "storage": dataclasses.asdict(self.options), "checksum": dict(CHECKSUM),
     }
     self._slots.acquire()
     try:
@@ -394,10 +511,15 @@ class GuidanceWriter:
       opens[path] = ts.open(_spec(os.path.join(bdir, path), md), create=True,
                             context=self._ctx)
     writes = [opens[p].result().write(h) for p, h in host.items() if h.size]
+    manifest = dict(manifest)
+    manifest["arrays"] = {p: dict(e) for p, e in manifest["arrays"].items()}
+    offsets = host["seq_offsets"]
+    for path, h in host.items():  # checksums while TensorStore writes
+      if path != "seq_offsets":
+        manifest["arrays"][path]["seq_crc32"] = _crc_hex(seq_checksums(h, offsets))
     for w in writes:
       w.commit.result()
     stored = _chunk_bytes(bdir)
-    manifest = dict(manifest)
     manifest["bytes"] = {k: v for k, v in stats.items() if k not in _NOT_BYTES}
     manifest["bytes"].update(stored_chunk_bytes=stored,
                              stored_chunk_bytes_per_token=_per_token(stored, stats["num_tokens"]))
@@ -459,7 +581,15 @@ class GuidanceBatch:
 
 @dataclasses.dataclass
 class ReaderStats:
-  """Counters of what the reader did (updated from the prefetch thread too)."""
+  """Counters of what the reader did (updated from the prefetch thread too).
+
+  reasons counts problems (one per problem found, whatever the number of sequences) by kind:
+  bad_batch_id, missing_root, missing_manifest, bad_manifest (unparsable, wrong format or
+  schema), schema_version, config_hash, unknown_sequence, missing_array, corrupt_array (bad
+  dtype/shape, undecodable chunk, seq_offsets that disagree), truncated_array,
+  checksum_mismatch (rows whose CRC-32 differs from the manifest's), bad_batch (anything else
+  that made reading fail).
+  """
   batches_read: int = 0
   fallback_batches: int = 0
   fallback_sequences: int = 0
@@ -492,7 +622,8 @@ class GuidanceReader:
 
   expected_config_hash: the trainer's `config_hash(...)`; guidance from another policy is bad.
   on_missing: "error" raises GuidanceError; "fallback" flags the affected sequences (RTN),
-    logs a warning and counts them in `stats.fallback_sequences`.
+    logs a warning and counts them in `stats.fallback_sequences` (and the problem in
+    `stats.reasons`). Bad data raises nothing else in either mode.
   layers / sites / routing_layers: what the trainer needs (None: whatever the manifest lists).
   """
 
@@ -521,8 +652,8 @@ class GuidanceReader:
     """Batch ids under root that have a manifest (only these are readable)."""
     if not os.path.isdir(self.root):
       return []
-    return sorted(d for d in os.listdir(self.root)
-                  if os.path.isfile(os.path.join(self.root, d, MANIFEST)))
+    return sorted(d for d in os.listdir(self.root) if batch_id_problem(d) is None
+                  and os.path.isfile(os.path.join(self.root, d, MANIFEST)))
 
   def prefetch(self, batch_id: str | int, seq_ids: Sequence[SeqId] | None = None) -> cf.Future:
     """Starts reading a batch on the background thread; `get` (or the future) returns it."""
@@ -545,9 +676,28 @@ class GuidanceReader:
     return (str(batch_id), None if seq_ids is None else tuple(_norm_id(s) for s in seq_ids))
 
   def read(self, batch_id: str | int, seq_ids: Sequence[SeqId] | None = None) -> GuidanceBatch:
-    """Validates and reads a batch for `seq_ids` (None: all sequences, in stored order)."""
+    """Validates and reads a batch for `seq_ids` (None: all sequences, in stored order).
+
+    Bad data never raises anything but GuidanceError (on_missing="error"); under "fallback"
+    it flags sequences (RTN) and counts them, and read returns.
+    """
     bid = str(batch_id)
     requested = None if seq_ids is None else [_norm_id(s) for s in seq_ids]
+    try:
+      return self._read(bid, requested)
+    except GuidanceError:
+      raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
+      # A safety net: the schema check should leave nothing to fail here.
+      log.warning("guidance batch %r: unexpected %s while reading", bid, type(e).__name__,
+                  exc_info=True)
+      sel = _Selection(self, bid, requested or [])
+      try:
+        return self._unusable(sel, f"unreadable batch ({type(e).__name__}: {e})", "bad_batch")
+      except GuidanceError as err:
+        raise err from e
+
+  def _read(self, bid: str, requested: list[SeqId] | None) -> GuidanceBatch:
     manifest = self._manifest(bid, requested)
     if isinstance(manifest, GuidanceBatch):
       return manifest
@@ -565,12 +715,18 @@ class GuidanceReader:
     self._check_offsets(bid, manifest, offsets, sel)
     paths = self._wanted_arrays(manifest, sel)
     stores = self._open_arrays(bid, manifest, paths, offsets, idx, sel)
-    data = self._read_rows(stores, offsets, idx, sel)
+    data = self._read_rows(manifest, stores, offsets, idx, sel)
     return self._assemble(bid, manifest, data, offsets, idx, sel)
 
   def _manifest(self, bid: str, requested: list[SeqId] | None) -> dict | GuidanceBatch:
     """The validated manifest, or (fallback) an all-RTN batch when the batch is unusable."""
     sel = _Selection(self, bid, requested or [])
+    problem = batch_id_problem(bid)
+    if problem:  # never joined to the root: "../x" must not reach the file system
+      return self._unusable(sel, problem, "bad_batch_id")
+    if not os.path.isdir(self.root):
+      return self._unusable(sel, f"guidance root {self.root} does not exist (no batch was "
+                            "written there, or it was deleted or is not mounted)", "missing_root")
     path = os.path.join(self.root, bid, MANIFEST)
     try:
       with open(path) as f:
@@ -579,7 +735,7 @@ class GuidanceReader:
       return self._unusable(sel, "incomplete batch: no manifest.json (writer crashed or still "
                             f"writing); refusing to read {os.path.dirname(path)}",
                             "missing_manifest")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
       return self._unusable(sel, f"unreadable manifest.json: {e}", "bad_manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
       return self._unusable(sel, f"manifest.json is not a {FORMAT} manifest", "bad_manifest")
@@ -591,17 +747,9 @@ class GuidanceReader:
                             f"policy != trainer's expected {self.expected_config_hash!r} "
                             "(guidance from another precision policy or model config)",
                             "config_hash")
-    try:
-      ids, counts = list(manifest["seq_ids"]), [int(c) for c in manifest["token_counts"]]
-      ok = (len(ids) == len(counts) == len(set(ids)) and min(counts, default=0) >= 0
-            and sum(counts) == manifest["num_tokens"] and manifest["mode"] in MODE_FIELDS
-            and isinstance(manifest["arrays"], dict)
-            and all(isinstance(manifest[k], list) for k in ("layers", "sites", "routing_layers")))
-    except (KeyError, TypeError, ValueError):
-      ok = False
-    if not ok:
-      return self._unusable(sel, "manifest is inconsistent or lacks fields (seq ids, token "
-                            "counts, num_tokens, mode, arrays, layers, sites)", "bad_manifest")
+    problem = manifest_problem(manifest)
+    if problem:
+      return self._unusable(sel, f"bad manifest.json: {problem}", "bad_manifest")
     return manifest
 
   def _unusable(self, sel: _Selection, reason: str, kind: str) -> GuidanceBatch:
@@ -685,9 +833,11 @@ class GuidanceReader:
       stores[path] = (t, layer, site)
     return stores
 
-  def _read_rows(self, stores: dict[str, Any], offsets: np.ndarray, idx: np.ndarray,
-                 sel: _Selection) -> dict[str, list[tuple[list[int], np.ndarray]]]:
-    """Reads the token ranges of still-valid sequences, merging adjacent ones into runs."""
+  def _read_rows(self, manifest: dict, stores: dict[str, Any], offsets: np.ndarray,
+                 idx: np.ndarray, sel: _Selection
+                 ) -> dict[str, list[tuple[list[int], np.ndarray]]]:
+    """Reads the token ranges of still-valid sequences, merging adjacent ones into runs, and
+    checks each sequence's rows against its CRC-32 in the manifest."""
     runs: list[list] = []  # [selection positions, start row, stop row]
     for j in np.flatnonzero(sel.valid):
       lo, hi = int(offsets[idx[j]]), int(offsets[idx[j] + 1])
@@ -701,20 +851,38 @@ class GuidanceReader:
     data: dict[str, list[tuple[list[int], np.ndarray]]] = {}
     for path, parts in futs.items():
       t, layer, site = stores[path]
+      want = np.frombuffer(bytes.fromhex(manifest["arrays"][path]["seq_crc32"]), ">u4")
       data[path] = []
+
+      def verify(js: list[int], a: np.ndarray, path=path, want=want, layer=layer,
+                 site=site) -> None:
+        bounds = [offsets[idx[js[0]]]] + [offsets[idx[j] + 1] for j in js]
+        got = seq_checksums(a, bounds, start=int(bounds[0]))
+        bad = [j for j, c in zip(js, got, strict=True) if c != want[idx[j]]]
+        if bad:
+          sel.fail(f"array {path}: rows differ from what was written (CRC-32 mismatch: a "
+                   "chunk from another batch, or data changed after the manifest)", bad,
+                   layer=layer, site=site, kind="checksum_mismatch")
+
       for js, lo, hi, fut in parts:
         try:
-          data[path].append((js, fut.result()))
-          continue
+          a = fut.result()
         except Exception:  # TensorStore reports I/O and decode errors as ValueError
           pass
+        else:
+          verify(js, a)
+          data[path].append((js, a))
+          continue
         for j in js:  # narrow a failed run down to the sequences whose rows are bad
           lo, hi = int(offsets[idx[j]]), int(offsets[idx[j] + 1])
           try:
-            data[path].append(([j], t[lo:hi].read().result()))
+            a = t[lo:hi].read().result()
           except Exception as e:
             sel.fail(f"array {path} rows [{lo}, {hi}) unreadable (corrupt or lost chunk): {e}",
                      [j], layer=layer, site=site, kind="corrupt_array")
+            continue
+          verify([j], a)
+          data[path].append(([j], a))
     return data
 
   def _assemble(self, bid: str, manifest: dict, data: dict, offsets: np.ndarray,

@@ -11,7 +11,9 @@ NVFP4 export (`save_nvfp4_checkpoint`): routed experts in the ModelOpt layout th
 `weight_scale` E4M3 [N, K/16], `weight_scale_2` FP32 scalar, `input_scale` FP32 scalar), with
 the same algorithm as the training forward (two-level NVFP4 of the weights in the compute
 dtype, one second-level scale per expert shared by gate and up, as SGLang's fused w13 needs);
-everything else BF16. `load_nvfp4_checkpoint` decodes it back bit-exactly.
+everything else BF16. E2M1 codes keep the sign of zero (a negative weight that rounds to zero,
+or -0, is code 8; docs/numerics.md), as ModelOpt, torchao and the hardware's E2M1 convert write
+it, so the packed bytes equal theirs. `load_nvfp4_checkpoint` decodes it back bit-exactly.
 """
 
 from __future__ import annotations
@@ -315,7 +317,8 @@ def save_nvfp4_checkpoint(path: str, config: ModelConfig, params: Any, *,
   """Writes the ModelOpt NVFP4 layout: routed experts NVFP4 (two-level), everything else BF16.
 
   `input_scale` is written as 1.0: activations are quantized dynamically per token row
-  (DESIGN 3.2), Marlin (Hopper, W4A16) ignores it, and there is no calibration set.
+  (DESIGN 3.2), Marlin (Hopper, W4A16) ignores it, and there is no calibration set. `weight`
+  packs two E2M1 codes per byte, element 2i in the low nibble, negative zeros as code 8.
   """
   from trace_jax.quant import formats
 

@@ -7,15 +7,20 @@ XLA flags, inside and outside `jit`.
 
 Defined behaviour at the edges (the same in both twins):
 - Subnormal float32 inputs (|x| < 2**-126) are taken as zero of the same sign.
-- A magnitude that rounds to zero gets code 0 (no negative-zero code) in the block formats.
-- Non-finite input poisons: a block holding NaN or +-Inf gets a NaN block scale and zero
-  codes, and with two-level scaling so does every block under a NaN second-level scale, so
-  dequantization returns NaN there. Eager calls on concrete arrays raise instead
-  (`check_finite`).
+- E2M1 codes keep the sign of zero (docs/numerics.md, "Sign of zero"): +0 and positive values
+  that round to zero get code 0; negative values that round to zero, and -0, get code 8, as
+  ModelOpt, torchao and the hardware's E2M1 convert do, so exported bytes equal theirs. Flip
+  counts compare values (`e2m1_values_equal`), so codes 0 and 8 count as equal there.
+- Non-finite input poisons: a block holding NaN or +-Inf gets a NaN block scale and codes 0
+  (+0, whatever the signs of its elements), and with two-level scaling so does every block
+  under a NaN second-level scale, so dequantization returns NaN there. Eager calls on concrete
+  arrays raise instead (`check_finite`).
 - Shapes: the last axis is the contraction axis and must be a multiple of the block size.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -117,8 +122,14 @@ def e2m1_decode(codes: jax.Array) -> jax.Array:
   return jnp.where((codes & 8) != 0, -mag, mag)
 
 
-def _canonical_zero(codes: jax.Array) -> jax.Array:
-  return jnp.where(codes == 8, jnp.uint8(0), codes)
+def e2m1_values_equal(a: Any, b: Any) -> Any:
+  """True where E2M1 codes `a` and `b` (0..15) encode the same value: equal codes, or +0 and -0.
+
+  Codes keep the sign of zero (code 8 is -0), so code flips between two quantizations of
+  nearby inputs must be counted on values, never with `a != b`. Integer operators only: works
+  elementwise on numpy, JAX (inside jit too) and torch integer arrays, and on Python ints.
+  """
+  return (a == b) | (((a | b) & 7) == 0)
 
 
 def pack_fp4(codes: jax.Array) -> jax.Array:
@@ -188,9 +199,9 @@ def _nvfp4_inverse_scale(bs: jax.Array, ts: jax.Array | None) -> jax.Array:
 
 
 def _encode_blocks(xb: jax.Array, inv: jax.Array, bad: jax.Array) -> jax.Array:
+  """Codes of blocks xb scaled by inv (sign of zero kept); poisoned blocks get codes 0."""
   y = jnp.clip(xb * inv[..., None], -E2M1_MAX, E2M1_MAX)
-  codes = _canonical_zero(e2m1_encode(y))
-  return jnp.where(bad[..., None], jnp.uint8(0), codes)
+  return jnp.where(bad[..., None], jnp.uint8(0), e2m1_encode(y))
 
 
 def _broadcast_ts(ts: jax.Array, x: jax.Array, name: str) -> jax.Array:
@@ -264,7 +275,7 @@ def mxfp4_quantize(x: jax.Array, tensor_scale: None = None) -> MXFP4Tensor:
   e = jnp.where(zero, -127, e)
   # e lies in [-127, 125] (float32 amax < 2**128), so 2**-e is a normal float32.
   y = xb * exact.exp2i(-e)[..., None]
-  codes = _canonical_zero(e2m1_encode(jnp.clip(y, -E2M1_MAX, E2M1_MAX)))
+  codes = e2m1_encode(jnp.clip(y, -E2M1_MAX, E2M1_MAX))
   codes = _unblock(jnp.where(bad[..., None], jnp.uint8(0), codes))
   scale_bits = jnp.where(bad, 0xFF, e + 127).astype(jnp.uint8)
   block_scale = jax.lax.bitcast_convert_type(scale_bits, jnp.float8_e8m0fnu)

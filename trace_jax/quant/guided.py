@@ -4,8 +4,9 @@ Rollout quantizes a site with NVFP4 (two-level, per-row second-level scale) and 
 element, the code's mantissa bit (compact) or the whole 4-bit code (full), plus its scales.
 Training rounds its own input with the rollout's scales and, between the two E2M1 grid
 points that bracket it, picks the one the rollout chose (same mantissa bit) or the one nearest
-to the rollout value. With no drift this equals round-to-nearest; with drift within one code it
-reproduces the rollout code exactly.
+to the rollout value. With no drift this equals round-to-nearest, bit for bit; with drift within
+one code it reproduces the rollout code's value exactly (a zero takes the sign of the training
+input, so the codes may differ as 0 vs 8: compare them with `formats.e2m1_values_equal`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from trace_jax.quant.formats import (
     NVFP4_BLOCK,
     NVFP4Tensor,
     _blocks,
-    _canonical_zero,
     _nvfp4_inverse_scale,
     _unblock,
     e2m1_decode,
@@ -155,9 +155,11 @@ def guided_codes(x: jax.Array, g: Guidance) -> jax.Array:
     d_lo = jnp.abs(sgn * e2m1_magnitude(lo) - ref)
     d_hi = jnp.abs(sgn * e2m1_magnitude(hi) - ref)
     mag = jnp.where(d_lo <= d_hi, lo, hi)
+  # Sign from z, zero included (code 8 for a negative z that rounds to zero, as RTN gives it),
+  # so with no drift the guided code equals the rollout's code bit for bit.
   sign = jnp.where(exact.sign_bit(z), jnp.uint8(8), jnp.uint8(0))
-  codes = _canonical_zero(sign | mag)
-  # Rows whose guidance is poisoned (NaN scales) get zero codes, as in nvfp4_quantize.
+  codes = sign | mag
+  # Rows whose guidance is poisoned (NaN scales) get codes 0, as in nvfp4_quantize.
   bad = ~jnp.isfinite(bs) | ~jnp.isfinite(g.row_scale) | ~jnp.all(
       jnp.isfinite(_blocks(xf, NVFP4_BLOCK)), axis=-1)
   return _unblock(jnp.where(bad[..., None], jnp.uint8(0), _blocks(codes, NVFP4_BLOCK)))
