@@ -1,5 +1,11 @@
-"""Quickstart (CPU, minutes): SFT warm start, then GRPO on one-step arithmetic word problems
-under bf16, fp4_rtn and fp4_trace from the same start. `make run` runs it."""
+"""Quickstart (CPU, ~15 minutes): SFT warm start, then GRPO on one-step arithmetic word problems
+under bf16, fp4_rtn and fp4_trace from the same start, 3 RL seeds each. `make run` runs it.
+
+The SFT data is deliberately imperfect: 60% of the demonstrations work the sum out correctly
+but report the starting amount as the answer ("7+5=12 / #### 7", reward 0). The warm start
+therefore mostly reports the wrong number, a systematic error the verifier's reward can teach
+away in tens of steps; a clean warm start on this task learned nothing measurable in the CPU
+budget (docs/results.md)."""
 
 import ml_collections
 
@@ -13,24 +19,24 @@ def get_config() -> ml_collections.ConfigDict:
       preset="tiny", vocab_size=100, hidden_size=128, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
       num_experts_per_tok=2, moe_intermediate_size=64, dtype="bfloat16",
-      guidance_mode="compact", moe_impl="ragged_dot"))
-  # ragged_dot, not the faster default "tiled": the recorded quickstart table comes from it, and
-  # tiled changes the run's bits; on this seed the 40-step gain then vanished (docs/results.md).
+      guidance_mode="compact"))
   c.task = ml_collections.ConfigDict(dict(
       name="reasoning",
       kwargs=dict(difficulty=1, min_steps=1, max_steps=1, max_start=9, max_operand=9,
-                  multipliers=(2,), max_value=18)))
+                  multipliers=(2,), max_value=18, sloppy_demos=0.6)))
   c.max_prompt_len = 112  # characters + BOS; prompts are 60-97 (checked at start)
   c.seq_len = 128        # training rows: prompt + completion - 1, bucketed
-  # A short warm start (reward ~0.5, not ~1) leaves RL room to improve.
   c.sft = ml_collections.ConfigDict(dict(steps=120, batch_size=32, lr=3e-3, warmup_steps=20,
                                          weight_decay=0.0))
+  # seeds: one GRPO run per policy and seed from the one warm start (spread in the summary).
+  # audit_fraction: share of each batch whose full FP4 codes are recorded to count flips.
   c.rl = ml_collections.ConfigDict(dict(
       steps=40, prompts_per_step=8, group_size=8, max_new_tokens=16, temperature=1.0,
       top_p=1.0, lr=1e-4, warmup_steps=3, weight_decay=0.0, clip_eps=0.2, is_mode="truncate",
-      is_cap=5.0, aux_loss_coef=0.001, routing_replay=False, on_missing_guidance="error",
-      keep_guidance=False))
-  c.eval = ml_collections.ConfigDict(dict(num_prompts=64, every=10))
+      is_cap=5.0, aux_loss_coef=0.001, on_missing_guidance="error", keep_guidance=False,
+      seeds=(0, 1, 2), audit_fraction=1.0))
+  # 64 prompts: the rollout batch size, so the engine compiles one program per policy.
+  # posthoc_fp4: the bf16 runs' weights also evaluated through the FP4 engine.
+  c.eval = ml_collections.ConfigDict(dict(num_prompts=64, every=10, posthoc_fp4=True))
   c.checkpoint_every = 10
-  c.rollout = ml_collections.ConfigDict(dict(engine="inprocess", url="", api_key=""))
   return c

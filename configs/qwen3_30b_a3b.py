@@ -20,7 +20,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.group_size = 16
   c.rl.max_new_tokens = 1536
   c.rl.lr = 1e-6
-  c.rl.routing_replay = True
+  c.policies = ("fp4_trace+r3",)  # TRACE with rollout routing replay
+  c.rl.seeds = (0,)
+  c.rl.audit_fraction = 1 / 64  # full codes of 16 of the 1,024 sequences per step
   c.eval.num_prompts = 256
   c.eval.every = 50
   c.checkpoint_every = 25

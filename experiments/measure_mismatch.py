@@ -2,9 +2,10 @@
 
 Generates with the embedded engine (FP4 rollout, recording the full 4-bit codes of every
 layer and site plus routing), then scores the same tokens with the training forward under
-`fp4_rtn` and under `fp4_trace` (guidance at the guided layers, compact mode by default) and
-compares, per layer and site, the trainer's FP4 codes with the rollout's, the routing, and the
-log-probabilities of the sampled tokens.
+`fp4_rtn` and under `fp4_trace` (guidance at the guided layers, compact mode by default,
+expert_mid rows matched to experts by the rollout's ids) and compares, per layer and site, the
+trainer's FP4 codes with the rollout's (as E2M1 values), the routing, and the log-probabilities
+of the sampled tokens.
 
   python -m experiments.measure_mismatch --json_out=/tmp/mismatch.json
 
@@ -33,7 +34,7 @@ from trace_jax.rl import losses
 from trace_jax.rollout import guidance_layout
 from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import SamplingParams
-from trace_jax.train import rl_loop, scoring
+from trace_jax.train import mismatch, rl_loop, scoring
 
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Where to write the JSON report.",
                                 required=True)
@@ -68,25 +69,22 @@ def load_config(path: str | None) -> ModelConfig:
   return rl_loop.model_config(mod.get_config())
 
 
-def _flip_rate(a: np.ndarray, b: np.ndarray) -> float:
-  return float(np.mean(a != b)) if a.size else 0.0
-
-
-def _routing_flips(train: np.ndarray, rollout: np.ndarray) -> float:
-  """Fraction of tokens whose set of selected experts differs."""
-  return float(np.mean(np.any(np.sort(train, -1) != np.sort(rollout, -1), axis=-1)))
-
-
 def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
             sampling: Sequence[SamplingParams], guidance_mode: str = "compact",
-            routing_replay: bool = False) -> dict[str, Any]:
-  """Runs rollout and both training policies; returns the report dict."""
+            routing_replay: bool = False, keep_records: bool = False) -> dict[str, Any]:
+  """Runs rollout and both training policies; returns the report dict.
+
+  The rollout records the training record (`guidance_mode`, guided layers), every layer's
+  routing, and full codes of every layer and site (audit) for all sequences; flips are counted
+  by `trace_jax.train.mismatch` (E2M1 values, expert_mid rows matched by expert id).
+  keep_records: also return the raw records under "records" (rollout, and per policy the
+  trainer's taps), for checks; not JSON.
+  """
   n_layers = config.num_hidden_layers
   all_layers = tuple(range(n_layers))
   guided_layers = tuple(config.guided_layers)
-  rollout_cfg = dataclasses.replace(config, policy="fp4_trace", guided_layers=all_layers,
-                                    guidance_mode="full")
-  engine = InProcessEngine(params, rollout_cfg)
+  rollout_cfg = dataclasses.replace(config, policy="fp4_trace", guidance_mode=guidance_mode)
+  engine = InProcessEngine(params, rollout_cfg, audit_fraction=1.0)
   t0 = time.perf_counter()
   samples = engine.generate(prompts, sampling)
   rollout_s = time.perf_counter() - t0
@@ -102,44 +100,39 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
       "routing_replay": routing_replay, "rollout_seconds": rollout_s,
       "policies": {},
   }
-  routing = rec["routing"] if routing_replay else None
   for policy in ("fp4_rtn", "fp4_trace"):
     cfg = dataclasses.replace(config, policy=policy, guidance_mode=guidance_mode)
-    g = None
-    if policy == "fp4_trace":
-      g = {layer: {site: (guidance_layout.to_compact(rec["guidance"][layer][site])
-                          if guidance_mode == "compact" else rec["guidance"][layer][site])
-                   for site in SITES}
-           for layer in guided_layers}
-    out = scoring.score(params, cfg, seqs, guidance=g, routing=routing, tap_layers=all_layers,
-                        tap_mode="full")
-    per_layer: dict[str, dict[str, float]] = {}
-    guided_flips, guided_total = 0, 0
-    all_flips, all_total = 0, 0
+    g = rec["guidance"] if policy == "fp4_trace" else None
+    used = all_layers if routing_replay else guided_layers if g else ()
+    out = scoring.score(params, cfg, seqs, guidance=g,
+                        routing={layer: rec["routing"][layer] for layer in used} or None,
+                        replay=routing_replay, tap_layers=all_layers, tap_mode="full")
+    train_routing = {layer: t.pop("routing") for layer, t in out["taps"].items()}
+    if keep_records:
+      report.setdefault("records", {"rollout": rec})[policy] = {
+          "taps": out["taps"], "routing": train_routing}
+    counts = mismatch.compare(out["taps"], rec["audit"]["guidance"], train_routing,
+                              rec["routing"], guided_layers)
+    per_layer: dict[str, dict[str, float | None]] = {}
     for layer in all_layers:
-      row = {}
-      for site in SITES:
-        a = np.asarray(guidance_layout.codes_of(out["taps"][layer][site]))
-        b = np.asarray(guidance_layout.codes_of(rec["guidance"][layer][site]))
-        row[site] = _flip_rate(a, b)
-        flips = int(np.sum(a != b))
-        all_flips += flips
-        all_total += a.size
-        if layer in guided_layers:
-          guided_flips += flips
-          guided_total += a.size
-      row["routing"] = _routing_flips(np.asarray(out["taps"][layer]["routing"]),
-                                      np.asarray(rec["routing"][layer]))
+      row = {site: counts.flips[(layer, site)].rate for site in SITES}
+      row["routing"] = counts.routing[layer].flip_rate
+      row["routing_order_swaps"] = counts.routing[layer].order_swap_rate
       per_layer[str(layer)] = row
     # Completion tokens: rows P-1 .. P+n-2 of each sequence's scores.
     lt = np.concatenate([lp[len(s.prompt) - 1:] for lp, s in zip(out["logprobs"], samples)])
     lr = np.concatenate(rollout_logp)
     m = losses.mismatch_metrics(jnp.asarray(lt), jnp.asarray(lr), jnp.ones_like(jnp.asarray(lt)))
+    summary = counts.metrics()
     report["policies"][policy] = {
-        "flip_rate_guided_sites": guided_flips / max(guided_total, 1),
-        "flip_rate_all_sites": all_flips / max(all_total, 1),
+        "flip_rate_guided_sites": summary["flip_rate_guided"],
+        "flip_rate_all_sites": counts.total().rate,
+        "flip_one_apart_share": summary["flip_one_apart_share"],
+        "scale_flip_rate_guided": summary["scale_flip_rate_guided"],
         "per_layer": per_layer,
-        "routing_flip_rate": float(np.mean([per_layer[str(i)]["routing"] for i in all_layers])),
+        "routing_flip_rate": summary["routing_flip_rate"],
+        "routing_order_swap_rate": summary["routing_order_swap_rate"],
+        "expert_unmatched_rate": summary["expert_unmatched_rate"],
         "mean_abs_dlogp": float(m["mean_abs_dlogp"]), "k3_kl": float(m["k3_kl"]),
         "max_abs_dp": float(m["max_abs_dp"]),
     }
@@ -150,12 +143,15 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
   report["mean_abs_dlogp"] = {p: v["mean_abs_dlogp"] for p, v in report["policies"].items()}
   report["k3_kl"] = {p: v["k3_kl"] for p, v in report["policies"].items()}
   tokens = sum(rec["token_counts"])
-  comp = sum(guidance_layout.to_compact(rec["guidance"][layer][site]).nbytes
+  audit = rec["audit"]["guidance"]
+  comp = sum(guidance_layout.to_compact(audit[layer][site]).nbytes
              for layer in guided_layers for site in SITES)
-  full_all = sum(rec["guidance"][layer][site].nbytes for layer in all_layers for site in SITES)
-  report["guidance_bytes_per_token"] = comp / tokens
+  ids = sum(rec["routing"][layer].nbytes for layer in guided_layers)
+  full_all = sum(audit[layer][site].nbytes for layer in all_layers for site in SITES)
+  # What fp4_trace consumes per token: the compact record and the expert ids that place it.
+  report["guidance_bytes_per_token"] = (comp + ids) / tokens
   report["full_guidance_bytes_per_token_all_layers"] = full_all / tokens
-  report["compact_vs_full_ratio"] = full_all / max(comp, 1)
+  report["compact_vs_full_ratio"] = full_all / max(comp + ids, 1)
   report["guidance_bytes_per_row_formula"] = {
       f"{mode}_K{k}": guided.bytes_per_row(k, mode) for mode in ("compact", "full")
       for k in (config.hidden_size, config.head_dim, config.moe_intermediate_size)}

@@ -32,16 +32,13 @@ variable: a --api_key value is visible to every local user in `ps`.
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import logging
 import os
-import re
 import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 from absl import flags
 
 from rollout_bridge.server import RolloutServer, ServerOptions
@@ -82,7 +79,6 @@ DEFAULTS: dict[str, Any] = {
 }
 _PRESETS = ("tiny", "qwen3_30b_a3b")
 DEFAULT_POLICY = "fp4_trace"
-_BATCH_DIR = re.compile(r"^b(\d+)$")
 API_KEY_ENV = "TRACE_API_KEY"
 
 
@@ -143,34 +139,8 @@ def _policy_fields(cfg: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-class ServingEngine(InProcessEngine):
-  """`InProcessEngine` that gathers each batch's ragged guidance rows on the host.
-
-  The base engine gathers them with eager jax indexing whose shapes depend on the batch's
-  total token count, so nearly every new batch composition compiles ~2 small XLA programs per
-  recorded (layer, site, field): seconds per batch on CPU. Fetching the tap buffers once
-  (`device_get`) and gathering with numpy compiles nothing; the rows and the store are the same.
-  """
-
-  def _emit_guidance(self, samples: list[Any], taps: dict) -> None:
-    super()._emit_guidance(samples, jax.device_get(taps))
-
-
-def _resume_batch_ids(engine: Any, root: str) -> None:
-  """Continues guidance batch ids after those already in `root`.
-
-  The engine numbers batches b000000, b000001, ... from 0 in every process, and the writer
-  refuses to overwrite a batch directory, so a restarted server writing to the same directory
-  would fail its first batch. Work-around on the engine's private counter.
-  """
-  taken = [int(m.group(1)) for d in os.listdir(root) if (m := _BATCH_DIR.match(d))]
-  if taken and hasattr(engine, "_batch_counter"):
-    engine._batch_counter = itertools.count(max(taken) + 1)
-    log.info("guidance dir %s has batches up to b%06d; continuing after them", root, max(taken))
-
-
 def build_engine(cfg: dict[str, Any], guidance_dir: str | None = None
-                 ) -> tuple[ServingEngine, str]:
+                 ) -> tuple[InProcessEngine, str]:
   """(engine, model_path label) for a config dict from `load_config`."""
   if cfg.get("checkpoint"):
     from trace_jax.io import hf
@@ -191,9 +161,8 @@ def build_engine(cfg: dict[str, Any], guidance_dir: str | None = None
     root = os.path.abspath(guidance_dir)
     writer = guidance_store.GuidanceWriter(root, guidance_store.config_hash(config))
   max_batch = int(cfg["server"].get("max_batch") or 32)
-  engine = ServingEngine(params, config, guidance_writer=writer, max_batch=max(64, max_batch))
-  if writer is not None:
-    _resume_batch_ids(engine, writer.root)
+  # A restarted server writing to the same directory continues the batch numbering there.
+  engine = InProcessEngine(params, config, guidance_writer=writer, max_batch=max(64, max_batch))
   return engine, model_path
 
 

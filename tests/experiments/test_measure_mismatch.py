@@ -1,11 +1,13 @@
 """measure_mismatch on the tiny config: guided rounding removes the FP4 flips RTN shows."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from experiments import measure_mismatch
 from trace_jax import model as model_lib
+from trace_jax.quant import formats
 from trace_jax.rollout.protocol import SamplingParams
 
 
@@ -16,7 +18,7 @@ def report(tmp_path_factory):
   params = model_lib.init_params(config, jax.random.fold_in(jax.random.key(0), 0))
   prompts = np.random.default_rng(0).integers(0, config.vocab_size, (4, 10)).tolist()
   sampling = [SamplingParams(max_new_tokens=8, seed=i) for i in range(4)]
-  r = measure_mismatch.measure(params, config, prompts, sampling)
+  r = measure_mismatch.measure(params, config, prompts, sampling, keep_records=True)
   path = tmp_path_factory.mktemp("mismatch") / "m.png"
   measure_mismatch.plot(r, str(path))
   return r, path
@@ -26,6 +28,36 @@ def test_guided_sites_have_no_flips_and_rtn_has_some(report):
   r, _ = report
   assert r["flip_rate_trace"] == 0.0, r["policies"]["fp4_trace"]["per_layer"]
   assert r["flip_rate_rtn"] > 0.0, r["policies"]["fp4_rtn"]["per_layer"]
+
+
+def _values(packed) -> np.ndarray:
+  return np.asarray(formats.e2m1_decode(formats.unpack_fp4(jnp.asarray(packed))))
+
+
+@pytest.mark.parametrize("policy", ["fp4_rtn", "fp4_trace"])
+def test_flips_match_an_independent_count(report, policy):
+  """The report's per-site flip rates against a count done here on the same batch: decoded
+  E2M1 values (floats, so -0 == +0) compared element by element, expert_mid slots paired by
+  expert id in a Python loop."""
+  r, _ = report
+  roll, train = r["records"]["rollout"], r["records"][policy]
+  for layer, sites in roll["audit"]["guidance"].items():
+    for site, rec in sites.items():
+      a, b = _values(train["taps"][layer][site].codes), _values(rec.codes)
+      if site == "expert_mid":
+        flips = total = 0
+        ti, ri = train["routing"][layer], roll["routing"][layer]
+        for t in range(a.shape[0]):
+          for j in range(a.shape[1]):
+            match = [q for q in range(ri.shape[1]) if ri[t, q] == ti[t, j]]
+            if match:
+              flips += int(np.sum(a[t, j] != b[t, match[0]]))
+              total += a.shape[-1]
+        want = flips / total
+      else:
+        want = float(np.mean(a != b))
+      assert r["policies"][policy]["per_layer"][str(layer)][site] == pytest.approx(
+          want, abs=1e-12), (layer, site)
 
 
 def test_trace_mismatch_not_above_rtn(report):
@@ -40,11 +72,12 @@ def test_report_fields_and_plot(report):
     assert key in r, key
   layers = r["policies"]["fp4_rtn"]["per_layer"]
   assert set(layers) == {"0", "1"}
-  assert set(layers["1"]) == {"moe_in", "expert_mid", "k", "v", "routing"}
+  assert set(layers["1"]) == {"moe_in", "expert_mid", "k", "v", "routing", "routing_order_swaps"}
   assert path.stat().st_size > 10_000
-  # Bytes: compact record of the guided layers, per token, from the formula.
+  # Bytes: compact record of the guided layers and their int32 expert ids, per token, from
+  # the formula.
   c = r["config"]
   per_token = sum(r["guidance_bytes_per_row_formula"][f"compact_K{k}"] * n for k, n in (
       (c["hidden_size"], 1), (c["moe_intermediate_size"], c["num_experts_per_tok"]),
-      (c["head_dim"], 2 * c["num_key_value_heads"])))
+      (c["head_dim"], 2 * c["num_key_value_heads"]))) + 4 * c["num_experts_per_tok"]
   assert np.isclose(r["guidance_bytes_per_token"], per_token * len(r["guided_layers"]))

@@ -112,9 +112,9 @@ def test_moe_routing_replay():
   out, _ = moe(x, prec, 0)
   ids = prec.taps[0]["routing"]
   assert ids.shape == (2, 5, CONFIG.num_experts_per_tok) and ids.dtype == jnp.int32
-  same, _ = moe(x, Precision(CONFIG), 0, replay=ids)
+  same, _ = moe(x, Precision(CONFIG), 0, ids, replay=True)
   np.testing.assert_array_equal(same, out)
-  other, _ = moe(x, Precision(CONFIG), 0, replay=(ids + 1) % CONFIG.num_experts)
+  other, _ = moe(x, Precision(CONFIG), 0, (ids + 1) % CONFIG.num_experts, replay=True)
   assert not np.allclose(other, out)
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from trace_jax import model as M
 from trace_jax.quant import formats, guided
+from trace_jax.train import mismatch
 
 B, T, MAX_LEN = 2, 10, 16
 
@@ -51,8 +52,9 @@ def test_policy_forward_and_grad(policy):
     assert 0.0 < err < 0.5, err  # quantized, but the same model
 
 
-def _codes(g: guided.Guidance) -> jax.Array:
-  return formats.unpack_fp4(g.codes)
+def _codes(g: guided.Guidance) -> np.ndarray:
+  """E2M1 values as grid ordinals: codes that differ only in the sign of zero compare equal."""
+  return mismatch.e2m1_ordinal(formats.unpack_fp4(g.codes))
 
 
 @functools.partial(jax.jit, static_argnames="config")
@@ -62,40 +64,52 @@ def _rollout_step(params, config, cache, tok, pos):
   return out.cache, out.taps
 
 
-@functools.partial(jax.jit, static_argnames="config")
-def _train_taps(params, config, toks, guidance, routing):
-  return M.forward(params, config, toks, guidance=guidance, routing=routing, tap_layers=(0,),
-                   tap_mode="full").taps
+@functools.partial(jax.jit, static_argnames=("config", "replay"))
+def _train_taps(params, config, toks, guidance, routing, replay=True):
+  out = M.forward(params, config, toks, guidance=guidance, routing=routing, replay=replay,
+                  tap_layers=(0,), tap_mode="full")
+  return out.taps, out.logits
+
+
+ROLLOUT_CFG = M.tiny(policy="fp4_trace", dtype="bfloat16", num_hidden_layers=1,
+                     guided_layers=(0,))
+TRAIN_CFG = ROLLOUT_CFG.replace(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def rollout():
+  """(params, tokens, full-mode taps of layer 0) of a token-by-token bf16 decode."""
+  params = _params(ROLLOUT_CFG)
+  toks = np.random.default_rng(1).integers(0, ROLLOUT_CFG.vocab_size, (B, T), np.int32)
+  cache = M.init_cache(ROLLOUT_CFG, B, MAX_LEN)
+  steps = []
+  for s in range(T):
+    cache, taps = _rollout_step(params, ROLLOUT_CFG, cache, toks[:, s], jnp.full((B,), s))
+    steps.append(taps)
+  return params, toks, jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *steps)[0]
+
+
+def _compact(roll):
+  return {s: guided.Guidance(block_scale=roll[s].block_scale, row_scale=roll[s].row_scale,
+                             mantissa=guided.pack_bits(formats.unpack_fp4(roll[s].codes) & 1))
+          for s in M.SITES}
 
 
 @pytest.mark.slow
-def test_trace_guidance_reproduces_rollout_codes():
+def test_trace_guidance_reproduces_rollout_codes(rollout):
   """fp4_trace with rollout guidance reproduces the rollout's codes; fp4_rtn flips many.
 
   moe_in, k and v: 0 flips. expert_mid (silu(gate) * up, where bf16 and float32 differ
   most) keeps a small residue: values whose drift crosses zero or spans more than one code
-  cannot be guided back (DESIGN 3.5), so there the bound is relative to RTN.
+  cannot be guided back (docs/numerics.md), so there the bound is relative to RTN.
   """
-  rollout_cfg = M.tiny(policy="fp4_trace", dtype="bfloat16", num_hidden_layers=1,
-                       guided_layers=(0,))
-  train_cfg = rollout_cfg.replace(dtype="float32")
-  params = _params(rollout_cfg)
-  toks = np.random.default_rng(1).integers(0, rollout_cfg.vocab_size, (B, T), np.int32)
-  cache = M.init_cache(rollout_cfg, B, MAX_LEN)
-  steps = []
-  for s in range(T):
-    cache, taps = _rollout_step(params, rollout_cfg, cache, toks[:, s], jnp.full((B,), s))
-    steps.append(taps)
-  roll = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *steps)[0]
+  params, toks, roll = rollout
   routing = {0: roll["routing"]}
-  compact = {s: guided.Guidance(block_scale=roll[s].block_scale, row_scale=roll[s].row_scale,
-                                mantissa=guided.pack_bits(_codes(roll[s]) & 1))
-             for s in M.SITES}
   flips = {}
-  for name, cfg, guidance in (("rtn", train_cfg.replace(policy="fp4_rtn"), None),
-                              ("trace", train_cfg, {0: compact})):
-    taps = _train_taps(params, cfg, toks, guidance, routing)[0]
-    flips[name] = {s: float(jnp.mean(_codes(taps[s]) != _codes(roll[s]))) for s in M.SITES}
+  for name, cfg, guidance in (("rtn", TRAIN_CFG.replace(policy="fp4_rtn"), None),
+                              ("trace", TRAIN_CFG, {0: _compact(roll)})):
+    taps = _train_taps(params, cfg, toks, guidance, routing)[0][0]
+    flips[name] = {s: float(np.mean(_codes(taps[s]) != _codes(roll[s]))) for s in M.SITES}
   print("code flip rate vs rollout:", flips)
   trace, rtn = flips["trace"], flips["rtn"]
   assert trace["moe_in"] == trace["k"] == trace["v"] == 0.0, flips
@@ -103,9 +117,54 @@ def test_trace_guidance_reproduces_rollout_codes():
   assert min(rtn.values()) > 0.0, flips
 
 
-def test_posthoc_fp4_forward_is_fp4_rtn():
-  """posthoc_fp4 (eval only) quantizes exactly as fp4_rtn does."""
+def test_fp4_forward_policies():
+  """Both NVFP4 forwards quantize; bf16 does not (posthoc_fp4 is no forward policy any more:
+  its old meaning, FP4 rollout with BF16 training, is the run policy fp4_rollout)."""
   from trace_jax.model.precision import Precision
-  for policy in ("posthoc_fp4", "fp4_rtn", "fp4_trace"):
+  for policy in ("fp4_rtn", "fp4_trace"):
     assert Precision(M.tiny(policy=policy)).fp4
   assert not Precision(M.tiny(policy="bf16")).fp4
+  with pytest.raises(ValueError, match="unknown precision policy 'posthoc_fp4'"):
+    M.tiny(policy="posthoc_fp4")
+
+
+@pytest.mark.slow
+def test_expert_mid_guidance_follows_experts_not_slots(rollout):
+  """expert_mid guidance is matched by expert id, not by top-k slot.
+
+  The rollout's record is re-ordered as if its top-k had listed the same experts in another
+  order (slots reversed, ids with them). The trainer, routing on its own (no replay), must
+  round exactly as with the original order. Matching by slot instead (what the trainer did
+  before the ids travelled with the guidance) hands each slot the other expert's scales and
+  bits: most of those codes change.
+  """
+  params, toks, roll = rollout
+  ids = roll["routing"]
+  guidance = _compact(roll)
+  flip = lambda a: a[:, :, ::-1]
+  swapped = dict(guidance, expert_mid=jax.tree.map(flip, guidance["expert_mid"]))
+  taps, logits = _train_taps(params, TRAIN_CFG, toks, {0: guidance}, {0: ids}, replay=False)
+  taps_sw, logits_sw = _train_taps(params, TRAIN_CFG, toks, {0: swapped}, {0: flip(ids)},
+                                   replay=False)
+  np.testing.assert_array_equal(_codes(taps_sw[0]["expert_mid"]),
+                                _codes(taps[0]["expert_mid"]))
+  np.testing.assert_array_equal(np.asarray(logits_sw), np.asarray(logits))
+  # Slot matching: the trainer's own ids as if they were the rollout's, reversed guidance.
+  own = taps[0]["routing"]
+  taps_slot, by_slot = _train_taps(params, TRAIN_CFG, toks, {0: swapped}, {0: own},
+                                   replay=False)
+  assert not np.array_equal(np.asarray(by_slot), np.asarray(logits))
+  wrong = float(np.mean(_codes(taps_slot[0]["expert_mid"]) != _codes(taps[0]["expert_mid"])))
+  assert wrong > 0.3, wrong
+
+
+def test_expert_mid_guidance_needs_the_rollout_ids():
+  config = M.tiny(policy="fp4_trace", num_hidden_layers=1, guided_layers=(0,))
+  params = M.init_params(config, 0)
+  x = np.zeros((1, 4), np.int32)
+  k, i = config.num_experts_per_tok, config.moe_intermediate_size
+  g = guided.Guidance(block_scale=jnp.ones((1, 4, k, i // 16), jnp.float8_e4m3fn),
+                      row_scale=jnp.ones((1, 4, k, 1), jnp.float32),
+                      mantissa=jnp.zeros((1, 4, k, i // 8), jnp.uint8))
+  with pytest.raises(ValueError, match="expert ids"):
+    M.forward(params, config, x, guidance={0: {"expert_mid": g}})

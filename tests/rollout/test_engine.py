@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from trace_jax import model as model_lib
+from trace_jax.rollout import decode
 from trace_jax.rollout import engine as engine_lib
 from trace_jax.rollout.protocol import SamplingParams
 
@@ -35,9 +36,9 @@ def test_floor_compiles_once_and_does_not_change_completions():
              for lens in ((3, 9), (20, 7), (33, 2))]  # plain buckets 16, 32, 64
   floored = engine_lib.InProcessEngine(params, CFG, max_batch=2, min_prompt_len=40)
   plain = engine_lib.InProcessEngine(params, CFG, max_batch=2)
-  before = engine_lib._generate._cache_size()
+  before = decode.generate._cache_size()
   got = [floored.generate(b, sp) for b in batches]
-  assert engine_lib._generate._cache_size() - before == 1  # one [2, 48] program
+  assert decode.generate._cache_size() - before == 1  # one [2, 48] program
   for b, out in zip(batches, got):
     for s, ref in zip(out, plain.generate(b, sp)):
       assert s.tokens == ref.tokens

@@ -25,7 +25,7 @@ def test_split_run_then_summary(tmp_path):
   assert again["sft"]["history"] == out["sft"]["history"]
   assert set(first["policies"]["bf16"]) >= set(compare.SUMMARY_KEYS)
   assert (tmp_path / "reward_mismatch.png").stat().st_size > 10_000
-  assert (tmp_path / "bf16" / "evals.csv").read_text().count("\n") == 1 + 2  # steps 0 and 2
+  assert (tmp_path / "bf16" / "seed0" / "evals.csv").read_text().count("\n") == 1 + 2  # 0, 2
 
 
 def test_unknown_policy_fails_before_the_warm_start(tmp_path):
@@ -33,3 +33,29 @@ def test_unknown_policy_fails_before_the_warm_start(tmp_path):
   with pytest.raises(ValueError, match="fp5"):
     compare.run(tiny_cfg(), str(tmp_path), ["fp5"], progress=False)
   assert not os.path.exists(tmp_path / "sft")
+
+
+def test_seeds_spread_and_posthoc_fp4(tmp_path):
+  """Two RL seeds from one warm start: per-seed summaries, their spread and the gain's
+  standard error; the bf16 weights evaluated through the FP4 engine (posthoc_fp4)."""
+  import numpy as np
+  cfg = tiny_cfg()
+  cfg.rl.steps = 1
+  cfg.rl.seeds = (0, 1)
+  out = compare.run(cfg, str(tmp_path), ["bf16"], progress=False)
+  bf16 = out["policies"]["bf16"]
+  seeds = bf16["per_seed"]
+  assert [s["seed"] for s in seeds] == [0, 1] and bf16["num_seeds"] == 2
+  finals = [s["final_reward"] for s in seeds]
+  assert bf16["final_reward"] == np.mean(finals)
+  assert bf16["final_reward_sd"] == np.std(finals, ddof=1)
+  gains = [s["final_reward"] - s["sft_reward"] for s in seeds]
+  assert np.isclose(bf16["gain_se"], np.std(gains, ddof=1) / np.sqrt(2))
+  # Different RL seeds sample differently: the runs' histories are not copies.
+  assert seeds[0]["train_reward_first"] != seeds[1]["train_reward_first"] or \
+      seeds[0]["mean_abs_dlogp"] != seeds[1]["mean_abs_dlogp"]
+  post = out["policies"]["posthoc_fp4"]
+  assert [s["seed"] for s in post["per_seed"]] == [0, 1]
+  assert 0.0 <= post["final_reward"] <= 1.0 and post["sft_reward"] is not None
+  for s in (0, 1):
+    assert (tmp_path / "bf16" / f"seed{s}" / "metrics.csv").exists()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from configs import quickstart
-from trace_jax.model.config import POLICIES
+from trace_jax.model.policies import POLICIES
 from trace_jax.train import rl_loop
 
 
@@ -39,7 +39,7 @@ def start_params():
   return params
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", [*POLICIES, "fp4_trace+r3"])
 def test_one_rl_step(policy, start_params, tmp_path):
   cfg = tiny_cfg()
   cfg.rl.steps = 1
@@ -51,17 +51,39 @@ def test_one_rl_step(policy, start_params, tmp_path):
   changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))),
                          out["params"], start_params)
   assert any(jax.tree.leaves(changed)), "parameters did not change"
-  if policy in ("fp4_rtn", "fp4_trace"):
+  if policy.startswith(("fp4_rtn", "fp4_trace")):
     assert 0.0 <= row["flip_rate_guided"] <= 1.0
-  if policy == "fp4_trace":
+  if policy.startswith("fp4_trace"):
     assert row["guidance_bytes_per_token"] > 0
   if (tmp_path / "guidance").is_dir():  # FP4 rollouts: the step's and the evals' records
     assert not [p.name for p in (tmp_path / "guidance").iterdir() if p.name.startswith("b")]
-  if policy in ("fp4_rtn", "fp4_trace", "posthoc_fp4"):
+  if policy.startswith("fp4_"):
     assert 0.0 <= row["routing_flip_rate"] <= 1.0
   assert (tmp_path / "metrics.csv").read_text().count("\n") == 2
   summary = json.loads((tmp_path / "history.json").read_text())["summary"]
   assert summary["final_reward"] is not None
+
+
+@pytest.mark.parametrize("policy", ["fp4_rtn", "fp4_trace"])
+def test_flip_metrics_see_an_unrelated_rollout(policy, start_params, tmp_path):
+  """The rollout runs other weights than the trainer: its codes and routing are unrelated to
+  the trainer's, and the loop's metrics must say so. (The earlier mantissa-bit metric reported
+  ~3% flips under fp4_trace on such input: guided rounding copies the bit it compares.)"""
+  from trace_jax import model as model_lib
+  from trace_jax.rollout.engine import InProcessEngine
+  cfg = tiny_cfg()
+  cfg.rl.steps = 1
+  other = model_lib.init_params(rl_loop.model_config(cfg), 7, param_dtype="float32")
+  other = jax.tree.map(lambda a: a if a.ndim == 1 else a * 8.0, other)
+  factory = lambda p, c, w: InProcessEngine(
+      other, c, guidance_writer=w, record_guidance=policy == "fp4_trace", record_routing=True,
+      audit_fraction=1.0, max_batch=4, min_prompt_len=cfg.max_prompt_len)
+  row = rl_loop.run_rl(cfg, str(tmp_path), policy, start_params, engine_factory=factory,
+                       progress=False)["history"][0]
+  assert row["flip_rate_guided"] > 0.3, row
+  assert row["routing_flip_rate"] > 0.5, row
+  flips = (tmp_path / "flips.csv").read_text().splitlines()
+  assert len(flips) == 1 + 4 + 1  # header, 4 sites and routing of the one layer
 
 
 @pytest.mark.parametrize("task,kwargs,seq_len", [

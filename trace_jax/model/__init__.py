@@ -65,8 +65,9 @@ def abstract_params(config: ModelConfig, param_dtype: str | jnp.dtype | None = N
 def forward(params: nnx.State, config: ModelConfig, tokens: jax.Array,
             positions: jax.Array | None = None, *, cache: list[LayerCache] | None = None,
             decode: bool = False, guidance: GuidanceTree | None = None,
-            routing: dict[int, jax.Array] | None = None, tap_layers: tuple[int, ...] = (),
-            tap_mode: str | None = None, record: bool = False) -> ForwardOut:
+            routing: dict[int, jax.Array] | None = None, replay: bool = False,
+            tap_layers: tuple[int, ...] = (), tap_mode: str | None = None,
+            tap_routing: bool | None = None, record: bool = False) -> ForwardOut:
   """One forward pass in `config.policy` and `config.dtype`.
 
   tokens, positions: int32 [B, S] (positions default to 0..S-1).
@@ -74,9 +75,13 @@ def forward(params: nnx.State, config: ModelConfig, tokens: jax.Array,
     this call's K/V at `positions` and attends over the whole cache (one step per call, each
     sequence at its own position).
   guidance: fp4_trace training: {layer: {site: Guidance}} from rollout taps (same row layout).
-  routing: {layer: expert ids [B, S, K]} to replay instead of the router's top-k.
-  tap_layers / tap_mode: layers whose quantization outcomes (and routing) are returned in
-    `taps`, as Guidance records in `tap_mode` (default config.guidance_mode).
+  routing: {layer: expert ids [B, S, K]} the rollout routed each token to. They match each
+    layer's expert_mid guidance rows to experts (required with it), and with `replay` (R3,
+    every layer in `routing`) they replace the router's top-k.
+  tap_layers / tap_mode: layers whose quantization outcomes are returned in `taps`, as
+    Guidance records in `tap_mode` (default config.guidance_mode).
+  tap_routing: also return every layer's expert ids in `taps[layer]["routing"]` (default:
+    whenever tap_layers is set).
   record: rollout side (no gradient rules at the quantizers).
   """
   tokens = jnp.asarray(tokens, jnp.int32)
@@ -91,9 +96,12 @@ def forward(params: nnx.State, config: ModelConfig, tokens: jax.Array,
     raise ValueError(f"forward: cache has {len(cache)} layers, config has "
                      f"{config.num_hidden_layers}")
   prec = Precision(config, guidance=guidance, tap_layers=tuple(tap_layers), tap_mode=tap_mode,
-                   record=record)
+                   record=record, tap_routing=tap_routing)
+  if replay and not routing:
+    raise ValueError("forward: replay=True needs `routing` (the rollout's expert ids)")
   model = nnx.merge(graphdef(config), params)
-  return model(tokens, positions, prec, cache=cache, decode=decode, routing=routing)
+  return model(tokens, positions, prec, cache=cache, decode=decode, routing=routing,
+               replay=replay)
 
 
 @functools.partial(jax.jit, static_argnames="config")

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-POLICIES = ("bf16", "fp8_unified", "fp4_rtn", "fp4_trace", "posthoc_fp4")
-FP4_POLICIES = ("fp4_rtn", "fp4_trace", "posthoc_fp4")
+# How one forward quantizes (a run pairs a rollout and a training forward: model/policies.py).
+POLICIES = ("bf16", "fp8_unified", "fp4_rtn", "fp4_trace")
+FP4_POLICIES = ("fp4_rtn", "fp4_trace")
 GUIDANCE_MODES = ("compact", "full")
 DTYPES = ("float32", "bfloat16")
 MOE_IMPLS = ("ragged_dot", "tiled")  # trace_jax.model.grouped

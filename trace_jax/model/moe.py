@@ -76,15 +76,22 @@ class MoE(nnx.Module):
     self.impl = config.moe_impl
 
   def __call__(self, x: jax.Array, prec: Precision, layer: int,
-               replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """x [B, S, D] -> (out [B, S, D], router logits [B*S, E]); replay: ids [B, S, K]."""
+               rollout_ids: jax.Array | None = None,
+               replay: bool = False) -> tuple[jax.Array, jax.Array]:
+    """x [B, S, D] -> (out [B, S, D], router logits [B*S, E]).
+
+    rollout_ids [B, S, K]: the experts the rollout routed each token to. They match
+    expert_mid guidance to experts, and with `replay` they replace the router's top-k.
+    """
     b, s, d = x.shape
     e, k = self.gate_proj.shape[0], self.k
     xt = x.reshape(b * s, d)
     router_logits = self.router(xt)
+    if replay and rollout_ids is None:
+      raise ValueError(f"layer {layer}: routing replay needs the rollout's expert ids")
     ids, weights = route(router_logits, k, self.norm_topk_prob, x.dtype,
-                         None if replay is None else replay.reshape(b * s, k))
-    prec.tap(layer, "routing", ids.reshape(b, s, k))
+                         rollout_ids.reshape(b * s, k) if replay else None)
+    prec.tap_route(layer, ids.reshape(b, s, k))
 
     xq = prec.expert_input(prec.site(layer, "moe_in", x).reshape(b * s, d))
     gate, up, down = prec.expert_weights(*(w[...].astype(x.dtype) for w in
@@ -96,7 +103,8 @@ class MoE(nnx.Module):
     rows = xq[order // k]                                                    # [M, D]
     h = (jax.nn.silu(grouped_matmul(rows, gate, group_sizes, self.impl))
          * grouped_matmul(rows, up, group_sizes, self.impl))
-    h = prec.site(layer, "expert_mid", h, row_order=order, tap_shape=(b, s, k))
+    h = prec.site(layer, "expert_mid", h, row_order=order, tap_shape=(b, s, k),
+                  experts=ids.reshape(b, s, k), rollout_experts=rollout_ids)
     h = prec.expert_input(h)
     y = grouped_matmul(h, down, group_sizes, self.impl)                      # [M, D]
     # Combine: back to (token, slot) order, weight, sum over slots.

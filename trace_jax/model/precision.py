@@ -36,12 +36,13 @@ class Precision:
 
   guidance: rollout records for `fp4_trace` training (rows laid out as the taps are).
   tap_layers: layers whose site outcomes are returned as Guidance records (mode `tap_mode`).
+  tap_routing: also return every layer's routed expert ids (default: when tap_layers is set).
   record: rollout side; quantize with `quantize_act_record` semantics (no gradient rule).
   """
 
   def __init__(self, config: ModelConfig, guidance: GuidanceTree | None = None,
                tap_layers: tuple[int, ...] = (), tap_mode: str | None = None,
-               record: bool = False):
+               record: bool = False, tap_routing: bool | None = None):
     self.config = config
     self.fp4 = config.policy in FP4_POLICIES
     self.fp8 = config.policy == "fp8_unified"
@@ -55,6 +56,7 @@ class Precision:
       raise ValueError(f"guidance for unknown sites {sorted(unknown)}; sites are {SITES}")
     self.tap_layers = frozenset(tap_layers)
     self.tap_mode = tap_mode or config.guidance_mode
+    self.tap_routing = bool(tap_layers) if tap_routing is None else tap_routing
     self.record = record
     self.taps: dict[int, dict[str, Any]] = {}
 
@@ -65,39 +67,63 @@ class Precision:
       return self.guidance.get(layer, {}).get(name)
     return None
 
-  def _quantize(self, x: jax.Array, g: Guidance | None,
-                tap: bool) -> tuple[jax.Array, Guidance | None]:
+  def _quantize(self, x: jax.Array, g: Guidance | None, tap: bool,
+                guided_rows: jax.Array | None = None) -> tuple[jax.Array, Guidance | None]:
     """NVFP4 quantize-dequantize of rows x [..., K] (guided where g is given) and its record.
 
+    guided_rows [...]: rows that take the guidance; the others round RTN with their own
+    scales (expert_mid slots whose expert the rollout did not select).
     Without a tap this is the `qat` operator itself. With a tap, one quantization feeds both
     the output and the record (the quantizers are costly to compile); its output equals the
     `qat` operator's bit for bit and has the same straight-through BF16 gradient.
     """
     if not tap:
-      if g is not None:
-        return qat.fake_quant_act_guided(x, g), None
-      return (qat.qdq_act(x, "nvfp4").astype(x.dtype) if self.record
-              else qat.fake_quant_act(x, "nvfp4")), None
+      if g is None:
+        return (qat.qdq_act(x, "nvfp4").astype(x.dtype) if self.record
+                else qat.fake_quant_act(x, "nvfp4")), None
+      y = qat.fake_quant_act_guided(x, g)
+      if guided_rows is not None:
+        y = jnp.where(guided_rows[..., None], y, qat.fake_quant_act(x, "nvfp4"))
+      return y, None
     xs = jax.lax.stop_gradient(x)
-    q = (guided.guided_quantize(xs, g) if g is not None
-         else formats.nvfp4_quantize(xs, formats.nvfp4_row_scale(xs)))
+    rtn = lambda: formats.nvfp4_quantize(xs, formats.nvfp4_row_scale(xs))
+    q = rtn() if g is None else guided.guided_quantize(xs, g)
+    if g is not None and guided_rows is not None:
+      pick = lambda a, b: jnp.where(
+          guided_rows.reshape(guided_rows.shape + (1,) * (a.ndim - guided_rows.ndim)), a, b)
+      q = jax.tree.map(pick, q, rtn())
     y = formats.nvfp4_dequantize(q).astype(x.dtype)
     return (y if self.record else _straight_through(x, y)), guided.record(q, self.tap_mode)
 
   def site(self, layer: int, name: str, x: jax.Array, row_order: jax.Array | None = None,
-           tap_shape: tuple[int, ...] | None = None) -> jax.Array:
+           tap_shape: tuple[int, ...] | None = None, experts: jax.Array | None = None,
+           rollout_experts: jax.Array | None = None) -> jax.Array:
     """Quantizes activation rows x [..., K] at a TRACE site (identity unless an FP4 policy).
 
     row_order: x's rows are the tap layout's rows gathered by `row_order` (expert_mid is
     computed sorted by expert, its guidance and taps are in token/slot order); x is then
     [M, K] and tap_shape the tap layout's leading shape.
+    experts / rollout_experts: for expert_mid, this forward's and the rollout's expert ids
+    [B, S, top_k] (tap_shape). Guidance rows belong to the rollout's (token, expert) pairs, so
+    each slot takes the rollout slot that routed the same expert; a slot whose expert the
+    rollout did not select rounds RTN with its own scales.
     """
     if not self.fp4:
       return x
     g = self._guidance(layer, name)
+    guided_rows = None
+    if g is not None and experts is not None:
+      if rollout_experts is None:
+        raise ValueError(f"layer {layer}: {name} guidance needs the rollout's expert ids "
+                         "(`routing`), to match guidance rows to experts")
+      src, guided_rows = match_experts(experts, rollout_experts)
+      g = jax.tree.map(lambda a: jnp.take_along_axis(
+          a, src.reshape(src.shape + (1,) * (a.ndim - src.ndim)), axis=src.ndim - 1), g)
     if g is not None and row_order is not None:
       g = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[len(tap_shape):])[row_order], g)
-    y, rec = self._quantize(x, g, layer in self.tap_layers)
+      if guided_rows is not None:
+        guided_rows = guided_rows.reshape(-1)[row_order]
+    y, rec = self._quantize(x, g, layer in self.tap_layers, guided_rows)
     if rec is not None:
       if row_order is not None:
         inv = jnp.argsort(row_order)
@@ -119,10 +145,10 @@ class Precision:
       taps["k"], taps["v"] = (jax.tree.map(lambda a, i=i: a[i], rec) for i in (0, 1))
     return y[0], y[1]
 
-  def tap(self, layer: int, name: str, value: jax.Array) -> None:
-    """Records a non-quantization outcome (e.g. routing ids) for a tapped layer."""
-    if layer in self.tap_layers:
-      self.taps.setdefault(layer, {})[name] = value
+  def tap_route(self, layer: int, ids: jax.Array) -> None:
+    """Records a layer's routed expert ids [B, S, top_k] (every layer, when tap_routing)."""
+    if self.tap_routing:
+      self.taps.setdefault(layer, {})["routing"] = ids
 
   # --------------------------------------------------------------------------- weights
 
@@ -148,6 +174,13 @@ class Precision:
   def expert_input(self, x: jax.Array) -> jax.Array:
     """FP8 on the expert matmul inputs in fp8_unified (FP4 sites go through `site`)."""
     return self.linear_input(x)
+
+
+def match_experts(experts: jax.Array, rollout_experts: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Per slot [..., K]: the rollout slot that routed the same expert, and whether one did."""
+  eq = experts[..., :, None] == rollout_experts[..., None, :].astype(experts.dtype)
+  return jnp.argmax(eq, axis=-1), jnp.any(eq, axis=-1)
 
 
 @jax.custom_vjp

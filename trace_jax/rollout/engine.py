@@ -1,19 +1,23 @@
 """The embedded JAX rollout engine: batched sampling with the model's decode mode.
 
-One jitted program per (batch, prompt-length, new-token) bucket runs prefill and the whole
-decode loop (`lax.while_loop`) on the device; nothing returns to the host per token. Requests
-are padded into power-of-two buckets, so a stream of requests of varying sizes compiles only a
-few programs (one, for prompts under the engine's `min_prompt_len`). Under `fp4_trace` the
-program also records, into preallocated device buffers, the guidance (compact or full) of the
-configured layers and sites plus the routed expert ids, for every position the trainer will
-later run through its forward (prompt + completion[:-1]).
+One jitted program (`decode.generate`) per (batch, prompt-length, new-token) bucket runs prefill
+and the whole decode loop on the device. Requests are padded into power-of-two buckets, so a
+stream of requests of varying sizes compiles only a few programs (one, for prompts under the
+engine's `min_prompt_len`). Under FP4 policies the program also records, into preallocated
+device buffers, what the engine was asked to record (guidance, routing, audit codes) for every
+position the trainer will later run through its forward (prompt + completion[:-1]).
+
+Sessions (`open_session` / `extend` / `close_session`) serve multi-turn episodes: the KV cache
+and the records stay on the device between turns, each turn feeds only its new tokens, and the
+records hold exactly what the rollout computed for every token of the transcript.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import itertools
 import logging
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -25,7 +29,8 @@ import numpy as np
 
 from trace_jax import model as model_lib
 from trace_jax.model.config import ModelConfig
-from trace_jax.rollout import sampling as sampling_lib
+from trace_jax.model.precision import SITES
+from trace_jax.rollout import decode, guidance_layout
 from trace_jax.rollout.protocol import Sample, SamplingParams, normalize_request
 
 log = logging.getLogger(__name__)
@@ -63,88 +68,39 @@ def prompt_bucket(n: int, min_prompt_len: int = 0) -> int:
   return floor if n <= floor else bucket(n, _MIN_LEN_BUCKET)
 
 
-def _tap_rows(a: jax.Array, b: int, s: int) -> jax.Array:
-  """Tap arrays have rows [B, S, ...]."""
-  return a.reshape((b, s) + a.shape[2:])
-
-
-@functools.partial(jax.jit, static_argnames=("config", "max_new", "tap_layers", "tap_mode"))
-def _generate(params, config: ModelConfig, tokens, prompt_lens, max_new_each, temps, top_ps,
-              top_ks, keys, stop_ids, *, max_new: int, tap_layers: tuple[int, ...],
-              tap_mode: str):
-  """Prefill + decode loop for one padded batch.
-
-  tokens [B, P] (right-padded), prompt_lens [B], per-request sampling arrays [B], keys [B]
-  (typed PRNG keys), stop_ids [B, S] (-1 = none). Returns generated ids [B, N], their
-  log-probs [B, N], the number generated per row [B], and the tap buffers with rows
-  [B, P + N, ...] indexed by absolute position.
-  """
-  b, p = tokens.shape
-  total = p + max_new
-  rows = jnp.arange(b)
-  out = model_lib.prefill(params, config, tokens, total, tap_layers=tap_layers,
-                          tap_mode=tap_mode, record=True)
-  taps = jax.tree.map(lambda a: jnp.zeros((b, total) + a.shape[2:], a.dtype).at[:, :p].set(a),
-                      out.taps)
-  last = out.logits[rows, prompt_lens - 1].astype(jnp.float32)
-  tok, lp = sampling_lib.sample(last, jax.vmap(jax.random.fold_in)(keys, jnp.zeros(b, jnp.int32)),
-                                temps, top_ps, top_ks)
-  gen = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(tok)
-  logps = jnp.zeros((b, max_new), jnp.float32).at[:, 0].set(lp)
-  done = jnp.any(tok[:, None] == stop_ids, axis=-1) | (max_new_each <= 1)
-  n_gen = jnp.ones(b, jnp.int32)
-
-  def cond(state):
-    step, _, _, _, _, done, _, _ = state
-    return (step < max_new) & ~jnp.all(done)
-
-  def body(state):
-    step, cache, tok, gen, logps, done, n_gen, taps = state
-    pos = prompt_lens + step - 1  # position of `tok`, the token fed in this step
-    o = model_lib.decode_step(params, config, cache, tok, pos, tap_layers=tap_layers,
-                              tap_mode=tap_mode, record=True)
-    live = ~done
-    taps = jax.tree.map(
-        lambda buf, a: buf.at[rows, pos].set(jnp.where(
-            live.reshape((b,) + (1,) * (a.ndim - 2)), a[:, 0], buf[rows, pos])),
-        taps, o.taps)
-    step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.full(b, step, jnp.int32))
-    nxt, lp = sampling_lib.sample(o.logits[:, 0].astype(jnp.float32), step_keys, temps, top_ps,
-                                  top_ks)
-    nxt = jnp.where(live, nxt, 0)
-    gen = gen.at[:, step].set(nxt)
-    logps = logps.at[:, step].set(jnp.where(live, lp, 0.0))
-    n_gen = n_gen + live.astype(jnp.int32)
-    hit = jnp.any(nxt[:, None] == stop_ids, axis=-1)
-    done = done | (live & (hit | (step + 1 >= max_new_each)))
-    return step + 1, o.cache, nxt, gen, logps, done, n_gen, taps
-
-  state = (jnp.int32(1), out.cache, tok, gen, logps, done, n_gen, taps)
-  _, _, _, gen, logps, _, n_gen, taps = jax.lax.while_loop(cond, body, state)
-  return gen, logps, n_gen, taps
-
-
 class InProcessEngine:
   """`RolloutEngine` running the trainer's Flax model in this process.
 
-  config.policy selects the rollout precision. Under `fp4_trace`, guidance of
-  `config.guided_layers` (all four sites and routing) is recorded; with a `guidance_writer`
-  (`trace_jax.io.guidance_store.GuidanceWriter`) each batch is written asynchronously and every
-  Sample carries its handle; without one, the last batch's guidance stays in
-  `self.last_guidance` (ragged rows, for notebooks and tests). `min_prompt_len` pads every
-  batch's prompts to at least that length (see `prompt_bucket`): a trainer that knows its
-  longest prompt passes it and compiles one program for the whole run.
+  config.policy selects the rollout precision. What each call records (FP4 policies):
+  - record_guidance (default: under `fp4_trace`): the training record, `config.guidance_mode`
+    guidance of `config.guided_layers` (all four sites);
+  - record_routing (default: whenever anything is recorded): every layer's expert ids, which
+    match expert_mid guidance to experts and allow routing replay;
+  - audit_fraction: full 4-bit codes of every layer and site for the first
+    ceil(fraction * n) sequences of each batch, so flips can be counted exactly (batch
+    "<batch_id>.audit" in the store, `Sample.guidance["audit_batch_id"]`).
+  With a `guidance_writer` (`trace_jax.io.guidance_store.GuidanceWriter`) each batch is written
+  asynchronously and every Sample carries its handle; without one, the last batch's records
+  stay in `self.last_guidance` (ragged rows, for notebooks and tests). `min_prompt_len` pads
+  every batch's prompts to at least that length (see `prompt_bucket`): a trainer that knows
+  its longest prompt passes it and compiles one program for the whole run.
   """
 
   def __init__(self, params: Any, config: ModelConfig, *, guidance_writer: Any = None,
-               record_guidance: bool | None = None, max_batch: int = 64, seed: int = 0,
+               record_guidance: bool | None = None, record_routing: bool | None = None,
+               audit_fraction: float = 0.0, max_batch: int = 64, seed: int = 0,
                min_prompt_len: int = 0):
     if min_prompt_len < 0:
       raise ValueError(f"min_prompt_len must be >= 0, got {min_prompt_len}")
+    if not 0.0 <= audit_fraction <= 1.0:
+      raise ValueError(f"audit_fraction must be in [0, 1], got {audit_fraction}")
     self.params = params
     self.config = config
     self.writer = guidance_writer
     self.record = (config.policy == "fp4_trace") if record_guidance is None else record_guidance
+    self.audit_fraction = float(audit_fraction)
+    self.record_routing = ((self.record or self.audit_fraction > 0) if record_routing is None
+                           else record_routing)
     self.max_batch = max_batch
     self.min_prompt_len = min_prompt_len
     self._seed_counter = itertools.count((seed * 1_000_003) % _SEED_MOD)
@@ -217,61 +173,208 @@ class InProcessEngine:
     for i, pr in enumerate(prompts):
       tokens[i, :len(pr)] = pr
       lens[i] = len(pr)
-    pad = [SamplingParams(max_new_tokens=1)] * (b - n)
-    sp = sampling + pad
+    tap_layers, tap_mode = self._tap_plan()
+    gen, logps, n_gen, taps = decode.generate(
+        self.params, self.config, jnp.asarray(tokens), jnp.asarray(lens),
+        *self._sampling_arrays(sampling, b), max_new=max_new, tap_layers=tap_layers,
+        tap_mode=tap_mode, tap_routing=self.record_routing)
+    samples = self._samples(prompts, sampling, gen, logps, n_gen)
+    if tap_layers or self.record_routing:
+      for s, h in zip(samples, self._emit([len(s.prompt) + len(s.tokens) - 1
+                                           for s in samples], taps)):
+        s.guidance = h
+    return samples
+
+  def _sampling_arrays(self, sampling: list[SamplingParams], b: int) -> list[Any]:
+    """Per-row sampling inputs of the decode programs, padded to b rows."""
+    sp = sampling + [SamplingParams(max_new_tokens=1)] * (b - len(sampling))
     seeds = [(s.seed if s.seed is not None else next(self._seed_counter)) % _SEED_MOD
              for s in sp]
-    keys = jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
     stop = np.full((b, _MAX_STOP_IDS), -1, np.int32)
     for i, s in enumerate(sp):
       stop[i, :len(s.stop_token_ids)] = s.stop_token_ids
-    tap_layers = tuple(self.config.guided_layers) if self.record else ()
-    gen, logps, n_gen, taps = _generate(
-        self.params, self.config, jnp.asarray(tokens), jnp.asarray(lens),
-        jnp.asarray([s.max_new_tokens for s in sp], jnp.int32),
-        jnp.asarray([s.temperature for s in sp], jnp.float32),
-        jnp.asarray([s.top_p for s in sp], jnp.float32),
-        jnp.asarray([s.top_k for s in sp], jnp.int32), keys, jnp.asarray(stop),
-        max_new=max_new, tap_layers=tap_layers, tap_mode=self.config.guidance_mode)
+    return [jnp.asarray([s.max_new_tokens for s in sp], jnp.int32),
+            jnp.asarray([s.temperature for s in sp], jnp.float32),
+            jnp.asarray([s.top_p for s in sp], jnp.float32),
+            jnp.asarray([s.top_k for s in sp], jnp.int32),
+            jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32)), jnp.asarray(stop)]
+
+  def _samples(self, prompts: list[list[int]], sampling: list[SamplingParams], gen: Any,
+               logps: Any, n_gen: Any) -> list[Sample]:
     gen, logps, n_gen = np.asarray(gen), np.asarray(logps), np.asarray(n_gen)
     samples = []
-    for i in range(n):
+    for i in range(len(prompts)):
       k = int(n_gen[i])
       toks = gen[i, :k].tolist()
       hit = bool(sampling[i].stop_token_ids) and toks[-1] in sampling[i].stop_token_ids
       samples.append(Sample(prompt=prompts[i], tokens=toks, logprobs=logps[i, :k].tolist(),
                             finish_reason="stop" if hit else "length",
                             meta={"weights_version": self.weights_version}))
-    if tap_layers:
-      self._emit_guidance(samples, taps)
     return samples
 
-  def _emit_guidance(self, samples: list[Sample], taps: dict) -> None:
-    """Ragged guidance rows (prompt + completion[:-1] per sample) to the store or memory."""
-    counts = [len(s.prompt) + len(s.tokens) - 1 for s in samples]
-    idx_b = np.concatenate([np.full(c, i) for i, c in enumerate(counts)])
-    idx_t = np.concatenate([np.arange(c) for c in counts])
+  # ---------------------------------------------------------------------------- sessions
+
+  def open_session(self, n: int, max_len: int) -> Session:
+    """A session of n episodes of at most max_len tokens each (prompt and every turn)."""
+    if n < 1 or n > self.max_batch:
+      raise ValueError(f"a session holds 1..{self.max_batch} episodes, got {n}")
+    b, total = bucket(n), bucket(max_len + 1, _MIN_LEN_BUCKET)
+    if total > self.config.max_position_embeddings:
+      raise ValueError(f"session length {max_len} exceeds max_position_embeddings "
+                       f"{self.config.max_position_embeddings}")
+    tap_layers, tap_mode = self._tap_plan()
+    taps = (decode.tap_buffers(self.params, self.config, b, total, tap_layers=tap_layers,
+                               tap_mode=tap_mode, tap_routing=self.record_routing)
+            if tap_layers or self.record_routing else {})
+    return Session(n=n, batch=b, total=total, cache=model_lib.init_cache(self.config, b, total),
+                   taps=taps, lens=np.zeros(b, np.int32), pending=[None] * b)
+
+  def extend(self, session: Session, rows: Sequence[int], chunks: Sequence[Sequence[int]],
+             sampling: Sequence[SamplingParams]) -> list[Sample]:
+    """One turn for `rows`: feed each row's pending token and its chunk, sample a continuation.
+
+    A row's first chunk is its prompt; later chunks are what follows the continuation (an
+    environment's observation). Returns one Sample per row (prompt = what was fed).
+    """
+    if len(rows) != len(chunks) or len(rows) != len(sampling):
+      raise ValueError(f"{len(rows)} rows, {len(chunks)} chunks, {len(sampling)} sampling")
+    fed = self._chunks(session, rows, chunks, [s.max_new_tokens for s in sampling])
+    sp = [SamplingParams(max_new_tokens=1)] * session.batch
+    for r, s in zip(rows, sampling):
+      sp[r] = s
+    c = prompt_bucket(max(map(len, fed.values())), self.min_prompt_len
+                      if not session.lens.any() else 0)
+    chunk, chunk_lens = self._pack(session, fed, c)
+    max_new = bucket(max(s.max_new_tokens for s in sampling), _MIN_LEN_BUCKET)
+    tap_layers, tap_mode = self._tap_plan()
+    with self._lock:
+      gen, logps, n_gen, session.cache, session.taps = decode.extend(
+          self.params, self.config, session.cache, session.taps, jnp.asarray(session.lens),
+          chunk, chunk_lens, *self._sampling_arrays(sp, session.batch), max_new=max_new,
+          tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=self.record_routing)
+    n_gen = np.asarray(n_gen)
+    gen_np = np.asarray(gen)
+    for r in rows:
+      session.lens[r] += len(fed[r]) + int(n_gen[r]) - 1
+      session.pending[r] = int(gen_np[r, int(n_gen[r]) - 1])
+    return self._samples([fed[r] for r in rows], [sp[r] for r in rows],
+                         gen_np[list(rows)], np.asarray(logps)[list(rows)], n_gen[list(rows)])
+
+  def close_session(self, session: Session, chunks: Sequence[Sequence[int]]
+                    ) -> list[dict[str, Any] | None]:
+    """Feeds each row's pending token and final chunk (recorded, nothing sampled) and writes
+    the records of every row's whole transcript. Returns each row's guidance handle (None
+    when nothing is recorded)."""
+    rows = list(range(session.n))
+    if len(chunks) != session.n:
+      raise ValueError(f"close_session: {len(chunks)} chunks for {session.n} episodes")
+    tap_layers, tap_mode = self._tap_plan()
+    if not (tap_layers or self.record_routing):
+      return [None] * session.n
+    fed = self._chunks(session, rows, chunks, [0] * session.n)
+    chunk, chunk_lens = self._pack(session, fed, bucket(max(map(len, fed.values())),
+                                                        _MIN_LEN_BUCKET))
+    with self._lock:
+      session.cache, session.taps = decode.feed(
+          self.params, self.config, session.cache, session.taps, jnp.asarray(session.lens),
+          chunk, chunk_lens, tap_layers=tap_layers, tap_mode=tap_mode,
+          tap_routing=self.record_routing)
+    for r in rows:
+      session.lens[r] += len(fed[r])
+      session.pending[r] = None
+    return self._emit([int(n) for n in session.lens[:session.n]], session.taps)
+
+  def _chunks(self, session: Session, rows: Sequence[int], chunks: Sequence[Sequence[int]],
+              max_new: Sequence[int]) -> dict[int, list[int]]:
+    """Each row's tokens to feed (pending token first), checked against the session."""
+    fed = {}
+    for r, ch, m in zip(rows, chunks, max_new):
+      if not 0 <= r < session.n:
+        raise ValueError(f"row {r} is not in this session of {session.n} episodes")
+      toks = ([] if session.pending[r] is None else [session.pending[r]]) + [int(t) for t in ch]
+      bad = [t for t in toks if not 0 <= t < self.config.vocab_size]
+      if bad:
+        raise ValueError(f"row {r}: token ids outside [0, {self.config.vocab_size}): {bad[:5]}")
+      if session.lens[r] + len(toks) + m > session.total - 1:
+        raise ValueError(f"row {r}: {session.lens[r]} + {len(toks)} tokens + {m} new exceed "
+                         f"the session length {session.total - 1}")
+      if not toks and m:
+        raise ValueError(f"row {r}: nothing to feed (empty first chunk)")
+      fed[r] = toks
+    return fed
+
+  def _pack(self, session: Session, fed: dict[int, list[int]], c: int
+            ) -> tuple[jax.Array, jax.Array]:
+    chunk = np.zeros((session.batch, c), np.int32)
+    lens = np.zeros(session.batch, np.int32)
+    for r, toks in fed.items():
+      chunk[r, :len(toks)] = toks
+      lens[r] = len(toks)
+    return jnp.asarray(chunk), jnp.asarray(lens)
+
+  def _tap_plan(self) -> tuple[tuple[int, ...], str]:
+    """(layers whose sites the program taps, tap mode): every layer in full mode for audits,
+    else the guided layers in the record's mode."""
+    if self.audit_fraction > 0:
+      return tuple(range(self.config.num_hidden_layers)), "full"
+    if self.record:
+      return tuple(self.config.guided_layers), self.config.guidance_mode
+    return (), self.config.guidance_mode
+
+  def _emit(self, counts: list[int], taps: dict) -> list[dict[str, Any]]:
+    """Ragged records (the first counts[i] rows of sequence i) to the store or memory; returns
+    each sequence's guidance handle."""
+    n_audit = math.ceil(self.audit_fraction * len(counts))
     taps = jax.device_get(taps)  # one transfer; gathering on the host compiles nothing
-    guidance, routing = {}, {}
-    for layer, sites in taps.items():
-      for site, rec in sites.items():
-        rows = jax.tree.map(lambda a: np.asarray(a)[idx_b, idx_t], rec)
-        if site == "routing":
-          routing[int(layer)] = rows
-        else:
-          guidance.setdefault(int(layer), {})[site] = rows
+    routing = {int(layer): guidance_layout.unpad(sites["routing"], counts)
+               for layer, sites in taps.items() if "routing" in sites}
+    guidance = {}
+    if self.record:
+      to_mode = (guidance_layout.to_compact if self.config.guidance_mode == "compact"
+                 else lambda g: g)
+      guidance = {int(layer): {site: to_mode(guidance_layout.unpad(taps[layer][site], counts))
+                               for site in SITES} for layer in self.config.guided_layers}
+    audit = {}
+    if n_audit:
+      audit = {int(layer): {site: guidance_layout.unpad(rec, counts[:n_audit])
+                            for site, rec in sites.items() if site != "routing"}
+               for layer, sites in taps.items()}
     batch_id = f"b{next(self._batch_counter):06d}"
-    seq_ids = [f"{batch_id}-{i}" for i in range(len(samples))]
+    audit_id = f"{batch_id}.audit" if n_audit else None
+    seq_ids = [f"{batch_id}-{i}" for i in range(len(counts))]
+    handles = [{"store": None, "batch_id": batch_id, "seq_id": sid,
+                "audit_batch_id": audit_id if i < n_audit else None}
+               for i, sid in enumerate(seq_ids)]
     if self.writer is not None:
       handle = self.writer.write_batch(batch_id, seq_ids, counts, guidance, routing)
-      for s, sid in zip(samples, seq_ids):
-        s.guidance = {"store": self.writer.root, "batch_id": batch_id, "seq_id": sid,
-                      "guidance_bytes_per_token": handle.stats.get("guidance_bytes_per_token")}
+      if n_audit:
+        self.writer.write_batch(audit_id, seq_ids[:n_audit], counts[:n_audit], audit)
+      for h in handles:
+        h.update(store=self.writer.root,
+                 guidance_bytes_per_token=handle.stats.get("guidance_bytes_per_token"))
     else:
-      self.last_guidance = {"batch_id": batch_id, "seq_ids": seq_ids, "token_counts": counts,
-                            "guidance": guidance, "routing": routing}
-      for s, sid in zip(samples, seq_ids):
-        s.guidance = {"store": None, "batch_id": batch_id, "seq_id": sid}
+      self.last_guidance = {
+          "batch_id": batch_id, "seq_ids": seq_ids, "token_counts": counts,
+          "guidance": guidance, "routing": routing,
+          "audit": {"batch_id": audit_id, "seq_ids": seq_ids[:n_audit],
+                    "token_counts": counts[:n_audit], "guidance": audit} if n_audit else None}
+    return handles
+
+
+@dataclasses.dataclass
+class Session:
+  """Episodes whose KV cache and records stay on the device between turns.
+
+  lens[r]: tokens of row r fed so far (its cache and record rows); pending[r]: the last token
+  sampled for row r, fed at the start of its next chunk.
+  """
+  n: int
+  batch: int
+  total: int
+  cache: Any
+  taps: Any
+  lens: np.ndarray
+  pending: list[int | None]
 
 
 def dataclasses_shape(config: ModelConfig) -> tuple:

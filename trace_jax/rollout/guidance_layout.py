@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -64,15 +65,13 @@ def pad_tree(guidance: Mapping[int, Mapping[str, Guidance]], counts: Sequence[in
           for layer, sites in guidance.items()}
 
 
-def unpad(a: Any, counts: Sequence[int]) -> np.ndarray:
-  """Padded [B, S, ...] -> ragged rows [sum(counts), ...] (numpy)."""
-  a = np.asarray(a)
-  return np.concatenate([a[i, :c] for i, c in enumerate(counts)], axis=0)
-
-
-def unpad_guidance(g: Guidance, counts: Sequence[int]) -> Guidance:
-  return Guidance(**{f: None if getattr(g, f) is None else unpad(getattr(g, f), counts)
-                     for f in ("block_scale", "row_scale", "mantissa", "codes")})
+def unpad(tree: Any, counts: Sequence[int]) -> Any:
+  """Padded [B, S, ...] -> ragged rows [sum(counts), ...] (numpy), for an array or a pytree
+  of them (a Guidance record); the first len(counts) sequences."""
+  def one(a):
+    a = np.asarray(a)
+    return np.concatenate([a[i, :c] for i, c in enumerate(counts)], axis=0)
+  return jax.tree.map(one, tree)
 
 
 def to_compact(g: Guidance) -> Guidance:

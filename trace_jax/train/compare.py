@@ -1,8 +1,9 @@
-"""The policy comparison: one SFT warm start, a GRPO run per precision policy, and a summary.
+"""The policy comparison: one SFT warm start, GRPO runs per policy and RL seed, a summary.
 
-`run` is what `experiments/train_rl.py` runs. Each policy's run lives in `workdir/<policy>`
-and resumes from its checkpoints, so policies may run as separate processes on one workdir
-(after a warm-start-only call) and a last call writes the table, `summary.json` and the plot.
+`run` is what `experiments/train_rl.py` runs. Each (policy, seed) run lives in
+`workdir/<policy>/seed<s>` and resumes from its checkpoints, so policies may run as separate
+processes on one workdir (after a warm-start-only call) and a last call writes the table,
+`summary.json` and the plot.
 """
 
 from __future__ import annotations
@@ -13,15 +14,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from absl import logging
 
 from trace_jax.io import hf, orbax_ckpt
+from trace_jax.model import policies as policies_lib
 from trace_jax.model.config import ModelConfig
 from trace_jax.train import rl_loop
-
-SUMMARY_KEYS = ("sft_reward", "final_reward", "best_reward", "mean_abs_dlogp", "k3_kl",
-                "flip_rate_guided", "routing_flip_rate", "guidance_bytes_per_token",
-                "rollout_tokens_per_s", "train_tokens_per_s")
 
 
 class HttpWeightSync:
@@ -45,32 +44,31 @@ class HttpWeightSync:
     self.client.close()
 
 
+SUMMARY_KEYS = ("sft_reward", "final_reward", "best_reward", "mean_abs_dlogp", "k3_kl",
+                "flip_rate_guided", "flip_rate_unguided", "routing_flip_rate",
+                "routing_order_swap_rate", "expert_unmatched_rate", "guidance_bytes_per_token",
+                "rollout_tokens_per_s", "train_tokens_per_s", "train_reward_slope")
+REWARD_KEYS = ("sft_reward", "final_reward", "best_reward")
+POSTHOC = "posthoc_fp4"  # the bf16 run's weights evaluated through the FP4 engine
+
+
 def run(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None = None,
         rollout_url: str | None = None, api_key: str | None = None,
         progress: bool = True) -> dict[str, Any]:
-  """The whole experiment; returns the summary dict also written to summary.json."""
+  """The whole experiment; returns the summary dict also written to summary.json.
+
+  One SFT warm start (`cfg.seed`), then for every policy one GRPO run per RL seed
+  (`rl.seeds`) in `workdir/<policy>/seed<s>`. The summary holds, per policy, the means over
+  seeds of `SUMMARY_KEYS`, the spread of each reward (`<key>_sd`), the gain of the final
+  eval over the SFT start with its standard error, and the per-seed summaries. With bf16 in
+  the run (and `eval.posthoc_fp4`, default on), it adds `posthoc_fp4`: the SFT and final bf16
+  weights evaluated greedily through the FP4 engine (FP4 after the fact, no QAT at all).
+  """
   rl_loop.validate(cfg)
   for p in policies:
-    rl_loop.model_config(cfg, p)  # unknown --policies fail here, before the warm start
+    policies_lib.parse(p)  # unknown --policies fail here, before the warm start
   os.makedirs(workdir, exist_ok=True)
-  sft_history_path = os.path.join(workdir, "sft_history.json")
-  if sft_checkpoint:
-    _, params = orbax_ckpt.load_orbax(sft_checkpoint)
-    sft_history = []
-  else:
-    sft_dir = os.path.join(workdir, "sft")
-    if os.path.isdir(sft_dir):
-      _, params = orbax_ckpt.load_orbax(sft_dir)
-      sft_history = []
-      if os.path.exists(sft_history_path):
-        with open(sft_history_path) as f:
-          sft_history = json.load(f)
-      logging.info("loaded SFT warm start from %s", sft_dir)
-    else:
-      params, sft_history = rl_loop.run_sft(cfg, workdir, progress=progress)
-      orbax_ckpt.save_orbax(sft_dir, rl_loop.model_config(cfg, "bf16"), params, wait=True)
-      with open(sft_history_path, "w") as f:
-        json.dump(sft_history, f)
+  params, sft_history = warm_start(cfg, workdir, sft_checkpoint, progress)
   if not policies:
     return {"policies": {}, "sft": {"history": sft_history}}
   factory = None
@@ -79,78 +77,180 @@ def run(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None =
       eng = HttpWeightSync(rollout_url, c, os.path.join(workdir, "weights"), api_key)
       eng.update_weights(p)
       return eng
-  results = {}
+  results: dict[str, Any] = {}
+  finals: dict[int, Any] = {}  # bf16's final weights per seed, for the post-hoc FP4 eval
   for policy in policies:
-    out = rl_loop.run_rl(cfg, os.path.join(workdir, policy), policy, params,
-                         engine_factory=factory, progress=progress)
-    s = dict(out["summary"])
-    s["sft_reward"] = s.pop("start_reward")
-    results[policy] = s
+    per_seed = []
+    for seed in rl_loop.rl_seeds(cfg):
+      out = rl_loop.run_rl(cfg, run_dir(workdir, policy, seed), policy, params, seed=seed,
+                           engine_factory=factory, progress=progress)
+      s = dict(out["summary"], seed=seed)
+      s["sft_reward"] = s.pop("start_reward")
+      per_seed.append(s)
+      if policy == "bf16":
+        finals[seed] = out["params"]
+    results[policy] = aggregate(per_seed)
+  if finals and cfg.eval.get("posthoc_fp4", True):
+    results[POSTHOC] = posthoc_fp4(cfg, params, finals)
   summary = {"policies": results, "sft": {"history": sft_history},
              "config": json.loads(cfg.to_json_best_effort()),
              "devices": [str(d) for d in jax.devices()]}
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
-  plot(workdir, policies)
+  plot(workdir, policies, rl_loop.rl_seeds(cfg))
   print_table(results)
   print(f"wrote {os.path.join(workdir, 'summary.json')} and "
-        f"{os.path.join(workdir, 'reward_mismatch.png')}; per policy: {workdir}/<policy>/")
+        f"{os.path.join(workdir, 'reward_mismatch.png')}; per run: "
+        f"{workdir}/<policy>/seed<s>/")
   return summary
 
 
+def run_dir(workdir: str, policy: str, seed: int) -> str:
+  """Where one (policy, RL seed) run lives."""
+  return os.path.join(workdir, policy, f"seed{seed}")
+
+
+def warm_start(cfg, workdir: str, sft_checkpoint: str | None, progress: bool
+               ) -> tuple[Any, list[dict[str, float]]]:
+  """(params, SFT loss history): from --sft_checkpoint, workdir/sft, or a new SFT run."""
+  sft_history_path = os.path.join(workdir, "sft_history.json")
+  if sft_checkpoint:
+    return orbax_ckpt.load_orbax(sft_checkpoint)[1], []
+  sft_dir = os.path.join(workdir, "sft")
+  if os.path.isdir(sft_dir):
+    params = orbax_ckpt.load_orbax(sft_dir)[1]
+    history = []
+    if os.path.exists(sft_history_path):
+      with open(sft_history_path) as f:
+        history = json.load(f)
+    logging.info("loaded SFT warm start from %s", sft_dir)
+    return params, history
+  params, history = rl_loop.run_sft(cfg, workdir, progress=progress)
+  orbax_ckpt.save_orbax(sft_dir, rl_loop.model_config(cfg, "bf16"), params, wait=True)
+  with open(sft_history_path, "w") as f:
+    json.dump(history, f)
+  return params, history
+
+
+def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+  """Means over seeds of every numeric summary key, the spread of the rewards, and the gain.
+
+  `<reward>_sd`: sample standard deviation over seeds (None for one seed). `gain`: mean of
+  (final - SFT) eval reward per seed; `gain_se`: its standard error over seeds.
+  """
+  out: dict[str, Any] = {}
+  for k in dict.fromkeys(k for s in per_seed for k in s if k != "seed"):
+    vals = [s[k] for s in per_seed if isinstance(s.get(k), (int, float))]
+    out[k] = float(np.mean(vals)) if vals else None
+  n = len(per_seed)
+  for k in REWARD_KEYS:
+    vals = [s[k] for s in per_seed if s.get(k) is not None]
+    out[f"{k}_sd"] = float(np.std(vals, ddof=1)) if len(vals) > 1 else None
+  gains = [s["final_reward"] - s["sft_reward"] for s in per_seed
+           if s.get("final_reward") is not None and s.get("sft_reward") is not None]
+  out["gain"] = float(np.mean(gains)) if gains else None
+  out["gain_se"] = float(np.std(gains, ddof=1) / np.sqrt(len(gains))) if len(gains) > 1 else None
+  out["num_seeds"] = n
+  out["per_seed"] = per_seed
+  return out
+
+
+def posthoc_fp4(cfg, sft_params: Any, finals: dict[int, Any]) -> dict[str, Any]:
+  """SFT and final bf16 weights, quantized post hoc: greedy eval through the FP4 engine."""
+  from trace_jax.rollout.engine import InProcessEngine
+  io = rl_loop.make_task_io(cfg)
+  engine = InProcessEngine(sft_params, rl_loop.model_config(cfg, "fp4_rtn"),
+                           record_guidance=False, max_batch=cfg.eval.num_prompts,
+                           min_prompt_len=cfg.max_prompt_len)
+  sft_reward = rl_loop.evaluate(engine, io, cfg)
+  per_seed = []
+  for seed, params in finals.items():
+    engine.update_weights(params)
+    per_seed.append({"seed": seed, "sft_reward": sft_reward,
+                     "final_reward": rl_loop.evaluate(engine, io, cfg)})
+  engine.close()
+  out = aggregate(per_seed)
+  for k in ("best_reward", "best_reward_sd"):
+    out.pop(k, None)
+  return out
+
+
 def print_table(results: dict[str, dict[str, Any]]) -> None:
-  cols = [("policy", 10), ("sft_reward", 10), ("final_reward", 12), ("best_reward", 11),
-          ("mean_abs_dlogp", 14), ("k3_kl", 9), ("flip_rate_guided", 16),
-          ("routing_flip_rate", 17), ("guidance_bytes_per_token", 24),
-          ("rollout_tokens_per_s", 20), ("train_tokens_per_s", 18)]
+  """Means over seeds; rewards as mean +- sd when there are several seeds."""
+  cols = [("policy", 14), ("seeds", 5), ("sft_reward", 13), ("final_reward", 13),
+          ("best_reward", 13), ("gain", 15), ("mean_abs_dlogp", 14), ("k3_kl", 9),
+          ("flip_rate_guided", 16), ("flip_rate_unguided", 18), ("routing_flip_rate", 17),
+          ("guidance_bytes_per_token", 24), ("rollout_tokens_per_s", 20),
+          ("train_tokens_per_s", 18)]
   print(" ".join(f"{n:>{w}}" for n, w in cols))
   for p, s in results.items():
-    cells = [f"{p:>10}"]
-    for n, w in cols[1:]:
+    cells = [f"{p:>14}", f"{s.get('num_seeds', 1):>5}"]
+    for n, w in cols[2:]:
       v = s.get(n)
-      cells.append(f"{'-':>{w}}" if v is None else
-                   f"{v:>{w}.3g}" if isinstance(v, float) else f"{v!s:>{w}}")
+      spread = s.get(f"{n}_sd") if n in REWARD_KEYS else s.get("gain_se") if n == "gain" else None
+      if v is None:
+        cells.append(f"{'-':>{w}}")
+      elif spread is not None:
+        cells.append(f"{f'{v:.3f}+-{spread:.3f}':>{w}}")
+      else:
+        cells.append(f"{v:>{w}.3g}" if isinstance(v, float) else f"{v!s:>{w}}")
     print(" ".join(cells))
 
 
-def plot(workdir: str, policies: Sequence[str]) -> None:
-  """Eval and train reward, rollout/trainer |dlogp| and guided-site flips per step, per policy.
+def plot(workdir: str, policies: Sequence[str], seeds: Sequence[int]) -> None:
+  """Eval and train reward, rollout/trainer |dlogp| and guided-site flips per step.
 
-  Reads each policy's metrics.csv and evals.csv, so a run cut short plots as far as it got.
+  One colour per policy: the line is the mean over seeds, the band their min..max. Reads each
+  run's metrics.csv and evals.csv, so runs cut short plot as far as they got.
   """
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  import numpy as np
 
   fig, axes = plt.subplots(1, 4, figsize=(19, 3.8))
   for i, p in enumerate(policies):
-    rows, evals = rl_loop.read_curves(os.path.join(workdir, p))
-    c = f"C{i}"  # one colour per policy in every panel
-    if evals:
-      axes[0].plot([e["step"] for e in evals], [e["reward"] for e in evals], "o-", color=c,
-                   label=p)
-    if not rows:
-      continue
-    steps = np.array([r["step"] for r in rows])
-    reward = np.array([r["reward"] for r in rows])
-    axes[1].plot(steps, reward, color=c, alpha=0.3)
-    if len(reward) >= 5:  # 5-step running mean over the noisy sampled reward
-      axes[1].plot(steps[4:], np.convolve(reward, np.ones(5) / 5, "valid"), color=c, label=p)
-    axes[2].plot(steps, [r["mean_abs_dlogp"] for r in rows], color=c, label=p)
-    flips = [r.get("flip_rate_guided") for r in rows]
-    if any(f is not None for f in flips):
-      axes[3].plot(steps, [np.nan if f is None else f for f in flips], color=c, label=p)
+    c = f"C{i}"
+    curves = [rl_loop.read_curves(run_dir(workdir, p, s)) for s in seeds]
+    label = f"{p} ({len(seeds)} seeds)" if len(seeds) > 1 else p
+    _band(axes[0], [[(e["step"], e["reward"]) for e in ev] for _, ev in curves], c, label, "o-")
+    rows = [r for r, _ in curves]
+    _band(axes[1], [_running_mean([(r["step"], r["reward"]) for r in rs], 5) for rs in rows],
+          c, label)
+    _band(axes[2], [[(r["step"], r["mean_abs_dlogp"]) for r in rs] for rs in rows], c, label)
+    _band(axes[3], [[(r["step"], r["flip_rate_guided"]) for r in rs
+                     if r.get("flip_rate_guided") is not None] for rs in rows], c, label)
   axes[0].set_title("eval reward (greedy, fixed prompts)")
-  axes[1].set_title("train reward (sampled; line: 5-step mean)")
+  axes[1].set_title("train reward (sampled, 5-step mean)")
   axes[2].set_title("rollout/trainer mean |dlogp|")
-  axes[3].set_title("FP4 code flips at guided sites")
+  axes[3].set_title("FP4 code flips at guided sites (audited rows)")
   axes[2].set_yscale("symlog", linthresh=1e-4)
   axes[3].set_yscale("symlog", linthresh=1e-4)
   for ax in axes:
     ax.set_xlabel("RL step")
     if ax.get_legend_handles_labels()[0]:
-      ax.legend()
+      ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(os.path.join(workdir, "reward_mismatch.png"), dpi=110)
   plt.close(fig)
+
+
+def _running_mean(points: list[tuple[int, float]], n: int) -> list[tuple[int, float]]:
+  if len(points) < n:
+    return points
+  y = np.convolve([v for _, v in points], np.ones(n) / n, "valid")
+  return [(points[j + n - 1][0], float(v)) for j, v in enumerate(y)]
+
+
+def _band(ax, runs: list[list[tuple[int, float]]], color: str, label: str,
+          style: str = "-") -> None:
+  """Mean over runs at the steps all of them reached, shaded between their min and max."""
+  runs = [r for r in runs if r]
+  if not runs:
+    return
+  steps = sorted(set.intersection(*[{s for s, _ in r} for r in runs]))
+  if not steps:
+    return
+  vals = np.array([[dict(r)[s] for s in steps] for r in runs], np.float64)
+  ax.plot(steps, vals.mean(0), style, color=color, label=label, markersize=3)
+  if len(runs) > 1:
+    ax.fill_between(steps, vals.min(0), vals.max(0), color=color, alpha=0.2)

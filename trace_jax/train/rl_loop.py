@@ -29,26 +29,26 @@ from tqdm.auto import tqdm
 
 from trace_jax import model as model_lib
 from trace_jax.io import guidance_store
-from trace_jax.model import sharding
-from trace_jax.model.config import FP4_POLICIES, ModelConfig
-from trace_jax.quant import guided
+from trace_jax.model import policies, sharding
+from trace_jax.model.config import ModelConfig
 from trace_jax.rl import advantages as adv_lib
 from trace_jax.rl.tasks import get_task
 from trace_jax.rl.tasks.long_horizon import demonstration_episode
 from trace_jax.rl.tokenizer import BOS_ID, EOS_ID, CharTokenizer
 from trace_jax.rollout import guidance_layout
-from trace_jax.rollout.engine import InProcessEngine, batch_dirs
+from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import RolloutEngine, Sample, SamplingParams
 from trace_jax.train import batch as batch_lib
-from trace_jax.train import episodes
+from trace_jax.train import episodes, mismatch
 from trace_jax.train import step as step_lib
 
 log = logging.getLogger(__name__)
 
-METRIC_KEYS = ("reward", "mean_abs_dlogp", "k3_kl", "max_abs_dp", "flip_rate_guided",
-               "routing_flip_rate", "guidance_bytes_per_token", "loss", "grad_norm",
-               "rollout_tokens_per_s", "train_tokens_per_s", "response_len", "guidance_s",
-               "step_s")
+METRIC_KEYS = ("reward", "mean_abs_dlogp", "k3_kl", "max_abs_dp", *mismatch.METRICS,
+               "guidance_bytes_per_token", "loss", "grad_norm", "rollout_tokens_per_s",
+               "train_tokens_per_s", "response_len", "guidance_s", "step_s")
+FLIP_KEYS = ("layer", "site", "guided", "flips", "total", "one_apart", "scale_flips",
+             "scale_total")
 # Wall-clock figures: they differ between otherwise identical runs (resume tests skip them).
 # guidance_s: store flush + read + padding into the batch; step_s: the whole step (rollout,
 # guidance, train step, metrics; not the periodic eval and checkpoint).
@@ -58,7 +58,10 @@ TIMING_KEYS = ("rollout_tokens_per_s", "train_tokens_per_s", "guidance_s", "step
 # ------------------------------------------------------------------------------ config
 
 def model_config(cfg: ml_collections.ConfigDict, policy: str | None = None) -> ModelConfig:
-  """The ModelConfig of `cfg.model` (a preset name plus field overrides)."""
+  """The ModelConfig of `cfg.model` (a preset name plus field overrides).
+
+  policy: a forward policy (`ModelConfig.policy`); default the model section's own.
+  """
   fields = dict(cfg.model)
   preset = fields.pop("preset", "tiny")
   if "guided_layers" in fields and fields["guided_layers"] is not None:
@@ -79,7 +82,14 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     raise ValueError(f"model.vocab_size={mc.vocab_size} is smaller than the tokenizer's "
                      f"{tok.vocab_size}")
   for p in cfg.policies:
-    model_config(cfg, p)  # raises on unknown policies / incompatible sizes
+    spec = policies.parse(p)  # raises on unknown policies and options
+    for forward in (spec.policy.rollout, spec.policy.train):
+      model_config(cfg, forward)  # raises on sizes the policy cannot quantize
+  if not 0.0 <= cfg.rl.get("audit_fraction", 1.0) <= 1.0:
+    raise ValueError(f"rl.audit_fraction must be in [0, 1], got {cfg.rl.audit_fraction}")
+  seeds = rl_seeds(cfg)
+  if not seeds or len(set(seeds)) != len(seeds):
+    raise ValueError(f"rl.seeds must be distinct ints, got {seeds}")
   if cfg.rl.group_size < 2:
     raise ValueError(f"rl.group_size must be >= 2 for group-normalised advantages, got "
                      f"{cfg.rl.group_size}")
@@ -105,8 +115,10 @@ def check_lengths(cfg: ml_collections.ConfigDict) -> None:
     raise ValueError(f"seq_len={cfg.seq_len} cannot hold max_prompt_len={cfg.max_prompt_len} "
                      f"+ {after_prompt} tokens after the prompt (rl.max_new_tokens="
                      f"{r.max_new_tokens}) - 1 rows")
-  sets = [(f"rl step {i}", _seed(cfg.seed, 3, i), r.prompts_per_step) for i in range(r.steps)]
-  sets.append(("the eval set", _seed(cfg.seed, 2), cfg.eval.num_prompts))
+  sets = [(f"rl step {i}" + (f" (seed {s})" if s != cfg.seed else ""),
+           Seeds(cfg.seed, s).rl_prompts(i), r.prompts_per_step)
+          for s in rl_seeds(cfg) for i in range(r.steps)]
+  sets.append(("the eval set", Seeds(cfg.seed, cfg.seed).eval_prompts(), cfg.eval.num_prompts))
   for where, seed, n in sets:
     longest = max(map(len, io.prompts(seed, n)[1]))
     if longest > cfg.max_prompt_len:
@@ -115,7 +127,7 @@ def check_lengths(cfg: ml_collections.ConfigDict) -> None:
                        f"{cfg.max_prompt_len}; raise max_prompt_len" +
                        (f" and seq_len to at least {need}" if need > cfg.seq_len else ""))
   for i in range(cfg.sft.steps):
-    problems, prompts = io.prompts(_seed(cfg.seed, 1, i), cfg.sft.batch_size)
+    problems, prompts = io.prompts(Seeds(cfg.seed, cfg.seed).sft_prompts(i), cfg.sft.batch_size)
     demos, _ = io.demonstrations(problems, prompts)
     longest = max(len(pr) + len(d) for pr, d in zip(prompts, demos))
     if longest - 1 > cfg.seq_len:
@@ -135,6 +147,38 @@ def _seed(*parts: int) -> int:
   """A 31-bit seed from integers (deterministic, order-sensitive)."""
   return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0]
              & 0x7FFFFFFF)
+
+
+def rl_seeds(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
+  """The RL seeds of a run (`rl.seeds`; default the config's one `seed`)."""
+  return tuple(int(s) for s in cfg.rl.get("seeds", None) or (cfg.seed,))
+
+
+@dataclasses.dataclass(frozen=True)
+class Seeds:
+  """Every random stream of a run, named once.
+
+  base (`cfg.seed`) fixes the initial weights, the SFT data and the eval prompts, which all RL
+  seeds share; rl (one of `rl.seeds`) fixes the RL prompts and the sampling. With rl == base
+  the streams are those of a one-seed run.
+  """
+  base: int
+  rl: int
+
+  def init_key(self) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(self.base), 0)
+
+  def sft_prompts(self, step: int) -> int:
+    return _seed(self.base, 1, step)
+
+  def eval_prompts(self) -> int:
+    return _seed(self.base, 2)
+
+  def rl_prompts(self, step: int) -> int:
+    return _seed(self.rl, 3, step)
+
+  def rl_sampling(self, step: int, i: int) -> int:
+    return _seed(self.rl, 4, step, i)
 
 
 # ------------------------------------------------------------------------------ task plumbing
@@ -193,14 +237,14 @@ def run_sft(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True
   s = cfg.sft
   tx = step_lib.make_optimizer(step_lib.OptimConfig(
       lr=s.lr, warmup_steps=s.warmup_steps, total_steps=s.steps, weight_decay=s.weight_decay))
-  params = model_lib.init_params(mc, jax.random.fold_in(jax.random.key(cfg.seed), 0),
-                                 param_dtype=jnp.float32)
+  seeds = Seeds(cfg.seed, cfg.seed)
+  params = model_lib.init_params(mc, seeds.init_key(), param_dtype=jnp.float32)
   state = step_lib.init_state(place_params(params, cfg), tx)
   placed = step_lib.placements(state)
   history = []
   bar = tqdm(range(s.steps), desc="sft", disable=not progress, dynamic_ncols=True)
   for i in bar:
-    problems, prompts = io.prompts(_seed(cfg.seed, 1, i), s.batch_size)
+    problems, prompts = io.prompts(seeds.sft_prompts(i), s.batch_size)
     demos, masks = io.demonstrations(problems, prompts)
     b = batch_lib.sequence_batch(prompts, demos, cfg.seq_len, masks)
     state, m = step_lib.sft_step(state, {k: jnp.asarray(v) for k, v in b.items()}, config=mc,
@@ -217,7 +261,7 @@ def run_sft(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True
 
 def evaluate(engine: RolloutEngine, io: TaskIO, cfg: ml_collections.ConfigDict) -> float:
   """Mean reward of greedy completions on a fixed prompt set (the same for every policy)."""
-  problems, prompts = io.prompts(_seed(cfg.seed, 2), cfg.eval.num_prompts)
+  problems, prompts = io.prompts(Seeds(cfg.seed, cfg.seed).eval_prompts(), cfg.eval.num_prompts)
   sp = SamplingParams(max_new_tokens=cfg.rl.max_new_tokens, temperature=0.0,
                       stop_token_ids=(EOS_ID,), seed=0)
   samples = io.generate(engine, problems, prompts, [sp] * len(prompts))
@@ -226,25 +270,20 @@ def evaluate(engine: RolloutEngine, io: TaskIO, cfg: ml_collections.ConfigDict) 
 
 # ------------------------------------------------------------------------------ RL
 
-def _bits_mismatch(a: guided.Guidance, b: guided.Guidance, valid: np.ndarray) -> tuple[int, int]:
-  """Elements whose mantissa bit (compact record) differs, over valid rows."""
-  x = np.unpackbits(np.asarray(a.mantissa), axis=-1, bitorder="little")
-  y = np.unpackbits(np.asarray(b.mantissa), axis=-1, bitorder="little")
-  sel = valid.astype(bool)
-  return int(np.sum(x[sel] != y[sel])), int(x[sel].size)
-
-
 def _sampled_tokens(s: Sample) -> int:
   """Tokens the policy sampled (an episode's observations are the environment's)."""
   return int(sum(s.meta["loss_mask"])) if "loss_mask" in s.meta else len(s.tokens)
 
 
-def read_guidance(reader: guidance_store.GuidanceReader, samples: list[Sample]
-                  ) -> guidance_store.GuidanceBatch:
-  """The samples' guidance, rows in sample order, from however many store batches hold it."""
+def read_guidance(reader: guidance_store.GuidanceReader, samples: list[Sample],
+                  batch_key: str = "batch_id") -> guidance_store.GuidanceBatch:
+  """The samples' records, rows in sample order, from however many store batches hold them.
+
+  batch_key: "batch_id" (training record and routing) or "audit_batch_id" (full codes).
+  """
   groups: dict[str, list[Any]] = {}
   for s in samples:
-    groups.setdefault(s.guidance["batch_id"], []).append(s.guidance["seq_id"])
+    groups.setdefault(s.guidance[batch_key], []).append(s.guidance["seq_id"])
   parts = [reader.read(bid, ids) for bid, ids in groups.items()]
   if len(parts) == 1:
     return parts[0]
@@ -310,26 +349,34 @@ def _tb_writer(logdir: str):
 
 
 def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_params: Any, *,
+           seed: int | None = None,
            engine_factory: Callable[[Any, ModelConfig, Any], RolloutEngine] | None = None,
            max_steps: int | None = None, progress: bool = True) -> dict[str, Any]:
-  """GRPO under `policy` from `init_params`; resumes from `workdir`'s last checkpoint.
+  """GRPO under run `policy` (`policies.parse`: e.g. "fp4_trace+r3") from `init_params`.
 
+  seed: the RL seed (`Seeds`; default cfg.seed). Resumes from `workdir`'s last checkpoint.
   engine_factory(params, rollout_config, guidance_writer) -> RolloutEngine (default: the
   in-process engine). max_steps stops early (to simulate a kill in tests). Returns the run's
   summary (final/best eval reward, mean mismatch, throughput) and writes metrics.csv,
-  TensorBoard summaries and history.json under workdir.
+  evals.csv, flips.csv (per layer and site), TensorBoard summaries and history.json.
   """
   r = cfg.rl
+  spec = policies.parse(policy)
+  pol = spec.policy
+  seeds = Seeds(cfg.seed, cfg.seed if seed is None else int(seed))
   os.makedirs(workdir, exist_ok=True)
-  # posthoc_fp4 (the no-QAT baseline): NVFP4 rollout, BF16 training forward.
-  mc = model_config(cfg, "bf16" if policy == "posthoc_fp4" else policy)
-  fp4 = policy in FP4_POLICIES
-  guided_layers: tuple[int, ...] = ()
+  mc = model_config(cfg, pol.train)
   io = make_task_io(cfg)
+  all_layers = tuple(range(mc.num_hidden_layers))
+  guided_layers = tuple(model_config(cfg, "fp4_trace").guided_layers)
+  # Codes are audited only where the trainer has FP4 codes to compare; routing whenever the
+  # rollout is FP4 (under fp4_rollout the trainer's BF16 routing still differs).
+  audit = float(r.get("audit_fraction", 1.0)) if pol.fp4_train else 0.0
   tx = step_lib.make_optimizer(step_lib.OptimConfig(
       lr=r.lr, warmup_steps=r.warmup_steps, total_steps=r.steps, weight_decay=r.weight_decay))
   rl = step_lib.RLConfig(clip_eps_low=r.clip_eps, clip_eps_high=r.clip_eps, is_mode=r.is_mode,
-                         is_cap=r.is_cap, kl_coef=0.0, aux_loss_coef=r.aux_loss_coef)
+                         is_cap=r.is_cap, kl_coef=0.0, aux_loss_coef=r.aux_loss_coef,
+                         routing_replay=spec.replay)
   state = step_lib.init_state(place_params(init_params, cfg), tx)
   ckpt = _checkpointer(os.path.join(workdir, "ckpt"), keep=2)
   history: list[dict[str, Any]] = []
@@ -344,29 +391,27 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
     log.info("resumed %s from step %d", workdir, start)
   placed = step_lib.placements(state)
 
-  # Rollout precision: the policy's forward; under FP4 policies NVFP4 W/A/KV with guidance
-  # (compact) recorded at the guided layers (fp4_rtn and posthoc_fp4 record it only to
-  # measure flips; fp4_trace trains on it).
-  writer = None
-  if fp4:
-    mc_guided = model_config(cfg, "fp4_trace")
-    guided_layers = tuple(mc_guided.guided_layers)
+  # An FP4 rollout records into the guidance store: fp4_trace's training record (compact
+  # guidance of the guided layers), every layer's routing, and full codes of the audited rows.
+  writer = reader = None
+  rollout_cfg = model_config(cfg, pol.rollout)
+  if pol.fp4_rollout:
     gdir = os.path.join(workdir, "guidance")
-    writer = guidance_store.GuidanceWriter(gdir, guidance_store.config_hash(mc_guided),
+    writer = guidance_store.GuidanceWriter(gdir, guidance_store.config_hash(rollout_cfg),
                                            options=guidance_store.StoreOptions(fsync=False),
                                            overwrite=True)
-    reader = guidance_store.GuidanceReader(gdir, guidance_store.config_hash(mc_guided),
+    reader = guidance_store.GuidanceReader(gdir, guidance_store.config_hash(rollout_cfg),
                                            on_missing=r.on_missing_guidance)
-  rollout_cfg = mc_guided if fp4 else mc
   batch_rows = max(r.prompts_per_step * r.group_size, cfg.eval.num_prompts)
   factory = engine_factory or (lambda p, c, w: InProcessEngine(
-      p, c, guidance_writer=w, record_guidance=fp4, max_batch=batch_rows,
-      min_prompt_len=cfg.max_prompt_len))
+      p, c, guidance_writer=w, record_guidance=pol.guided, record_routing=pol.fp4_rollout,
+      audit_fraction=audit, max_batch=batch_rows, min_prompt_len=cfg.max_prompt_len))
   engine = factory(state.params, rollout_cfg, writer)
   tb = _tb_writer(os.path.join(workdir, "tb"))
-  # Both CSVs keep exactly the rows the restored checkpoint holds (row k of metrics.csv is
+  # The CSVs keep exactly the rows the restored checkpoint holds (row k of metrics.csv is
   # step k; a row of evals.csv is the greedy eval after `step` steps).
   csv_log = CSVLog(os.path.join(workdir, "metrics.csv"), METRIC_KEYS, keep_below=start)
+  flip_log = CSVLog(os.path.join(workdir, "flips.csv"), FLIP_KEYS, keep_below=start)
   eval_log = CSVLog(os.path.join(workdir, "evals.csv"), ("reward",),
                     keep_below=max((e["step"] + 1 for e in evals), default=0))
 
@@ -374,17 +419,18 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
     if writer is None:
       return set()
     writer.flush()
-    return batch_dirs(writer.root)
+    return {n for n in os.listdir(writer.root) if os.path.isdir(os.path.join(writer.root, n))}
 
-  def drop(batch_ids) -> None:  # guidance read (or never needed): off the disk
+  def drop(batch_ids) -> None:  # records read (or never needed): off the disk
     if writer is not None and not r.keep_guidance:
       for bid in batch_ids:
-        shutil.rmtree(os.path.join(writer.root, bid), ignore_errors=True)
+        for name in (bid, f"{bid}.audit"):
+          shutil.rmtree(os.path.join(writer.root, name), ignore_errors=True)
 
   def run_eval(done: int) -> None:
     before = store_batches()
     evals.append({"step": done, "reward": evaluate(engine, io, cfg)})
-    drop(store_batches() - before)  # the eval's guidance records train nothing
+    drop(store_batches() - before)  # the eval's records train nothing
     eval_log.write(evals[-1])
     if tb is not None:
       tb.add_scalar(f"{policy}/eval_reward", evals[-1]["reward"], done)
@@ -394,42 +440,45 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
 
   fallback_batches = 0
   end = r.steps if max_steps is None else min(r.steps, max_steps)
-  bar = tqdm(range(start, end), desc=policy, disable=not progress, dynamic_ncols=True,
-             initial=start, total=r.steps)
+  bar = tqdm(range(start, end), desc=f"{policy} seed {seeds.rl}", disable=not progress,
+             dynamic_ncols=True, initial=start, total=r.steps)
   for step in bar:
-    problems, prompts = io.prompts(_seed(cfg.seed, 3, step), r.prompts_per_step)
+    problems, prompts = io.prompts(seeds.rl_prompts(step), r.prompts_per_step)
     problems = [p for p in problems for _ in range(r.group_size)]
     prompts = [p for p in prompts for _ in range(r.group_size)]
     sampling = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                top_p=r.top_p, stop_token_ids=(EOS_ID,),
-                               seed=_seed(cfg.seed, 4, step, i)) for i in range(len(prompts))]
+                               seed=seeds.rl_sampling(step, i)) for i in range(len(prompts))]
     t_step = t0 = time.perf_counter()
-    samples = io.generate(engine, problems, prompts, sampling, record=fp4)
+    samples = io.generate(engine, problems, prompts, sampling, record=pol.fp4_rollout)
     rollout_s = time.perf_counter() - t0
     rewards = io.rewards(problems, samples)
     advantages = np.asarray(adv_lib.group_advantages(jnp.asarray(rewards), r.group_size))
+    counts = [len(s.prompt) + len(s.tokens) - 1 for s in samples]
 
-    guidance, routing, record = None, None, None
     t_g = time.perf_counter()
-    if fp4:
-      writer.flush()
-      gb = read_guidance(reader, samples)
-      if np.all(gb.valid):
-        record = gb.guidance
-      else:  # on_missing="fallback": the reader logged and counted it; train this batch RTN
-        log.warning("step %d: guidance incomplete (%s); RTN for this batch", step, gb.problems)
-        fallback_batches += 1
-      if policy == "fp4_trace":
-        guidance = record
-      if r.routing_replay and record is not None:
-        routing = gb.routing
+    rec = _RolloutRecords.read(reader, writer, samples) if pol.fp4_rollout else None
+    guidance = routing = None
+    if rec is not None and not rec.complete:  # on_missing="fallback": counted by the reader
+      log.warning("step %d: rollout records incomplete (%s); RTN, no replay for this batch",
+                  step, rec.problems)
+      fallback_batches += 1
+    elif rec is not None:
+      if pol.guided:
+        guidance = rec.main.guidance
+      # expert_mid guidance is matched to experts by the rollout's ids; R3 replays them all.
+      used = all_layers if spec.replay else guided_layers if pol.guided else ()
+      routing = {layer: rec.main.routing[layer] for layer in used} or None
+    if rec is not None:
       drop(dict.fromkeys([s.guidance["batch_id"] for s in samples] + [
           b for s in samples for b in s.meta.get("turn_guidance_batches", ())]))
     batch = batch_lib.rl_batch(samples, advantages, cfg.seq_len, guidance, routing)
     guidance_s = time.perf_counter() - t_g
+    n_audit = rec.n_audit if rec is not None and rec.complete else 0
     t1 = time.perf_counter()
-    state, m, taps = step_lib.grpo_step(state, batch, config=mc, tx=tx, rl=rl,
-                                        tap_layers=guided_layers)
+    state, m, taps = step_lib.grpo_step(
+        state, batch, config=mc, tx=tx, rl=rl,
+        tap_layers=all_layers if rec is not None and rec.complete else (), tap_rows=n_audit)
     state = step_lib.keep_placement(state, placed)
     m = jax.device_get(m)
     train_s = time.perf_counter() - t1
@@ -443,38 +492,22 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
            "train_tokens_per_s": float(np.sum(batch["valid"])) / train_s,
            "response_len": float(np.mean([len(s.tokens) for s in samples])),
            "guidance_s": guidance_s}
-    if record is not None:
-      counts = [len(s.prompt) + len(s.tokens) - 1 for s in samples]
-      padded = batch.get("guidance") or guidance_layout.pad_tree(record, counts, cfg.seq_len)
-      valid = np.asarray(batch["valid"])
-      flips = tot = 0
-      rflips = rtot = 0
-      gbytes = 0
-      train_fp4 = mc.policy in FP4_POLICIES  # posthoc_fp4 trains in BF16: no codes to flip
-      for layer in guided_layers:
-        for site, g in (padded[layer].items() if train_fp4 else ()):
-          v = valid.reshape(valid.shape + (1,) * (np.asarray(g.row_scale).ndim - 3))
-          v = np.broadcast_to(v, np.asarray(g.row_scale).shape[:-1])
-          f, t = _bits_mismatch(taps[layer][site], g, v)
-          flips, tot = flips + f, tot + t
-        gbytes += sum(g.nbytes for g in record[layer].values())
-        a = np.sort(np.asarray(taps[layer]["routing"]), -1)
-        b = np.sort(np.asarray(guidance_layout.pad_routing(
-            gb.routing[layer], counts, cfg.seq_len)), -1)
-        diff = np.any(a != b, axis=-1)[valid.astype(bool)]
-        rflips, rtot = rflips + int(diff.sum()), rtot + diff.size
-      if train_fp4:
-        row["flip_rate_guided"] = flips / max(tot, 1)
-      row["routing_flip_rate"] = rflips / max(rtot, 1)
-      # Only fp4_trace consumes guidance; the other FP4 policies record it just to measure.
-      row["guidance_bytes_per_token"] = (gbytes / max(sum(counts), 1)
-                                         if policy == "fp4_trace" else 0.0)
+    if rec is not None and rec.complete:
+      report = rec.compare(jax.device_get(taps), counts, guided_layers)
+      row.update(report.metrics())
+      for f in report.rows():
+        flip_log.write({"step": step, **f})
+      # What fp4_trace ships per token: its compact record and the routing it consumes.
+      row["guidance_bytes_per_token"] = (
+          (sum(g.nbytes for sites in guidance.values() for g in sites.values()) +
+           sum(np.asarray(a).nbytes for a in routing.values())) / max(sum(counts), 1)
+          if guidance is not None else 0.0)
     row["step_s"] = time.perf_counter() - t_step
     history.append(row)
     csv_log.write(row)
     if tb is not None:
       for k, v in row.items():
-        if k != "step":
+        if k != "step" and v is not None:
           tb.add_scalar(f"{policy}/{k}", v, step)
     bar.set_postfix(reward=f"{row['reward']:.2f}", dlogp=f"{row['mean_abs_dlogp']:.4f}")
     done = step + 1
@@ -487,6 +520,8 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
       ckpt.wait_until_finished()
   ckpt.close()
   engine.close()
+  if reader is not None:
+    reader.close()
   if writer is not None:
     writer.close()
   if tb is not None:
@@ -499,10 +534,54 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
           "state": state}
 
 
+@dataclasses.dataclass
+class _RolloutRecords:
+  """What an FP4 rollout recorded for one batch of samples, read back from the store.
+
+  main: the training record (fp4_trace) and every layer's routing, all samples; audit: full
+  codes of the audited samples, which lead the batch (`n_audit` of them).
+  """
+  main: guidance_store.GuidanceBatch
+  audit: guidance_store.GuidanceBatch | None
+  n_audit: int
+
+  @classmethod
+  def read(cls, reader: guidance_store.GuidanceReader, writer: guidance_store.GuidanceWriter,
+           samples: list[Sample]) -> _RolloutRecords:
+    writer.flush()
+    main = read_guidance(reader, samples)
+    n_audit = 0
+    while n_audit < len(samples) and samples[n_audit].guidance.get("audit_batch_id"):
+      n_audit += 1
+    audit = (read_guidance(reader, samples[:n_audit], "audit_batch_id") if n_audit else None)
+    return cls(main, audit, n_audit)
+
+  @property
+  def complete(self) -> bool:
+    return bool(np.all(self.main.valid)) and (self.audit is None or bool(np.all(
+        self.audit.valid)))
+
+  @property
+  def problems(self) -> list[str]:
+    return self.main.problems + (self.audit.problems if self.audit is not None else [])
+
+  def compare(self, taps: dict, counts: list[int], guided_layers: tuple[int, ...]
+              ) -> mismatch.MismatchReport:
+    """The trainer's taps (padded; sites for the audited rows) against these records."""
+    train_routing = {layer: guidance_layout.unpad(t["routing"], counts)
+                     for layer, t in taps.items() if "routing" in t}
+    train_sites = {layer: {site: guidance_layout.unpad(g, counts[:self.n_audit])
+                           for site, g in t.items() if site != "routing"}
+                   for layer, t in taps.items()} if self.n_audit else {}
+    audit = self.audit.guidance if self.audit is not None else {}
+    return mismatch.compare(train_sites, audit, train_routing, self.main.routing,
+                            guided_layers)
+
+
 def summarize(history: list[dict[str, Any]], evals: list[dict[str, float]]) -> dict[str, Any]:
   """Final/best eval reward and run means of the mismatch and throughput metrics."""
   def mean(k):
-    vals = [h[k] for h in history if k in h]
+    vals = [h[k] for h in history if h.get(k) is not None]
     return float(np.mean(vals)) if vals else None
   rewards = [e["reward"] for e in evals]
   return {
@@ -511,7 +590,17 @@ def summarize(history: list[dict[str, Any]], evals: list[dict[str, float]]) -> d
       "best_reward": max(rewards) if rewards else None,
       "train_reward_first": history[0]["reward"] if history else None,
       "train_reward_last": history[-1]["reward"] if history else None,
-      **{k: mean(k) for k in ("mean_abs_dlogp", "k3_kl", "max_abs_dp", "flip_rate_guided",
-                              "routing_flip_rate", "guidance_bytes_per_token",
-                              "rollout_tokens_per_s", "train_tokens_per_s")},
+      "train_reward_slope": reward_slope(history),
+      **{k: mean(k) for k in ("mean_abs_dlogp", "k3_kl", "max_abs_dp", *mismatch.METRICS,
+                              "guidance_bytes_per_token", "rollout_tokens_per_s",
+                              "train_tokens_per_s")},
   }
+
+
+def reward_slope(history: list[dict[str, Any]]) -> float | None:
+  """Least-squares slope of the sampled train reward per RL step (the trend of a run)."""
+  if len(history) < 2:
+    return None
+  x = np.asarray([h["step"] for h in history], np.float64)
+  y = np.asarray([h["reward"] for h in history], np.float64)
+  return float(np.polyfit(x, y, 1)[0])

@@ -41,23 +41,24 @@ def pack_sequences(sequences: Sequence[Sequence[int]], seq_len: int | None = Non
   return inputs, targets, counts
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tap_layers", "tap_mode"))
+@functools.partial(jax.jit, static_argnames=("config", "tap_layers", "tap_mode", "replay"))
 def _score(params, config: ModelConfig, inputs, targets, guidance, routing, *,
-           tap_layers: tuple[int, ...], tap_mode: str | None):
+           tap_layers: tuple[int, ...], tap_mode: str | None, replay: bool):
   logp, out = step_lib.token_logprobs(params, config, inputs, targets, guidance, routing,
-                                      tap_layers, tap_mode)
+                                      tap_layers, tap_mode, replay)
   return logp, out.taps
 
 
 def score(params: Any, config: ModelConfig, sequences: Sequence[Sequence[int]], *,
           guidance: Mapping[int, Mapping[str, Any]] | None = None,
-          routing: Mapping[int, Any] | None = None, tap_layers: Sequence[int] = (),
-          tap_mode: str | None = None) -> dict[str, Any]:
+          routing: Mapping[int, Any] | None = None, replay: bool = False,
+          tap_layers: Sequence[int] = (), tap_mode: str | None = None) -> dict[str, Any]:
   """Per-token log-probs of tokens[1:] of each sequence, and ragged taps.
 
   guidance / routing: ragged rows (as the engine and the store hold them) for the sequences in
-  order; they are padded here. Returns {"logprobs": list of np arrays (len(seq) - 1 each),
-  "taps": {layer: {site: ragged rows}}, "counts": rows per sequence}.
+  order; they are padded here. routing is the rollout's expert ids (matching expert_mid
+  guidance to experts; replayed when `replay`). Returns {"logprobs": list of np arrays
+  (len(seq) - 1 each), "taps": {layer: {site: ragged rows}}, "counts": rows per sequence}.
   """
   inputs, targets, counts = pack_sequences(sequences)
   s = inputs.shape[1]
@@ -65,11 +66,10 @@ def score(params: Any, config: ModelConfig, sequences: Sequence[Sequence[int]], 
   r = ({int(k): guidance_layout.pad_routing(v, counts, s) for k, v in routing.items()}
        if routing else {})
   logp, taps = _score(params, config, jnp.asarray(inputs), jnp.asarray(targets), g, r,
-                      tap_layers=tuple(tap_layers), tap_mode=tap_mode)
+                      tap_layers=tuple(tap_layers), tap_mode=tap_mode, replay=replay)
   logp = np.asarray(logp)
   ragged_taps = {
-      layer: {site: (guidance_layout.unpad_guidance(v, counts) if site != "routing"
-                     else guidance_layout.unpad(v, counts)) for site, v in sites.items()}
+      layer: {site: guidance_layout.unpad(v, counts) for site, v in sites.items()}
       for layer, sites in taps.items()}
   return {"logprobs": [logp[i, :c] for i, c in enumerate(counts)], "taps": ragged_taps,
           "counts": counts}

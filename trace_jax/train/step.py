@@ -95,14 +95,19 @@ class RLConfig:
   is_cap: float = 5.0
   kl_coef: float = 0.0
   aux_loss_coef: float = 0.001
+  routing_replay: bool = False  # R3: route by the rollout's expert ids (batch["routing"])
 
 
 def token_logprobs(params: Any, config: ModelConfig, inputs: jax.Array, targets: jax.Array,
                    guidance: Any = None, routing: Any = None, tap_layers: tuple[int, ...] = (),
-                   tap_mode: str | None = None) -> tuple[jax.Array, Any]:
-  """log pi(targets | inputs) [B, S] in float32 and the forward's output."""
+                   tap_mode: str | None = None, replay: bool = False) -> tuple[jax.Array, Any]:
+  """log pi(targets | inputs) [B, S] in float32 and the forward's output.
+
+  routing: the rollout's expert ids per layer (match expert_mid guidance; replayed if `replay`).
+  """
   out = model_lib.forward(params, config, inputs, guidance=guidance or None,
-                          routing=routing or None, tap_layers=tap_layers, tap_mode=tap_mode)
+                          routing=routing or None, replay=replay, tap_layers=tap_layers,
+                          tap_mode=tap_mode)
   logp = jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1)
   return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], out
 
@@ -110,7 +115,8 @@ def token_logprobs(params: Any, config: ModelConfig, inputs: jax.Array, targets:
 def _grpo_loss(params, config: ModelConfig, rl: RLConfig, batch: dict[str, Any],
                tap_layers: tuple[int, ...]):
   logp, out = token_logprobs(params, config, batch["inputs"], batch["targets"],
-                             batch.get("guidance"), batch.get("routing"), tap_layers)
+                             batch.get("guidance"), batch.get("routing"), tap_layers, "full",
+                             rl.routing_replay)
   mask = batch["loss_mask"]
   loss, metrics = losses.ppo_clip_loss(
       logp, None, batch["advantages"], mask, logp_rollout=batch["logp_rollout"],
@@ -123,14 +129,21 @@ def _grpo_loss(params, config: ModelConfig, rl: RLConfig, batch: dict[str, Any],
   return loss, (metrics, out.taps)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tx", "rl", "tap_layers"),
+@functools.partial(jax.jit, static_argnames=("config", "tx", "rl", "tap_layers", "tap_rows"),
                    donate_argnames=("state",))
 def grpo_step(state: TrainState, batch: dict[str, Any], *, config: ModelConfig,
-              tx: optax.GradientTransformation, rl: RLConfig, tap_layers: tuple[int, ...] = ()
-              ) -> tuple[TrainState, dict[str, jax.Array], Any]:
-  """One on-policy GRPO update. Returns (state, metrics, taps of the training forward)."""
+              tx: optax.GradientTransformation, rl: RLConfig, tap_layers: tuple[int, ...] = (),
+              tap_rows: int | None = None) -> tuple[TrainState, dict[str, jax.Array], Any]:
+  """One on-policy GRPO update. Returns (state, metrics, taps of the training forward).
+
+  taps: full-mode records of `tap_layers`' sites for the first `tap_rows` sequences (all if
+  None), and every layer's routing for all sequences (when tap_layers is set).
+  """
   (loss, (metrics, taps)), grads = jax.value_and_grad(_grpo_loss, has_aux=True)(
       state.params, config, rl, batch, tap_layers)
+  if tap_rows is not None:
+    taps = {layer: {site: v if site == "routing" else jax.tree.map(lambda a: a[:tap_rows], v)
+                    for site, v in sites.items()} for layer, sites in taps.items()}
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))

@@ -46,6 +46,10 @@ class ReasoningConfig:
   max_operand: int = 20
   multipliers: tuple[int, ...] = (2, 3)
   max_value: int = 200
+  # Share of "sloppy" demonstrations: correct working, but the answer line repeats the
+  # starting amount ("7+5=12\n#### 7", reward 0). SFT on them gives a start that is wrong in
+  # one systematic way the verifier's reward can teach away (the quickstart uses it).
+  sloppy_demos: float = 0.0
 
   def __post_init__(self):
     if not 1 <= self.min_steps <= self.max_steps:
@@ -56,6 +60,8 @@ class ReasoningConfig:
       raise ValueError(f"multipliers must be among {tuple(_MUL)}, got {self.multipliers}")
     if self.max_value < max(self.max_start, self.max_operand):
       raise ValueError("max_value must be at least max_start and max_operand")
+    if not 0.0 <= self.sloppy_demos <= 1.0:
+      raise ValueError(f"sloppy_demos must be in [0, 1], got {self.sloppy_demos}")
 
 
 DIFFICULTY = {
@@ -108,8 +114,10 @@ def make_problem(rng: np.random.Generator, cfg: ReasoningConfig) -> Problem:
     equations.append(eq)
     value = int(eq.rsplit("=", 1)[1])
   sentences.append(f"How many {items} does {name} have now?")
-  return Problem(prompt=" ".join(sentences) + "\n", answer=str(value),
-                 meta={"steps": tuple(equations)})
+  meta = {"steps": tuple(equations), "start": sentences[0].split()[2]}
+  if cfg.sloppy_demos > 0:  # drawn only when used, so the problems of other configs stay put
+    meta["sloppy"] = bool(rng.random() < cfg.sloppy_demos)
+  return Problem(prompt=" ".join(sentences) + "\n", answer=str(value), meta=meta)
 
 
 class ReasoningTask:
@@ -131,4 +139,6 @@ class ReasoningTask:
     return float(got is not None and got == int(problem.answer))
 
   def demonstration(self, problem: Problem) -> str:
-    return "".join(eq + "\n" for eq in problem.meta["steps"]) + f"{MARKER} {problem.answer}"
+    """The worked solution; a `sloppy_demos` problem's answer line has the starting amount."""
+    answer = problem.meta["start"] if problem.meta.get("sloppy") else problem.answer
+    return "".join(eq + "\n" for eq in problem.meta["steps"]) + f"{MARKER} {answer}"

@@ -1,0 +1,160 @@
+"""The rollout engine's jitted programs: prefill + decode loop, and multi-turn session turns.
+
+Each program runs entirely on the device (`lax.while_loop` over decode steps; nothing returns
+to the host per token) and writes the records the engine asked for (taps of the chosen layers
+and routing) into buffers indexed by absolute position, so row t of a sequence's record is what
+the rollout computed when it fed token t: prompt + completion[:-1] for one call, the whole
+transcript for a session.
+
+- `generate`: a padded batch of prompts -> completions (prefill, then decode).
+- `extend`: a session turn: feed each row's new tokens (the previous turn's last sampled token,
+  then e.g. an environment's observation) through the model in decode mode on top of the KV
+  cache the session keeps, then decode a continuation.
+- `feed`: a session's last tokens, recorded without sampling.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import model as model_lib
+from trace_jax.model.config import ModelConfig
+from trace_jax.rollout import sampling as sampling_lib
+
+_STATIC = ("config", "max_new", "tap_layers", "tap_mode", "tap_routing")
+
+
+def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, start,
+                       max_new_each, temps, top_ps, top_ks, keys, stop_ids, live0, *,
+                       max_new: int, tap_layers: tuple[int, ...], tap_mode: str,
+                       tap_routing: bool):
+  """Samples a first token from last_logits [B, V], then decodes up to max_new tokens.
+
+  start [B]: the position the first sampled token will be fed at. live0 [B]: rows that sample
+  at all. Returns (ids [B, N], log-probs [B, N], number generated [B], cache, taps); the last
+  generated token of a row is not fed.
+  """
+  b = last_logits.shape[0]
+  rows = jnp.arange(b)
+  tok, lp = sampling_lib.sample(last_logits.astype(jnp.float32),
+                                jax.vmap(jax.random.fold_in)(keys, jnp.zeros(b, jnp.int32)),
+                                temps, top_ps, top_ks)
+  gen = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(tok)
+  logps = jnp.zeros((b, max_new), jnp.float32).at[:, 0].set(lp)
+  done = ~live0 | jnp.any(tok[:, None] == stop_ids, axis=-1) | (max_new_each <= 1)
+  n_gen = live0.astype(jnp.int32)
+
+  def cond(state):
+    step, _, _, _, _, done, _, _ = state
+    return (step < max_new) & ~jnp.all(done)
+
+  def body(state):
+    step, cache, tok, gen, logps, done, n_gen, taps = state
+    pos = start + step - 1  # position of `tok`, the token fed in this step
+    o = model_lib.decode_step(params, config, cache, tok, pos, tap_layers=tap_layers,
+                              tap_mode=tap_mode, tap_routing=tap_routing, record=True)
+    live = ~done
+    taps = jax.tree.map(
+        lambda buf, a: buf.at[rows, pos].set(jnp.where(
+            live.reshape((b,) + (1,) * (a.ndim - 2)), a[:, 0], buf[rows, pos])),
+        taps, o.taps)
+    step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.full(b, step, jnp.int32))
+    nxt, lp = sampling_lib.sample(o.logits[:, 0].astype(jnp.float32), step_keys, temps, top_ps,
+                                  top_ks)
+    nxt = jnp.where(live, nxt, 0)
+    gen = gen.at[:, step].set(nxt)
+    logps = logps.at[:, step].set(jnp.where(live, lp, 0.0))
+    n_gen = n_gen + live.astype(jnp.int32)
+    hit = jnp.any(nxt[:, None] == stop_ids, axis=-1)
+    done = done | (live & (hit | (step + 1 >= max_new_each)))
+    return step + 1, o.cache, nxt, gen, logps, done, n_gen, taps
+
+  state = (jnp.int32(1), cache, tok, gen, logps, done, n_gen, taps)
+  _, cache, _, gen, logps, _, n_gen, taps = jax.lax.while_loop(cond, body, state)
+  return gen, logps, n_gen, cache, taps
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def generate(params, config: ModelConfig, tokens, prompt_lens, max_new_each, temps, top_ps,
+             top_ks, keys, stop_ids, *, max_new: int, tap_layers: tuple[int, ...],
+             tap_mode: str, tap_routing: bool):
+  """Prefill + decode loop for one padded batch.
+
+  tokens [B, P] (right-padded), prompt_lens [B], per-request sampling arrays [B], keys [B]
+  (typed PRNG keys), stop_ids [B, S] (-1 = none). Returns generated ids [B, N], their
+  log-probs [B, N], the number generated per row [B], and the tap buffers with rows
+  [B, P + N, ...] indexed by absolute position.
+  """
+  b, p = tokens.shape
+  total = p + max_new
+  out = model_lib.prefill(params, config, tokens, total, tap_layers=tap_layers,
+                          tap_mode=tap_mode, tap_routing=tap_routing, record=True)
+  taps = jax.tree.map(lambda a: jnp.zeros((b, total) + a.shape[2:], a.dtype).at[:, :p].set(a),
+                      out.taps)
+  last = out.logits[jnp.arange(b), prompt_lens - 1]
+  gen, logps, n_gen, _, taps = _sample_and_decode(
+      params, config, out.cache, taps, last, prompt_lens, max_new_each, temps, top_ps, top_ks,
+      keys, stop_ids, jnp.ones(b, bool), max_new=max_new, tap_layers=tap_layers,
+      tap_mode=tap_mode, tap_routing=tap_routing)
+  return gen, logps, n_gen, taps
+
+
+def _feed(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, *,
+          tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool):
+  """Feeds chunk [B, C] (row r: its first chunk_lens[r] tokens) at positions lens[r]...
+
+  Decode-mode attention over the cache: each new token sees the session's earlier tokens and
+  the chunk's tokens before it. Padding entries write K/V past the row's end, where the next
+  feed or decode step overwrites them before anything attends to them. Returns (logits of
+  each row's last fed token [B, V], cache, taps).
+  """
+  b, c = chunk.shape
+  pos = lens[:, None] + jnp.arange(c)[None, :]
+  out = model_lib.forward(params, config, chunk, pos, cache=cache, decode=True,
+                          tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing,
+                          record=True)
+  real = jnp.arange(c)[None, :] < chunk_lens[:, None]
+  rows = jnp.arange(b)[:, None]
+  taps = jax.tree.map(
+      lambda buf, a: buf.at[rows, pos].set(jnp.where(
+          real.reshape((b, c) + (1,) * (a.ndim - 2)), a, buf[rows, pos])), taps, out.taps)
+  last = out.logits[jnp.arange(b), jnp.maximum(chunk_lens - 1, 0)]
+  return last, out.cache, taps
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "taps"))
+def extend(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, max_new_each,
+           temps, top_ps, top_ks, keys, stop_ids, *, max_new: int, tap_layers: tuple[int, ...],
+           tap_mode: str, tap_routing: bool):
+  """One session turn: `_feed` the chunk, then sample and decode (rows with chunk_lens 0 sit
+  the turn out). Returns (ids [B, N], log-probs [B, N], number generated [B], cache, taps)."""
+  tap = dict(tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing)
+  last, cache, taps = _feed(params, config, cache, taps, lens, chunk, chunk_lens, **tap)
+  return _sample_and_decode(params, config, cache, taps, last, lens + chunk_lens, max_new_each,
+                            temps, top_ps, top_ks, keys, stop_ids, chunk_lens > 0,
+                            max_new=max_new, **tap)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tap_layers", "tap_mode", "tap_routing"),
+                   donate_argnames=("cache", "taps"))
+def feed(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, *,
+         tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool):
+  """A session's closing tokens, recorded without sampling. Returns (cache, taps)."""
+  _, cache, taps = _feed(params, config, cache, taps, lens, chunk, chunk_lens,
+                         tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing)
+  return cache, taps
+
+
+def tap_buffers(params, config: ModelConfig, batch: int, total: int, *,
+                tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool) -> Any:
+  """Zero record buffers [batch, total, ...] of what one decode step taps (shapes only)."""
+  cache = model_lib.init_cache(config, batch, 1)
+  step = jax.eval_shape(lambda p, c: model_lib.decode_step(
+      p, config, c, jnp.zeros(batch, jnp.int32), jnp.zeros(batch, jnp.int32),
+      tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing, record=True).taps,
+      params, cache)
+  return jax.tree.map(lambda a: jnp.zeros((batch, total) + a.shape[2:], a.dtype), step)

@@ -1,0 +1,236 @@
+"""Rollout/trainer mismatch counts: FP4 code flips, block-scale flips and routing flips.
+
+Pure numpy functions of host arrays, so the RL loop, `experiments/measure_mismatch.py` and the
+notebooks count the same way. Inputs are full-mode records (`Guidance` with 4-bit `codes`) of
+the same token rows, one from the rollout and one from the training forward.
+
+- A code flip is an element whose E2M1 *value* differs (+0 and -0 are equal); `one_apart`
+  counts the flips to an adjacent grid point (the drift guided rounding can undo).
+- A scale flip is an E4M3 block scale whose bits differ (under guided rounding the trainer
+  uses the rollout's scales, so it has none by construction).
+- `expert_mid` rows are (token, top-k slot), each side in its own slot order; they are compared
+  by expert id (trainer slot j against the rollout slot holding the same expert). A trainer
+  slot whose expert the rollout did not select has nothing to compare with: it is counted in
+  `RoutingCount.unmatched_slots` (under `fp4_trace` such a slot is quantized RTN).
+- Routing: a token flips when its *set* of experts differs; an order swap is the same set in
+  another order (invisible to a sorted comparison, harmful to slot-matched guidance).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+SITES = ("moe_in", "expert_mid", "k", "v")
+
+
+def unpack_codes(packed: Any) -> np.ndarray:
+  """4-bit codes from bytes packed two per byte (element 2i in the low nibble)."""
+  p = np.asarray(packed, np.uint8)
+  return np.stack([p & 0xF, p >> 4], axis=-1).reshape(p.shape[:-1] + (p.shape[-1] * 2,))
+
+
+def e2m1_ordinal(codes: Any) -> np.ndarray:
+  """Signed position of each E2M1 code on the grid, -7..7; +0 and -0 are both 0.
+
+  Adjacent grid values differ by one, so |ordinal(a) - ordinal(b)| counts the grid steps
+  between two codes (the magnitude code already orders the magnitudes).
+  """
+  c = np.asarray(codes, np.uint8)
+  mag = (c & 7).astype(np.int8)
+  return np.where(c & 8, -mag, mag).astype(np.int8)
+
+
+@dataclasses.dataclass
+class FlipCount:
+  """Code and block-scale flips at one (layer, site), or summed over several."""
+  flips: int = 0
+  total: int = 0
+  one_apart: int = 0
+  scale_flips: int = 0
+  scale_total: int = 0
+
+  def __add__(self, other: FlipCount) -> FlipCount:
+    return FlipCount(*(a + b for a, b in zip(dataclasses.astuple(self),
+                                             dataclasses.astuple(other))))
+
+  @property
+  def rate(self) -> float | None:
+    return self.flips / self.total if self.total else None
+
+  @property
+  def one_apart_share(self) -> float | None:
+    return self.one_apart / self.flips if self.flips else None
+
+  @property
+  def scale_rate(self) -> float | None:
+    return self.scale_flips / self.scale_total if self.scale_total else None
+
+
+@dataclasses.dataclass
+class RoutingCount:
+  """Routing differences at one layer (or summed): tokens and (token, slot) pairs."""
+  tokens: int = 0
+  set_flips: int = 0
+  order_swaps: int = 0
+  slots: int = 0
+  unmatched_slots: int = 0
+
+  def __add__(self, other: RoutingCount) -> RoutingCount:
+    return RoutingCount(*(a + b for a, b in zip(dataclasses.astuple(self),
+                                                dataclasses.astuple(other))))
+
+  @property
+  def flip_rate(self) -> float | None:
+    return self.set_flips / self.tokens if self.tokens else None
+
+  @property
+  def order_swap_rate(self) -> float | None:
+    return self.order_swaps / self.tokens if self.tokens else None
+
+  @property
+  def unmatched_rate(self) -> float | None:
+    return self.unmatched_slots / self.slots if self.slots else None
+
+
+def match_slots(train_ids: Any, rollout_ids: Any) -> tuple[np.ndarray, np.ndarray]:
+  """For each trainer slot [..., K], the rollout slot routed to the same expert.
+
+  Returns (src, matched): src[..., j] is that rollout slot (0 where none) and matched[..., j]
+  whether there is one. Expert ids within a token are distinct (top-k).
+  """
+  t, r = np.asarray(train_ids), np.asarray(rollout_ids)
+  if t.shape != r.shape:
+    raise ValueError(f"routing shapes differ: trainer {t.shape}, rollout {r.shape}")
+  eq = t[..., :, None] == r[..., None, :]
+  return np.argmax(eq, axis=-1), np.any(eq, axis=-1)
+
+
+def routing_counts(train_ids: Any, rollout_ids: Any) -> RoutingCount:
+  """Set flips, order swaps and unmatched slots between routing ids [T, K]."""
+  t, r = np.asarray(train_ids), np.asarray(rollout_ids)
+  _, matched = match_slots(t, r)
+  same_set = np.all(np.sort(t, -1) == np.sort(r, -1), axis=-1)
+  same_order = np.all(t == r, axis=-1)
+  return RoutingCount(tokens=int(same_set.size), set_flips=int(np.sum(~same_set)),
+                      order_swaps=int(np.sum(same_set & ~same_order)),
+                      slots=int(matched.size), unmatched_slots=int(np.sum(~matched)))
+
+
+def _codes(g: Any) -> np.ndarray:
+  if getattr(g, "codes", None) is None:
+    raise ValueError("flip counts need full-mode records (4-bit codes); got a compact record")
+  return unpack_codes(g.codes)
+
+
+def code_flips(train: Any, rollout: Any, slot_src: Any = None,
+               slot_matched: Any = None) -> FlipCount:
+  """Flips between two full records of the same rows.
+
+  train, rollout: `Guidance` (full mode) with rows [T, ...]. For expert_mid (rows [T, K, ...]
+  in each side's slot order) pass `match_slots(train_ids, rollout_ids)`: the rollout's rows are
+  taken in the trainer's slot order and unmatched slots are left out.
+  """
+  tc, rc = _codes(train), _codes(rollout)
+  tb = np.asarray(train.block_scale).view(np.uint8)
+  rb = np.asarray(rollout.block_scale).view(np.uint8)
+  if tc.shape != rc.shape or tb.shape != rb.shape:
+    raise ValueError(f"record shapes differ: trainer codes {tc.shape}, rollout {rc.shape}")
+  keep = np.ones(tc.shape[:-1], bool)
+  if slot_src is not None:
+    src = np.asarray(slot_src)
+    if src.shape != tc.shape[:src.ndim] or src.ndim != 2:
+      raise ValueError(f"slot_src {src.shape} must be the records' [T, K] leading shape")
+    rc = np.take_along_axis(rc, src[..., None], axis=1)
+    rb = np.take_along_axis(rb, src[..., None], axis=1)
+    keep = np.asarray(slot_matched, bool)
+  d = np.abs(e2m1_ordinal(tc).astype(np.int16) - e2m1_ordinal(rc))[keep]
+  s = (tb != rb)[keep]
+  return FlipCount(flips=int(np.count_nonzero(d)), total=int(d.size),
+                   one_apart=int(np.count_nonzero(d == 1)), scale_flips=int(np.sum(s)),
+                   scale_total=int(s.size))
+
+
+@dataclasses.dataclass
+class MismatchReport:
+  """Counts per (layer, site) and per layer, with the guided layers named."""
+  flips: dict[tuple[int, str], FlipCount]
+  routing: dict[int, RoutingCount]
+  guided_layers: tuple[int, ...]
+
+  def total(self, guided: bool | None = None) -> FlipCount:
+    """Flips summed over the guided layers (True), the others (False) or all (None)."""
+    out = FlipCount()
+    for (layer, _), c in self.flips.items():
+      if guided is None or (layer in self.guided_layers) == guided:
+        out = out + c
+    return out
+
+  def routing_total(self, layers: Iterable[int] | None = None) -> RoutingCount:
+    out = RoutingCount()
+    for layer, c in self.routing.items():
+      if layers is None or layer in layers:
+        out = out + c
+    return out
+
+  def metrics(self) -> dict[str, float | None]:
+    """The run-log columns (see `METRICS`)."""
+    g, u = self.total(True), self.total(False)
+    r, rg = self.routing_total(), self.routing_total(self.guided_layers)
+    return {"flip_rate_guided": g.rate, "flip_rate_unguided": u.rate,
+            "flip_one_apart_share": self.total().one_apart_share,
+            "scale_flip_rate_guided": g.scale_rate, "routing_flip_rate": r.flip_rate,
+            "routing_order_swap_rate": r.order_swap_rate,
+            "expert_unmatched_rate": rg.unmatched_rate}
+
+  def rows(self) -> list[dict[str, Any]]:
+    """One row per (layer, site) and per layer's routing, for a per-layer CSV."""
+    out = []
+    for (layer, site), c in sorted(self.flips.items()):
+      out.append({"layer": layer, "site": site, "guided": int(layer in self.guided_layers),
+                  "flips": c.flips, "total": c.total, "one_apart": c.one_apart,
+                  "scale_flips": c.scale_flips, "scale_total": c.scale_total})
+    for layer, c in sorted(self.routing.items()):
+      out.append({"layer": layer, "site": "routing", "guided": int(layer in self.guided_layers),
+                  "flips": c.set_flips, "total": c.tokens, "one_apart": c.order_swaps,
+                  "scale_flips": c.unmatched_slots, "scale_total": c.slots})
+    return out
+
+
+METRICS = ("flip_rate_guided", "flip_rate_unguided", "flip_one_apart_share",
+           "scale_flip_rate_guided", "routing_flip_rate", "routing_order_swap_rate",
+           "expert_unmatched_rate")
+
+
+def compare(train_taps: Mapping[int, Mapping[str, Any]],
+            rollout_records: Mapping[int, Mapping[str, Any]],
+            train_routing: Mapping[int, Any], rollout_routing: Mapping[int, Any],
+            guided_layers: Iterable[int]) -> MismatchReport:
+  """Counts for every (layer, site) both sides recorded, and for every layer's routing.
+
+  train_taps / rollout_records: {layer: {site: full-mode Guidance}} of the same ragged rows;
+  train_routing / rollout_routing: {layer: ids [T, K]} of the same rows (they align the
+  expert_mid rows). Routing may cover more rows than the code records (audited sequences
+  first): the code records' rows are the first rows of the routing.
+  """
+  flips: dict[tuple[int, str], FlipCount] = {}
+  routing: dict[int, RoutingCount] = {}
+  for layer in sorted(set(train_routing) & set(rollout_routing)):
+    routing[layer] = routing_counts(train_routing[layer], rollout_routing[layer])
+  for layer in sorted(set(train_taps) & set(rollout_records)):
+    for site in SITES:
+      if site not in train_taps[layer] or site not in rollout_records[layer]:
+        continue
+      t, r = train_taps[layer][site], rollout_records[layer][site]
+      src = matched = None
+      if site == "expert_mid":
+        if layer not in train_routing or layer not in rollout_routing:
+          raise ValueError(f"layer {layer}: expert_mid rows need both sides' routing")
+        n = np.asarray(t.block_scale).shape[0]
+        src, matched = match_slots(np.asarray(train_routing[layer])[:n],
+                                   np.asarray(rollout_routing[layer])[:n])
+      flips[(layer, site)] = code_flips(t, r, src, matched)
+  return MismatchReport(flips, routing, tuple(sorted(set(guided_layers))))
