@@ -19,6 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.seq_len = 224  # prompt + 5 turns x (action + observation) + EOS (checked at start)
   c.sft.steps = 25  # 100 steps learn binary search outright (eval 1.0): no room for RL
   c.rl.steps = 20
+  c.rl.seeds = (0,)  # a demonstration of the multi-turn path; the quickstart measures spread
   c.eval.num_prompts = 32
   c.eval.every = 10
   return c

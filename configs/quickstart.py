@@ -31,7 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
   # seeds: one GRPO run per policy and seed from the one warm start (spread in the summary).
   # audit_fraction: share of each batch whose full FP4 codes are recorded to count flips.
   c.rl = ml_collections.ConfigDict(dict(
-      steps=40, prompts_per_step=8, group_size=8, max_new_tokens=16, temperature=1.0,
+      steps=30, prompts_per_step=8, group_size=8, max_new_tokens=16, temperature=1.0,
       top_p=1.0, lr=1e-4, warmup_steps=3, weight_decay=0.0, clip_eps=0.2, is_mode="truncate",
       is_cap=5.0, aux_loss_coef=0.001, on_missing_guidance="error", keep_guidance=False,
       seeds=(0, 1, 2), audit_fraction=1.0))

@@ -2,10 +2,13 @@
 # One H200 session (device tool): QAT gradient checks on GPU, the train-step benchmark, and
 # the small_h200 RL comparison. Everything it prints and its result files land in $OUT.
 #
-# The RL comparison runs the SFT warm start once, then the three policies as three processes
-# sharing the GPU (the model is small; compiling dominates, and compiles overlap on the host's
-# cores), then one more train_rl call that only reads the finished runs and writes the
-# summary, table and plot. Throughput figures are therefore measured with the GPU shared.
+# The RL comparison runs the SFT warm start once (deterministic GPU ops, checksum printed, so a
+# later call can rebuild the same start), then one process per policy sharing the GPU, each
+# running its RL seeds one after the other (the model is small; compiling dominates, compiles
+# overlap on the host's cores, and a process compiles its programs once for all its seeds).
+# The table is made afterwards from the runs' CSVs (`trace_jax.train.compare.report`), so a
+# call cut short by RL_TIMEOUT still reports every step it reached. Throughput figures are
+# measured with the GPU shared.
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TRACE_TORCH_DEVICE=cuda
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -24,6 +27,7 @@ if [ "${BENCH_TIMEOUT:-400}" -gt 1 ]; then
 fi
 if [ "${RL_TIMEOUT:-480}" -le 1 ]; then stamp done; exit 0; fi  # RL_TIMEOUT=1 skips the RL run
 W=${RL_WORKDIR:-/tmp/small_h200}
+POLICIES=${RL_POLICIES:-fp4_trace fp4_trace+r3 fp4_rtn fp4_rollout bf16}
 RL="python3 -m experiments.train_rl --config=${RL_CONFIG:-configs/small_h200.py} --workdir=$W \
   --no_progress ${RL_ARGS:-}"
 quiet() { grep -v -E "^[IW][0-9]{4} |tpu"; }
@@ -33,28 +37,26 @@ mkdir -p /tmp/res
 MEMLOG=$!
 stamp "SFT warm start"
 timeout "${RL_TIMEOUT:-480}" bash -c "
-  $RL --sft_only > /tmp/sft.log 2>&1
-  echo \"[\$(date -u +%H:%M:%S)] policies\" >> $OUT/session.log
-  for p in ${RL_POLICIES:-fp4_trace fp4_rtn bf16}; do
-    JAX_LOG_COMPILES=1 JAX_EXPLAIN_CACHE_MISSES=1 $RL --policies=\$p > /tmp/rl_\$p.log 2>&1 &
+  XLA_FLAGS=--xla_gpu_deterministic_ops=true $RL --sft_only > /tmp/sft.log 2>&1
+  python3 -c 'import sys, hashlib, numpy as np, jax; from trace_jax.io import orbax_ckpt; \
+p = orbax_ckpt.load_orbax(sys.argv[1])[1]; h = hashlib.sha256(); \
+[h.update(np.asarray(a).tobytes()) for a in jax.tree.leaves(p)]; print(\"sft sha256\", h.hexdigest()[:16])' \
+    $W/sft 2>&1 | tail -1 >> $OUT/session.log
+  echo \"[\$(date -u +%H:%M:%S)] policies: $POLICIES\" >> $OUT/session.log
+  for p in $POLICIES; do
+    JAX_LOG_COMPILES=1 $RL --policies=\$p > /tmp/rl_\$p.log 2>&1 &
   done
   wait"
-stamp "summary"
-timeout 60 $RL --policies=$(echo ${RL_POLICIES:-fp4_trace fp4_rtn bf16} | tr " " ,) 2>&1 | quiet | tail -6 | log
-stamp done
+stamp "runs stopped"
 kill $MEMLOG 2>/dev/null
-# The device tool returns a few files only: everything but session.log goes in one tarball.
+# The device tool returns a few files only: the runs' CSVs, histories and logs in one tarball.
 for f in /tmp/sft.log /tmp/rl_*.log; do quiet < "$f" | tail -40 > "/tmp/res/$(basename "$f")"; done
-# Which big programs compiled, how often, and why (the GRPO step compiled twice on the H200).
 for f in /tmp/rl_*.log; do
-  { grep -E "(Compiling|compilation of) jit\((grpo_step|_generate)\)" "$f"
-    grep -E -A14 "CACHE MISS at .*(run_rl|_generate_batch)" "$f" | cut -c1-300
-  } > "/tmp/res/compiles_$(basename "$f")"
+  grep -o -E "Finished XLA compilation of jit\([a-z_]+\) in [0-9.]+" "$f" \
+    > "/tmp/res/compiles_$(basename "$f")"
 done
-cp "$W/summary.json" "$W/sft_history.json" "$W/reward_mismatch.png" /tmp/res/ 2>/dev/null
-for p in bf16 fp4_rtn fp4_trace; do
-  cp "$W/$p/metrics.csv" "/tmp/res/$p.csv" 2>/dev/null
-  cp "$W/$p/evals.csv" "/tmp/res/${p}_evals.csv" 2>/dev/null
-  cp "$W/$p/history.json" "/tmp/res/${p}_history.json" 2>/dev/null
-done
+cp "$W/sft_history.json" "$W/posthoc_fp4.json" /tmp/res/ 2>/dev/null
+(cd "$W" && find . -path '*/seed*' \( -name '*.csv' -o -name history.json \) -print0 |
+  xargs -0 tar cf /tmp/res/runs.tar)
 tar czf "$OUT/small_h200.tgz" -C /tmp/res .
+stamp done

@@ -6,6 +6,7 @@ import os
 
 from tests.train.test_rl_loop import tiny_cfg
 from trace_jax.train import compare
+from trace_jax.train import step as step_lib
 
 
 def test_split_run_then_summary(tmp_path):
@@ -42,7 +43,9 @@ def test_seeds_spread_and_posthoc_fp4(tmp_path):
   cfg = tiny_cfg()
   cfg.rl.steps = 1
   cfg.rl.seeds = (0, 1)
+  before = step_lib.grpo_step._cache_size()
   out = compare.run(cfg, str(tmp_path), ["bf16"], progress=False)
+  assert step_lib.grpo_step._cache_size() - before <= 1  # the seeds share one compiled step
   bf16 = out["policies"]["bf16"]
   seeds = bf16["per_seed"]
   assert [s["seed"] for s in seeds] == [0, 1] and bf16["num_seeds"] == 2

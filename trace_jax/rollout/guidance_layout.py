@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax.quant import formats, guided
 from trace_jax.quant.guided import Guidance
 
 _E4M3_ONE = np.uint8(0x38)
@@ -75,16 +74,14 @@ def unpad(tree: Any, counts: Sequence[int]) -> Any:
 
 
 def to_compact(g: Guidance) -> Guidance:
-  """A full-mode record reduced to compact mode (mantissa bits of its codes, same scales)."""
+  """A full-mode record reduced to compact mode (mantissa bits of its codes, same scales).
+
+  Host numpy on host records: eager jax ops here would compile one small program per batch
+  shape (the engine calls this on every rollout batch).
+  """
   if g.mantissa is not None:
     return g
-  codes = formats.unpack_fp4(jnp.asarray(g.codes))
+  p = np.asarray(g.codes, np.uint8)
+  bits = np.stack([p & 1, (p >> 4) & 1], axis=-1).reshape(p.shape[:-1] + (p.shape[-1] * 2,))
   return Guidance(block_scale=g.block_scale, row_scale=g.row_scale,
-                  mantissa=guided.pack_bits(codes & 1))
-
-
-def codes_of(g: Guidance) -> jnp.ndarray:
-  """Per-element 4-bit codes of a full-mode record."""
-  if g.codes is None:
-    raise ValueError("codes_of needs a full-mode record (4-bit codes)")
-  return formats.unpack_fp4(jnp.asarray(g.codes))
+                  mantissa=np.packbits(bits, axis=-1, bitorder="little"))

@@ -77,32 +77,67 @@ def run(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None =
       eng = HttpWeightSync(rollout_url, c, os.path.join(workdir, "weights"), api_key)
       eng.update_weights(p)
       return eng
-  results: dict[str, Any] = {}
   finals: dict[int, Any] = {}  # bf16's final weights per seed, for the post-hoc FP4 eval
   for policy in policies:
-    per_seed = []
     for seed in rl_loop.rl_seeds(cfg):
       out = rl_loop.run_rl(cfg, run_dir(workdir, policy, seed), policy, params, seed=seed,
                            engine_factory=factory, progress=progress)
-      s = dict(out["summary"], seed=seed)
-      s["sft_reward"] = s.pop("start_reward")
-      per_seed.append(s)
       if policy == "bf16":
         finals[seed] = out["params"]
-    results[policy] = aggregate(per_seed)
-  if finals and cfg.eval.get("posthoc_fp4", True):
-    results[POSTHOC] = posthoc_fp4(cfg, params, finals)
-  summary = {"policies": results, "sft": {"history": sft_history},
+  posthoc_path = os.path.join(workdir, f"{POSTHOC}.json")
+  if finals and cfg.eval.get("posthoc_fp4", True) and not _has_seeds(posthoc_path, finals):
+    with open(posthoc_path, "w") as f:
+      json.dump(posthoc_fp4(cfg, params, finals), f, indent=1)
+  return report(cfg, workdir, policies, sft_history)
+
+
+def report(cfg, workdir: str, policies: Sequence[str],
+           sft_history: list[dict[str, float]] | None = None) -> dict[str, Any]:
+  """The table, summary.json and plot of whatever runs exist under workdir, from their CSVs.
+
+  Runs cut short count with the steps they reached (`steps_done` per seed), so a device call
+  that ran out of time still reports what it measured.
+  """
+  results: dict[str, Any] = {}
+  for policy in policies:
+    per_seed = []
+    for seed in rl_loop.rl_seeds(cfg):
+      d = run_dir(workdir, policy, seed)
+      rows, evals = rl_loop.read_curves(d)
+      if not rows and not evals:
+        continue
+      s = dict(rl_loop.summarize(rows, evals), seed=seed, steps_done=len(rows))
+      s["sft_reward"] = s.pop("start_reward")
+      done = os.path.join(d, "history.json")
+      if os.path.exists(done):
+        with open(done) as f:
+          s["guidance_fallback_batches"] = json.load(f)["summary"]["guidance_fallback_batches"]
+      per_seed.append(s)
+    if per_seed:
+      results[policy] = aggregate(per_seed)
+  posthoc_path = os.path.join(workdir, f"{POSTHOC}.json")
+  if os.path.exists(posthoc_path):
+    with open(posthoc_path) as f:
+      results[POSTHOC] = json.load(f)
+  summary = {"policies": results, "sft": {"history": sft_history or []},
              "config": json.loads(cfg.to_json_best_effort()),
              "devices": [str(d) for d in jax.devices()]}
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
-  plot(workdir, policies, rl_loop.rl_seeds(cfg))
+  plot(workdir, [p for p in policies if p in results], rl_loop.rl_seeds(cfg))
   print_table(results)
   print(f"wrote {os.path.join(workdir, 'summary.json')} and "
         f"{os.path.join(workdir, 'reward_mismatch.png')}; per run: "
         f"{workdir}/<policy>/seed<s>/")
   return summary
+
+
+def _has_seeds(path: str, finals: dict[int, Any]) -> bool:
+  """Whether a saved post-hoc eval covers exactly these bf16 runs (seeds)."""
+  if not os.path.exists(path):
+    return False
+  with open(path) as f:
+    return sorted(s["seed"] for s in json.load(f)["per_seed"]) == sorted(finals)
 
 
 def run_dir(workdir: str, policy: str, seed: int) -> str:

@@ -41,7 +41,10 @@ class OptimConfig:
   min_lr_ratio: float = 0.1
 
 
+@functools.lru_cache(maxsize=32)
 def make_optimizer(c: OptimConfig) -> optax.GradientTransformation:
+  """One transformation per config: jitted steps take it as a static argument (hashed by
+  identity), so runs of one config in one process (RL seeds) share the compiled step."""
   warmup = max(1, min(c.warmup_steps, c.total_steps - 1))
   # Warmup starts at lr / warmup (not 0), so the very first update already moves the weights.
   schedule = optax.warmup_cosine_decay_schedule(
