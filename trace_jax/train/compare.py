@@ -86,8 +86,7 @@ def run(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None =
         finals[seed] = out["params"]
   posthoc_path = os.path.join(workdir, f"{POSTHOC}.json")
   if finals and cfg.eval.get("posthoc_fp4", True) and not _has_seeds(posthoc_path, finals):
-    with open(posthoc_path, "w") as f:
-      json.dump(posthoc_fp4(cfg, params, finals), f, indent=1)
+    _write_json(posthoc_path, posthoc_fp4(cfg, params, finals))
   return report(cfg, workdir, policies, sft_history)
 
 
@@ -122,14 +121,21 @@ def report(cfg, workdir: str, policies: Sequence[str],
   summary = {"policies": results, "sft": {"history": sft_history or []},
              "config": json.loads(cfg.to_json_best_effort()),
              "devices": [str(d) for d in jax.devices()]}
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=1)
+  _write_json(os.path.join(workdir, "summary.json"), summary)
   plot(workdir, [p for p in policies if p in results], rl_loop.rl_seeds(cfg))
   print_table(results)
   print(f"wrote {os.path.join(workdir, 'summary.json')} and "
         f"{os.path.join(workdir, 'reward_mismatch.png')}; per run: "
         f"{workdir}/<policy>/seed<s>/")
   return summary
+
+
+def _write_json(path: str, obj: Any) -> None:
+  """Written whole or not at all: policy processes sharing a workdir read each other's files."""
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)
 
 
 def _has_seeds(path: str, finals: dict[int, Any]) -> bool:
