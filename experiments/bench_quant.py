@@ -4,7 +4,8 @@ Every op is jitted and timed on one large [rows, K] array (median of `--reps` ca
 `--warmup`, each call ended by `block_until_ready`). For each op the table gives the time, the
 throughput in GB/s of input bytes read, the GB/s of bytes moved (inputs read + outputs written,
 as the arrays are held: JAX keeps one byte per FP4 code), and that bandwidth as a fraction of a
-plain copy (`jnp.copy`, bytes read + written) measured in the same run (DESIGN 9: ratios side
+plain copy (`jnp.copy`, bytes read + written) measured in the same run
+(docs/design.md §9: ratios side
 by side, and the fraction of the limit reached). Where torch is importable, the torch twin
 (`rollout_bridge.torch_quant`, eager) is timed on the same device for the same ops, and the
 table gives JAX's throughput over torch's. On CPU the twin is slow, so by default it runs on

@@ -226,7 +226,7 @@ def _guided_reach(site: np.ndarray, rec_codes: np.ndarray, block_scale: np.ndarr
                   row_scale: np.ndarray) -> np.ndarray:
   """True where the rollout code is one of the two E2M1 neighbours of the training value.
 
-  z = clip(x_train * ((1 / row_scale) / block_scale), -6, 6) in IEEE float32 (as DESIGN 3.5
+  z = clip(x_train * ((1 / row_scale) / block_scale), -6, 6) in IEEE float32 (as docs/design.md §3.5
   and both twins compute it); the rollout code is reachable when its magnitude is the grid
   point just below or just above |z| and its sign is z's (or it is zero). Guided rounding must
   reproduce every reachable rollout code.
@@ -279,7 +279,7 @@ def guidance_bytes(k: int, rows: int, rec_compact: Any, rec_full: Any, layers: i
       "full_cache_all_layers": FULL_CACHE_BYTES_PER_ELEMENT * k * layers,
   }
   compact = max(per_token["compact_guided_layers"], 1e-30)
-  # DESIGN 5: compact guidance of the guided layers vs caching every layer's 4.5-bit codes.
+  # docs/design.md §5: compact guidance of the guided layers vs caching every layer's 4.5-bit codes.
   per_token["full_cache_over_compact"] = per_token["full_cache_all_layers"] / compact
   per_token["full_cache_same_sites_over_compact"] = (per_token["full_cache_guided_layers"]
                                                      / compact)

@@ -1,4 +1,4 @@
-"""Torch twin of `trace_jax.quant` (DESIGN section 3), for rollout servers (SGLang plugin).
+"""Torch twin of `trace_jax.quant` (docs/design.md §3), for rollout servers (SGLang plugin).
 
 Written as the literal formulas, in IEEE float32: this file is the reference the
 exact-arithmetic JAX quantizers reproduce bit for bit. Every division goes through `_div`
@@ -166,7 +166,10 @@ def nvfp4_row_scale(x: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_quantize(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, *,
                    allow_nonfinite: bool = False) -> NVFP4Tensor:
-  """NVFP4, DESIGN 3.2 written literally: bs = clamp(amax/6 [/ts]) -> E4M3; y = x*(1/bs)."""
+  """NVFP4, docs/design.md §3.2 written literally.
+
+  bs = clamp(amax/6 [/ts]) -> E4M3; y = x*(1/bs).
+  """
   xf = _prepare(x, NVFP4_BLOCK, "nvfp4_quantize", allow_nonfinite)
   xb = _blocks(xf, NVFP4_BLOCK)
   amax, bad = _amax(xb)
@@ -306,7 +309,7 @@ def guidance_record(q: NVFP4Tensor, mode: str = "compact") -> dict[str, torch.Te
 
 
 def guided_codes(x: torch.Tensor, rec: dict[str, torch.Tensor]) -> torch.Tensor:
-  """Training-side guided rounding (DESIGN 3.5) with the rollout's scales and record.
+  """Training-side guided rounding (docs/design.md §3.5) with the rollout's scales and record.
 
   Written as the definition: among the E2M1 grid points at distance < one step from z, the
   two that bracket z, pick by mantissa bit (compact) or by distance to the rollout value (full).

@@ -1,4 +1,4 @@
-"""SGLang plugin (torch): the `trace_nvfp4` quantization method for Qwen3-MoE (DESIGN section 6).
+"""SGLang plugin (torch): the `trace_nvfp4` quantization method for Qwen3-MoE (docs/design.md §6).
 
 NVFP4 routed experts with FP4 activations emulated by exact quantize-dequantize (Hopper has no
 FP4 tensor cores), NVFP4 KV cache emulation, and a guidance recorder that writes the trainer's

@@ -84,7 +84,8 @@ def quantize_experts(w: torch.Tensor, dtype: torch.dtype | None = None,
 
 
 def qdq_rows(x: torch.Tensor) -> tuple[torch.Tensor, tq.NVFP4Tensor]:
-  """NVFP4 quantize-dequantize of rows x [..., K] with a per-row second-level scale (DESIGN 3.2,
+  """NVFP4 quantize-dequantize of rows x [..., K] with a per-row second-level scale
+  (docs/design.md §3.2,
   activations): the value in x's dtype and the quantization it came from."""
   q = tq.nvfp4_quantize(x, tq.nvfp4_row_scale(x), allow_nonfinite=True)
   return tq.nvfp4_dequantize(q).to(x.dtype), q

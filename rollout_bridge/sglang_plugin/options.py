@@ -26,7 +26,7 @@ _PASSTHROUGH = ("quant_method", "packed_modules_mapping", "hf_config", "requanti
 
 @dataclasses.dataclass(frozen=True)
 class TraceOptions:
-  """What `trace_nvfp4` quantizes and records (DESIGN sections 4 to 6).
+  """What `trace_nvfp4` quantizes and records (docs/design.md §4 to 6).
 
   guidance_mode: "compact" (mantissa bits) or "full" (4-bit codes) guidance records.
   guided_layers: layers whose sites are recorded; None means the deepest half of num_layers.

@@ -3,7 +3,7 @@
 Follows SGLang 0.5.23's contracts (`sglang/srt/layers/quantization/base_config.py`):
 - `TraceNvfp4Config(QuantizationConfig)`: FusedMoE layers (routed experts) get
   `TraceNvfp4MoEMethod`; linear layers and lm_head get SGLang's `UnquantizedLinearMethod`
-  (attention projections, router and lm_head stay BF16, DESIGN section 4); everything else
+  (attention projections, router and lm_head stay BF16, docs/design.md §4); everything else
   (embedding, attention) gets None, i.e. SGLang's default.
 - `TraceNvfp4MoEMethod(FusedMoEMethodBase)`: `create_weights` registers the BF16 master
   weights under SGLang's unquantized names and layout (w13_weight [E, 2I, H], gate rows first;

@@ -1,5 +1,5 @@
 """Guidance recorder for the SGLang plugin: preallocated device buffers, filled during forwards,
-flushed to the TensorStore guidance store (`trace_jax.io.guidance_store`, DESIGN section 5).
+flushed to the TensorStore guidance store (`trace_jax.io.guidance_store`, docs/design.md §5).
 
 Recording never leaves the device: each (layer, site) owns buffers of `capacity` token rows
 (plus one spill row) and a device-side cursor; a forward writes its T rows at

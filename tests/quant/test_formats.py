@@ -1,6 +1,6 @@
 """FP4/FP8 formats (`trace_jax.quant.formats`) against ml_dtypes and an independent reference.
 
-The reference below is written from DESIGN 3.2-3.4 with numpy's IEEE float32 arithmetic,
+The reference below is written from docs/design.md §3.2-3.4 with numpy's IEEE float32 arithmetic,
 ml_dtypes' float8_e4m3fn / float4_e2m1fn casts and float64 products: the third implementation
 next to the JAX quantizers and the torch twin. JAX runs jitted on its default backend.
 """
@@ -58,7 +58,7 @@ def ref_tensor_scale(x: np.ndarray, axes: tuple[int, ...] | None) -> np.ndarray:
 
 
 def ref_nvfp4(x: np.ndarray, ts: np.ndarray | None = None) -> dict[str, np.ndarray]:
-  """DESIGN 3.2: bs = clamp(amax/6 [/ ts], 2**-6, 448) -> E4M3 RNE; y = x * (1/bs) or
+  """docs/design.md §3.2: bs = clamp(amax/6 [/ ts], 2**-6, 448) -> E4M3 RNE; y = x * (1/bs) or
   x * ((1/ts)/bs); code = RNE_E2M1(clamp(y, -6, 6)); dequant = value * bs [* ts]."""
   with np.errstate(all="ignore"):
     xb = _flush(x).reshape(x.shape[:-1] + (x.shape[-1] // 16, 16))
@@ -86,7 +86,8 @@ def ref_nvfp4(x: np.ndarray, ts: np.ndarray | None = None) -> dict[str, np.ndarr
 
 
 def ref_mxfp4(x: np.ndarray) -> dict[str, np.ndarray]:
-  """DESIGN 3.3 / OCP MX v1.0: scale 2**(floor(log2 amax) - 2), byte 0 for all-zero blocks."""
+  """docs/design.md §3.3 / OCP MX v1.0: scale 2**(floor(log2 amax) - 2), byte 0 for zero
+  blocks."""
   with np.errstate(all="ignore"):
     xb = _flush(x).reshape(x.shape[:-1] + (x.shape[-1] // 32, 32))
     amax, bad = _amax_bad(xb, -1)
@@ -102,7 +103,8 @@ def ref_mxfp4(x: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def ref_fp8(x: np.ndarray, block_rows: int) -> dict[str, np.ndarray]:
-  """DESIGN 3.4: s = max(amax, 2**-100) / 448 (IEEE float32), v = E4M3(clamp(x * (1/s)))."""
+  """docs/design.md §3.4: s = max(amax, 2**-100) / 448 (IEEE float32),
+  v = E4M3(clamp(x * (1/s)))."""
   with np.errstate(all="ignore"):
     xf = _flush(x)
     if block_rows == 1:
@@ -402,7 +404,7 @@ def test_e2m1_values_equal() -> None:
 # ----------------------------------------------------------------------------- API, shapes
 
 def test_public_api_names_dtypes_shapes() -> None:
-  """DESIGN 10: nvfp4/mxfp4 quantize/dequantize with the documented fields, dtypes, shapes."""
+  """docs/design.md §10: nvfp4/mxfp4 quantize/dequantize, documented fields, dtypes, shapes."""
   for name in ("nvfp4_quantize", "nvfp4_dequantize", "mxfp4_quantize", "mxfp4_dequantize"):
     assert callable(getattr(quant, name)), name
   x = jax.ShapeDtypeStruct((2, 3, 4, 64), jnp.float32)

@@ -1,4 +1,4 @@
-"""Guided rounding (DESIGN 3.5) properties with hypothesis, flip rates and byte accounting.
+"""Guided rounding (docs/design.md §3.5) properties with hypothesis, flip rates and byte accounting.
 
 The rollout quantizes x_rollout (NVFP4, per-row two-level) and records guidance; training
 rounds x_train with the rollout's scales. The bracketing grid points, RTN with the rollout's
@@ -155,7 +155,8 @@ def test_no_drift_equals_rtn(x_r: np.ndarray) -> None:
 
 
 def test_compact_beyond_one_code_is_outside_the_guarantee() -> None:
-  """The limit of 1-bit guidance (documented in docs/numerics.md): DESIGN 3.5's "never farther
+  """The limit of 1-bit guidance (documented in docs/numerics.md):
+  docs/design.md §3.5's "never farther
   than RTN" holds for compact mode only while the rollout code neighbours z_train. Here
   z_rollout = 3 (code 5, mantissa 1) and z_train = 1.8: compact picks 1.5 (same mantissa bit,
   distance 1.5) where RTN picks 2 (distance 1); full mode, which knows the code, picks 2."""
@@ -260,7 +261,7 @@ def test_nbytes_of_a_real_record() -> None:
 
 
 def test_compact_vs_full_caching_budget() -> None:
-  """DESIGN 5 budget at K = 2048 with exact bytes: per site, compact (1 mantissa bit + E4M3
+  """docs/design.md §5 budget at K = 2048 with exact bytes: per site, compact (1 mantissa bit + E4M3
   scale per 16 + FP32 row scale) is 2.98x smaller than full 4.5-bit caching of the same rows
   (4-bit codes + scales + the same row scale); guiding only the deeper half of the layers
   doubles that to 5.96x against full caching of every layer. The 6x of the TRACE paper

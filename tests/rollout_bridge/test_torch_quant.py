@@ -259,7 +259,7 @@ def test_torch_bad_dtype_and_size(torch_device) -> None:
 # ----------------------------------------------------------------------------- API
 
 def test_torch_public_api(torch_device) -> None:
-  """DESIGN 10: the same four functions on torch tensors, same fields, dtypes and shapes."""
+  """docs/design.md §10: the same four functions on torch tensors: fields, dtypes, shapes."""
   x = torch.from_numpy(cases.random_mixed(6, 64, seed=2)).to(torch_device).reshape(2, 3, 64)
   q = tq.nvfp4_quantize(x)
   assert q.codes.dtype == torch.uint8 and tuple(q.codes.shape) == (2, 3, 64)

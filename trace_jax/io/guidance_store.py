@@ -1,4 +1,4 @@
-"""Rollout guidance store: TensorStore zarr3, one group per rollout batch (DESIGN section 5).
+"""Rollout guidance store: TensorStore zarr3, one group per rollout batch (docs/design.md §5).
 
 Layout of a batch `<root>/<batch_id>/` (a zarr3 group):
   seq_offsets                      int64 [num_seqs + 1]; sequence s owns token rows

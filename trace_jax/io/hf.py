@@ -1,4 +1,6 @@
-"""HF `Qwen3MoeForCausalLM` safetensors <-> params, and the ModelOpt NVFP4 export (DESIGN 6, 7, 10).
+"""HF `Qwen3MoeForCausalLM` safetensors <-> params, and the ModelOpt NVFP4 export.
+
+(docs/design.md §6, 7, 10.)
 
 Our linear weights already use the torch `[out, in]` layout, so conversion is renaming plus
 stacking the per-expert tensors `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`
@@ -317,8 +319,8 @@ def save_nvfp4_checkpoint(path: str, config: ModelConfig, params: Any, *,
   """Writes the ModelOpt NVFP4 layout: routed experts NVFP4 (two-level), everything else BF16.
 
   `input_scale` is written as 1.0: activations are quantized dynamically per token row
-  (DESIGN 3.2), Marlin (Hopper, W4A16) ignores it, and there is no calibration set. `weight`
-  packs two E2M1 codes per byte, element 2i in the low nibble, negative zeros as code 8.
+  (docs/design.md §3.2), Marlin (Hopper, W4A16) ignores it, and there is no calibration set.
+  `weight` packs two E2M1 codes per byte, element 2i in the low nibble, negative zeros as code 8.
   """
   from trace_jax.quant import formats
 

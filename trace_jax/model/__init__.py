@@ -7,7 +7,7 @@ every function here can be wrapped in `jax.jit(..., static_argnames="config")`.
 Entry points:
   init_params / abstract_params      build parameters (really or as ShapeDtypeStructs)
   forward                            full sequence or one decode step, with taps/guidance
-  logits                             jitted float32 logits, `bf16` policy (DESIGN section 10)
+  logits                             jitted float32 logits, `bf16` policy (docs/design.md §10)
   init_cache / prefill / decode_step KV-cache generation helpers
   aux_loss                           HF load-balancing loss from a forward's router logits
 """

@@ -3,7 +3,7 @@
 A frozen, hashable dataclass: it is passed to jitted functions as a static argument, and
 `dataclasses.replace(config, dtype="float32")` switches the compute dtype. `from_hf_dict` and
 `to_hf_dict` translate to and from HF `config.json`, reading both spellings that transformers
-4.x/SGLang and transformers 5.x use and writing both (DESIGN section 7).
+4.x/SGLang and transformers 5.x use and writing both (docs/design.md §7).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _HF_CONSTANTS = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Qwen3-MoE decoder shape (HF names) and the precision policy of DESIGN section 4.
+  """Qwen3-MoE decoder shape (HF names) and the precision policy of docs/design.md §4.
 
   guided_layers: indices of the decoder layers whose quantization sites take rollout guidance
     in `fp4_trace`; None means the deepest half (`num_hidden_layers // 2 ..`).

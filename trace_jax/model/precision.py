@@ -1,4 +1,4 @@
-"""Where and how the forward quantizes, per precision policy (DESIGN sections 4 and 5).
+"""Where and how the forward quantizes, per precision policy (docs/design.md §4 and 5).
 
 One `Precision` object lives for one traced forward. The model calls it at every quantization
 site; it applies the policy's fake quantizer (`trace_jax.quant.qat`: quantize-dequantize with

@@ -1,4 +1,4 @@
-"""Bit-exact FP4/FP8 quantization (DESIGN section 3): formats, guided rounding, QAT operators."""
+"""Bit-exact FP4/FP8 quantization (docs/design.md §3): formats, guided rounding, QAT operators."""
 
 from trace_jax.quant.formats import (
     FP8Tensor,

@@ -1,6 +1,6 @@
 """FP4 (E2M1: NVFP4, MXFP4) and FP8 (E4M3) block quantization, bit-exact on every backend.
 
-The numerics are DESIGN section 3. Codes and scales are computed with comparisons, integer
+The numerics are docs/design.md §3. Codes and scales are computed with comparisons, integer
 arithmetic and exact float32 products only (see `exact.py`), so they match the torch twin
 (`rollout_bridge/torch_quant.py`) and `ml_dtypes` bit for bit on CPU and GPU under default
 XLA flags, inside and outside `jit`.
@@ -29,7 +29,7 @@ from flax import struct
 
 from trace_jax.quant import exact
 
-# E2M1 magnitudes by code 0..7 (DESIGN 3.1).
+# E2M1 magnitudes by code 0..7 (docs/design.md §3.1).
 E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 E2M1_MAX = np.float32(6.0)
 # Rounding boundaries between neighbours and whether the boundary itself rounds up (RNE: the
@@ -220,7 +220,7 @@ def _broadcast_ts(ts: jax.Array, x: jax.Array, name: str) -> jax.Array:
 
 
 def nvfp4_quantize(x: jax.Array, tensor_scale: jax.Array | None = None) -> NVFP4Tensor:
-  """NVFP4 quantization (DESIGN 3.2): 16-element blocks, E4M3 block scales.
+  """NVFP4 quantization (docs/design.md §3.2): 16-element blocks, E4M3 block scales.
 
   tensor_scale=None: single-level scaling. Otherwise two-level with the given float32
   second-level scale (from `nvfp4_row_scale` for activations, `nvfp4_tensor_scale` for

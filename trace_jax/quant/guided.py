@@ -1,4 +1,4 @@
-"""Rollout-guided FP4 rounding (TRACE, DESIGN 3.5) and the guidance record (DESIGN 5).
+"""Rollout-guided FP4 rounding (TRACE, docs/design.md §3.5) and the guidance record (§5).
 
 Rollout quantizes a site with NVFP4 (two-level, per-row second-level scale) and keeps, per
 element, the code's mantissa bit (compact) or the whole 4-bit code (full), plus its scales.

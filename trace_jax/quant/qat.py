@@ -1,4 +1,4 @@
-"""Fake-quantization operators for quantization-aware training (DESIGN 3.7).
+"""Fake-quantization operators for quantization-aware training (docs/design.md §3.7).
 
 Each operator is a `jax.custom_vjp`: the forward returns the quantize-dequantize value in the
 input's dtype (computed with the exact-arithmetic quantizers, so it survives XLA on GPU), the

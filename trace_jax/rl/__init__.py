@@ -1,4 +1,4 @@
-"""RL (DESIGN section 8): tasks, tokenizer, GRPO advantages and losses."""
+"""RL (docs/design.md §8): tasks, tokenizer, GRPO advantages and losses."""
 
 from trace_jax.rl.advantages import (
     ADVANTAGE_FNS,
@@ -20,17 +20,19 @@ from trace_jax.rl.tokenizer import (
     EOS_ID,
     PAD_ID,
     CharTokenizer,
+    HFTokenizer,
     OutOfVocabularyError,
     concat_prompt_completion,
     encode_ids,
-    load_hf_tokenizer,
+    make_tokenizer,
     pad_batch,
 )
 
 __all__ = [
     "ADVANTAGE_FNS", "BOS_ID", "EOS_ID", "IS_MODES", "PAD_ID", "TASKS", "CharTokenizer",
+    "HFTokenizer",
     "OutOfVocabularyError", "Problem", "Task", "concat_prompt_completion", "encode_ids",
     "get_advantage_fn", "get_task", "group_advantages", "group_stats", "importance_weights",
-    "k3_kl", "load_hf_tokenizer", "masked_mean", "mismatch_metrics", "ppo_clip_loss",
+    "k3_kl", "make_tokenizer", "masked_mean", "mismatch_metrics", "ppo_clip_loss",
     "pad_batch",
 ]

@@ -1,4 +1,4 @@
-"""Group-normalised advantages for GRPO (DESIGN section 8).
+"""Group-normalised advantages for GRPO (docs/design.md §8).
 
 Rewards arrive flat, [num_prompts * G], with each prompt's G samples contiguous. A sample's
 advantage is its reward minus its group's mean, divided by the group's standard deviation plus

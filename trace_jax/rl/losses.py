@@ -1,4 +1,4 @@
-"""GRPO losses and rollout/trainer mismatch metrics (DESIGN section 8), pure jnp over [B, T].
+"""GRPO losses and rollout/trainer mismatch metrics (docs/design.md §8), pure jnp over [B, T].
 
 Three log-probs of the sampled tokens meet here:
 - logp_new: the trainer's current policy (carries the gradient);

@@ -145,11 +145,64 @@ def concat_prompt_completion(prompts: Sequence[Sequence[int]],
   return ids, loss_mask
 
 
-def load_hf_tokenizer(path: str) -> Any:
-  """Loads an HF `tokenizers.Tokenizer` from a tokenizer.json; clear error if not installed."""
-  try:
-    import tokenizers
-  except ImportError as e:
-    raise ImportError("loading a real tokenizer needs the HF `tokenizers` package "
-                      "(pip install tokenizers)") from e
-  return tokenizers.Tokenizer.from_file(path)
+class HFTokenizer:
+  """A Hugging Face tokenizer read from a local directory (or a tokenizer.json file).
+
+  The directory is what `save_pretrained` writes (`tokenizer.json`, and `tokenizer_config.json`
+  naming the special tokens), e.g. an HF checkpoint's. Uses the `tokenizers` library only, so
+  no network and no transformers import. bos_id may be None (Qwen tokenizers have no BOS);
+  eos_id is required: it ends completions.
+  """
+
+  def __init__(self, path: str):
+    import json
+    import os
+    try:
+      import tokenizers
+    except ImportError as e:  # pragma: no cover - a dependency of the package
+      raise ImportError("HF tokenizers need the `tokenizers` package") from e
+    file = path if path.endswith(".json") else os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+      raise FileNotFoundError(f"no HF tokenizer at {path!r}: expected {file} (a directory "
+                              "written by save_pretrained, or a tokenizer.json)")
+    self.path = path
+    self._tok = tokenizers.Tokenizer.from_file(file)
+    special = {}
+    cfg_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+    if os.path.isfile(cfg_file):
+      with open(cfg_file) as f:
+        special = json.load(f)
+
+    def token_id(name: str, fallbacks: tuple[str, ...]) -> int | None:
+      tok = special.get(name)
+      tok = tok.get("content") if isinstance(tok, dict) else tok
+      for t in ((tok,) if tok else ()) + fallbacks:
+        i = self._tok.token_to_id(t)
+        if i is not None:
+          return int(i)
+      return None
+
+    self.eos_id = token_id("eos_token", ("<|endoftext|>", "</s>", "<eos>", "<|im_end|>"))
+    if self.eos_id is None:
+      raise ValueError(f"tokenizer {path!r} names no end-of-sequence token "
+                       "(tokenizer_config.json eos_token) that its vocabulary holds")
+    self.bos_id = token_id("bos_token", ())
+    self.pad_id = token_id("pad_token", ()) or 0
+
+  @property
+  def vocab_size(self) -> int:
+    return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+  def encode(self, text: str) -> list[int]:
+    return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def make_tokenizer(spec: str | None) -> CharTokenizer | HFTokenizer:
+  """The tokenizer a config names (`task.tokenizer`): None or "char" for the character
+  tokenizer of the shipped tasks, else a local HF tokenizer directory."""
+  if spec in (None, "", "char"):
+    return CharTokenizer()
+  return HFTokenizer(str(spec))

@@ -1,4 +1,4 @@
-"""The rollout interface every engine implements (DESIGN section 6).
+"""The rollout interface every engine implements (docs/design.md §6).
 
 `RolloutEngine.generate(prompts, sampling)` returns one `Sample` per prompt. The in-process JAX
 engine, the HTTP client (speaking SGLang's native API to our embedded server or to a real

@@ -91,7 +91,7 @@ def keep_placement(state: Any, shardings: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-  """GRPO loss settings (DESIGN 8)."""
+  """GRPO loss settings (docs/design.md §8)."""
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.2
   is_mode: str = "truncate"

@@ -1,4 +1,4 @@
-"""RL tasks shipped with the code (DESIGN section 8), and a registry by name.
+"""RL tasks shipped with the code (docs/design.md §8), and a registry by name.
 
 reasoning: multi-step arithmetic word problems with an exact verifier.
 coding: programs in a small sandboxed stack language, rewarded by running hidden tests.

@@ -7,7 +7,7 @@ removes thousands separators, "$" and a trailing ".", and compares the numbers e
 fractions: "1,800", "$1800", "1800." and "1800.0" all equal "1800".
 
 Works with any tokenizer with encode/decode (`encode_problem`), e.g. an HF
-`tokenizers.Tokenizer` loaded with `trace_jax.rl.tokenizer.load_hf_tokenizer`. A few original
+`trace_jax.rl.tokenizer.HFTokenizer` (a local HF tokenizer directory). A few original
 records in the format ship in `data/gsm8k_sample.jsonl` (the default source).
 """
 
