@@ -43,7 +43,7 @@ def engine(params0, tmp_path_factory):
   writer = guidance_store.GuidanceWriter(
       str(tmp_path_factory.mktemp("guidance")), guidance_store.config_hash(CFG),
       guidance_store.StoreOptions(fsync=False))
-  eng = serve.ServingEngine(params0, CFG, guidance_writer=writer)  # what serve.py runs
+  eng = InProcessEngine(params0, CFG, guidance_writer=writer)  # what serve.py runs
   yield eng
   eng.close()
 
@@ -58,12 +58,9 @@ def server(engine):
 
 
 def ref_engine(params: Any) -> InProcessEngine:
-  """An in-process engine on `params` without a guidance writer.
-
-  ServingEngine only moves the guidance row gather to the host (no per-batch eager compiles);
-  tokens and log-probs are InProcessEngine's.
-  """
-  return serve.ServingEngine(params, CFG)
+  """An in-process engine on `params` without a guidance writer (the server's tokens and
+  log-probs must equal it)."""
+  return InProcessEngine(params, CFG)
 
 
 @pytest.fixture(scope="module")
@@ -461,6 +458,6 @@ def test_serve_config_file(tmp_path):
   gdir = tmp_path / "guidance"
   (gdir / "b000004").mkdir(parents=True)
   eng, path = serve.build_engine(default, str(gdir))
-  assert path == "random-init:tiny(seed=0)" and isinstance(eng, serve.ServingEngine)
+  assert path == "random-init:tiny(seed=0)" and isinstance(eng, InProcessEngine)
   assert next(eng._batch_counter) == 5 and eng.writer.root == str(gdir)
   eng.close()
