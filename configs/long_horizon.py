@@ -13,7 +13,8 @@ from configs import quickstart
 def get_config() -> ml_collections.ConfigDict:
   c = quickstart.get_config()
   c.model.moe_impl = "tiled"
-  c.task = ml_collections.ConfigDict(dict(name="long_horizon", kwargs=dict(max_number=15)))
+  c.task = ml_collections.ConfigDict(dict(name="long_horizon", tokenizer="char",
+                                          kwargs=dict(max_number=15)))
   c.max_prompt_len = 80  # the prompt is 67-68 tokens (checked at start)
   c.rl.max_new_tokens = 10  # per turn: "guess 15" + newline fits
   c.seq_len = 224  # prompt + 5 turns x (action + observation) + EOS (checked at start)

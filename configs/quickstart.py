@@ -20,8 +20,9 @@ def get_config() -> ml_collections.ConfigDict:
       num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
       num_experts_per_tok=2, moe_intermediate_size=64, dtype="bfloat16",
       guidance_mode="compact"))
+  # tokenizer: "char" (the shipped tasks' character vocabulary) or a local HF tokenizer dir.
   c.task = ml_collections.ConfigDict(dict(
-      name="reasoning",
+      name="reasoning", tokenizer="char",
       kwargs=dict(difficulty=1, min_steps=1, max_steps=1, max_start=9, max_operand=9,
                   multipliers=(2,), max_value=18, sloppy_demos=0.6)))
   c.max_prompt_len = 112  # characters + BOS; prompts are 60-97 (checked at start)

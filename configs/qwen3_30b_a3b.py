@@ -1,17 +1,22 @@
 """The real Qwen3-30B-A3B shape, for users with clusters: load the HF checkpoint with
 `python -m experiments.convert_checkpoint --direction=hf_to_orbax`, pass it with
---sft_checkpoint, and shard over a mesh (`trace_jax.model.sharding`). Not run on CI."""
+--sft_checkpoint, and shard over a mesh (`trace_jax.model.sharding`). The tokenizer is the
+checkpoint's: `--config=configs/qwen3_30b_a3b.py:/path/to/Qwen3-30B-A3B` (the HF directory),
+or `--config.task.tokenizer=...`. Not run on CI."""
 
 import ml_collections
 
 from configs import quickstart
 
 
-def get_config() -> ml_collections.ConfigDict:
+def get_config(hf_dir: str | None = None) -> ml_collections.ConfigDict:
+  """hf_dir: the local HF checkpoint directory whose tokenizer the run uses."""
   c = quickstart.get_config()
   c.model = ml_collections.ConfigDict(dict(preset="qwen3_30b_a3b", dtype="bfloat16",
                                            guidance_mode="compact", moe_impl="tiled"))
-  c.task = ml_collections.ConfigDict(dict(name="gsm8k", kwargs=dict()))
+  c.task = ml_collections.ConfigDict(dict(
+      name="gsm8k", kwargs=dict(),
+      tokenizer=hf_dir or ml_collections.config_dict.placeholder(str)))
   c.max_prompt_len = 512
   c.seq_len = 2048
   c.sft.steps = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -30,3 +31,36 @@ def torch_device() -> Any:
   """The torch device of the twin tests: env TRACE_TORCH_DEVICE (default "cpu")."""
   torch = pytest.importorskip("torch")
   return torch.device(os.environ.get("TRACE_TORCH_DEVICE", "cpu"))
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer(tmp_path_factory) -> Callable[..., str]:
+  """make(bos=False, eos=True) -> directory of a small byte-level BPE HF tokenizer (vocab
+  <= 400) trained on reasoning-task text, as `save_pretrained` lays it out; built once per
+  variant."""
+  built: dict[tuple[bool, bool], str] = {}
+
+  def make(bos: bool = False, eos: bool = True) -> str:
+    if (bos, eos) not in built:
+      import json
+
+      from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+      from trace_jax.rl import tasks
+      task = tasks.get_task("reasoning", difficulty=1)
+      text = [p.prompt + task.demonstration(p) for p in task.sample(0, 300)]
+      tok = Tokenizer(models.BPE())
+      tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+      tok.decoder = decoders.ByteLevel()
+      special = (["<|endoftext|>"] if eos else []) + (["<s>"] if bos else [])
+      tok.train_from_iterator(text, trainers.BpeTrainer(
+          vocab_size=400, special_tokens=special,
+          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+      path = tmp_path_factory.mktemp(f"bpe_bos{int(bos)}_eos{int(eos)}")
+      tok.save(str(path / "tokenizer.json"))
+      cfg = {"eos_token": "<|endoftext|>", **({"bos_token": {"content": "<s>"}} if bos else {})}
+      (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+      built[(bos, eos)] = str(path)
+    return built[(bos, eos)]
+
+  return make

@@ -87,33 +87,10 @@ def test_every_task_text_is_in_vocabulary(name):
         task.demonstration(p)
 
 
-def build_bpe(path, vocab_size: int = 400, bos: bool = False, eos: bool = True) -> str:
-  """A small byte-level BPE trained on task text, saved as an HF tokenizer directory."""
-  import json
-  import os
-
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  task = tasks.get_task("reasoning", difficulty=1)
-  text = [p.prompt + task.demonstration(p) for p in task.sample(0, 300)]
-  tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  special = (["<|endoftext|>"] if eos else []) + (["<s>"] if bos else [])
-  tok.train_from_iterator(text, trainers.BpeTrainer(
-      vocab_size=vocab_size, special_tokens=special,
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  os.makedirs(path, exist_ok=True)
-  tok.save(os.path.join(path, "tokenizer.json"))
-  cfg = {"eos_token": "<|endoftext|>", **({"bos_token": {"content": "<s>"}} if bos else {})}
-  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-    json.dump(cfg, f)
-  return str(path)
-
-
 @pytest.mark.parametrize("bos", [False, True], ids=["no_bos", "bos"])
-def test_hf_tokenizer_directory(tmp_path, bos):
+def test_hf_tokenizer_directory(bpe_tokenizer, bos):
   from trace_jax.rl.tokenizer import HFTokenizer, make_tokenizer
-  tok = make_tokenizer(build_bpe(tmp_path / "tok", bos=bos))
+  tok = make_tokenizer(bpe_tokenizer(bos=bos))
   assert isinstance(tok, HFTokenizer)
   text = "Ava has 7 apples.\n7+5=12\n#### 12"
   ids = tok.encode(text)
@@ -124,11 +101,11 @@ def test_hf_tokenizer_directory(tmp_path, bos):
   assert 256 < tok.vocab_size <= 400
 
 
-def test_hf_tokenizer_errors(tmp_path):
+def test_hf_tokenizer_errors(tmp_path, bpe_tokenizer):
   from trace_jax.rl.tokenizer import CharTokenizer as Char
   from trace_jax.rl.tokenizer import make_tokenizer
   assert isinstance(make_tokenizer(None), Char) and isinstance(make_tokenizer("char"), Char)
   with pytest.raises(FileNotFoundError, match="no HF tokenizer"):
     make_tokenizer(str(tmp_path / "missing"))
   with pytest.raises(ValueError, match="end-of-sequence"):
-    make_tokenizer(build_bpe(tmp_path / "no_eos", eos=False))
+    make_tokenizer(bpe_tokenizer(eos=False))

@@ -10,7 +10,7 @@ from trace_jax.rl.tasks import get_task
 from trace_jax.rl.tokenizer import CharTokenizer
 from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import SamplingParams
-from trace_jax.train import episodes, mismatch, rl_loop, scoring
+from trace_jax.train import episodes, mismatch, scoring, task_io
 
 CFG = model_lib.tiny(vocab_size=100)
 
@@ -55,7 +55,7 @@ def test_multi_turn_records_are_the_transcripts_rows(params):
   eng = InProcessEngine(params, cfg, audit_fraction=1.0, max_batch=4)
   task = get_task("long_horizon", max_number=7)
   tok = CharTokenizer()
-  io = rl_loop.TaskIO(task, tok)
+  io = task_io.TaskIO(task, tok)
   problems, prompts = io.prompts(3, 3)
   sp = [SamplingParams(max_new_tokens=10, temperature=1.0, seed=i) for i in range(3)]
   eps = episodes.play(eng, task, tok, problems, prompts, sp, record=True)

@@ -20,7 +20,7 @@ from absl import logging
 from trace_jax.io import hf, orbax_ckpt
 from trace_jax.model import policies as policies_lib
 from trace_jax.model.config import ModelConfig
-from trace_jax.train import rl_loop
+from trace_jax.train import rl_loop, task_io
 
 
 class HttpWeightSync:
@@ -199,7 +199,7 @@ def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
 def posthoc_fp4(cfg, sft_params: Any, finals: dict[int, Any]) -> dict[str, Any]:
   """SFT and final bf16 weights, quantized post hoc: greedy eval through the FP4 engine."""
   from trace_jax.rollout.engine import InProcessEngine
-  io = rl_loop.make_task_io(cfg)
+  io = task_io.make_task_io(cfg)
   engine = InProcessEngine(sft_params, rl_loop.model_config(cfg, "fp4_rtn"),
                            record_guidance=False, max_batch=cfg.eval.num_prompts,
                            min_prompt_len=cfg.max_prompt_len)

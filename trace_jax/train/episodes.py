@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from trace_jax.rl.tokenizer import EOS_ID, TextTokenizer, encode_ids
+from trace_jax.rl.tokenizer import TextTokenizer, encode_ids
 from trace_jax.rollout.protocol import RolloutEngine, Sample, SamplingParams
 
 
@@ -44,6 +44,7 @@ def play(engine: RolloutEngine, task: Any, tok: TextTokenizer, problems: Sequenc
   meta["reward"] is the environment's final reward.
   """
   newline = encode_ids(tok, "\n")
+  eos = int(tok.eos_id)
   n = len(prompts)
   session = None
   if callable(getattr(engine, "open_session", None)):
@@ -59,7 +60,7 @@ def play(engine: RolloutEngine, task: Any, tok: TextTokenizer, problems: Sequenc
   while live := [i for i in range(n) if not states[i].done]:
     calls = [SamplingParams(
         max_new_tokens=sampling[i].max_new_tokens, temperature=sampling[i].temperature,
-        top_p=sampling[i].top_p, top_k=sampling[i].top_k, stop_token_ids=(*newline, EOS_ID),
+        top_p=sampling[i].top_p, top_k=sampling[i].top_k, stop_token_ids=(*newline, eos),
         seed=None if sampling[i].seed is None else sampling[i].seed + turn) for i in live]
     if session is not None:
       out = engine.extend(session, live, [chunks[i] for i in live], calls)
@@ -68,7 +69,7 @@ def play(engine: RolloutEngine, task: Any, tok: TextTokenizer, problems: Sequenc
     for i, s in zip(live, out):
       if s.guidance:
         turn_batches[s.guidance["batch_id"]] = None
-      action = tok.decode([t for t in s.tokens if t != EOS_ID]).split("\n", 1)[0]
+      action = tok.decode([t for t in s.tokens if t != eos]).split("\n", 1)[0]
       states[i], obs = task.step(states[i], action)
       obs_ids = encode_ids(tok, obs)
       tokens[i] += list(s.tokens) + obs_ids
@@ -76,7 +77,7 @@ def play(engine: RolloutEngine, task: Any, tok: TextTokenizer, problems: Sequenc
       masks[i] += [1] * len(s.tokens) + [0] * len(obs_ids)
       chunks[i] = obs_ids
     turn += 1
-  episodes = [Sample(prompt=list(prompts[i]), tokens=tokens[i] + [EOS_ID],
+  episodes = [Sample(prompt=list(prompts[i]), tokens=tokens[i] + [eos],
                      logprobs=logps[i] + [0.0], finish_reason="stop",
                      meta={"loss_mask": masks[i] + [0], "reward": task.final_reward(states[i]),
                            "turn_guidance_batches": list(turn_batches)}) for i in range(n)]

@@ -32,15 +32,13 @@ from trace_jax.io import guidance_store
 from trace_jax.model import policies, sharding
 from trace_jax.model.config import ModelConfig
 from trace_jax.rl import advantages as adv_lib
-from trace_jax.rl.tasks import get_task
-from trace_jax.rl.tasks.long_horizon import demonstration_episode
-from trace_jax.rl.tokenizer import BOS_ID, EOS_ID, CharTokenizer
 from trace_jax.rollout import guidance_layout
 from trace_jax.rollout.engine import InProcessEngine
-from trace_jax.rollout.protocol import RolloutEngine, Sample, SamplingParams
+from trace_jax.rollout.protocol import RolloutEngine, Sample
 from trace_jax.train import batch as batch_lib
 from trace_jax.train import episodes, mismatch
 from trace_jax.train import step as step_lib
+from trace_jax.train.task_io import TaskIO, make_task_io
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +75,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if section not in cfg:
       raise ValueError(f"config has no `{section}` section")
   mc = model_config(cfg)
-  tok = CharTokenizer()
+  tok = make_task_io(cfg).tok  # raises on a missing tokenizer directory
   if mc.vocab_size < tok.vocab_size:
     raise ValueError(f"model.vocab_size={mc.vocab_size} is smaller than the tokenizer's "
-                     f"{tok.vocab_size}")
+                     f"{tok.vocab_size} (task.tokenizer={cfg.task.get('tokenizer', None)!r})")
   for p in cfg.policies:
     spec = policies.parse(p)  # raises on unknown policies and options
     for forward in (spec.policy.rollout, spec.policy.train):
@@ -95,7 +93,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                      f"{cfg.rl.group_size}")
   if cfg.rl.is_mode not in ("truncate", "mask", "none"):
     raise ValueError(f"rl.is_mode must be truncate|mask|none, got {cfg.rl.is_mode!r}")
-  get_task(cfg.task.name, **dict(cfg.task.get("kwargs", {})))
   check_lengths(cfg)
 
 
@@ -181,52 +178,6 @@ class Seeds:
     return _seed(self.rl, 4, step, i)
 
 
-# ------------------------------------------------------------------------------ task plumbing
-
-@dataclasses.dataclass
-class TaskIO:
-  """A task with the tokenizer: prompts to ids, completions to text and rewards."""
-  task: Any
-  tok: CharTokenizer
-
-  def prompts(self, seed: int, n: int) -> tuple[list[Any], list[list[int]]]:
-    problems = self.task.sample(seed, n)
-    return problems, [[BOS_ID] + list(self.tok.encode(p.prompt)) for p in problems]
-
-  def text(self, tokens: list[int]) -> str:
-    """Completion text; ids past the tokenizer's vocabulary (a larger model vocab) read '?'."""
-    return "".join(self.tok.decode([t]) if t < self.tok.vocab_size else "?"
-                   for t in tokens if t != EOS_ID)
-
-  def rewards(self, problems: list[Any], samples: list[Sample]) -> np.ndarray:
-    if episodes.is_environment(self.task):  # the environment scored the episode as it ran
-      return np.asarray([s.meta["reward"] for s in samples], np.float32)
-    return np.asarray([self.task.reward(p, self.text(s.tokens))
-                       for p, s in zip(problems, samples)], np.float32)
-
-  def generate(self, engine: RolloutEngine, problems: list[Any], prompts: list[list[int]],
-               sampling: list[SamplingParams], record: bool = False) -> list[Sample]:
-    """One completion per prompt, or one played episode for environment tasks (`episodes`)."""
-    if episodes.is_environment(self.task):
-      return episodes.play(engine, self.task, self.tok, problems, prompts, sampling,
-                           record=record)
-    return engine.generate(prompts, sampling)
-
-  def demonstrations(self, problems: list[Any], prompts: list[list[int]]
-                     ) -> tuple[list[list[int]], list[list[int]] | None]:
-    """SFT targets after each prompt (+ EOS), and for environment tasks their loss masks."""
-    if not episodes.is_environment(self.task):
-      return [list(self.tok.encode(self.task.demonstration(p))) + [EOS_ID]
-              for p in problems], None
-    eps = [demonstration_episode(self.task, p, self.tok) for p in problems]
-    return ([e.ids[len(pr):].tolist() for e, pr in zip(eps, prompts)],
-            [e.loss_mask[len(pr):].tolist() for e, pr in zip(eps, prompts)])
-
-
-def make_task_io(cfg: ml_collections.ConfigDict) -> TaskIO:
-  return TaskIO(get_task(cfg.task.name, **dict(cfg.task.get("kwargs", {}))), CharTokenizer())
-
-
 # ------------------------------------------------------------------------------ SFT
 
 def run_sft(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True
@@ -262,8 +213,7 @@ def run_sft(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True
 def evaluate(engine: RolloutEngine, io: TaskIO, cfg: ml_collections.ConfigDict) -> float:
   """Mean reward of greedy completions on a fixed prompt set (the same for every policy)."""
   problems, prompts = io.prompts(Seeds(cfg.seed, cfg.seed).eval_prompts(), cfg.eval.num_prompts)
-  sp = SamplingParams(max_new_tokens=cfg.rl.max_new_tokens, temperature=0.0,
-                      stop_token_ids=(EOS_ID,), seed=0)
+  sp = io.sampling(max_new_tokens=cfg.rl.max_new_tokens, temperature=0.0, seed=0)
   samples = io.generate(engine, problems, prompts, [sp] * len(prompts))
   return float(np.mean(io.rewards(problems, samples)))
 
@@ -446,9 +396,9 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
     problems, prompts = io.prompts(seeds.rl_prompts(step), r.prompts_per_step)
     problems = [p for p in problems for _ in range(r.group_size)]
     prompts = [p for p in prompts for _ in range(r.group_size)]
-    sampling = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                               top_p=r.top_p, stop_token_ids=(EOS_ID,),
-                               seed=seeds.rl_sampling(step, i)) for i in range(len(prompts))]
+    sampling = [io.sampling(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                            top_p=r.top_p, seed=seeds.rl_sampling(step, i))
+                for i in range(len(prompts))]
     t_step = t0 = time.perf_counter()
     samples = io.generate(engine, problems, prompts, sampling, record=pol.fp4_rollout)
     rollout_s = time.perf_counter() - t0
