@@ -54,11 +54,11 @@ from starlette.responses import Response, StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from rollout_bridge.batcher import Batcher, BatcherClosed, Job
+from trace_jax.model.config import SITES
 from trace_jax.rollout.protocol import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
-GUIDANCE_SITES = ("moe_in", "expert_mid", "k", "v")
 SEED_LIMIT = 2**32  # the engine builds PRNG keys from uint32 seeds
 INT32_LIMIT = 2**31  # top_k and stop ids travel to the engine as int32
 DEFAULT_MAX_STOP_IDS = 8  # trace_jax.rollout.engine._MAX_STOP_IDS
@@ -652,7 +652,7 @@ class RolloutServer:
         "store": getattr(writer, "root", None) if writer is not None else None,
         "config_hash": getattr(writer, "config_hash", None),
         "mode": cfg.guidance_mode, "guided_layers": list(cfg.guided_layers) if record else [],
-        "sites": list(GUIDANCE_SITES) if record else [], "routing": record,
+        "sites": list(SITES) if record else [], "routing": record,
         "last_batch": None if last is None else {
             k: last[k] for k in ("guidance_batch_id", "guidance_store",
                                  "guidance_bytes_per_token", "prompts", "rows",

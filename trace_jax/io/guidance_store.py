@@ -59,6 +59,7 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
+from trace_jax.model.config import SITES
 from trace_jax.quant.guided import Guidance, bytes_per_row
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,6 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 2  # 2: per-sequence CRC-32 of every array (`seq_crc32`)
 FORMAT = "trace_jax.guidance"
 MANIFEST = "manifest.json"
-SITES = ("moe_in", "expert_mid", "k", "v")
 ROUTING = "routing"
 ON_MISSING = ("error", "fallback")
 # Logical dtype of each field, and the dtype its bytes are stored as.

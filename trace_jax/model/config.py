@@ -11,14 +11,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from trace_jax.quant.formats import FP8_GROUP, NVFP4_BLOCK
+
 # How one forward quantizes (a run pairs a rollout and a training forward: model/policies.py).
 POLICIES = ("bf16", "fp8_unified", "fp4_rtn", "fp4_trace")
 FP4_POLICIES = ("fp4_rtn", "fp4_trace")
 GUIDANCE_MODES = ("compact", "full")
 DTYPES = ("float32", "bfloat16")
 MOE_IMPLS = ("ragged_dot", "tiled")  # trace_jax.model.grouped
-NVFP4_BLOCK = 16
-FP8_GROUP = 128
+# The activation sites an FP4 policy quantizes in each layer (docs/design.md §3), in the order
+# the guidance store and the metrics list them.
+SITES = ("moe_in", "expert_mid", "k", "v")
 
 # HF keys that carry no information for this model but are written for SGLang / transformers.
 _HF_CONSTANTS = {
@@ -203,9 +206,11 @@ class ModelConfig:
     return d
 
   def shape_fields(self) -> dict[str, Any]:
-    """The fields that determine parameter shapes (used to check checkpoint/config agreement)."""
+    """The fields that fix parameter shapes and routing (policy and dtype may differ between
+    checkpoints); used to check checkpoint/config agreement."""
     keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "num_experts", "moe_intermediate_size")
+            "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
+            "moe_intermediate_size")
     return {k: getattr(self, k) for k in keys}
 
 

@@ -22,11 +22,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from trace_jax.model.config import FP4_POLICIES, ModelConfig
+from trace_jax.model.config import FP4_POLICIES, SITES, ModelConfig
 from trace_jax.quant import formats, guided, qat
 from trace_jax.quant.guided import Guidance
 
-SITES = ("moe_in", "expert_mid", "k", "v")
 # guidance[layer][site] -> Guidance; routing[layer] -> int32 [B, S, K].
 GuidanceTree = Mapping[int, Mapping[str, Guidance]]
 
@@ -93,7 +92,7 @@ class Precision:
           guided_rows.reshape(guided_rows.shape + (1,) * (a.ndim - guided_rows.ndim)), a, b)
       q = jax.tree.map(pick, q, rtn())
     y = formats.nvfp4_dequantize(q).astype(x.dtype)
-    return (y if self.record else _straight_through(x, y)), guided.record(q, self.tap_mode)
+    return (y if self.record else qat.straight_through(x, y)), guided.record(q, self.tap_mode)
 
   def site(self, layer: int, name: str, x: jax.Array, row_order: jax.Array | None = None,
            tap_shape: tuple[int, ...] | None = None, experts: jax.Array | None = None,
@@ -181,20 +180,3 @@ def match_experts(experts: jax.Array, rollout_experts: jax.Array
   """Per slot [..., K]: the rollout slot that routed the same expert, and whether one did."""
   eq = experts[..., :, None] == rollout_experts[..., None, :].astype(experts.dtype)
   return jnp.argmax(eq, axis=-1), jnp.any(eq, axis=-1)
-
-
-@jax.custom_vjp
-def _straight_through(x: jax.Array, y: jax.Array) -> jax.Array:
-  """y in the forward; the cotangent goes to x, rounded to BF16 as `qat` does."""
-  return y
-
-
-def _st_fwd(x, y):
-  return y, jnp.zeros((), x.dtype)
-
-
-def _st_bwd(like, g):
-  return g.astype(qat.GRAD_DTYPE).astype(like.dtype), None
-
-
-_straight_through.defvjp(_st_fwd, _st_bwd)

@@ -67,20 +67,31 @@ def _round_cotangent(g: jax.Array, dtype: jnp.dtype) -> jax.Array:
   return g.astype(GRAD_DTYPE).astype(dtype)
 
 
-def _straight_through(qdq: Callable[..., jax.Array], n_aux: int = 0) -> Callable[..., jax.Array]:
-  """Wraps qdq(x, *aux) as a custom_vjp with identity (BF16) gradient for x, none for aux."""
+@jax.custom_vjp
+def straight_through(x: jax.Array, y: jax.Array) -> jax.Array:
+  """y in the forward (x's fake-quantized value); the cotangent goes to x unchanged but
+  rounded to BF16 (`_round_cotangent`), none to y. The one straight-through rule of the
+  project: the fake-quant ops below and the model's tapped sites (`model/precision.py`)."""
+  return y
 
-  @jax.custom_vjp
+
+def _st_fwd(x, y):
+  return y, jnp.zeros((), x.dtype)
+
+
+def _st_bwd(like, g):
+  return _round_cotangent(g, like.dtype), None
+
+
+straight_through.defvjp(_st_fwd, _st_bwd)
+
+
+def _straight_through(qdq: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """qdq(x, *aux) with `straight_through`'s gradient for x and none for aux."""
+
   def op(x, *aux):
-    return qdq(x, *aux).astype(x.dtype)
+    return straight_through(x, qdq(jax.lax.stop_gradient(x), *aux).astype(x.dtype))
 
-  def fwd(x, *aux):
-    return op(x, *aux), jnp.zeros((), x.dtype)
-
-  def bwd(like, g):
-    return (_round_cotangent(g, like.dtype),) + (None,) * n_aux
-
-  op.defvjp(fwd, bwd)
   return op
 
 
@@ -93,7 +104,7 @@ def _fq_guided_impl(x, block_scale, row_scale, mantissa, codes):
   return formats.nvfp4_dequantize(guided.guided_quantize(x, g))
 
 
-_FQ_GUIDED = _straight_through(_fq_guided_impl, n_aux=4)
+_FQ_GUIDED = _straight_through(_fq_guided_impl)
 
 
 def fake_quant_act(x: jax.Array, fmt: str = "nvfp4") -> jax.Array:

@@ -141,9 +141,9 @@ class InProcessEngine:
     if isinstance(path_or_params, (str, os.PathLike)):
       from trace_jax.io import hf
       config, params = hf.load_hf_checkpoint(os.fspath(path_or_params))
-      mine = dataclasses_shape(self.config)
-      if dataclasses_shape(config) != mine:
-        raise ValueError(f"checkpoint shape {dataclasses_shape(config)} does not match the "
+      mine = self.config.shape_fields()
+      if config.shape_fields() != mine:
+        raise ValueError(f"checkpoint shape {config.shape_fields()} does not match the "
                          f"served model {mine}")
     else:
       params = path_or_params
@@ -180,8 +180,7 @@ class InProcessEngine:
         tap_mode=tap_mode, tap_routing=self.record_routing)
     samples = self._samples(prompts, sampling, gen, logps, n_gen)
     if tap_layers or self.record_routing:
-      for s, h in zip(samples, self._emit([len(s.prompt) + len(s.tokens) - 1
-                                           for s in samples], taps)):
+      for s, h in zip(samples, self._emit([s.num_rows for s in samples], taps)):
         s.guidance = h
     return samples
 
@@ -375,10 +374,3 @@ class Session:
   taps: Any
   lens: np.ndarray
   pending: list[int | None]
-
-
-def dataclasses_shape(config: ModelConfig) -> tuple:
-  """The fields that fix parameter shapes (policy and dtype may differ between checkpoints)."""
-  return (config.vocab_size, config.hidden_size, config.num_hidden_layers,
-          config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-          config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size)

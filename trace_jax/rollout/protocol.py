@@ -80,6 +80,12 @@ class Sample:
   guidance: dict[str, Any] | None = None
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+  @property
+  def num_rows(self) -> int:
+    """Rows of the trainer's forward over prompt + tokens[:-1] (row t predicts token t+1),
+    which are also the rows of the sample's guidance record."""
+    return len(self.prompt) + len(self.tokens) - 1
+
 
 def normalize_request(prompts: Sequence[Sequence[int]],
                       sampling: SamplingParams | Sequence[SamplingParams]

@@ -62,7 +62,7 @@ def rl_batch(samples: Sequence[Sample], advantages: np.ndarray, seq_len: int,
     logp_rollout[i, p - 1:p - 1 + len(s.tokens)] = s.logprobs
   batch["logp_rollout"] = logp_rollout
   batch["advantages"] = np.asarray(advantages, np.float32)
-  counts = [len(s.prompt) + len(s.tokens) - 1 for s in samples]
+  counts = [s.num_rows for s in samples]
   out = {k: jnp.asarray(v) for k, v in batch.items()}
   if guidance:
     out["guidance"] = guidance_layout.pad_tree(guidance, counts, seq_len)

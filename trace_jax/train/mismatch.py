@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-SITES = ("moe_in", "expert_mid", "k", "v")
+from trace_jax.model.config import SITES
 
 
 def unpack_codes(packed: Any) -> np.ndarray:

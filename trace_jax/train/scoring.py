@@ -18,27 +18,10 @@ import numpy as np
 from trace_jax.model.config import ModelConfig
 from trace_jax.rollout import guidance_layout
 from trace_jax.rollout.engine import bucket
+from trace_jax.train import batch as batch_lib
 from trace_jax.train import step as step_lib
 
 _MIN_SEQ_BUCKET = 16
-
-
-def pack_sequences(sequences: Sequence[Sequence[int]], seq_len: int | None = None
-                   ) -> tuple[np.ndarray, np.ndarray, list[int]]:
-  """Inputs tokens[:-1] and targets tokens[1:], right-padded to a bucketed length.
-
-  Returns (inputs [B, S], targets [B, S], counts) with counts[i] = len(seq_i) - 1 rows.
-  """
-  counts = [len(s) - 1 for s in sequences]
-  if min(counts) < 1:
-    raise ValueError("every sequence needs at least 2 tokens to be scored")
-  s = seq_len or bucket(max(counts), _MIN_SEQ_BUCKET)
-  inputs = np.zeros((len(sequences), s), np.int32)
-  targets = np.zeros((len(sequences), s), np.int32)
-  for i, seq in enumerate(sequences):
-    inputs[i, :counts[i]] = seq[:-1]
-    targets[i, :counts[i]] = seq[1:]
-  return inputs, targets, counts
 
 
 @functools.partial(jax.jit, static_argnames=("config", "tap_layers", "tap_mode", "replay"))
@@ -60,8 +43,12 @@ def score(params: Any, config: ModelConfig, sequences: Sequence[Sequence[int]], 
   guidance to experts; replayed when `replay`). Returns {"logprobs": list of np arrays
   (len(seq) - 1 each), "taps": {layer: {site: ragged rows}}, "counts": rows per sequence}.
   """
-  inputs, targets, counts = pack_sequences(sequences)
-  s = inputs.shape[1]
+  counts = [len(seq) - 1 for seq in sequences]
+  if min(counts) < 1:
+    raise ValueError("every sequence needs at least 2 tokens to be scored")
+  s = bucket(max(counts), _MIN_SEQ_BUCKET)
+  b = batch_lib.sequence_batch(sequences, [[]] * len(sequences), s)
+  inputs, targets = b["inputs"], b["targets"]
   g = guidance_layout.pad_tree(guidance, counts, s) if guidance else {}
   r = ({int(k): guidance_layout.pad_routing(v, counts, s) for k, v in routing.items()}
        if routing else {})
