@@ -8,6 +8,9 @@ TensorBoard summaries and checkpoints (a killed run resumes where it stopped), a
 whole run a comparison table, `summary.json` and `reward_mismatch.png`. Rollout goes through
 the in-process engine by default, or an HTTP server (ours or SGLang) with --rollout_url.
 --sft_only then --policies=<p> per process splits the policies over processes (README).
+The workdir keeps the config it was started with (`run_config.json`): a launch with another
+config is refused unless --allow_config_change. Mistakes in the config, flags or workdir print
+one line, `error: ...`, and exit 2 (docs/reliability.md).
 """
 
 from collections.abc import Sequence
@@ -15,7 +18,7 @@ from collections.abc import Sequence
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from trace_jax.train import compare
+from trace_jax.train import run_guard
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py",
                                           "Experiment config (.py with get_config()).")
@@ -30,17 +33,24 @@ _NO_PROGRESS = flags.DEFINE_bool("no_progress", False, "Disable progress bars.")
 _SFT_ONLY = flags.DEFINE_bool(
     "sft_only", False, "Run (or load) the SFT warm start into workdir/sft and stop, so that "
     "policies can then run as separate processes with --policies on the same workdir.")
+_ALLOW_CHANGE = flags.DEFINE_bool(
+    "allow_config_change", False, "Continue a workdir started with another config (its "
+    "run_config.json records the change) instead of refusing.")
 
 
 def main(argv: Sequence[str]) -> None:
   del argv
   if not flags.FLAGS["verbosity"].present:  # progress bars and the table; -v 0 for INFO logs
     logging.set_verbosity(logging.WARNING)
+  # Imported here: flag and config-file errors are reported before JAX loads (~4 s).
+  from trace_jax.train import compare
   cfg = _CONFIG.value
   policies = [] if _SFT_ONLY.value else (_POLICIES.value or list(cfg.policies))
-  compare.run(cfg, _WORKDIR.value, policies, _SFT_CKPT.value, _ROLLOUT_URL.value,
-              _API_KEY.value, progress=not _NO_PROGRESS.value)
+  with run_guard.exit_on_errors():
+    compare.run(cfg, _WORKDIR.value, policies, _SFT_CKPT.value, _ROLLOUT_URL.value,
+                _API_KEY.value, progress=not _NO_PROGRESS.value,
+                allow_config_change=_ALLOW_CHANGE.value)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=run_guard.flags_parser(_CONFIG))

@@ -5,7 +5,7 @@ import json
 import os
 
 from tests.train.test_rl_loop import tiny_cfg
-from trace_jax.train import compare
+from trace_jax.train import compare, run_guard
 from trace_jax.train import step as step_lib
 
 
@@ -27,6 +27,35 @@ def test_split_run_then_summary(tmp_path):
   assert set(first["policies"]["bf16"]) >= set(compare.SUMMARY_KEYS)
   assert (tmp_path / "reward_mismatch.png").stat().st_size > 10_000
   assert (tmp_path / "bf16" / "seed0" / "evals.csv").read_text().count("\n") == 1 + 2  # 0, 2
+  assert first["fingerprint"] and first["config_changes"] == []
+  _refuses_another_config(cfg, tmp_path)
+
+
+def _refuses_another_config(cfg, tmp_path) -> None:
+  """The finished workdir of test_split_run_then_summary launched again with another config:
+  refused before anything runs (the summary is not rewritten), unless allowed."""
+  import pytest
+  work, summary = str(tmp_path), (tmp_path / "summary.json").read_text()
+  for field, value, shown in [("seed", 1, "seed: 0 -> 1"),
+                              ("hidden_size", 256, "model.hidden_size: 128 -> 256")]:
+    other = tiny_cfg()
+    other.rl.steps, other.policies = cfg.rl.steps, cfg.policies
+    (other.model if field == "hidden_size" else other)[field] = value
+    with pytest.raises(run_guard.ConfigMismatchError, match=shown):
+      compare.run(other, work, ["bf16"], progress=False)
+  assert (tmp_path / "summary.json").read_text() == summary
+  # A workdir from before run_config.json: the saved warm start's shapes still refuse.
+  os.remove(tmp_path / run_guard.FILE)
+  with pytest.raises(run_guard.UserError, match=r"warm start .*sft is of another model "
+                     r"\(model.hidden_size: 128 -> 256\)"):
+    compare.preflight(other, work, ["bf16"])
+  assert not (tmp_path / run_guard.FILE).exists()  # a refused launch records nothing
+  compare.preflight(cfg, work, ["bf16"])
+  # Allowed: the run goes on, and the summary says the config changed.
+  other = tiny_cfg()
+  other.rl.steps, other.policies, other.rl.lr = cfg.rl.steps, cfg.policies, 2 * cfg.rl.lr
+  out = compare.run(other, work, ["bf16"], progress=False, allow_config_change=True)
+  assert out["config_changes"][-1]["fields"] == {"rl.lr": [cfg.rl.lr, 2 * cfg.rl.lr]}
 
 
 def test_unknown_policy_fails_before_the_warm_start(tmp_path):

@@ -2,9 +2,13 @@
 
 import importlib
 import json
+import logging
+import shutil
 
 import jax
+import ml_collections
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from configs import quickstart
@@ -121,25 +125,139 @@ def test_resume_after_kill_is_bitwise_identical(start_params, tmp_path):
   assert evals == full["evals"]
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("policies", ("bf16", "fp5"), "policy"),
-    ("rl.group_size", 1, "group_size"),
-    ("rl.is_mode", "clip", "is_mode"),
-    ("model.vocab_size", 50, "vocab_size"),
-    ("max_prompt_len", 64, r"rl step 0 has a prompt of \d+ tokens > max_prompt_len=64"),
-    ("seq_len", 100, "seq_len=100 cannot hold"),
-], ids=["unknown_policy", "group_of_one", "bad_is_mode", "vocab_too_small",
-        "prompt_longer_than_max_prompt_len", "seq_len_below_prompt_plus_completion"])
-def test_validate_rejects_bad_configs(field, value, match):
-  cfg = tiny_cfg()
-  rl_loop.validate(cfg)
-  node = cfg
+def _truncate_arrays(step_dir) -> int:
+  """Cuts every array data file of a checkpoint step to half its size (a torn write)."""
+  files = [f for f in step_dir.rglob("*") if f.is_file() and f.parent.name == "d"]
+  for f in files:
+    data = f.read_bytes()
+    f.write_bytes(data[:len(data) // 2])
+  return len(files)
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(start_params, tmp_path,
+                                                                   caplog):
+  """A finished run whose newest checkpoint (step 3) has torn array files: the next launch
+  warns naming the step, moves it aside and counts it, resumes from step 2, and ends bitwise
+  equal to the uninterrupted run."""
+  cfg = tiny_cfg()  # checkpoint_every=1, 2 kept: steps 2 and 3
+  full = rl_loop.run_rl(cfg, str(tmp_path / "full"), "bf16", start_params, progress=False)
+  shutil.copytree(tmp_path / "full", tmp_path / "torn")
+  assert _truncate_arrays(tmp_path / "torn" / "ckpt" / "3") > 0
+  with caplog.at_level(logging.WARNING, logger=rl_loop.__name__):
+    again = rl_loop.run_rl(cfg, str(tmp_path / "torn"), "bf16", start_params, progress=False)
+  assert "checkpoint step 3 in" in caplog.text and "does not restore" in caplog.text
+  assert "resuming from step 2" in caplog.text
+  for a, b in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(again["state"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  strip = lambda h: [{k: v for k, v in r.items() if k not in rl_loop.TIMING_KEYS} for r in h]
+  assert strip(again["history"]) == strip(full["history"]) and again["evals"] == full["evals"]
+  summary = json.loads((tmp_path / "torn" / "history.json").read_text())["summary"]
+  assert summary["checkpoint_fallbacks"] == 1 and full["summary"]["checkpoint_fallbacks"] == 0
+  assert [p.name.split("-")[0] for p in (tmp_path / "torn" / rl_loop.CORRUPT_DIR).iterdir()] == [
+      "3"]
+  assert sorted(int(p.name) for p in (tmp_path / "torn" / "ckpt").iterdir()) == [2, 3]
+
+
+def test_no_restorable_checkpoint_is_a_clear_error(tmp_path):
+  """Every step unreadable (or of other shapes): CheckpointRestoreError naming each step and
+  why, and nothing moved aside."""
+  state = {"w": np.zeros(4, np.float32)}
+  mgr = rl_loop._checkpointer(str(tmp_path / "ckpt"), keep=2)
+  for step in (1, 2):
+    mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                           meta=ocp.args.JsonSave({"history": []})))
+  mgr.wait_until_finished()
+  _truncate_arrays(tmp_path / "ckpt" / "2")
+  other_shape = {"w": np.zeros(5, np.float32)}  # step 1 is intact, but of another shape
+  with pytest.raises(rl_loop.CheckpointRestoreError,
+                     match=r"no checkpoint in .* restores: step 2: .*; step 1: ") as e:
+    rl_loop.restore_latest(mgr, other_shape, str(tmp_path / "aside"))
+  assert "\n" not in str(e.value)
+  assert not (tmp_path / "aside").exists() and mgr.all_steps() == [1, 2]
+  step, restored, meta = rl_loop.restore_latest(mgr, state, str(tmp_path / "aside"))
+  assert step == 1 and meta == {"history": []} and (tmp_path / "aside").is_dir()
+  mgr.close()
+
+
+def _with(cfg: ml_collections.ConfigDict, field: str, value) -> ml_collections.ConfigDict:
+  """cfg with `field` (dotted) set to value, whatever its type (a config file could hold it;
+  ConfigDict refuses to change a field's type in place)."""
+  d = cfg.to_dict()
+  node = d
   *path, last = field.split(".")
   for p in path:
     node = node[p]
   node[last] = value
+  return ml_collections.ConfigDict(d)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("policies", ("bf16", "fp5"), "policy"),
+    ("rl.group_size", 1, r"rl.group_size must be an int >= 2 .*got 1"),
+    ("rl.is_mode", "clip", "rl.is_mode must be truncate|mask|none, got 'clip'"),
+    ("model.vocab_size", 50, "vocab_size"),
+    ("max_prompt_len", 64, r"rl step 0 has a prompt of \d+ tokens > max_prompt_len=64"),
+    ("seq_len", 100, "seq_len=100 cannot hold"),
+    ("rl.steps", -1, "rl.steps must be an int >= 1, got -1"),
+    ("rl.steps", 0, "rl.steps must be an int >= 1, got 0"),
+    ("rl.steps", 2.5, "rl.steps must be an int >= 1, got 2.5"),
+    ("rl.steps", True, "rl.steps must be an int >= 1, got True"),
+    ("sft.steps", -1, "sft.steps must be an int >= 0, got -1"),
+    ("sft.batch_size", 0, "sft.batch_size must be an int >= 1, got 0"),
+    ("sft.lr", 0.0, r"sft.lr must be a finite number > 0, got 0.0"),
+    ("sft.warmup_steps", -1, "sft.warmup_steps must be an int >= 0, got -1"),
+    ("sft.weight_decay", -0.1, r"sft.weight_decay must be a finite number >= 0, got -0.1"),
+    ("rl.lr", -1.0, r"rl.lr must be a finite number > 0, got -1.0"),
+    ("rl.lr", float("nan"), r"rl.lr must be a finite number > 0, got nan"),
+    ("rl.warmup_steps", -3, "rl.warmup_steps must be an int >= 0, got -3"),
+    ("rl.weight_decay", -1.0, "rl.weight_decay must be a finite number >= 0"),
+    ("rl.prompts_per_step", 0, "rl.prompts_per_step must be an int >= 1, got 0"),
+    ("rl.max_new_tokens", 0, "rl.max_new_tokens must be an int >= 1, got 0"),
+    ("rl.temperature", 0.0, r"rl.temperature must be a finite number > 0, got 0.0"),
+    ("rl.top_p", 0.0, r"rl.top_p must be a number in \(0, 1\], got 0.0"),
+    ("rl.top_p", 1.5, r"rl.top_p must be a number in \(0, 1\], got 1.5"),
+    ("rl.clip_eps", 0.0, "rl.clip_eps must be a finite number > 0"),
+    ("rl.is_cap", -5.0, "rl.is_cap must be a finite number > 0"),
+    ("rl.aux_loss_coef", -0.1, "rl.aux_loss_coef must be a finite number >= 0"),
+    ("rl.audit_fraction", 1.5, r"rl.audit_fraction must be a number in \[0, 1\], got 1.5"),
+    ("rl.on_missing_guidance", "skip", "rl.on_missing_guidance must be error|fallback"),
+    ("eval.num_prompts", 0, "eval.num_prompts must be an int >= 1, got 0"),
+    ("eval.every", 0, "eval.every must be an int >= 1, got 0"),
+    ("checkpoint_every", 0, "checkpoint_every must be an int >= 1, got 0"),
+    ("seq_len", 0, "seq_len must be an int >= 1, got 0"),
+    ("max_prompt_len", -1, "max_prompt_len must be an int >= 1, got -1"),
+], ids=["unknown_policy", "group_of_one", "bad_is_mode", "vocab_too_small",
+        "prompt_longer_than_max_prompt_len", "seq_len_below_prompt_plus_completion",
+        "rl_steps_negative", "rl_steps_zero", "rl_steps_float", "rl_steps_bool",
+        "sft_steps_negative", "sft_batch_zero", "sft_lr_zero", "sft_warmup_negative",
+        "sft_weight_decay_negative", "rl_lr_negative", "rl_lr_nan", "rl_warmup_negative",
+        "rl_weight_decay_negative", "prompts_per_step_zero", "max_new_tokens_zero",
+        "temperature_zero_is_greedy", "top_p_zero", "top_p_above_one", "clip_eps_zero",
+        "is_cap_negative", "aux_loss_coef_negative", "audit_fraction_above_one",
+        "unknown_on_missing_guidance", "eval_prompts_zero", "eval_every_zero",
+        "checkpoint_every_zero", "seq_len_zero", "max_prompt_len_negative"])
+def test_validate_rejects_bad_configs(field, value, match):
+  rl_loop.validate(tiny_cfg())
   with pytest.raises(ValueError, match=match):
+    rl_loop.validate(_with(tiny_cfg(), field, value))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("sft.steps", 0), ("rl.top_p", 1.0), ("rl.audit_fraction", 0.0), ("rl.warmup_steps", 0),
+    ("rl.weight_decay", 0.0), ("rl.steps", 1),
+], ids=["no_sft", "top_p_one", "no_audit", "no_warmup", "no_weight_decay", "one_rl_step"])
+def test_validate_accepts_edge_values(field, value):
+  rl_loop.validate(_with(tiny_cfg(), field, value))
+
+
+def test_validate_names_every_bad_field_at_once():
+  cfg = _with(_with(_with(tiny_cfg(), "rl.steps", -1), "sft.steps", -1), "rl.lr", -1.0)
+  del cfg.rl["clip_eps"]
+  with pytest.raises(ValueError) as e:
     rl_loop.validate(cfg)
+  assert str(e.value) == ("sft.steps must be an int >= 0, got -1; rl.steps must be an int >= 1, "
+                          "got -1; rl.lr must be a finite number > 0, got -1.0; config has no "
+                          "`rl.clip_eps`")
 
 
 @pytest.mark.parametrize("name", ["quickstart", "small_h200", "qwen3_30b_a3b", "long_horizon"])

@@ -3,11 +3,13 @@
 `run` is what `experiments/train_rl.py` runs. Each (policy, seed) run lives in
 `workdir/<policy>/seed<s>` and resumes from its checkpoints, so policies may run as separate
 processes on one workdir (after a warm-start-only call) and a last call writes the table,
-`summary.json` and the plot.
+`summary.json` and the plot. The workdir's `run_config.json` (`run_guard`) ties it to one
+config: every launch is checked against it before anything runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -17,10 +19,11 @@ import jax
 import numpy as np
 from absl import logging
 
+from trace_jax import model as model_lib
 from trace_jax.io import hf, orbax_ckpt
 from trace_jax.model import policies as policies_lib
 from trace_jax.model.config import ModelConfig
-from trace_jax.train import rl_loop, task_io
+from trace_jax.train import rl_loop, run_guard, task_io
 
 
 class HttpWeightSync:
@@ -54,7 +57,7 @@ POSTHOC = "posthoc_fp4"  # the bf16 run's weights evaluated through the FP4 engi
 
 def run(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None = None,
         rollout_url: str | None = None, api_key: str | None = None,
-        progress: bool = True) -> dict[str, Any]:
+        progress: bool = True, allow_config_change: bool = False) -> dict[str, Any]:
   """The whole experiment; returns the summary dict also written to summary.json.
 
   One SFT warm start (`cfg.seed`), then for every policy one GRPO run per RL seed
@@ -63,11 +66,9 @@ def run(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None =
   eval over the SFT start with its standard error, and the per-seed summaries. With bf16 in
   the run (and `eval.posthoc_fp4`, default on), it adds `posthoc_fp4`: the SFT and final bf16
   weights evaluated greedily through the FP4 engine (FP4 after the fact, no QAT at all).
+  Launch mistakes raise `run_guard.UserError` before anything runs (`preflight`).
   """
-  rl_loop.validate(cfg)
-  for p in policies:
-    policies_lib.parse(p)  # unknown --policies fail here, before the warm start
-  os.makedirs(workdir, exist_ok=True)
+  preflight(cfg, workdir, policies, sft_checkpoint, allow_config_change)
   params, sft_history = warm_start(cfg, workdir, sft_checkpoint, progress)
   if not policies:
     return {"policies": {}, "sft": {"history": sft_history}}
@@ -90,6 +91,44 @@ def run(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None =
   return report(cfg, workdir, policies, sft_history)
 
 
+def preflight(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None = None,
+              allow_config_change: bool = False) -> None:
+  """Every launch mistake, before the warm start: raises run_guard.UserError.
+
+  The config (`rl_loop.validate`) and --policies; the workdir's fingerprint (a workdir holds
+  one config's runs; --allow_config_change continues it under another); the saved warm start
+  (workdir/sft, or --sft_checkpoint) has the config's parameter shapes.
+  """
+  with run_guard.user_input():
+    rl_loop.validate(cfg)
+    for p in policies:
+      policies_lib.parse(p)  # unknown --policies fail here, before the warm start
+  sft = os.path.abspath(sft_checkpoint) if sft_checkpoint else None
+  check = lambda: run_guard.check_workdir(workdir, cfg, launch={"sft_checkpoint": sft},
+                                          allow_change=allow_config_change)
+  if run_guard.read(workdir) is not None:
+    check()  # names every field that differs from the workdir's config
+  start = sft or os.path.join(workdir, "sft")
+  if os.path.isdir(start):
+    with run_guard.user_input():
+      check_warm_start(cfg, start)
+  check()  # a first launch records its config only once nothing refused it
+
+
+def check_warm_start(cfg, path: str) -> None:
+  """Raises ValueError when the orbax checkpoint at `path` has other parameter shapes than the
+  config's model (another width, depth, vocabulary...), naming the differing fields."""
+  saved = orbax_ckpt.read_orbax_config(path)
+  want = rl_loop.model_config(cfg, "bf16")
+  shapes = lambda c: {k: tuple(v.shape) for k, v in
+                      orbax_ckpt.flatten_params(model_lib.abstract_params(c)).items()}
+  if shapes(saved) != shapes(want):
+    old, new = dataclasses.asdict(saved), dataclasses.asdict(want)
+    fields = {f"model.{k}": (old[k], new[k]) for k in old if old[k] != new[k]}
+    raise ValueError(f"the warm start {path} is of another model ({run_guard.describe(fields)})"
+                     f"; use a new --workdir (or a matching --sft_checkpoint)")
+
+
 def report(cfg, workdir: str, policies: Sequence[str],
            sft_history: list[dict[str, float]] | None = None) -> dict[str, Any]:
   """The table, summary.json and plot of whatever runs exist under workdir, from their CSVs.
@@ -110,7 +149,9 @@ def report(cfg, workdir: str, policies: Sequence[str],
       done = os.path.join(d, "history.json")
       if os.path.exists(done):
         with open(done) as f:
-          s["guidance_fallback_batches"] = json.load(f)["summary"]["guidance_fallback_batches"]
+          saved = json.load(f)["summary"]
+        s["guidance_fallback_batches"] = saved["guidance_fallback_batches"]
+        s["checkpoint_fallbacks"] = saved.get("checkpoint_fallbacks", 0)
       per_seed.append(s)
     if per_seed:
       results[policy] = aggregate(per_seed)
@@ -118,8 +159,11 @@ def report(cfg, workdir: str, policies: Sequence[str],
   if os.path.exists(posthoc_path):
     with open(posthoc_path) as f:
       results[POSTHOC] = json.load(f)
+  record = run_guard.read(workdir) or {}
   summary = {"policies": results, "sft": {"history": sft_history or []},
              "config": json.loads(cfg.to_json_best_effort()),
+             "fingerprint": record.get("fingerprint"),
+             "config_changes": record.get("changes", []),
              "devices": [str(d) for d in jax.devices()]}
   _write_json(os.path.join(workdir, "summary.json"), summary)
   plot(workdir, [p for p in policies if p in results], rl_loop.rl_seeds(cfg))

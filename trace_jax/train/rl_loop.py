@@ -1,4 +1,4 @@
-"""SFT warm start and the GRPO loop with rollout-guided FP4 QAT (DESIGN 8).
+"""SFT warm start and the GRPO loop with rollout-guided FP4 QAT (docs/design.md §8).
 
 One RL step: sample prompts (seeded by (seed, step)), roll out G completions each through a
 `RolloutEngine` (in-process by default) that records guidance into the TensorStore guidance
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -36,7 +36,7 @@ from trace_jax.rollout import guidance_layout
 from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import RolloutEngine, Sample
 from trace_jax.train import batch as batch_lib
-from trace_jax.train import episodes, mismatch
+from trace_jax.train import episodes, mismatch, run_guard
 from trace_jax.train import step as step_lib
 from trace_jax.train.task_io import TaskIO, make_task_io
 
@@ -71,9 +71,10 @@ def model_config(cfg: ml_collections.ConfigDict, policy: str | None = None) -> M
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
   """Fails early, with the offending field named, before anything is compiled."""
-  for section in ("model", "task", "sft", "rl"):
+  for section in ("model", "task", "sft", "rl", "eval"):
     if section not in cfg:
       raise ValueError(f"config has no `{section}` section")
+  check_ranges(cfg)
   mc = model_config(cfg)
   tok = make_task_io(cfg).tok  # raises on a missing tokenizer directory
   if mc.vocab_size < tok.vocab_size:
@@ -83,17 +84,76 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     spec = policies.parse(p)  # raises on unknown policies and options
     for forward in (spec.policy.rollout, spec.policy.train):
       model_config(cfg, forward)  # raises on sizes the policy cannot quantize
-  if not 0.0 <= cfg.rl.get("audit_fraction", 1.0) <= 1.0:
-    raise ValueError(f"rl.audit_fraction must be in [0, 1], got {cfg.rl.audit_fraction}")
   seeds = rl_seeds(cfg)
   if not seeds or len(set(seeds)) != len(seeds):
     raise ValueError(f"rl.seeds must be distinct ints, got {seeds}")
-  if cfg.rl.group_size < 2:
-    raise ValueError(f"rl.group_size must be >= 2 for group-normalised advantages, got "
-                     f"{cfg.rl.group_size}")
-  if cfg.rl.is_mode not in ("truncate", "mask", "none"):
-    raise ValueError(f"rl.is_mode must be truncate|mask|none, got {cfg.rl.is_mode!r}")
   check_lengths(cfg)
+
+
+def _is_int(v: Any) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+  return (isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+          and math.isfinite(v))
+
+
+def _int_at_least(lo: int) -> tuple[str, Callable[[Any], bool]]:
+  return f"an int >= {lo}", lambda v: _is_int(v) and v >= lo
+
+
+_POSITIVE = ("a finite number > 0", lambda v: _is_num(v) and v > 0)
+_NON_NEGATIVE = ("a finite number >= 0", lambda v: _is_num(v) and v >= 0)
+# Every numeric or enumerated field of a run and what it must be (`validate` reports all
+# fields out of range in one message). Optional fields (`cfg.x.get`) are checked when present.
+RANGES: tuple[tuple[str, tuple[str, Callable[[Any], bool]]], ...] = (
+    ("seq_len", _int_at_least(1)),
+    ("max_prompt_len", _int_at_least(1)),
+    ("checkpoint_every", _int_at_least(1)),
+    ("sft.steps", _int_at_least(0)),  # 0: RL from the initial weights (or --sft_checkpoint)
+    ("sft.batch_size", _int_at_least(1)),
+    ("sft.lr", _POSITIVE),
+    ("sft.warmup_steps", _int_at_least(0)),
+    ("sft.weight_decay", _NON_NEGATIVE),
+    ("rl.steps", _int_at_least(1)),
+    ("rl.prompts_per_step", _int_at_least(1)),
+    ("rl.group_size", ("an int >= 2 (group-normalised advantages)",
+                       lambda v: _is_int(v) and v >= 2)),
+    ("rl.max_new_tokens", _int_at_least(1)),
+    # 0 would be greedy: every sample of a group alike, no advantage to learn from.
+    ("rl.temperature", _POSITIVE),
+    ("rl.top_p", ("a number in (0, 1]", lambda v: _is_num(v) and 0 < v <= 1)),
+    ("rl.lr", _POSITIVE),
+    ("rl.warmup_steps", _int_at_least(0)),
+    ("rl.weight_decay", _NON_NEGATIVE),
+    ("rl.clip_eps", _POSITIVE),
+    ("rl.is_cap", _POSITIVE),
+    ("rl.aux_loss_coef", _NON_NEGATIVE),
+    ("rl.is_mode", ("truncate|mask|none", lambda v: v in ("truncate", "mask", "none"))),
+    ("rl.on_missing_guidance", ("error|fallback", lambda v: v in ("error", "fallback"))),
+    ("rl.audit_fraction", ("a number in [0, 1]", lambda v: _is_num(v) and 0 <= v <= 1)),
+    ("eval.num_prompts", _int_at_least(1)),
+    ("eval.every", _int_at_least(1)),
+)
+OPTIONAL = ("rl.audit_fraction",)
+_MISSING = object()
+
+
+def check_ranges(cfg: ml_collections.ConfigDict) -> None:
+  """Every field of `RANGES` present (unless optional) and in range; one message for all."""
+  errors = []
+  for path, (what, ok) in RANGES:
+    node: Any = cfg
+    for part in path.split("."):
+      node = node.get(part, _MISSING) if hasattr(node, "get") else _MISSING
+    if node is _MISSING:
+      if path not in OPTIONAL:
+        errors.append(f"config has no `{path}`")
+    elif not ok(node):
+      errors.append(f"{path} must be {what}, got {node!r}")
+  if errors:
+    raise ValueError("; ".join(errors))
 
 
 def check_lengths(cfg: ml_collections.ConfigDict) -> None:
@@ -255,6 +315,75 @@ def _checkpointer(path: str, keep: int) -> ocp.CheckpointManager:
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
 
+# Checkpoint steps that did not restore are moved here (under the run's workdir), so the run
+# saves those steps afresh and a user can inspect them; their number is the run's
+# `checkpoint_fallbacks` (history.json summary).
+CORRUPT_DIR = "ckpt_corrupt"
+
+
+class CheckpointRestoreError(run_guard.RunError):
+  """No checkpoint step of a run restores."""
+
+
+def restore_latest(ckpt: ocp.CheckpointManager, state: Any, corrupt_dir: str
+                   ) -> tuple[int, Any, dict[str, Any]] | None:
+  """(step, state, meta) of the newest checkpoint that restores; None without checkpoints.
+
+  A step that fails to restore (truncated or garbled files) is logged with its error, and the
+  next older one is tried; once one restores, the failed newer steps move to `corrupt_dir`.
+  Raises CheckpointRestoreError, moving nothing, when none restores (a damaged run, or a
+  config whose shapes differ from the checkpoints').
+  """
+  failed: list[tuple[int, str]] = []
+  for step in sorted(ckpt.all_steps(), reverse=True):
+    try:
+      restored = ckpt.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(state), meta=ocp.args.JsonRestore()))
+      _same_shapes(state, restored.state)
+    except Exception as e:  # noqa: BLE001 - whatever broke in this step, an older one may do
+      why = _one_line(e)
+      log.warning("checkpoint step %d in %s does not restore (%s); trying an older step", step,
+                  ckpt.directory, why)
+      failed.append((step, why))
+      continue
+    if failed:
+      os.makedirs(corrupt_dir, exist_ok=True)
+      for bad, _ in failed:
+        dest = os.path.join(corrupt_dir, f"{bad}-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.move(os.path.join(str(ckpt.directory), str(bad)), dest)
+        log.warning("moved the unreadable checkpoint step %d to %s; resuming from step %d",
+                    bad, dest, step)
+      ckpt.reload()
+    return int(step), restored.state, restored.meta
+  if failed:
+    raise CheckpointRestoreError(
+        f"no checkpoint in {ckpt.directory} restores: " +
+        "; ".join(f"step {s}: {why}" for s, why in failed) +
+        " (a config whose shapes differ from the run's fails so too: use a new workdir)")
+  return None
+
+
+def _same_shapes(want: Any, got: Any) -> None:
+  """Raises ValueError unless the restored tree has the template's structure and shapes
+  (orbax restores the stored shapes whatever the template's)."""
+  bad = [jax.tree_util.keystr(k) for (k, a), b in zip(jax.tree_util.tree_leaves_with_path(want),
+                                                      jax.tree.leaves(got))
+         if np.shape(a) != np.shape(b)]
+  if jax.tree.structure(want) != jax.tree.structure(got) or bad:
+    raise ValueError(f"stored shapes differ from the config's at {bad[:3] or 'the structure'}")
+
+
+def checkpoint_fallbacks(workdir: str) -> int:
+  """How many checkpoint steps of the run at `workdir` failed to restore (moved aside)."""
+  path = os.path.join(workdir, CORRUPT_DIR)
+  return len(os.listdir(path)) if os.path.isdir(path) else 0
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+  text = " ".join(f"{type(e).__name__}: {e}".split())
+  return text if len(text) <= limit else f"{text[:limit]}..."
+
+
 class CSVLog:
   """Appends one row per line; survives restarts (rows at or past `keep_below` are dropped)."""
 
@@ -332,12 +461,10 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
   history: list[dict[str, Any]] = []
   evals: list[dict[str, float]] = []
   start = 0
-  if ckpt.latest_step() is not None:
-    start = int(ckpt.latest_step())
-    restored = ckpt.restore(start, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(state), meta=ocp.args.JsonRestore()))
-    state = restored.state
-    history, evals = restored.meta["history"], restored.meta["evals"]
+  restored = restore_latest(ckpt, state, os.path.join(workdir, CORRUPT_DIR))
+  if restored is not None:
+    start, state, meta = restored
+    history, evals = meta["history"], meta["evals"]
     log.info("resumed %s from step %d", workdir, start)
   placed = step_lib.placements(state)
 
@@ -478,8 +605,10 @@ def run_rl(cfg: ml_collections.ConfigDict, workdir: str, policy: str, init_param
     tb.close()
   summary = summarize(history, evals)
   summary["guidance_fallback_batches"] = fallback_batches
-  with open(os.path.join(workdir, "history.json"), "w") as f:
-    json.dump({"history": history, "evals": evals, "summary": summary}, f, indent=1)
+  summary["checkpoint_fallbacks"] = checkpoint_fallbacks(workdir)
+  # Whole or not at all: a summary process may read it while this run writes it.
+  run_guard.write_json(os.path.join(workdir, "history.json"),
+                       {"history": history, "evals": evals, "summary": summary})
   return {"summary": summary, "history": history, "evals": evals, "params": state.params,
           "state": state}
 

@@ -1,0 +1,307 @@
+"""Guards a run's workdir and command line: the run fingerprint, and user errors in one line.
+
+A workdir holds the results of one config. `check_workdir` records the resolved config in
+`<workdir>/run_config.json` at the first launch, with a sha256 of its fingerprinted part (the
+config minus `EXEMPT`); a later launch with another fingerprint is refused with the fields that
+differ, unless the caller allows the change (then the change is logged and kept in the file's
+`changes`). Without it, a resumed run would mix two configs' numbers under the new config's
+name. Processes that share a workdir (`--sft_only`, then one `--policies` process each) take
+an exclusive lock on `run_config.lock`; the first writes the file, the others compare.
+
+The launchers report user errors (`UserError`: a bad config, flag or workdir) as one line,
+`error: <message>`, and exit 2; `RunError` (a fault the run cannot get past, e.g. no
+checkpoint restores) exits 1 the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import reprlib
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NoReturn
+
+log = logging.getLogger(__name__)
+
+FILE = "run_config.json"
+LOCK = "run_config.lock"
+VERSION = 1
+# Config fields a run may change between launches on one workdir (a path covers its subtree).
+EXEMPT = (
+    "policies",                # which runs to do: each (policy, seed) run has its own directory
+    "rl.seeds",                # the same: adding or dropping seeds adds or drops runs
+    "rl.steps",                # extends (or stops early) a run; the LR schedule's decay follows
+                               # the new length from the resume on (kept in `changes`)
+    "eval.every",              # when greedy evals run: they change no training state
+    "eval.posthoc_fp4",        # an extra eval of the bf16 runs after training
+    "checkpoint_every",        # resume is exact from any checkpoint
+    "rl.keep_guidance",        # whether read guidance records stay on disk
+    "rl.on_missing_guidance",  # error or RTN fallback on missing records (counted in summary)
+)
+# The fields a warm start (`experiments.sft`, `workdir/sft`) depends on: top-level sections.
+SFT_SCOPE = ("seed", "model", "task", "sft", "seq_len", "mesh")
+ABSENT = "<absent>"
+
+
+class UserError(ValueError):
+  """A mistake in the launch (config, flags, workdir): reported in one line, exit status 2."""
+
+
+class ConfigMismatchError(UserError):
+  """The workdir holds a run of another config (fingerprint differs)."""
+
+
+class RunError(RuntimeError):
+  """A fault the run cannot get past (e.g. no checkpoint restores): one line, exit status 1."""
+
+
+# ------------------------------------------------------------------------------ fingerprint
+
+def config_dict(cfg: Any) -> dict[str, Any]:
+  """A ConfigDict (or mapping) as plain JSON values: tuples become lists, sections dicts."""
+  text = cfg.to_json_best_effort(sort_keys=True) if hasattr(cfg, "to_json_best_effort") else (
+      json.dumps(cfg, sort_keys=True, default=str))
+  return json.loads(text)
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """Dotted paths to leaves (`rl.lr`); an empty section is a leaf ({})."""
+  out: dict[str, Any] = {}
+  for k, v in tree.items():
+    path = f"{prefix}{k}"
+    if isinstance(v, Mapping) and v:
+      out.update(flatten(v, f"{path}."))
+    else:
+      out[path] = v
+  return out
+
+
+def _under(path: str, roots: Sequence[str]) -> bool:
+  return any(path == r or path.startswith(f"{r}.") for r in roots)
+
+
+def fingerprinted(flat: Mapping[str, Any], scope: Sequence[str] | None = None,
+                  exempt: Sequence[str] = EXEMPT) -> dict[str, Any]:
+  """The fields that identify a run: in `scope` (top-level sections; None: all), not exempt."""
+  return {k: v for k, v in flat.items()
+          if not _under(k, exempt) and (scope is None or _under(k, scope))}
+
+
+def fingerprint(fields: Mapping[str, Any]) -> str:
+  """sha256 of the fields' canonical JSON."""
+  text = json.dumps(dict(fields), sort_keys=True, separators=(",", ":"))
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+  """{path: (old, new)} for every path whose value differs; `ABSENT` for a missing side."""
+  return {k: (old.get(k, ABSENT), new.get(k, ABSENT)) for k in sorted(set(old) | set(new))
+          if old.get(k, ABSENT) != new.get(k, ABSENT)}
+
+
+def describe(changes: Mapping[str, tuple[Any, Any]]) -> str:
+  """`a.b: old -> new, ...` (values shortened)."""
+  short = reprlib.Repr()
+  short.maxstring, short.maxlist, short.maxother = 40, 6, 40
+  return ", ".join(f"{k}: {short.repr(a)} -> {short.repr(b)}" for k, (a, b) in changes.items())
+
+
+def _fields(cfg: Any, launch: Mapping[str, Any] | None) -> dict[str, Any]:
+  """The config's dotted fields plus the launch's (as `--name`)."""
+  return {**flatten(config_dict(cfg)), **{f"--{k}": v for k, v in _launch(launch).items()}}
+
+
+def _launch(launch: Mapping[str, Any] | None) -> dict[str, Any]:
+  """Launch arguments that are set (None: not given, the same as absent)."""
+  return {k: v for k, v in (launch or {}).items() if v is not None}
+
+
+def _stored_fields(record: Mapping[str, Any]) -> dict[str, Any]:
+  return {**flatten(record["config"]),
+          **{f"--{k}": v for k, v in record.get("launch", {}).items()}}
+
+
+# ------------------------------------------------------------------------------ the check
+
+def read(workdir: str) -> dict[str, Any] | None:
+  """The workdir's run_config.json, or None."""
+  path = os.path.join(workdir, FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def check_workdir(workdir: str, cfg: Any, *, launch: Mapping[str, Any] | None = None,
+                  scope: Sequence[str] | None = None, allow_change: bool = False
+                  ) -> dict[str, Any]:
+  """Records (first launch) or checks (later ones) the run's fingerprint; returns the record.
+
+  launch: launcher arguments that change results (e.g. `sft_checkpoint`), compared like
+  config fields. scope: the top-level sections this launcher depends on (None: all).
+  Raises ConfigMismatchError naming every differing field (`path: old -> new`) unless
+  allow_change; exempt fields may differ and are recorded in `changes`.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  new = _fields(cfg, launch)
+  with _locked(os.path.join(workdir, LOCK)):
+    record = read(workdir)
+    if record is None:
+      if any(n not in (FILE, LOCK) for n in os.listdir(workdir)):
+        log.warning("%s has results but no %s (written before fingerprints): recording this "
+                    "launch's config unchecked", workdir, FILE)
+      record = {"version": VERSION, "created": _now(), "changes": []}
+      return _store(workdir, record, cfg, launch, scope, new)
+    old = _stored_fields(record)
+    changed = diff(fingerprinted(old, scope), fingerprinted(new, scope))
+    exempt = {k: v for k, v in diff(old, new).items()
+              if _under(k, EXEMPT) and (scope is None or _under(k, scope))}
+    if changed and not allow_change:
+      raise ConfigMismatchError(
+          f"{workdir} holds a run of another config ("
+          f"{'1 field differs' if len(changed) == 1 else f'{len(changed)} fields differ'}: "
+          f"{describe(changed)}); use a new "
+          f"--workdir, or --allow_config_change to continue this run under the new config")
+    if not changed and not exempt:
+      return record
+    if changed:
+      log.warning("%s: continuing under a changed config (--allow_config_change): %s", workdir,
+                  describe(changed))
+    else:
+      log.info("%s: exempt fields changed: %s", workdir, describe(exempt))
+    record["changes"] = [*record.get("changes", []), {
+        "time": _now(), "allowed": bool(changed),
+        "fields": {k: list(v) for k, v in {**changed, **exempt}.items()}}]
+    return _store(workdir, record, cfg, launch, scope, new)
+
+
+def _store(workdir: str, record: dict[str, Any], cfg: Any, launch: Mapping[str, Any] | None,
+           scope: Sequence[str] | None, new: Mapping[str, Any]) -> dict[str, Any]:
+  """Writes the record with the launch's config (only its `scope` sections replace the old)."""
+  full = config_dict(cfg)
+  if scope is not None and "config" in record:
+    full = {**{k: v for k, v in record["config"].items() if not _under(k, scope)},
+            **{k: v for k, v in full.items() if _under(k, scope)}}
+  record.update(config=full,
+                launch=_launch(launch) if scope is None else record.get("launch", {}))
+  record["fingerprint"] = fingerprint(fingerprinted(_stored_fields(record)))
+  write_json(os.path.join(workdir, FILE), record)
+  return record
+
+
+def write_json(path: str, obj: Any) -> None:
+  """Written whole or not at all (tmp file, fsync, rename): readers never see half a file."""
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+  """An exclusive lock on `path` (created if absent) for the block: one process at a time."""
+  with open(path, "a") as f:
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _now() -> str:
+  return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+# ------------------------------------------------------------------------------ launchers
+
+@contextlib.contextmanager
+def user_input() -> Iterator[None]:
+  """ValueError and OSError raised in the block (config checks, paths) become UserError."""
+  try:
+    yield
+  except UserError:
+    raise
+  except (ValueError, OSError) as e:
+    raise UserError(str(e)) from e
+
+
+def fail(message: Any, status: int = 2) -> NoReturn:
+  """Prints `error: <message>` (one line) to stderr and exits with `status`."""
+  text = " ".join(str(message).split()) or type(message).__name__
+  print(f"error: {text}", file=sys.stderr, flush=True)
+  sys.exit(status)
+
+
+@contextlib.contextmanager
+def exit_on_errors() -> Iterator[None]:
+  """A launcher's main body: UserError exits 2, RunError exits 1, each as one line."""
+  try:
+    yield
+  except UserError as e:
+    fail(e, 2)
+  except RunError as e:
+    fail(e, 1)
+
+
+def flags_parser(config_flag: Any) -> Callable[[list[str]], list[str]]:
+  """An `app.run(flags_parser=...)` that reports flag and config-file errors in one line.
+
+  absl exits 1 with its own text on a bad flag value; ml_collections raises AttributeError from
+  the flag parser on an unknown `--config.x` override and defers a missing config file's
+  IOError to the config's first use. All of these exit 2 with `error: <message>` here.
+  """
+  from absl import flags
+
+  def parse(argv: list[str]) -> list[str]:
+    try:
+      rest = flags.FLAGS(argv)
+    except flags.Error as e:
+      fail(e)
+    except (AttributeError, KeyError) as e:
+      fail(_override_message(e, argv, config_flag.name))
+    except OSError as e:
+      fail(_config_file_message(e, argv, config_flag.name))
+    try:
+      config_flag.value.keys()  # a config file that failed to load raises here
+    except OSError as e:
+      fail(_config_file_message(e, argv, config_flag.name))
+    return rest
+
+  return parse
+
+
+def _override_message(e: BaseException, argv: Sequence[str], name: str) -> str:
+  """Names the `--config.x=v` override whose field does not exist (ml_collections' KeyError
+  text holds the missing key and a did-you-mean hint)."""
+  inner: Any = e
+  while isinstance(inner, BaseException) and inner.args:  # AttributeError(KeyError(message))
+    inner = inner.args[0]
+  text = str(inner)
+  m = re.search(r"'([^'\s]+)'", text)
+  hint = re.search(r"Did you mean.*\?", text)
+  key = m.group(1) if m else None
+  for a in argv:
+    if a.startswith(f"--{name}."):
+      path = a[len(name) + 3:].split("=", 1)[0]
+      if key is None or key in path.split("."):
+        return (f"--{name}.{path}: no such config field `{path}`" +
+                (f" ({hint.group(0)})" if hint else ""))
+  return f"--{name}: {text}"
+
+
+def _config_file_message(e: BaseException, argv: Sequence[str], name: str) -> str:
+  """`--config=<path>: <the loader's last line>` (e.g. no such file)."""
+  path = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}=")), None)
+  lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+  reason = lines[-1] if lines else type(e).__name__
+  return f"--{name}={path}: cannot load the config file: {reason}" if path else (
+      f"--{name}: {reason}")
