@@ -31,6 +31,8 @@ def get_config() -> ml_collections.ConfigDict:
                                          weight_decay=0.0))
   # seeds: one GRPO run per policy and seed from the one warm start (spread in the summary).
   # audit_fraction: share of each batch whose full FP4 codes are recorded to count flips.
+  # Optional: clip_eps_high (clip-higher, default clip_eps), kl_coef (k3 KL to the run's
+  # starting weights, default 0), advantage ("grpo" or "dr_grpo", default "grpo").
   c.rl = ml_collections.ConfigDict(dict(
       steps=30, prompts_per_step=8, group_size=8, max_new_tokens=16, temperature=1.0,
       top_p=1.0, lr=1e-4, warmup_steps=3, weight_decay=0.0, clip_eps=0.2, is_mode="truncate",

@@ -5,9 +5,9 @@ layer and site plus routing), then scores the same tokens with the training forw
 `fp4_rtn` and under `fp4_trace` (guidance at the guided layers, compact mode by default,
 expert_mid rows matched to experts by the rollout's ids) and compares, per layer and site, the
 trainer's FP4 codes with the rollout's (as E2M1 values), the routing, and the log-probabilities
-of the sampled tokens.
+of the sampled tokens. --format=mxfp4 runs the MXFP4 pair (`mxfp4_rtn`, `mxfp4_trace`).
 
-  python -m experiments.measure_mismatch --json_out=/tmp/mismatch.json
+  python -m experiments.measure_mismatch --json_out=/tmp/mismatch.json [--format=mxfp4]
 
 With no flag but --json_out it uses the tiny CPU config. Writes JSON and a per-layer PNG.
 """
@@ -27,8 +27,8 @@ import numpy as np
 from absl import app, flags
 
 from trace_jax import model as model_lib
-from trace_jax.model.config import ModelConfig
-from trace_jax.model.precision import SITES
+from trace_jax.model import policies
+from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.quant import guided
 from trace_jax.rl import losses
 from trace_jax.rollout import guidance_layout
@@ -49,6 +49,8 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed for weights, prompts and sampling.
 _MODE = flags.DEFINE_enum("guidance_mode", "compact", ["compact", "full"],
                           "Guidance kept for the fp4_trace training forward.")
 _REPLAY = flags.DEFINE_bool("routing_replay", False, "Replay the rollout's routing in training.")
+_FORMAT = flags.DEFINE_enum("format", "nvfp4", list(policies.FP4_RUNS),
+                            "FP4 format of the rollout and both training forwards.")
 
 
 def tiny_config() -> ModelConfig:
@@ -71,8 +73,9 @@ def load_config(path: str | None) -> ModelConfig:
 
 def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
             sampling: Sequence[SamplingParams], guidance_mode: str = "compact",
-            routing_replay: bool = False, keep_records: bool = False) -> dict[str, Any]:
-  """Runs rollout and both training policies; returns the report dict.
+            routing_replay: bool = False, keep_records: bool = False,
+            fmt: str = "nvfp4") -> dict[str, Any]:
+  """Runs rollout and both training policies of FP4 format `fmt`; returns the report dict.
 
   The rollout records the training record (`guidance_mode`, guided layers), every layer's
   routing, and full codes of every layer and site (audit) for all sequences; flips are counted
@@ -83,7 +86,9 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
   n_layers = config.num_hidden_layers
   all_layers = tuple(range(n_layers))
   guided_layers = tuple(config.guided_layers)
-  rollout_cfg = dataclasses.replace(config, policy="fp4_trace", guidance_mode=guidance_mode)
+  runs = [policies.POLICIES[p] for p in policies.FP4_RUNS[fmt]]  # (RTN, TRACE)
+  rollout_cfg = dataclasses.replace(config, policy=runs[1].rollout.name,
+                                    guidance_mode=guidance_mode)
   engine = InProcessEngine(params, rollout_cfg, audit_fraction=1.0)
   t0 = time.perf_counter()
   samples = engine.generate(prompts, sampling)
@@ -96,13 +101,14 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
   report: dict[str, Any] = {
       "config": {k: v for k, v in dataclasses.asdict(config).items()},
       "num_sequences": len(samples), "generated_tokens": n_new,
-      "guided_layers": list(guided_layers), "guidance_mode": guidance_mode,
+      "guided_layers": list(guided_layers), "guidance_mode": guidance_mode, "format": fmt,
       "routing_replay": routing_replay, "rollout_seconds": rollout_s,
       "policies": {},
   }
-  for policy in ("fp4_rtn", "fp4_trace"):
-    cfg = dataclasses.replace(config, policy=policy, guidance_mode=guidance_mode)
-    g = rec["guidance"] if policy == "fp4_trace" else None
+  for run in runs:
+    policy = run.name
+    cfg = dataclasses.replace(config, policy=run.train.name, guidance_mode=guidance_mode)
+    g = rec["guidance"] if run.guided else None
     used = all_layers if routing_replay else guided_layers if g else ()
     out = scoring.score(params, cfg, seqs, guidance=g,
                         routing={layer: rec["routing"][layer] for layer in used} or None,
@@ -136,7 +142,7 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
         "mean_abs_dlogp": float(m["mean_abs_dlogp"]), "k3_kl": float(m["k3_kl"]),
         "max_abs_dp": float(m["max_abs_dp"]),
     }
-  rtn, trace = report["policies"]["fp4_rtn"], report["policies"]["fp4_trace"]
+  rtn, trace = (report["policies"][r.name] for r in runs)
   report["flip_rate_rtn"] = rtn["flip_rate_guided_sites"]
   report["flip_rate_trace"] = trace["flip_rate_guided_sites"]
   report["routing_flip_rate"] = {p: v["routing_flip_rate"] for p, v in report["policies"].items()}
@@ -153,7 +159,7 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
   report["full_guidance_bytes_per_token_all_layers"] = full_all / tokens
   report["compact_vs_full_ratio"] = full_all / max(comp + ids, 1)
   report["guidance_bytes_per_row_formula"] = {
-      f"{mode}_K{k}": guided.bytes_per_row(k, mode) for mode in ("compact", "full")
+      f"{mode}_K{k}": guided.bytes_per_row(k, mode, fmt) for mode in ("compact", "full")
       for k in (config.hidden_size, config.head_dim, config.moe_intermediate_size)}
   return report
 
@@ -164,10 +170,11 @@ def plot(report: dict[str, Any], path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  layers = sorted(int(k) for k in report["policies"]["fp4_rtn"]["per_layer"])
+  names = list(report["policies"])  # (RTN, TRACE) of the report's format
+  layers = sorted(int(k) for k in report["policies"][names[0]]["per_layer"])
   fig, axes = plt.subplots(1, len(SITES), figsize=(4 * len(SITES), 3.2), sharey=True)
   for ax, site in zip(axes, SITES):
-    for j, policy in enumerate(("fp4_rtn", "fp4_trace")):
+    for j, policy in enumerate(names):
       vals = [report["policies"][policy]["per_layer"][str(i)][site] for i in layers]
       ax.bar(np.asarray(layers) + (j - 0.5) * 0.38, vals, width=0.38, label=policy)
     for i in report["guided_layers"]:
@@ -177,7 +184,7 @@ def plot(report: dict[str, Any], path: str) -> None:
     ax.set_xticks(layers)
   axes[0].set_ylabel("FP4 code flip rate vs rollout")
   axes[0].legend()
-  fig.suptitle("Rollout/trainer FP4 code flips per layer")
+  fig.suptitle(f"Rollout/trainer {report['format'].upper()} code flips per layer")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -192,7 +199,8 @@ def main(argv: Sequence[str]) -> None:
   prompts = rng.integers(0, config.vocab_size, (_NUM_PROMPTS.value, _PROMPT_LEN.value)).tolist()
   sampling = [SamplingParams(max_new_tokens=_MAX_NEW.value, seed=_SEED.value * 1000 + i)
               for i in range(_NUM_PROMPTS.value)]
-  report = measure(params, config, prompts, sampling, _MODE.value, _REPLAY.value)
+  report = measure(params, config, prompts, sampling, _MODE.value, _REPLAY.value,
+                   fmt=_FORMAT.value)
   os.makedirs(os.path.dirname(os.path.abspath(_JSON_OUT.value)), exist_ok=True)
   with open(_JSON_OUT.value, "w") as f:
     json.dump(report, f, indent=1)

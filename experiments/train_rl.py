@@ -13,6 +13,7 @@ config is refused unless --allow_config_change. Mistakes in the config, flags or
 one line, `error: ...`, and exit 2 (docs/reliability.md).
 """
 
+import os
 from collections.abc import Sequence
 
 from absl import app, flags, logging
@@ -46,10 +47,14 @@ def main(argv: Sequence[str]) -> None:
   from trace_jax.train import compare
   cfg = _CONFIG.value
   policies = [] if _SFT_ONLY.value else (_POLICIES.value or list(cfg.policies))
+  factory = None
+  if _ROLLOUT_URL.value:
+    from rollout_bridge.weight_sync import http_engine_factory
+    factory = http_engine_factory(_ROLLOUT_URL.value, os.path.join(_WORKDIR.value, "weights"),
+                                  _API_KEY.value)
   with run_guard.exit_on_errors():
-    compare.run(cfg, _WORKDIR.value, policies, _SFT_CKPT.value, _ROLLOUT_URL.value,
-                _API_KEY.value, progress=not _NO_PROGRESS.value,
-                allow_config_change=_ALLOW_CHANGE.value)
+    compare.run(cfg, _WORKDIR.value, policies, _SFT_CKPT.value, factory,
+                progress=not _NO_PROGRESS.value, allow_config_change=_ALLOW_CHANGE.value)
 
 
 if __name__ == "__main__":

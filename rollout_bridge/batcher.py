@@ -288,13 +288,13 @@ class Batcher:
       raise RuntimeError(f"engine returned {len(samples)} samples for {len(prompts)} prompts")
     samples = samples[:len(items)]
     with self._stats_lock:
-      g = samples[0].guidance or {}
+      g = samples[0].guidance
       self._stats["last_batch"] = {
           "prompts": len(items), "rows": len(prompts),
           "requests": len({id(job) for job, _ in items}), "seconds": dt,
           "generated_tokens": sum(len(s.tokens) for s in samples),
-          "guidance_batch_id": g.get("batch_id"), "guidance_store": g.get("store"),
-          "guidance_bytes_per_token": g.get("guidance_bytes_per_token")}
+          "guidance_batch_id": g and g.batch_id, "guidance_store": g and g.store,
+          "guidance_bytes_per_token": g and g.guidance_bytes_per_token}
     return samples
 
   def _deliver(self, items: list[tuple[Job, int]], samples: list[Sample]) -> None:

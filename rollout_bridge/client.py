@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from trace_jax.rollout.protocol import Sample, SamplingParams, normalize_request
+from trace_jax.rollout.protocol import GuidanceHandle, Sample, SamplingParams, normalize_request
 
 # Connection-level failures worth retrying: nothing was answered (refused, reset, dropped).
 _RETRYABLE = (ConnectionError, http.client.RemoteDisconnected, http.client.BadStatusLine)
@@ -148,6 +148,11 @@ def parse_output(out: Any, prompt: Sequence[int]) -> Sample:
                                f"({len(lp_ids)}) do not match output_ids {tokens[:8]}... "
                                f"({len(tokens)})")
   guidance = meta.pop("trace_guidance", None)
+  if guidance is not None:
+    try:
+      guidance = GuidanceHandle.from_json(guidance)
+    except ValueError as e:
+      raise RolloutProtocolError(f"request {rid}: bad meta_info.trace_guidance: {e}") from None
   finish = _finish_reason(meta, rid)
   return Sample(prompt=list(map(int, prompt)), tokens=tokens,
                 logprobs=[float(e[0]) for e in lps], finish_reason=finish, guidance=guidance,

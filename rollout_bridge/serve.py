@@ -77,7 +77,6 @@ DEFAULTS: dict[str, Any] = {
                "max_body_mb": 16, "request_timeout_s": 600.0, "api_key": None,
                "guidance_dir": None},
 }
-_PRESETS = ("tiny", "qwen3_30b_a3b")
 DEFAULT_POLICY = "fp4_trace"
 API_KEY_ENV = "TRACE_API_KEY"
 
@@ -120,16 +119,13 @@ def load_config(path: str | None) -> dict[str, Any]:
 
 
 def model_config(cfg: dict[str, Any]) -> Any:
-  """The ModelConfig of a random-init model: preset + overrides + policy fields."""
+  """The ModelConfig of a random-init model: the model section (`config.resolve`: a preset
+  name or {"preset": name, **fields}) with the config's policy fields."""
   from trace_jax.model import config as config_lib
-  spec = cfg["model"]
-  fields = {"preset": spec} if isinstance(spec, str) else dict(spec or {})
-  preset = fields.pop("preset", "tiny")
-  if preset not in _PRESETS:
-    raise ValueError(f"unknown model preset {preset!r}; known: {_PRESETS}")
-  fields.update(_policy_fields(cfg))
-  fields.setdefault("policy", DEFAULT_POLICY)
-  return getattr(config_lib, preset)(**fields)
+  fields = _policy_fields(cfg)
+  if "policy" not in fields and not (isinstance(cfg["model"], dict) and "policy" in cfg["model"]):
+    fields["policy"] = DEFAULT_POLICY
+  return config_lib.resolve(cfg["model"], **fields)
 
 
 def _policy_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -155,14 +151,13 @@ def build_engine(cfg: dict[str, Any], guidance_dir: str | None = None
     preset = cfg["model"] if isinstance(cfg["model"], str) else (cfg["model"] or {}).get(
         "preset", "tiny")
     model_path = f"random-init:{preset}(seed={int(cfg.get('seed') or 0)})"
-  writer = None
+  store = None
   if guidance_dir:
     from trace_jax.io import guidance_store
-    root = os.path.abspath(guidance_dir)
-    writer = guidance_store.GuidanceWriter(root, guidance_store.config_hash(config))
+    # A restarted server writing to the same directory continues the batch numbering there.
+    store = guidance_store.GuidanceStore(guidance_dir, guidance_store.config_hash(config))
   max_batch = int(cfg["server"].get("max_batch") or 32)
-  # A restarted server writing to the same directory continues the batch numbering there.
-  engine = InProcessEngine(params, config, guidance_writer=writer, max_batch=max(64, max_batch))
+  engine = InProcessEngine(params, config, guidance_store=store, max_batch=max(64, max_batch))
   return engine, model_path
 
 
@@ -263,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.stop()
     try:
       server.engine.close()  # flushes pending guidance writes
+      if server.engine.store is not None:
+        server.engine.store.close()
     except Exception:
       log.exception("closing the engine failed (guidance writes may be incomplete)")
   return 0

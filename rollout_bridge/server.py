@@ -379,10 +379,7 @@ def sglang_output(sample: Sample, rid: str, return_logprob: bool, weight_version
     meta["output_token_logprobs"] = [[float(lp), int(t), None]
                                      for lp, t in zip(sample.logprobs, sample.tokens)]
   if sample.guidance is not None:
-    g = sample.guidance
-    meta["trace_guidance"] = {"store": g.get("store"), "batch_id": g.get("batch_id"),
-                              "seq_id": g.get("seq_id"),
-                              "guidance_bytes_per_token": g.get("guidance_bytes_per_token")}
+    meta["trace_guidance"] = sample.guidance.to_json()
   return {"output_ids": [int(t) for t in sample.tokens], "meta_info": meta}
 
 
@@ -392,7 +389,7 @@ class RolloutServer:
   """The HTTP server around one engine (an `InProcessEngine`, or anything with its surface).
 
   The engine needs `config` (a ModelConfig), `generate`, `update_weights` and `close`;
-  `weights_version`, `writer` (a GuidanceWriter) and `record` are used when present.
+  `weights_version`, `store` (a GuidanceStore) and `record` are used when present.
   The constructor binds and listens (so `url` is known at once; connections made before
   `start()` wait in the backlog). `start()` serves on a background thread and returns;
   `serve_forever()` blocks until `shutdown()`/`stop()`; `stop()` is graceful.
@@ -644,13 +641,13 @@ class RolloutServer:
 
   def guidance_info(self) -> dict[str, Any]:
     cfg = self.engine.config
-    writer = getattr(self.engine, "writer", None)
-    record = bool(getattr(self.engine, "record", cfg.policy == "fp4_trace"))
+    store = getattr(self.engine, "store", None)
+    record = bool(getattr(self.engine, "record", cfg.forward.guided))
     last = self.batcher.stats()["last_batch"]
     return {
         "enabled": record, "policy": cfg.policy,
-        "store": getattr(writer, "root", None) if writer is not None else None,
-        "config_hash": getattr(writer, "config_hash", None),
+        "store": getattr(store, "root", None),
+        "config_hash": getattr(store, "config_hash", None),
         "mode": cfg.guidance_mode, "guided_layers": list(cfg.guided_layers) if record else [],
         "sites": list(SITES) if record else [], "routing": record,
         "last_batch": None if last is None else {

@@ -81,3 +81,21 @@ def test_report_fields_and_plot(report):
       (c["hidden_size"], 1), (c["moe_intermediate_size"], c["num_experts_per_tok"]),
       (c["head_dim"], 2 * c["num_key_value_heads"]))) + 4 * c["num_experts_per_tok"]
   assert np.isclose(r["guidance_bytes_per_token"], per_token * len(r["guided_layers"]))
+
+
+def test_mxfp4_pair_end_to_end():
+  """--format=mxfp4: the engine records MXFP4 (E8M0 scales per 32, no row scale), mxfp4_trace
+  reproduces the rollout's codes at the guided layer, mxfp4_rtn flips some, and the bytes per
+  token follow the MXFP4 formula."""
+  config = measure_mismatch.tiny_config()
+  params = model_lib.init_params(config, jax.random.fold_in(jax.random.key(0), 0))
+  prompts = np.random.default_rng(0).integers(0, config.vocab_size, (4, 10)).tolist()
+  sampling = [SamplingParams(max_new_tokens=8, seed=i) for i in range(4)]
+  r = measure_mismatch.measure(params, config, prompts, sampling, fmt="mxfp4",
+                               keep_records=True)
+  assert list(r["policies"]) == ["mxfp4_rtn", "mxfp4_trace"] and r["format"] == "mxfp4"
+  rec = r["records"]["rollout"]["audit"]["guidance"][1]["moe_in"]
+  assert rec.format == "mxfp4" and rec.row_scale is None
+  assert r["flip_rate_trace"] == 0.0, r["policies"]["mxfp4_trace"]["per_layer"]
+  assert r["flip_rate_rtn"] > 0.0
+  assert r["guidance_bytes_per_row_formula"]["compact_K128"] == 128 / 8 + 128 / 32

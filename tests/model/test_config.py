@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from trace_jax.model import config as cfg
+from trace_jax.model.policies import FORWARDS
 
 
 def test_presets():
@@ -19,7 +20,7 @@ def test_presets():
   assert q.guided_layers == tuple(range(24, 48)) and q.norm_topk_prob
   hash(q)  # static jit argument
   assert dataclasses.replace(q, dtype="float32").dtype == "float32"
-  for policy in cfg.POLICIES:
+  for policy in FORWARDS:
     cfg.qwen3_30b_a3b(policy=policy)  # the real shape is valid in every policy
 
 
@@ -28,6 +29,8 @@ def test_presets():
     pytest.param({"policy": "fp4"}, "unknown precision policy 'fp4'", id="policy"),
     pytest.param({"policy": "fp4_rtn", "moe_intermediate_size": 40},
                  "moe_intermediate_size = 40", id="nvfp4_block"),
+    pytest.param({"policy": "mxfp4_trace", "head_dim": 48}, "MXFP4 blocks of 32, but head_dim "
+                 "= 48", id="mxfp4_block"),
     pytest.param({"policy": "fp8_unified"}, "FP8 blocks of 128", id="fp8_block"),
     pytest.param({"num_experts_per_tok": 9}, "exceeds num_experts", id="topk"),
     pytest.param({"guided_layers": (5,)}, r"guided_layers \[5\] outside", id="guided_layers"),

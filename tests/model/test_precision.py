@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from trace_jax import model as M
+from trace_jax.model.policies import FP4_RUNS, POLICIES
 from trace_jax.quant import formats, guided
 from trace_jax.train import mismatch
 
@@ -74,19 +75,26 @@ def _train_taps(params, config, toks, guidance, routing, replay=True):
 ROLLOUT_CFG = M.tiny(policy="fp4_trace", dtype="bfloat16", num_hidden_layers=1,
                      guided_layers=(0,))
 TRAIN_CFG = ROLLOUT_CFG.replace(dtype="float32")
+FORMATS = tuple(FP4_RUNS)
+
+
+@functools.cache
+def _rollout_of(fmt: str):
+  """(params, tokens, full-mode taps of layer 0) of a token-by-token bf16 decode in `fmt`."""
+  config = ROLLOUT_CFG.replace(policy=POLICIES[FP4_RUNS[fmt][1]].rollout.name)
+  params = _params(config)
+  toks = np.random.default_rng(1).integers(0, config.vocab_size, (B, T), np.int32)
+  cache = M.init_cache(config, B, MAX_LEN)
+  steps = []
+  for s in range(T):
+    cache, taps = _rollout_step(params, config, cache, toks[:, s], jnp.full((B,), s))
+    steps.append(taps)
+  return params, toks, jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *steps)[0]
 
 
 @pytest.fixture(scope="module")
 def rollout():
-  """(params, tokens, full-mode taps of layer 0) of a token-by-token bf16 decode."""
-  params = _params(ROLLOUT_CFG)
-  toks = np.random.default_rng(1).integers(0, ROLLOUT_CFG.vocab_size, (B, T), np.int32)
-  cache = M.init_cache(ROLLOUT_CFG, B, MAX_LEN)
-  steps = []
-  for s in range(T):
-    cache, taps = _rollout_step(params, ROLLOUT_CFG, cache, toks[:, s], jnp.full((B,), s))
-    steps.append(taps)
-  return params, toks, jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *steps)[0]
+  return _rollout_of("nvfp4")
 
 
 def _compact(roll):
@@ -96,25 +104,37 @@ def _compact(roll):
 
 
 @pytest.mark.slow
-def test_trace_guidance_reproduces_rollout_codes(rollout):
-  """fp4_trace with rollout guidance reproduces the rollout's codes; fp4_rtn flips many.
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_trace_guidance_reproduces_rollout_codes(fmt):
+  """Guided training with rollout guidance reproduces the rollout's codes; RTN flips many,
+  in either FP4 format (NVFP4: E4M3 scales per 16 and a row scale; MXFP4: E8M0 per 32).
 
   moe_in, k and v: 0 flips. expert_mid (silu(gate) * up, where bf16 and float32 differ
   most) keeps a small residue: values whose drift crosses zero or spans more than one code
   cannot be guided back (docs/numerics.md), so there the bound is relative to RTN.
   """
-  params, toks, roll = rollout
+  params, toks, roll = _rollout_of(fmt)
+  rtn_policy, trace_policy = (POLICIES[p].train.name for p in FP4_RUNS[fmt])
+  assert all(roll[s].format == fmt for s in M.SITES)
   routing = {0: roll["routing"]}
   flips = {}
-  for name, cfg, guidance in (("rtn", TRAIN_CFG.replace(policy="fp4_rtn"), None),
-                              ("trace", TRAIN_CFG, {0: _compact(roll)})):
+  for name, cfg, guidance in (("rtn", TRAIN_CFG.replace(policy=rtn_policy), None),
+                              ("trace", TRAIN_CFG.replace(policy=trace_policy),
+                               {0: _compact(roll)})):
     taps = _train_taps(params, cfg, toks, guidance, routing)[0][0]
     flips[name] = {s: float(np.mean(_codes(taps[s]) != _codes(roll[s]))) for s in M.SITES}
-  print("code flip rate vs rollout:", flips)
+  print(fmt, "code flip rate vs rollout:", flips)
   trace, rtn = flips["trace"], flips["rtn"]
   assert trace["moe_in"] == trace["k"] == trace["v"] == 0.0, flips
   assert trace["expert_mid"] <= 0.01 and trace["expert_mid"] * 20 < rtn["expert_mid"], flips
   assert min(rtn.values()) > 0.0, flips
+
+
+def test_guidance_of_another_format_is_refused(rollout):
+  params, toks, roll = rollout
+  with pytest.raises(ValueError, match=r"guidance in \['nvfp4'\] for policy 'mxfp4_trace'"):
+    M.forward(params, TRAIN_CFG.replace(policy="mxfp4_trace"), toks,
+              guidance={0: _compact(roll)}, routing={0: roll["routing"]})
 
 
 def test_fp4_forward_policies():

@@ -55,14 +55,14 @@ def test_multi_turn_records_are_the_transcripts_rows(params):
   eng = InProcessEngine(params, cfg, audit_fraction=1.0, max_batch=4)
   task = get_task("long_horizon", max_number=7)
   tok = CharTokenizer()
-  io = task_io.TaskIO(task, tok)
+  io = task_io.TaskIO.of(task, tok)
   problems, prompts = io.prompts(3, 3)
   sp = [SamplingParams(max_new_tokens=10, temperature=1.0, seed=i) for i in range(3)]
   eps = episodes.play(eng, task, tok, problems, prompts, sp, record=True)
   rec = eng.last_guidance
   seqs = [e.prompt + e.tokens for e in eps]
   assert rec["token_counts"] == [len(s) - 1 for s in seqs]
-  assert [e.guidance["seq_id"] for e in eps] == rec["seq_ids"]
+  assert [e.guidance.seq_id for e in eps] == rec["seq_ids"]
   assert any(len(e.tokens) > 12 for e in eps)  # at least one episode took several turns
   out = scoring.score(params, cfg, seqs, guidance=rec["guidance"],
                       routing={1: rec["routing"][1]}, tap_layers=(0, 1), tap_mode="full")

@@ -31,7 +31,7 @@ from rollout_bridge.client import (
 )
 from rollout_bridge.server import RolloutServer, ServerOptions
 from trace_jax.model.config import tiny
-from trace_jax.rollout.protocol import RolloutEngine, Sample, SamplingParams
+from trace_jax.rollout.protocol import GuidanceHandle, RolloutEngine, Sample, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,7 +56,8 @@ class StubEngine:
       toks = toks if stop is None else toks[:stop + 1]
       out.append(Sample(list(p), toks, [-0.25 * (i + 1) for i in range(len(toks))],
                         "length" if stop is None else "stop",
-                        guidance={"store": "/g", "batch_id": "b000001", "seq_id": "b000001-0"},
+                        guidance=GuidanceHandle(store="/g", batch_id="b000001",
+                                                seq_id="b000001-0"),
                         meta={"weights_version": self.weights_version}))
     return out
 
@@ -181,7 +182,7 @@ def test_generate_roundtrip(ours):
   assert [s.tokens for s in samples] == [w.tokens for w in want]
   assert [s.logprobs for s in samples] == [w.logprobs for w in want]
   assert [s.finish_reason for s in samples] == ["length", "length", "stop"]
-  assert samples[0].guidance["batch_id"] == "b000001"
+  assert samples[0].guidance.batch_id == "b000001"
   assert samples[0].meta["weight_version"] == "0" and samples[0].meta["prompt_tokens"] == 3
   assert client.generate([], SamplingParams()) == []
   assert client.health() and client.model_info()["is_generation"]

@@ -40,12 +40,13 @@ def params0():
 
 @pytest.fixture(scope="module")
 def engine(params0, tmp_path_factory):
-  writer = guidance_store.GuidanceWriter(
+  store = guidance_store.GuidanceStore(
       str(tmp_path_factory.mktemp("guidance")), guidance_store.config_hash(CFG),
-      guidance_store.StoreOptions(fsync=False))
-  eng = InProcessEngine(params0, CFG, guidance_writer=writer)  # what serve.py runs
+      options=guidance_store.StoreOptions(fsync=False))
+  eng = InProcessEngine(params0, CFG, guidance_store=store)  # what serve.py runs
   yield eng
   eng.close()
+  store.close()
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def server(engine):
 
 
 def ref_engine(params: Any) -> InProcessEngine:
-  """An in-process engine on `params` without a guidance writer (the server's tokens and
+  """An in-process engine on `params` without a guidance store (the server's tokens and
   log-probs must equal it)."""
   return InProcessEngine(params, CFG)
 
@@ -218,7 +219,7 @@ def test_info_endpoints(server):
   st, flushed = request(server.url, "POST", "/flush_cache")
   assert st == 200 and flushed["success"] is True
   st, g = request(server.url, "GET", "/trace/guidance")
-  assert st == 200 and g["enabled"] and g["store"] == server.engine.writer.root
+  assert st == 200 and g["enabled"] and g["store"] == server.engine.store.root
   assert g["mode"] == "compact" and g["guided_layers"] == list(CFG.guided_layers)
   assert g["sites"] == ["moe_in", "expert_mid", "k", "v"]
 
@@ -237,7 +238,7 @@ def _check_shapes(server, reference):
   assert all(e[2] is None and e[0] <= 0 for e in meta["output_token_logprobs"])
   assert meta["weight_version"] == "0"
   tg = meta["trace_guidance"]
-  assert tg["store"] == server.engine.writer.root and tg["batch_id"] and tg["seq_id"]
+  assert tg["store"] == server.engine.store.root and tg["batch_id"] and tg["seq_id"]
   assert tg["guidance_bytes_per_token"] > 0
   ref = ref_generate(reference, [p], [SamplingParams.from_sglang(sp)])[0]
   assert out["output_ids"] == ref.tokens
@@ -253,8 +254,8 @@ def _check_shapes(server, reference):
   assert len(outs[1]["meta_info"]["output_token_logprobs"]) == 16
   assert outs[0]["meta_info"]["id"] != outs[1]["meta_info"]["id"]
 
-  # The guidance batch is durable (manifest written last) once the writer flushes.
-  server.engine.writer.flush()
+  # The guidance batch is durable (manifest written last) once the store flushes.
+  server.engine.store.flush()
   assert os.path.exists(os.path.join(tg["store"], tg["batch_id"], "manifest.json"))
   st, g = request(server.url, "GET", "/trace/guidance")
   assert g["last_batch"]["guidance_batch_id"] == outs[1]["meta_info"]["trace_guidance"][
@@ -459,5 +460,6 @@ def test_serve_config_file(tmp_path):
   (gdir / "b000004").mkdir(parents=True)
   eng, path = serve.build_engine(default, str(gdir))
   assert path == "random-init:tiny(seed=0)" and isinstance(eng, InProcessEngine)
-  assert next(eng._batch_counter) == 5 and eng.writer.root == str(gdir)
+  assert eng.store.new_batch_id() == "b000005" and eng.store.root == str(gdir)
   eng.close()
+  eng.store.close()

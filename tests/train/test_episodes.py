@@ -8,7 +8,7 @@ from trace_jax.rl.tasks import get_task
 from trace_jax.rl.tasks.base import Problem
 from trace_jax.rl.tasks.long_horizon import demonstration_episode
 from trace_jax.rl.tokenizer import BOS_ID, EOS_ID, CharTokenizer
-from trace_jax.rollout.protocol import Sample, SamplingParams
+from trace_jax.rollout.protocol import GuidanceHandle, Sample, SamplingParams
 from trace_jax.train import batch as batch_lib
 from trace_jax.train import episodes, task_io
 
@@ -28,7 +28,8 @@ class ScriptedEngine:
     self.calls.append(([list(p) for p in prompts], list(sampling)))
     ids = TOK.encode(self.actions[k]) if k < len(self.actions) else [EOS_ID]
     return [Sample(prompt=list(p), tokens=list(ids), logprobs=[-0.5 - k] * len(ids),
-                   finish_reason="stop", guidance={"batch_id": f"b{k:06d}", "seq_id": f"{i}"})
+                   finish_reason="stop",
+                   guidance=GuidanceHandle(batch_id=f"b{k:06d}", seq_id=f"{i}"))
             for i, p in enumerate(prompts)]
 
 
@@ -73,7 +74,7 @@ def test_record_prefills_the_finished_episode_once():
   assert len(engine.calls) == 3 and sampling[0].max_new_tokens == 1
   # The recording call's rows (prompt + 1 new token - 1) are the trainer's rows.
   assert prompts == [ep.prompt + ep.tokens[:-1]]
-  assert ep.guidance == {"batch_id": "b000002", "seq_id": "0"}
+  assert ep.guidance == GuidanceHandle(batch_id="b000002", seq_id="0")
   assert ep.meta["turn_guidance_batches"] == ["b000000", "b000001"]
 
 
@@ -84,9 +85,9 @@ def test_train_batch_masks_observations_and_places_logprobs():
   b = batch_lib.rl_batch([ep], np.ones(1), 48)
   p = len(prompt)
   rows = slice(p - 1, p - 1 + len(ep.tokens))  # row t predicts token t + 1
-  np.testing.assert_array_equal(np.asarray(b["loss_mask"])[0, rows], ep.meta["loss_mask"])
-  np.testing.assert_array_equal(np.asarray(b["logp_rollout"])[0, rows], ep.logprobs)
-  assert np.asarray(b["loss_mask"])[0].sum() == 16 and np.asarray(b["valid"])[0].sum() == \
+  np.testing.assert_array_equal(np.asarray(b.loss_mask)[0, rows], ep.meta["loss_mask"])
+  np.testing.assert_array_equal(np.asarray(b.logp_rollout)[0, rows], ep.logprobs)
+  assert np.asarray(b.loss_mask)[0].sum() == 16 and np.asarray(b.valid)[0].sum() == \
       p + len(ep.tokens) - 1
   with pytest.raises(ValueError, match="completion mask has 2 entries for 3"):
     batch_lib.sequence_batch([[1, 5]], [[6, 7, 2]], 8, [[1, 0]])

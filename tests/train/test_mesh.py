@@ -26,7 +26,7 @@ def test_sft_and_rl_on_a_mesh_compile_each_step_once(tmp_path):
   cfg = mesh_cfg()
   sft_before = step_lib.sft_step._cache_size()
   params, hist = rl_loop.run_sft(cfg, "unused", progress=False)
-  # 3 steps, one program: XLA's propagation re-shards some outputs; keep_placement undoes it.
+  # 3 steps, one program: the state's shardings are the step's declared in/out shardings.
   assert step_lib.sft_step._cache_size() - sft_before == 1
   leaves = jax.tree.leaves(params)
   assert all(isinstance(a.sharding, NamedSharding) for a in leaves)

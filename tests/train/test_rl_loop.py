@@ -13,7 +13,7 @@ import pytest
 
 from configs import quickstart
 from trace_jax.model.policies import POLICIES
-from trace_jax.train import rl_loop
+from trace_jax.train import checkpoints, rl_loop, run_log
 
 
 def tiny_cfg():
@@ -43,7 +43,12 @@ def start_params():
   return params
 
 
-@pytest.mark.parametrize("policy", [*POLICIES, "fp4_trace+r3"])
+# Every run policy but the MXFP4 baselines (the same code paths as their NVFP4 twins, with the
+# format mxfp4_trace exercises here): each one compiles its own rollout and step programs.
+ONE_STEP = [p for p in POLICIES if p not in ("mxfp4_rollout", "mxfp4_rtn")] + ["fp4_trace+r3"]
+
+
+@pytest.mark.parametrize("policy", ONE_STEP)
 def test_one_rl_step(policy, start_params, tmp_path):
   cfg = tiny_cfg()
   cfg.rl.steps = 1
@@ -55,7 +60,7 @@ def test_one_rl_step(policy, start_params, tmp_path):
   changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))),
                          out["params"], start_params)
   assert any(jax.tree.leaves(changed)), "parameters did not change"
-  if policy.startswith(("fp4_rtn", "fp4_trace")):
+  if policy.startswith(("fp4_rtn", "fp4_trace", "mxfp4_trace")):
     assert 0.0 <= row["flip_rate_guided"] <= 1.0
   if policy.startswith("fp4_trace"):
     assert row["guidance_bytes_per_token"] > 0
@@ -80,7 +85,7 @@ def test_flip_metrics_see_an_unrelated_rollout(policy, start_params, tmp_path):
   other = model_lib.init_params(rl_loop.model_config(cfg), 7, param_dtype="float32")
   other = jax.tree.map(lambda a: a if a.ndim == 1 else a * 8.0, other)
   factory = lambda p, c, w: InProcessEngine(
-      other, c, guidance_writer=w, record_guidance=policy == "fp4_trace", record_routing=True,
+      other, c, guidance_store=w, record_guidance=policy == "fp4_trace", record_routing=True,
       audit_fraction=1.0, max_batch=4, min_prompt_len=cfg.max_prompt_len)
   row = rl_loop.run_rl(cfg, str(tmp_path), policy, start_params, engine_factory=factory,
                        progress=False)["history"][0]
@@ -115,12 +120,12 @@ def test_resume_after_kill_is_bitwise_identical(start_params, tmp_path):
                            progress=False)
   for a, b in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(resumed["state"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  strip = lambda h: [{k: v for k, v in r.items() if k not in rl_loop.TIMING_KEYS} for r in h]
+  strip = lambda h: [{k: v for k, v in r.items() if k not in run_log.TIMING_KEYS} for r in h]
   assert strip(full["history"]) == strip(resumed["history"])
   assert full["evals"] == resumed["evals"]
   assert [e["step"] for e in full["evals"]] == [0, 1, 2, 3]
   # The CSVs of the killed-and-resumed run hold each step and eval once, as the full run's.
-  rows, evals = rl_loop.read_curves(str(tmp_path / "killed"))
+  rows, evals = run_log.read_curves(str(tmp_path / "killed"))
   assert strip(rows) == strip(full["history"])
   assert evals == full["evals"]
 
@@ -143,18 +148,18 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(start_params, 
   full = rl_loop.run_rl(cfg, str(tmp_path / "full"), "bf16", start_params, progress=False)
   shutil.copytree(tmp_path / "full", tmp_path / "torn")
   assert _truncate_arrays(tmp_path / "torn" / "ckpt" / "3") > 0
-  with caplog.at_level(logging.WARNING, logger=rl_loop.__name__):
+  with caplog.at_level(logging.WARNING, logger=checkpoints.__name__):
     again = rl_loop.run_rl(cfg, str(tmp_path / "torn"), "bf16", start_params, progress=False)
   assert "checkpoint step 3 in" in caplog.text and "does not restore" in caplog.text
   assert "resuming from step 2" in caplog.text
   for a, b in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(again["state"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  strip = lambda h: [{k: v for k, v in r.items() if k not in rl_loop.TIMING_KEYS} for r in h]
+  strip = lambda h: [{k: v for k, v in r.items() if k not in run_log.TIMING_KEYS} for r in h]
   assert strip(again["history"]) == strip(full["history"]) and again["evals"] == full["evals"]
   summary = json.loads((tmp_path / "torn" / "history.json").read_text())["summary"]
   assert summary["checkpoint_fallbacks"] == 1 and full["summary"]["checkpoint_fallbacks"] == 0
-  assert [p.name.split("-")[0] for p in (tmp_path / "torn" / rl_loop.CORRUPT_DIR).iterdir()] == [
-      "3"]
+  moved = (tmp_path / "torn" / checkpoints.CORRUPT_DIR).iterdir()
+  assert [p.name.split("-")[0] for p in moved] == ["3"]
   assert sorted(int(p.name) for p in (tmp_path / "torn" / "ckpt").iterdir()) == [2, 3]
 
 
@@ -162,19 +167,19 @@ def test_no_restorable_checkpoint_is_a_clear_error(tmp_path):
   """Every step unreadable (or of other shapes): CheckpointRestoreError naming each step and
   why, and nothing moved aside."""
   state = {"w": np.zeros(4, np.float32)}
-  mgr = rl_loop._checkpointer(str(tmp_path / "ckpt"), keep=2)
+  mgr = checkpoints.checkpointer(str(tmp_path / "ckpt"), keep=2)
   for step in (1, 2):
     mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                            meta=ocp.args.JsonSave({"history": []})))
   mgr.wait_until_finished()
   _truncate_arrays(tmp_path / "ckpt" / "2")
   other_shape = {"w": np.zeros(5, np.float32)}  # step 1 is intact, but of another shape
-  with pytest.raises(rl_loop.CheckpointRestoreError,
+  with pytest.raises(checkpoints.CheckpointRestoreError,
                      match=r"no checkpoint in .* restores: step 2: .*; step 1: ") as e:
-    rl_loop.restore_latest(mgr, other_shape, str(tmp_path / "aside"))
+    checkpoints.restore_latest(mgr, other_shape, str(tmp_path / "aside"))
   assert "\n" not in str(e.value)
   assert not (tmp_path / "aside").exists() and mgr.all_steps() == [1, 2]
-  step, restored, meta = rl_loop.restore_latest(mgr, state, str(tmp_path / "aside"))
+  step, restored, meta = checkpoints.restore_latest(mgr, state, str(tmp_path / "aside"))
   assert step == 1 and meta == {"history": []} and (tmp_path / "aside").is_dir()
   mgr.close()
 

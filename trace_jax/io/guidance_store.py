@@ -3,7 +3,8 @@
 Layout of a batch `<root>/<batch_id>/` (a zarr3 group):
   seq_offsets                      int64 [num_seqs + 1]; sequence s owns token rows
                                    [seq_offsets[s], seq_offsets[s + 1]) of every array
-  layer_{i:03d}/{site}/{field}     site in SITES, field mantissa|codes, block_scale, row_scale;
+  layer_{i:03d}/{site}/{field}     site in SITES, field mantissa|codes, block_scale, row_scale
+                                   (NVFP4 only; the manifest's `fp4_format` says which);
                                    rows = all sequences' tokens concatenated (ragged), e.g.
                                    moe_in [T, K/8], expert_mid [T, top_k, I/8], k [T, kv, hd/8]
   layer_{i:03d}/routing/ids        int32 [T, top_k] routed expert ids
@@ -42,6 +43,7 @@ import concurrent.futures as cf
 import dataclasses
 import datetime
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -60,7 +62,9 @@ import numpy as np
 import tensorstore as ts
 
 from trace_jax.model.config import SITES
+from trace_jax.quant.formats import FP4_BLOCKS, FP4_FORMATS
 from trace_jax.quant.guided import Guidance, bytes_per_row
+from trace_jax.rollout.protocol import GuidanceHandle
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +73,29 @@ FORMAT = "trace_jax.guidance"
 MANIFEST = "manifest.json"
 ROUTING = "routing"
 ON_MISSING = ("error", "fallback")
-# Logical dtype of each field, and the dtype its bytes are stored as.
+# Logical dtype of each field (block scales: per FP4 format), and the dtype its bytes are
+# stored as. A manifest without `fp4_format` (written before MXFP4 guidance) is NVFP4.
 FIELD_DTYPES = {"mantissa": "uint8", "codes": "uint8", "block_scale": "float8_e4m3fn",
                 "row_scale": "float32", "ids": "int32"}
+SCALE_DTYPES = {"nvfp4": "float8_e4m3fn", "mxfp4": "float8_e8m0fnu"}
 STORED_DTYPES = {**FIELD_DTYPES, "block_scale": "uint8"}
 MODE_FIELDS = {"compact": ("mantissa", "block_scale", "row_scale"),
                "full": ("codes", "block_scale", "row_scale")}
+DEFAULT_FORMAT = "nvfp4"
+
+
+def mode_fields(mode: str, fmt: str) -> tuple[str, ...]:
+  """The arrays a site's record holds in `mode` and FP4 format `fmt` (MXFP4: no row scale)."""
+  return tuple(f for f in MODE_FIELDS[mode] if fmt == "nvfp4" or f != "row_scale")
+
+
+def field_dtype(field: str, fmt: str) -> str:
+  """Logical dtype of a field's array in FP4 format `fmt`."""
+  return SCALE_DTYPES[fmt] if field == "block_scale" else FIELD_DTYPES[field]
+
+
+def manifest_format(manifest: Mapping[str, Any]) -> str:
+  return manifest.get("fp4_format", DEFAULT_FORMAT)
 _NOT_BYTES = ("batch_id", "num_seqs", "num_tokens", "mode")
 _BATCH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _ARRAY_PATH = re.compile(r"layer_(\d{3,})/([a-z_]+)/([a-z_]+)")
@@ -176,6 +197,8 @@ def manifest_problem(manifest: Any) -> str | None:
               f"{kind.__name__}" if key in manifest else f"field {key!r} is missing")
   if manifest["mode"] not in MODE_FIELDS:
     return f"mode {manifest['mode']!r} is not one of {sorted(MODE_FIELDS)}"
+  if manifest_format(manifest) not in FP4_FORMATS:
+    return f"fp4_format {manifest_format(manifest)!r} is not one of {list(FP4_FORMATS)}"
   if manifest["checksum"].get("algorithm") != CHECKSUM["algorithm"]:
     return f"checksum algorithm {manifest['checksum'].get('algorithm')!r} is not crc32"
   ids, counts = manifest["seq_ids"], manifest["token_counts"]
@@ -311,7 +334,8 @@ def _chunk_bytes(path: str) -> int:
 def _to_host(a: Any) -> np.ndarray:
   """Host copy of a (jax or numpy) array, in its stored dtype (float8 -> its uint8 bytes)."""
   h = np.ascontiguousarray(np.asarray(a))
-  return h.view(np.uint8) if h.dtype == ml_dtypes.float8_e4m3fn else h
+  return h.view(np.uint8) if h.dtype in (ml_dtypes.float8_e4m3fn,
+                                         ml_dtypes.float8_e8m0fnu) else h
 
 
 def _per_token(n: float, tokens: int) -> float | None:
@@ -412,7 +436,8 @@ class GuidanceWriter:
     arrays = {p: (a.copy() if isinstance(a, np.ndarray) else a) for p, a in arrays.items()}
     manifest = {
         "format": FORMAT, "schema_version": SCHEMA_VERSION, "batch_id": bid,
-        "config_hash": self.config_hash, "mode": stats["mode"], "seq_ids": seq_ids,
+        "config_hash": self.config_hash, "mode": stats["mode"],
+        "fp4_format": stats["fp4_format"], "seq_ids": seq_ids,
         "token_counts": counts, "num_tokens": sum(counts),
         "layers": sorted({int(layer) for layer in guidance}),
         "sites": sorted({s for sites in guidance.values() for s in sites}, key=SITES.index),
@@ -443,6 +468,10 @@ class GuidanceWriter:
     if len(modes) > 1:
       raise ValueError(f"batch {bid!r}: mixed guidance modes {sorted(modes)}")
     mode = modes.pop() if modes else "compact"
+    fmts = {g.format for sites in guidance.values() for g in sites.values()}
+    if len(fmts) > 1:
+      raise ValueError(f"batch {bid!r}: mixed FP4 formats {sorted(fmts)}")
+    fmt = fmts.pop() if fmts else DEFAULT_FORMAT
     b = Counter()
     for layer, sites in guidance.items():
       for site, g in sites.items():
@@ -453,25 +482,29 @@ class GuidanceWriter:
           raise ValueError(f"{where}: exactly one of mantissa or codes must be set")
         lead = tuple(g.block_scale.shape[:-1])
         k = g.k
-        want = {"block_scale": lead + (k // 16,), "row_scale": lead + (1,),
+        want = {"block_scale": lead + (k // FP4_BLOCKS[fmt],), "row_scale": lead + (1,),
                 "mantissa": lead + (k // 8,), "codes": lead + (k // 2,)}
         if not lead or lead[0] != tokens:
           raise ValueError(f"{where}: rows {lead} must start with the batch's {tokens} tokens")
-        for field in MODE_FIELDS[mode]:
+        if fmt == "mxfp4" and g.row_scale is not None:
+          raise ValueError(f"{where}: MXFP4 guidance has no row_scale")
+        for field in mode_fields(mode, fmt):
           a = getattr(g, field)
+          if a is None:
+            raise ValueError(f"{where}: {fmt} {mode} guidance needs {field}")
           if tuple(a.shape) != want[field]:
             raise ValueError(f"{where}: {field} shape {tuple(a.shape)}, expected {want[field]}")
-          if np.dtype(a.dtype).name != FIELD_DTYPES[field]:
+          if np.dtype(a.dtype).name != field_dtype(field, fmt):
             raise ValueError(f"{where}: {field} dtype {np.dtype(a.dtype).name}, expected "
-                             f"{FIELD_DTYPES[field]}")
+                             f"{field_dtype(field, fmt)}")
           path = array_path(int(layer), site, field)
           arrays[path] = a
-          info[path] = {"dtype": FIELD_DTYPES[field], "stored_dtype": STORED_DTYPES[field],
+          info[path] = {"dtype": field_dtype(field, fmt), "stored_dtype": STORED_DTYPES[field],
                         "shape": list(a.shape)}
         rows = int(np.prod(lead))
         b["guidance_bytes"] += g.nbytes
-        b["compact_bytes"] += int(rows * bytes_per_row(k, "compact"))
-        b["full_bytes"] += int(rows * bytes_per_row(k, "full"))
+        b["compact_bytes"] += int(rows * bytes_per_row(k, "compact", fmt))
+        b["full_bytes"] += int(rows * bytes_per_row(k, "full", fmt))
     for layer, ids in routing.items():
       path = array_path(int(layer), ROUTING, "ids")
       if ids.ndim != 2 or ids.shape[0] != tokens or np.dtype(ids.dtype) != np.int32:
@@ -480,7 +513,7 @@ class GuidanceWriter:
       arrays[path] = ids
       info[path] = {"dtype": "int32", "stored_dtype": "int32", "shape": list(ids.shape)}
       b["routing_bytes"] += int(np.prod(ids.shape)) * 4
-    stats: dict[str, Any] = {"mode": mode, "num_tokens": tokens}
+    stats: dict[str, Any] = {"mode": mode, "fp4_format": fmt, "num_tokens": tokens}
     for key in ("guidance_bytes", "compact_bytes", "full_bytes", "routing_bytes"):
       stats[key] = int(b[key])
       stats[key + "_per_token"] = _per_token(b[key], tokens)
@@ -780,11 +813,11 @@ class GuidanceReader:
 
   def _wanted_arrays(self, manifest: dict, sel: _Selection) -> dict[str, tuple[int, str]]:
     """Array paths the trainer needs -> (layer, site); flags (layer, site)s the batch lacks."""
-    mode_fields = MODE_FIELDS[manifest["mode"]]
+    fields = mode_fields(manifest["mode"], manifest_format(manifest))
     layers = manifest["layers"] if self.layers is None else self.layers
     sites = manifest["sites"] if self.sites is None else self.sites
     rlayers = manifest["routing_layers"] if self.routing_layers is None else self.routing_layers
-    wanted = [(layer, site, f) for layer in layers for site in sites for f in mode_fields]
+    wanted = [(layer, site, f) for layer in layers for site in sites for f in fields]
     wanted += [(layer, ROUTING, "ids") for layer in rlayers]
     out = {}
     for layer, site, field in wanted:
@@ -813,10 +846,11 @@ class GuidanceReader:
                  kind="missing_array")
         continue
       want_shape = tuple(entry["shape"])
-      if (entry.get("dtype") != FIELD_DTYPES[field] or t.dtype.name != STORED_DTYPES[field]
+      logical = field_dtype(field, manifest_format(manifest))
+      if (entry.get("dtype") != logical or t.dtype.name != STORED_DTYPES[field]
           or want_shape[0] != manifest["num_tokens"]):
         sel.fail(f"array {path} has dtype {t.dtype.name} (manifest {entry.get('dtype')}/"
-                 f"{entry.get('stored_dtype')}, schema {FIELD_DTYPES[field]})", layer=layer,
+                 f"{entry.get('stored_dtype')}, schema {logical})", layer=layer,
                  site=site, kind="corrupt_array")
         continue
       if tuple(t.shape) != want_shape:
@@ -890,6 +924,8 @@ class GuidanceReader:
     """Concatenates the valid sequences' rows into Guidance records and routing ids."""
     lengths = np.where(sel.valid, offsets[idx + 1] - offsets[idx], 0)
     out_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    fmt = manifest_format(manifest)
+    scale_dtype = getattr(ml_dtypes, SCALE_DTYPES[fmt])
     arrays: dict[str, np.ndarray] = {}
     for path, parts in data.items():
       pieces = []
@@ -901,19 +937,151 @@ class GuidanceReader:
       if a is None:
         shape = (0,) + tuple(manifest["arrays"][path]["shape"][1:])
         a = np.zeros(shape, STORED_DTYPES[path.rsplit("/", 1)[1]])
-      arrays[path] = a.view(ml_dtypes.float8_e4m3fn) if path.endswith("/block_scale") else a
+      arrays[path] = a.view(scale_dtype) if path.endswith("/block_scale") else a
     guidance: dict[int, dict[str, Guidance]] = {}
     routing: dict[int, np.ndarray] = {}
-    mantissa_field = MODE_FIELDS[manifest["mode"]][0]
+    names = mode_fields(manifest["mode"], fmt)
     for path, a in arrays.items():
       layer_s, site, field = path.split("/")
       layer = int(layer_s.removeprefix("layer_"))
       if site == ROUTING:
         routing[layer] = a
-      elif field == mantissa_field:
-        fields = {f: arrays.get(array_path(layer, site, f)) for f in MODE_FIELDS[manifest["mode"]]}
+      elif field == names[0]:
+        fields = {f: arrays.get(array_path(layer, site, f)) for f in names}
         if all(v is not None for v in fields.values()):
           guidance.setdefault(layer, {})[site] = Guidance(**fields)
     self._count(sel)
     return GuidanceBatch(bid, sel.seq_ids, out_offsets, sel.valid.copy(), guidance, routing,
                          manifest, sel.problems)
+
+
+# ------------------------------------------------------------------------------------ store
+
+AUDIT_SUFFIX = ".audit"
+_ROLLOUT_BATCH = re.compile(r"b(\d{6,})")
+
+
+def batch_name(index: int) -> str:
+  """The id of a rollout's `index`-th batch ("b000123"); its audit batch adds AUDIT_SUFFIX."""
+  return f"b{int(index):06d}"
+
+
+def rollout_handles(batch_id: str, n: int, n_audit: int = 0, store: str | None = None,
+                    guidance_bytes_per_token: float | None = None) -> list[GuidanceHandle]:
+  """The handles of a rollout batch of n sequences, the first n_audit of them audited."""
+  audit = f"{batch_id}{AUDIT_SUFFIX}" if n_audit else None
+  return [GuidanceHandle(batch_id=batch_id, seq_id=f"{batch_id}-{i}", store=store,
+                         audit_batch_id=audit if i < n_audit else None,
+                         guidance_bytes_per_token=guidance_bytes_per_token) for i in range(n)]
+
+
+def _merge(parts: list[GuidanceBatch]) -> GuidanceBatch:
+  """Batches read for consecutive groups of samples, as one batch in sample order."""
+  if len(parts) == 1:
+    return parts[0]
+  cat = lambda *a: np.concatenate(a, axis=0)
+  first = parts[0]
+  return dataclasses.replace(
+      first, batch_id="+".join(p.batch_id for p in parts),
+      seq_ids=[i for p in parts for i in p.seq_ids],
+      seq_offsets=np.concatenate([[0], np.cumsum(np.concatenate(
+          [np.diff(p.seq_offsets) for p in parts]))]).astype(np.int64),
+      valid=np.concatenate([p.valid for p in parts]),
+      guidance={layer: {site: jax.tree.map(cat, *[p.guidance[layer][site] for p in parts])
+                        for site in first.guidance[layer]} for layer in first.guidance},
+      routing={layer: cat(*[p.routing[layer] for p in parts]) for layer in first.routing},
+      problems=[q for p in parts for q in p.problems])
+
+
+class GuidanceStore:
+  """The one owner of a guidance root's batch lifecycle: batch ids, a rollout batch's writes,
+  reads for samples, deletion, close.
+
+  A rollout batch is one store batch holding the training record (the policy's guidance mode,
+  its guided layers) and every recorded layer's routing for all sequences, plus an audit batch
+  `<id>.audit` with full codes of its first audited sequences. Ids continue after the highest
+  one under the root, so a restarted engine or server never overwrites a batch it did not
+  write in this process (unless `overwrite`, for a run that owns its root).
+  """
+
+  def __init__(self, root: str | os.PathLike, config_hash: str, *,
+               options: StoreOptions | None = None, on_missing: str = "error",
+               overwrite: bool = False):
+    self.root = os.path.abspath(os.fspath(root))
+    self.config_hash = config_hash
+    self.writer = GuidanceWriter(self.root, config_hash, options, overwrite=overwrite)
+    self.reader = GuidanceReader(self.root, config_hash, on_missing=on_missing)
+    known = [int(n[1:]) for n in self.batches()]
+    self._ids = itertools.count(max(known) + 1 if known else 0)
+    self._lock = threading.Lock()
+
+  @property
+  def stats(self) -> ReaderStats:
+    return self.reader.stats
+
+  def batches(self) -> list[str]:
+    """Rollout batch ids under the root once pending writes finish (audit batches not
+    listed)."""
+    self.writer.flush()
+    if not os.path.isdir(self.root):
+      return []
+    return sorted(n for n in os.listdir(self.root) if _ROLLOUT_BATCH.fullmatch(n)
+                  and os.path.isdir(os.path.join(self.root, n)))
+
+  def new_batch_id(self) -> str:
+    with self._lock:
+      return batch_name(next(self._ids))
+
+  def write_rollout(self, counts: Sequence[int], guidance: Mapping[int, Mapping[str, Guidance]],
+                    routing: Mapping[int, Any], audit: Mapping[int, Mapping[str, Guidance]]
+                    | None = None, n_audit: int = 0) -> list[GuidanceHandle]:
+    """Queues one rollout batch of len(counts) sequences (records: ragged rows, sequence after
+    sequence) and returns their handles; `audit` holds the full codes of the first n_audit."""
+    bid = self.new_batch_id()
+    handles = rollout_handles(bid, len(counts), n_audit, self.root)
+    seq_ids = [h.seq_id for h in handles]
+    write = self.writer.write_batch(bid, seq_ids, counts, guidance, routing)
+    if n_audit:
+      self.writer.write_batch(handles[0].audit_batch_id, seq_ids[:n_audit], counts[:n_audit],
+                              audit or {})
+    per_token = write.stats.get("guidance_bytes_per_token")
+    return [dataclasses.replace(h, guidance_bytes_per_token=per_token) for h in handles]
+
+  def read(self, handles: Sequence[GuidanceHandle], audit: bool = False) -> GuidanceBatch:
+    """The records of `handles`' sequences, rows in their order, from however many batches
+    hold them; audit=True reads their full codes (every handle must be audited). Waits for
+    pending writes first."""
+    self.writer.flush()
+    groups: dict[str, list[SeqId]] = {}
+    for h in handles:
+      bid = h.audit_batch_id if audit else h.batch_id
+      if bid is None:
+        raise ValueError(f"sequence {h.seq_id!r} has no audit record")
+      groups.setdefault(bid, []).append(h.seq_id)
+    return _merge([self.reader.read(bid, ids) for bid, ids in groups.items()])
+
+  def delete(self, batch_ids: Sequence[str]) -> None:
+    """Removes rollout batches and their audit batches (records read, or never needed)."""
+    self.writer.flush()
+    for bid in dict.fromkeys(batch_ids):
+      problem = batch_id_problem(bid)
+      if problem:
+        raise ValueError(problem)
+      for name in (bid, f"{bid}{AUDIT_SUFFIX}"):
+        shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+  def flush(self) -> None:
+    self.writer.flush()
+
+  def close(self) -> None:
+    """Waits for pending writes, then stops the writer and reader threads."""
+    try:
+      self.writer.close()
+    finally:
+      self.reader.close()
+
+  def __enter__(self) -> GuidanceStore:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()

@@ -37,8 +37,9 @@ from tqdm.auto import tqdm
 
 from trace_jax.io import safetensors_util as st
 from trace_jax.model import abstract_params
-from trace_jax.model.config import NVFP4_BLOCK, ModelConfig
+from trace_jax.model.config import ModelConfig
 from trace_jax.model.sharding import param_shardings
+from trace_jax.quant.formats import NVFP4_BLOCK
 
 CONFIG_FILE = "config.json"
 HF_QUANT_CONFIG = "hf_quant_config.json"

@@ -11,11 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from trace_jax.quant.formats import FP8_GROUP, NVFP4_BLOCK
+from trace_jax.model.policies import Forward, forward_of
 
-# How one forward quantizes (a run pairs a rollout and a training forward: model/policies.py).
-POLICIES = ("bf16", "fp8_unified", "fp4_rtn", "fp4_trace")
-FP4_POLICIES = ("fp4_rtn", "fp4_trace")
 GUIDANCE_MODES = ("compact", "full")
 DTYPES = ("float32", "bfloat16")
 MOE_IMPLS = ("ragged_dot", "tiled")  # trace_jax.model.grouped
@@ -42,7 +39,8 @@ class ModelConfig:
   """Qwen3-MoE decoder shape (HF names) and the precision policy of docs/design.md §4.
 
   guided_layers: indices of the decoder layers whose quantization sites take rollout guidance
-    in `fp4_trace`; None means the deepest half (`num_hidden_layers // 2 ..`).
+    in a guided policy (`fp4_trace`, `mxfp4_trace`); None means the deepest half
+    (`num_hidden_layers // 2 ..`).
   moe_impl: how the experts' grouped matmuls run (`trace_jax.model.grouped`); not a shape.
   """
   vocab_size: int
@@ -97,8 +95,11 @@ class ModelConfig:
                     "(SGLang does not tie it either)")
     if self.dtype not in DTYPES:
       errors.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-    if self.policy not in POLICIES:
-      errors.append(f"unknown precision policy {self.policy!r}; expected one of {POLICIES}")
+    try:
+      fwd = forward_of(self.policy)
+    except ValueError as e:
+      errors.append(str(e))
+      fwd = None
     if self.guidance_mode not in GUIDANCE_MODES:
       errors.append(f"guidance_mode must be one of {GUIDANCE_MODES}, got {self.guidance_mode!r}")
     if self.moe_impl not in MOE_IMPLS:
@@ -110,19 +111,14 @@ class ModelConfig:
       errors.append(f"guided_layers has duplicates: {self.guided_layers}")
     if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
       errors.append("rms_norm_eps and rope_theta must be positive")
-    if self.policy in FP4_POLICIES:
-      for name in ("hidden_size", "moe_intermediate_size", "head_dim"):
-        if getattr(self, name) % NVFP4_BLOCK:
-          errors.append(f"policy {self.policy!r} quantizes along {name} in NVFP4 blocks of "
-                        f"{NVFP4_BLOCK}, but {name} = {getattr(self, name)}")
-    if self.policy == "fp8_unified":
-      for name, v in (("hidden_size", self.hidden_size),
-                      ("moe_intermediate_size", self.moe_intermediate_size),
-                      ("num_attention_heads * head_dim", self.num_attention_heads * self.head_dim),
-                      ("num_key_value_heads * head_dim", self.num_key_value_heads * self.head_dim)):
-        if v % FP8_GROUP:
-          errors.append(f"policy 'fp8_unified' uses FP8 blocks of {FP8_GROUP} on every linear "
-                        f"layer, but {name} = {v}")
+    if fwd is not None and fwd.fp4 is not None:
+      errors += fwd.block_errors({n: getattr(self, n) for n in
+                                  ("hidden_size", "moe_intermediate_size", "head_dim")})
+    if fwd is not None and fwd.fp8_linears:
+      errors += fwd.block_errors({
+          "hidden_size": self.hidden_size, "moe_intermediate_size": self.moe_intermediate_size,
+          "num_attention_heads * head_dim": self.num_attention_heads * self.head_dim,
+          "num_key_value_heads * head_dim": self.num_key_value_heads * self.head_dim})
     if errors:
       raise ValueError("ModelConfig: " + "; ".join(errors))
 
@@ -133,9 +129,9 @@ class ModelConfig:
     return self.num_attention_heads // self.num_key_value_heads
 
   @property
-  def quantized(self) -> bool:
-    """Whether the forward quantizes anything (every policy except `bf16`)."""
-    return self.policy != "bf16"
+  def forward(self) -> Forward:
+    """The precision policy of this forward, as data (`trace_jax.model.policies`)."""
+    return forward_of(self.policy)
 
   def replace(self, **changes: Any) -> ModelConfig:
     return dataclasses.replace(self, **changes)
@@ -235,3 +231,27 @@ def qwen3_30b_a3b(**overrides: Any) -> ModelConfig:
                 dtype="bfloat16")
   kwargs.update(overrides)
   return ModelConfig(**kwargs)
+
+
+PRESETS = {"tiny": tiny, "qwen3_30b_a3b": qwen3_30b_a3b}
+
+
+def resolve(section: Any, **overrides: Any) -> ModelConfig:
+  """The ModelConfig of a config file's `model` section: a preset name, or a mapping
+  {"preset": name (default "tiny"), **ModelConfig field overrides}; `overrides` win.
+
+  The one resolver of model sections (the RL launchers, the server, measure_mismatch); an
+  unknown preset or field raises ValueError naming it.
+  """
+  fields = {"preset": section} if isinstance(section, str) else dict(section or {})
+  preset = fields.pop("preset", "tiny")
+  if preset not in PRESETS:
+    raise ValueError(f"unknown model preset {preset!r}; known: {sorted(PRESETS)}")
+  fields.update(overrides)
+  names = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(fields) - names)
+  if unknown:
+    raise ValueError(f"unknown model fields {unknown}; ModelConfig has {sorted(names)}")
+  if fields.get("guided_layers") is not None:
+    fields["guided_layers"] = tuple(fields["guided_layers"])
+  return PRESETS[preset](**fields)

@@ -1,59 +1,168 @@
-"""Precision policies of an RL run, as data: what the rollout runs, what the trainer runs.
+"""Precision policies as data (docs/design.md §4): what one forward quantizes, and what an RL
+run's rollout and trainer each run.
 
-A run policy pairs two forward precisions (`ModelConfig.policy`: how one forward quantizes,
-`trace_jax/model/precision.py`) with whether the trainer rounds under the rollout's guidance.
-Adding a policy is one entry in `POLICIES`. A run may add options after "+":
-`fp4_trace+r3` replays the rollout's routing in the training forward (R3).
+A `Forward` says how one forward pass quantizes; `ModelConfig.policy` names one and
+`trace_jax/model/precision.py` reads its fields at every site. A run `PrecisionPolicy` pairs
+a rollout forward with a training forward. Adding either is one entry below. A run may add
+options after "+": `fp4_trace+r3` replays the rollout's routing in the training forward (R3).
 
-| policy        | rollout forward               | training forward          | guidance |
-|---------------|-------------------------------|---------------------------|----------|
-| `bf16`        | BF16                          | BF16                      | -        |
-| `fp8_unified` | FP8 linear layers (Jet-RL)    | the same FP8 quantization | -        |
-| `fp4_rollout` | NVFP4 W/A + KV                | BF16 (off-policy baseline)| -        |
-| `fp4_rtn`     | NVFP4 W/A + KV                | NVFP4 QAT, own scales, RTN| -        |
-| `fp4_trace`   | NVFP4 W/A + KV, records       | NVFP4, guided rounding    | trains   |
+Forwards (FP4 quantizes the routed experts' weights, their inputs `moe_in` and `expert_mid`,
+and the KV cache `k`/`v`; FP8 quantizes the inputs and weights of the attention projections
+and the experts; the router, embeddings, norms and lm_head stay in the compute dtype):
+
+| forward       | FP4 sites | FP8 linears | rounds under rollout guidance |
+|---------------|-----------|-------------|-------------------------------|
+| `bf16`        | -         | -           | -                             |
+| `fp8_unified` | -         | E4M3        | -                             |
+| `fp4_rtn`     | NVFP4     | -           | no (own scales, RTN)          |
+| `fp4_trace`   | NVFP4     | -           | yes, where guidance is given  |
+| `mxfp4_rtn`   | MXFP4     | -           | no                            |
+| `mxfp4_trace` | MXFP4     | -           | yes                           |
+
+Run policies:
+
+| policy          | rollout forward             | training forward              |
+|-----------------|-----------------------------|-------------------------------|
+| `bf16`          | bf16                        | bf16                          |
+| `fp8_unified`   | fp8_unified (Jet-RL)        | fp8_unified                   |
+| `fp8_rollout`   | fp8_unified                 | bf16 (off-policy baseline)    |
+| `fp4_rollout`   | fp4_trace                   | bf16 (off-policy baseline)    |
+| `fp4_rtn`       | fp4_trace                   | fp4_rtn (vanilla QAT)         |
+| `fp4_trace`     | fp4_trace, records guidance | fp4_trace (TRACE)             |
+| `mxfp4_rollout` / `mxfp4_rtn` / `mxfp4_trace` | the same with MXFP4 | |
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from trace_jax.model.config import FP4_POLICIES
+from trace_jax.quant.formats import FP4_BLOCKS, FP8_GROUP
 
 OPTIONS = {"r3": "replay the rollout's routing (expert ids of every layer) in training"}
+BACKWARDS = ("bf16",)  # precision of the backward GEMMs (gradients between operators: BF16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward:
+  """How one forward pass quantizes.
+
+  fp4: the FP4 format ("nvfp4", "mxfp4") of the TRACE sites (routed-expert weights, their
+    inputs, the KV cache), or None.
+  fp8_linears: FP8 E4M3 on the inputs and weights of every linear layer in the decoder blocks
+    (attention projections and experts), Jet-RL granularity (1x128 / 128x128).
+  guided: the forward rounds its FP4 sites under rollout guidance where it is given (the
+    training side of TRACE; on the rollout side, the engine records that guidance).
+  """
+  name: str
+  fp4: str | None = None
+  fp8_linears: bool = False
+  guided: bool = False
+  doc: str = ""
+
+  def __post_init__(self):
+    if self.fp4 is not None and self.fp4 not in FP4_BLOCKS:
+      raise ValueError(f"forward {self.name!r}: unknown FP4 format {self.fp4!r}")
+    if self.guided and self.fp4 is None:
+      raise ValueError(f"forward {self.name!r}: guided rounding needs an FP4 format")
+    if self.fp4 is not None and self.fp8_linears:
+      raise ValueError(f"forward {self.name!r}: FP4 sites and FP8 linears are not combined")
+
+  @property
+  def quantized(self) -> bool:
+    return self.fp4 is not None or self.fp8_linears
+
+  @property
+  def fp4_block(self) -> int | None:
+    return None if self.fp4 is None else FP4_BLOCKS[self.fp4]
+
+  def block_errors(self, sizes: dict[str, int]) -> list[str]:
+    """Messages for the sizes (name -> value) this forward cannot quantize in blocks."""
+    block, what = ((self.fp4_block, f"{self.fp4.upper()} blocks") if self.fp4 is not None
+                   else (FP8_GROUP, "FP8 blocks") if self.fp8_linears else (None, ""))
+    if block is None:
+      return []
+    return [f"policy {self.name!r} quantizes along {name} in {what} of {block}, but {name} = "
+            f"{v}" for name, v in sizes.items() if v % block]
+
+
+FORWARDS: dict[str, Forward] = {f.name: f for f in (
+    Forward("bf16", doc="BF16 (the compute dtype) everywhere"),
+    Forward("fp8_unified", fp8_linears=True,
+            doc="Jet-RL: FP8 E4M3 inputs and weights of every linear layer"),
+    Forward("fp4_rtn", fp4="nvfp4", doc="NVFP4 experts and KV cache, own scales, RTN"),
+    Forward("fp4_trace", fp4="nvfp4", guided=True,
+            doc="NVFP4 experts and KV cache; guided rounding where rollout guidance is given"),
+    Forward("mxfp4_rtn", fp4="mxfp4", doc="MXFP4 experts and KV cache, own scales, RTN"),
+    Forward("mxfp4_trace", fp4="mxfp4", guided=True,
+            doc="MXFP4 experts and KV cache; guided rounding where rollout guidance is given"),
+)}
+
+
+def forward_of(name: str) -> Forward:
+  """The Forward named `name`; unknown names raise with the known ones."""
+  if name not in FORWARDS:
+    raise ValueError(f"unknown precision policy {name!r}; expected one of {tuple(FORWARDS)}")
+  return FORWARDS[name]
 
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionPolicy:
-  """One run policy: the rollout's and the trainer's forward precision, and guidance use."""
+  """One run policy: the rollout's and the trainer's forward, and the backward's precision."""
   name: str
-  rollout: str  # ModelConfig.policy of the rollout engine
-  train: str    # ModelConfig.policy of the training forward
-  guided: bool  # the trainer rounds under the rollout's guidance (TRACE)
+  rollout: Forward
+  train: Forward
   doc: str
+  backward: str = "bf16"
+
+  def __post_init__(self):
+    if self.backward not in BACKWARDS:
+      raise ValueError(f"policy {self.name!r}: backward must be one of {BACKWARDS}")
+    if self.train.guided and self.rollout.fp4 != self.train.fp4:
+      raise ValueError(f"policy {self.name!r}: guided training needs a rollout in its format")
+
+  @property
+  def guided(self) -> bool:
+    """The trainer rounds under the rollout's guidance (TRACE); the rollout records it."""
+    return self.train.guided
 
   @property
   def fp4_rollout(self) -> bool:
-    """Rollout in NVFP4: the engine records routing (and audits codes) for the mismatch."""
-    return self.rollout in FP4_POLICIES
+    """Rollout in FP4: the engine records routing (and audits codes) for the mismatch."""
+    return self.rollout.fp4 is not None
 
   @property
   def fp4_train(self) -> bool:
-    """The training forward quantizes to NVFP4, so its codes can flip against the rollout's."""
-    return self.train in FP4_POLICIES
+    """The training forward quantizes to FP4, so its codes can flip against the rollout's."""
+    return self.train.fp4 is not None
+
+
+def _run(name: str, rollout: str, train: str, doc: str) -> PrecisionPolicy:
+  return PrecisionPolicy(name, FORWARDS[rollout], FORWARDS[train], doc)
 
 
 POLICIES: dict[str, PrecisionPolicy] = {p.name: p for p in (
-    PrecisionPolicy("bf16", "bf16", "bf16", False, "BF16 rollout and training"),
-    PrecisionPolicy("fp8_unified", "fp8_unified", "fp8_unified", False,
-                    "Jet-RL: the same FP8 quantization in rollout and training"),
-    PrecisionPolicy("fp4_rollout", "fp4_trace", "bf16", False,
-                    "NVFP4 rollout, BF16 training: the off-policy baseline"),
-    PrecisionPolicy("fp4_rtn", "fp4_trace", "fp4_rtn", False,
-                    "NVFP4 rollout, NVFP4 QAT with the trainer's own scales (vanilla QAT)"),
-    PrecisionPolicy("fp4_trace", "fp4_trace", "fp4_trace", True,
-                    "TRACE: NVFP4 rollout records guidance; training rounds under it"),
+    _run("bf16", "bf16", "bf16", "BF16 rollout and training"),
+    _run("fp8_unified", "fp8_unified", "fp8_unified",
+         "Jet-RL: the same FP8 quantization in rollout and training"),
+    _run("fp8_rollout", "fp8_unified", "bf16",
+         "FP8 rollout, BF16 training: the off-policy baseline Jet-RL argues against"),
+    _run("fp4_rollout", "fp4_trace", "bf16",
+         "NVFP4 rollout, BF16 training: the off-policy baseline"),
+    _run("fp4_rtn", "fp4_trace", "fp4_rtn",
+         "NVFP4 rollout, NVFP4 QAT with the trainer's own scales (vanilla QAT)"),
+    _run("fp4_trace", "fp4_trace", "fp4_trace",
+         "TRACE: NVFP4 rollout records guidance; training rounds under it"),
+    _run("mxfp4_rollout", "mxfp4_trace", "bf16",
+         "MXFP4 rollout, BF16 training: the off-policy baseline"),
+    _run("mxfp4_rtn", "mxfp4_trace", "mxfp4_rtn",
+         "MXFP4 rollout, MXFP4 QAT with the trainer's own scales"),
+    _run("mxfp4_trace", "mxfp4_trace", "mxfp4_trace",
+         "TRACE in MXFP4: the rollout records guidance; training rounds under it"),
 )}
+
+
+# The vanilla-QAT and the TRACE run policy of each FP4 format (measure_mismatch, tests).
+FP4_RUNS = {"nvfp4": ("fp4_rtn", "fp4_trace"), "mxfp4": ("mxfp4_rtn", "mxfp4_trace")}
 
 
 @dataclasses.dataclass(frozen=True)

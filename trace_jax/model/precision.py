@@ -1,17 +1,19 @@
 """Where and how the forward quantizes, per precision policy (docs/design.md §4 and 5).
 
 One `Precision` object lives for one traced forward. The model calls it at every quantization
-site; it applies the policy's fake quantizer (`trace_jax.quant.qat`: quantize-dequantize with
-a straight-through BF16 gradient), rounds under rollout guidance where `fp4_trace` has it, and
-collects "taps" (the quantization outcome per layer and site) when asked.
+site; it applies the fake quantizer its `Forward` (`trace_jax/model/policies.py`) names
+(`trace_jax.quant.qat`: quantize-dequantize with a straight-through BF16 gradient), rounds
+under rollout guidance where a guided forward is given it, and collects "taps" (the
+quantization outcome per layer and site) when asked.
 
 Sites (TRACE): `moe_in` (a token's input to the routed experts, row = token), `expert_mid`
 (input to a selected expert's down projection, row = (token, top-k slot)), `k` and `v`
 (entering the KV cache, row = (token, kv head), blocks along head_dim), plus the routed
-expert weights (NVFP4, one second-level scale per expert; gate and up share it, as SGLang's
-fused w13 does). `fp8_unified` (Jet-RL) instead quantizes the input and weight of every
-linear layer in the decoder blocks (q/k/v/o projections and experts) with FP8; the router,
-embeddings, norms and lm_head stay in the compute dtype in every policy.
+expert weights (in NVFP4 one second-level scale per expert; gate and up share it, as SGLang's
+fused w13 does), all in the forward's FP4 format (NVFP4 or MXFP4). `fp8_unified` (Jet-RL)
+instead quantizes the input and weight of every linear layer in the decoder blocks (q/k/v/o
+projections and experts) with FP8; the router, embeddings, norms and lm_head stay in the
+compute dtype in every policy.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from trace_jax.model.config import FP4_POLICIES, SITES, ModelConfig
+from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.quant import formats, guided, qat
 from trace_jax.quant.guided import Guidance
 
@@ -33,7 +35,7 @@ GuidanceTree = Mapping[int, Mapping[str, Guidance]]
 class Precision:
   """Per-forward quantization context.
 
-  guidance: rollout records for `fp4_trace` training (rows laid out as the taps are).
+  guidance: rollout records for guided training (rows laid out as the taps are).
   tap_layers: layers whose site outcomes are returned as Guidance records (mode `tap_mode`).
   tap_routing: also return every layer's routed expert ids (default: when tap_layers is set).
   record: rollout side; quantize with `quantize_act_record` semantics (no gradient rule).
@@ -43,12 +45,18 @@ class Precision:
                tap_layers: tuple[int, ...] = (), tap_mode: str | None = None,
                record: bool = False, tap_routing: bool | None = None):
     self.config = config
-    self.fp4 = config.policy in FP4_POLICIES
-    self.fp8 = config.policy == "fp8_unified"
+    fwd = config.forward
+    self.fmt = fwd.fp4  # the FP4 format of the TRACE sites, or None
+    self.fp4 = fwd.fp4 is not None
+    self.fp8 = fwd.fp8_linears
     self.guidance = guidance or {}
-    if self.guidance and config.policy != "fp4_trace":
-      raise ValueError(f"guidance given, but policy {config.policy!r} takes none "
-                       "(only 'fp4_trace' rounds under rollout guidance)")
+    if self.guidance and not fwd.guided:
+      raise ValueError(f"guidance given, but policy {config.policy!r} takes none (guided "
+                       "forwards round under rollout guidance: fp4_trace, mxfp4_trace)")
+    wrong = {g.format for sites in self.guidance.values() for g in sites.values()} - {self.fmt}
+    if wrong:
+      raise ValueError(f"guidance in {sorted(wrong)} for policy {config.policy!r}, which "
+                       f"quantizes in {self.fmt}")
     unknown = {(layer, s) for layer, sites in self.guidance.items() for s in sites
                if s not in SITES}
     if unknown:
@@ -68,7 +76,7 @@ class Precision:
 
   def _quantize(self, x: jax.Array, g: Guidance | None, tap: bool,
                 guided_rows: jax.Array | None = None) -> tuple[jax.Array, Guidance | None]:
-    """NVFP4 quantize-dequantize of rows x [..., K] (guided where g is given) and its record.
+    """FP4 quantize-dequantize of rows x [..., K] (guided where g is given) and its record.
 
     guided_rows [...]: rows that take the guidance; the others round RTN with their own
     scales (expert_mid slots whose expert the rollout did not select).
@@ -76,22 +84,23 @@ class Precision:
     the output and the record (the quantizers are costly to compile); its output equals the
     `qat` operator's bit for bit and has the same straight-through BF16 gradient.
     """
+    fmt = self.fmt
     if not tap:
       if g is None:
-        return (qat.qdq_act(x, "nvfp4").astype(x.dtype) if self.record
-                else qat.fake_quant_act(x, "nvfp4")), None
+        return (qat.qdq_act(x, fmt).astype(x.dtype) if self.record
+                else qat.fake_quant_act(x, fmt)), None
       y = qat.fake_quant_act_guided(x, g)
       if guided_rows is not None:
-        y = jnp.where(guided_rows[..., None], y, qat.fake_quant_act(x, "nvfp4"))
+        y = jnp.where(guided_rows[..., None], y, qat.fake_quant_act(x, fmt))
       return y, None
     xs = jax.lax.stop_gradient(x)
-    rtn = lambda: formats.nvfp4_quantize(xs, formats.nvfp4_row_scale(xs))
+    rtn = lambda: formats.fp4_quantize_act(xs, fmt)
     q = rtn() if g is None else guided.guided_quantize(xs, g)
     if g is not None and guided_rows is not None:
       pick = lambda a, b: jnp.where(
           guided_rows.reshape(guided_rows.shape + (1,) * (a.ndim - guided_rows.ndim)), a, b)
       q = jax.tree.map(pick, q, rtn())
-    y = formats.nvfp4_dequantize(q).astype(x.dtype)
+    y = formats.fp4_dequantize(q).astype(x.dtype)
     return (y if self.record else qat.straight_through(x, y)), guided.record(q, self.tap_mode)
 
   def site(self, layer: int, name: str, x: jax.Array, row_order: jax.Array | None = None,
@@ -156,8 +165,8 @@ class Precision:
     """Fake-quantized routed expert weights [E, F, D], [E, F, D], [E, D, F]."""
     if self.fp4:
       f = gate.shape[1]
-      gate_up = qat.fake_quant_weight(jnp.concatenate([gate, up], axis=1), "nvfp4")
-      return gate_up[:, :f], gate_up[:, f:], qat.fake_quant_weight(down, "nvfp4")
+      gate_up = qat.fake_quant_weight(jnp.concatenate([gate, up], axis=1), self.fmt)
+      return gate_up[:, :f], gate_up[:, f:], qat.fake_quant_weight(down, self.fmt)
     if self.fp8:
       return tuple(qat.fake_quant_weight(w, "fp8") for w in (gate, up, down))
     return gate, up, down

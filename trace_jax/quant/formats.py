@@ -363,3 +363,38 @@ def fp8_dequantize(q: FP8Tensor) -> jax.Array:
   n, k = v.shape[-2:]
   vb = v.reshape(v.shape[:-2] + (n // FP8_GROUP, FP8_GROUP, k // FP8_GROUP, FP8_GROUP))
   return (vb * q.scale[..., :, None, :, None]).reshape(v.shape)
+
+
+# ----------------------------------------------------------------------------- FP4 by name
+
+FP4_FORMATS = ("nvfp4", "mxfp4")
+FP4_BLOCKS = {"nvfp4": NVFP4_BLOCK, "mxfp4": MXFP4_BLOCK}
+FP4Tensor = NVFP4Tensor | MXFP4Tensor
+
+
+def check_fp4_format(fmt: str) -> None:
+  if fmt not in FP4_FORMATS:
+    raise ValueError(f"unknown FP4 format {fmt!r}; expected one of {FP4_FORMATS}")
+
+
+def fp4_quantize_act(x: jax.Array, fmt: str = "nvfp4") -> FP4Tensor:
+  """Activation rows [..., K] in an FP4 format, each row on its own (batch-invariant): NVFP4
+  two-level with the row's second-level scale (`nvfp4_row_scale`), or MXFP4."""
+  check_fp4_format(fmt)
+  if fmt == "nvfp4":
+    return nvfp4_quantize(x, nvfp4_row_scale(x))
+  return mxfp4_quantize(x)
+
+
+def fp4_format(q: FP4Tensor) -> str:
+  """"nvfp4" or "mxfp4": the format of a quantized tensor."""
+  if isinstance(q, NVFP4Tensor):
+    return "nvfp4"
+  if isinstance(q, MXFP4Tensor):
+    return "mxfp4"
+  raise TypeError(f"not an FP4 tensor: {type(q).__name__}")
+
+
+def fp4_dequantize(q: FP4Tensor) -> jax.Array:
+  """float32 values of an NVFP4 or MXFP4 tensor."""
+  return nvfp4_dequantize(q) if fp4_format(q) == "nvfp4" else mxfp4_dequantize(q)

@@ -1,6 +1,7 @@
 """Rollout-guided FP4 rounding (TRACE, docs/design.md §3.5) and the guidance record (§5).
 
-Rollout quantizes a site with NVFP4 (two-level, per-row second-level scale) and keeps, per
+Rollout quantizes a site with an FP4 format, NVFP4 (blocks of 16, E4M3 block scales, per-row
+FP32 second-level scale) or MXFP4 (blocks of 32, E8M0 power-of-two scales), and keeps, per
 element, the code's mantissa bit (compact) or the whole 4-bit code (full), plus its scales.
 Training rounds its own input with the rollout's scales and, between the two E2M1 grid
 points that bracket it, picks the one the rollout chose (same mantissa bit) or the one nearest
@@ -20,30 +21,37 @@ from trace_jax.quant import exact
 from trace_jax.quant.formats import (
     E2M1_GRID,
     E2M1_MAX,
-    NVFP4_BLOCK,
+    FP4_BLOCKS,
+    FP4Tensor,
+    MXFP4Tensor,
     NVFP4Tensor,
     _blocks,
     _nvfp4_inverse_scale,
     _unblock,
+    check_fp4_format,
     e2m1_decode,
     e2m1_magnitude,
+    fp4_format,
     pack_fp4,
     unpack_fp4,
 )
 
 MODES = ("compact", "full")
+# The dtype of each format's block scales (how a record tells its format).
+SCALE_DTYPES = {"nvfp4": jnp.float8_e4m3fn, "mxfp4": jnp.float8_e8m0fnu}
 
 
 @struct.dataclass
 class Guidance:
   """What rollout recorded at one site for a batch of token rows.
 
-  block_scale: float8_e4m3fn [..., K // 16]; row_scale: float32 [..., 1];
+  block_scale: float8_e4m3fn [..., K // 16] (NVFP4) or float8_e8m0fnu [..., K // 32] (MXFP4);
+  row_scale: float32 [..., 1] (NVFP4's second-level scale), None for MXFP4;
   mantissa: uint8 [..., K // 8], mantissa bits packed 8 per byte (compact mode), or None;
   codes: uint8 [..., K // 2], 4-bit codes packed 2 per byte (full mode), or None.
   """
   block_scale: jax.Array
-  row_scale: jax.Array
+  row_scale: jax.Array | None = None
   mantissa: jax.Array | None = None
   codes: jax.Array | None = None
 
@@ -52,8 +60,12 @@ class Guidance:
     return "compact" if self.mantissa is not None else "full"
 
   @property
+  def format(self) -> str:
+    return "mxfp4" if self.block_scale.dtype == jnp.float8_e8m0fnu else "nvfp4"
+
+  @property
   def k(self) -> int:
-    return self.block_scale.shape[-1] * NVFP4_BLOCK
+    return self.block_scale.shape[-1] * FP4_BLOCKS[self.format]
 
   @property
   def nbytes(self) -> int:
@@ -63,12 +75,14 @@ class Guidance:
                if a is not None)
 
 
-def bytes_per_row(k: int, mode: str) -> float:
-  """Guidance bytes per token row of width k: payload + E4M3 block scales + FP32 row scale."""
+def bytes_per_row(k: int, mode: str, fmt: str = "nvfp4") -> float:
+  """Guidance bytes per token row of width k: payload + block scales (+ NVFP4's FP32 row
+  scale)."""
   if mode not in MODES:
     raise ValueError(f"unknown guidance mode {mode!r}; expected one of {MODES}")
+  check_fp4_format(fmt)
   payload = k // 8 if mode == "compact" else k // 2
-  return payload + k // NVFP4_BLOCK + 4
+  return payload + k // FP4_BLOCKS[fmt] + (4 if fmt == "nvfp4" else 0)
 
 
 def pack_bits(bits: jax.Array) -> jax.Array:
@@ -87,27 +101,34 @@ def unpack_bits(packed: jax.Array) -> jax.Array:
   return b.reshape(packed.shape[:-1] + (packed.shape[-1] * 8,)).astype(jnp.uint8)
 
 
-def record(q: NVFP4Tensor, mode: str = "compact") -> Guidance:
-  """The guidance record of a rollout-side two-level NVFP4 quantization."""
+def record(q: FP4Tensor, mode: str = "compact") -> Guidance:
+  """The guidance record of a rollout-side quantization: two-level NVFP4 or MXFP4."""
   if mode not in MODES:
     raise ValueError(f"unknown guidance mode {mode!r}; expected one of {MODES}")
-  if q.tensor_scale is None:
-    raise ValueError("guidance needs two-level NVFP4 (per-row second-level scale); got "
-                     "single-level scaling")
-  row_scale = jnp.broadcast_to(q.tensor_scale, q.codes.shape[:-1] + (1,)).astype(jnp.float32)
-  if mode == "compact":
-    return Guidance(block_scale=q.block_scale, row_scale=row_scale,
-                    mantissa=pack_bits(q.codes & 1))
-  return Guidance(block_scale=q.block_scale, row_scale=row_scale, codes=pack_fp4(q.codes))
+  row_scale = None
+  if fp4_format(q) == "nvfp4":
+    if q.tensor_scale is None:
+      raise ValueError("guidance needs two-level NVFP4 (per-row second-level scale); got "
+                       "single-level scaling")
+    row_scale = jnp.broadcast_to(q.tensor_scale, q.codes.shape[:-1] + (1,)).astype(jnp.float32)
+  payload = (dict(mantissa=pack_bits(q.codes & 1)) if mode == "compact"
+             else dict(codes=pack_fp4(q.codes)))
+  return Guidance(block_scale=q.block_scale, row_scale=row_scale, **payload)
 
 
 def validate(x: jax.Array, g: Guidance, name: str = "guidance") -> None:
   """Raises ValueError when `g` cannot guide an input of x's shape."""
+  fmt = g.format
+  block = FP4_BLOCKS[fmt]
   k = x.shape[-1]
   rows = x.shape[:-1]
-  if k % NVFP4_BLOCK:
-    raise ValueError(f"{name}: contraction size {k} is not divisible by {NVFP4_BLOCK}")
-  want = {"block_scale": rows + (k // NVFP4_BLOCK,), "row_scale": rows + (1,)}
+  if k % block:
+    raise ValueError(f"{name}: contraction size {k} is not divisible by {block} ({fmt})")
+  want = {"block_scale": rows + (k // block,)}
+  if fmt == "nvfp4":
+    want["row_scale"] = rows + (1,)
+  elif g.row_scale is not None:
+    raise ValueError(f"{name}: MXFP4 guidance has no row_scale")
   if g.mantissa is not None:
     want["mantissa"] = rows + (k // 8,)
   if g.codes is not None:
@@ -115,16 +136,33 @@ def validate(x: jax.Array, g: Guidance, name: str = "guidance") -> None:
   if (g.mantissa is None) == (g.codes is None):
     raise ValueError(f"{name}: exactly one of mantissa (compact) or codes (full) must be set")
   for field, shape in want.items():
-    got = getattr(g, field).shape
-    if tuple(got) != tuple(shape):
-      raise ValueError(f"{name}: {field} has shape {tuple(got)}, expected {shape} for an input "
-                       f"of shape {tuple(x.shape)}")
-  dtypes = {"block_scale": jnp.float8_e4m3fn, "row_scale": jnp.float32, "mantissa": jnp.uint8,
+    a = getattr(g, field)
+    if a is None:
+      raise ValueError(f"{name}: {fmt} guidance needs {field}")
+    if tuple(a.shape) != tuple(shape):
+      raise ValueError(f"{name}: {field} has shape {tuple(a.shape)}, expected {shape} for an "
+                       f"input of shape {tuple(x.shape)}")
+  dtypes = {"block_scale": SCALE_DTYPES[fmt], "row_scale": jnp.float32, "mantissa": jnp.uint8,
             "codes": jnp.uint8}
   for field, dt in dtypes.items():
     a = getattr(g, field)
     if a is not None and a.dtype != dt:
       raise ValueError(f"{name}: {field} has dtype {a.dtype}, expected {jnp.dtype(dt).name}")
+
+
+def _scaled(xf: jax.Array, g: Guidance) -> tuple[jax.Array, jax.Array]:
+  """(x in the rollout's scale units per block [..., K // block, block], blocks whose
+  guidance is poisoned [..., K // block]), computed as the format's quantizer computes them."""
+  if g.format == "nvfp4":
+    bs = exact.e4m3_value(g.block_scale)
+    inv = _nvfp4_inverse_scale(bs, g.row_scale)
+    bad = ~jnp.isfinite(bs) | ~jnp.isfinite(g.row_scale)
+    return _blocks(xf, FP4_BLOCKS["nvfp4"]) * inv[..., None], bad
+  bits = jax.lax.bitcast_convert_type(g.block_scale, jnp.uint8).astype(jnp.int32)
+  # 2**-(bits - 127) is a normal float32 for every finite scale byte (0..254), as in
+  # mxfp4_quantize; byte 255 is the NaN scale of a poisoned block.
+  inv = exact.exp2i(jnp.clip(127 - bits, -126, 127))
+  return _blocks(xf, FP4_BLOCKS["mxfp4"]) * inv[..., None], bits == 255
 
 
 def _bracket(a: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -140,11 +178,10 @@ def _bracket(a: jax.Array) -> tuple[jax.Array, jax.Array]:
 def guided_codes(x: jax.Array, g: Guidance) -> jax.Array:
   """E2M1 codes (uint8 per element) of training input x rounded under rollout guidance."""
   validate(x, g)
+  block = FP4_BLOCKS[g.format]
   xf = exact.flush_subnormal(x.astype(jnp.float32))
-  bs = exact.e4m3_value(g.block_scale)
-  inv = _nvfp4_inverse_scale(bs, g.row_scale)
-  z = jnp.clip(_blocks(xf, NVFP4_BLOCK) * inv[..., None], -E2M1_MAX, E2M1_MAX)
-  z = _unblock(z)
+  zb, bad = _scaled(xf, g)
+  z = _unblock(jnp.clip(zb, -E2M1_MAX, E2M1_MAX))
   lo, hi = _bracket(jnp.abs(z))
   if g.mantissa is not None:
     bit = unpack_bits(g.mantissa)
@@ -159,16 +196,22 @@ def guided_codes(x: jax.Array, g: Guidance) -> jax.Array:
   # so with no drift the guided code equals the rollout's code bit for bit.
   sign = jnp.where(exact.sign_bit(z), jnp.uint8(8), jnp.uint8(0))
   codes = sign | mag
-  # Rows whose guidance is poisoned (NaN scales) get codes 0, as in nvfp4_quantize.
-  bad = ~jnp.isfinite(bs) | ~jnp.isfinite(g.row_scale) | ~jnp.all(
-      jnp.isfinite(_blocks(xf, NVFP4_BLOCK)), axis=-1)
-  return _unblock(jnp.where(bad[..., None], jnp.uint8(0), _blocks(codes, NVFP4_BLOCK)))
+  # Blocks whose guidance is poisoned (NaN scales) or whose input is not finite get codes 0,
+  # as the quantizers give them.
+  bad = bad | ~jnp.all(jnp.isfinite(_blocks(xf, block)), axis=-1)
+  return _unblock(jnp.where(bad[..., None], jnp.uint8(0), _blocks(codes, block)))
 
 
-def guided_quantize(x: jax.Array, g: Guidance) -> NVFP4Tensor:
-  """NVFP4 tensor with the rollout's scales and guided codes (NaN scale where x is not finite)."""
+def guided_quantize(x: jax.Array, g: Guidance) -> FP4Tensor:
+  """The FP4 tensor with the rollout's scales and guided codes (NaN scale where x is not
+  finite)."""
   codes = guided_codes(x, g)
-  x_bad = ~jnp.all(jnp.isfinite(_blocks(x.astype(jnp.float32), NVFP4_BLOCK)), axis=-1)
+  block = FP4_BLOCKS[g.format]
+  x_bad = ~jnp.all(jnp.isfinite(_blocks(x.astype(jnp.float32), block)), axis=-1)
   bits = jax.lax.bitcast_convert_type(g.block_scale, jnp.uint8)
+  if g.format == "mxfp4":
+    scale = jax.lax.bitcast_convert_type(jnp.where(x_bad, jnp.uint8(0xFF), bits),
+                                         jnp.float8_e8m0fnu)
+    return MXFP4Tensor(codes=codes, block_scale=scale)
   block_scale = exact.bits_to_e4m3(jnp.where(x_bad, jnp.uint8(0x7F), bits))
   return NVFP4Tensor(codes=codes, block_scale=block_scale, tensor_scale=g.row_scale)

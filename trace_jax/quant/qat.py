@@ -35,11 +35,9 @@ def _check_fmt(fmt: str) -> None:
 def qdq_act(x: jax.Array, fmt: str = "nvfp4") -> jax.Array:
   """Quantize-dequantize of activations [..., K], float32 result (no gradient rule)."""
   _check_fmt(fmt)
-  if fmt == "nvfp4":
-    return formats.nvfp4_dequantize(formats.nvfp4_quantize(x, formats.nvfp4_row_scale(x)))
-  if fmt == "mxfp4":
-    return formats.mxfp4_dequantize(formats.mxfp4_quantize(x))
-  return formats.fp8_dequantize(formats.fp8_quantize_act(x))
+  if fmt == "fp8":
+    return formats.fp8_dequantize(formats.fp8_quantize_act(x))
+  return formats.fp4_dequantize(formats.fp4_quantize_act(x, fmt))
 
 
 def qdq_weight(w: jax.Array, fmt: str = "nvfp4") -> jax.Array:
@@ -101,7 +99,7 @@ _FQ_WEIGHT = {fmt: _straight_through(lambda w, f=fmt: qdq_weight(w, f)) for fmt 
 
 def _fq_guided_impl(x, block_scale, row_scale, mantissa, codes):
   g = Guidance(block_scale=block_scale, row_scale=row_scale, mantissa=mantissa, codes=codes)
-  return formats.nvfp4_dequantize(guided.guided_quantize(x, g))
+  return formats.fp4_dequantize(guided.guided_quantize(x, g))
 
 
 _FQ_GUIDED = _straight_through(_fq_guided_impl)
@@ -120,15 +118,18 @@ def fake_quant_weight(w: jax.Array, fmt: str = "nvfp4") -> jax.Array:
 
 
 def fake_quant_act_guided(x: jax.Array, g: Guidance) -> jax.Array:
-  """NVFP4 fake quantization of activations rounded under rollout guidance (TRACE)."""
+  """FP4 fake quantization of activations, rounded under rollout guidance (TRACE) in the
+  record's format."""
   guided.validate(x, g)
   return _FQ_GUIDED(x, g.block_scale, g.row_scale, g.mantissa, g.codes)
 
 
-def quantize_act_record(x: jax.Array, mode: str = "compact") -> tuple[jax.Array, Guidance]:
-  """Rollout side: NVFP4 (per-row two-level) activations and the guidance record they leave.
+def quantize_act_record(x: jax.Array, mode: str = "compact", fmt: str = "nvfp4"
+                        ) -> tuple[jax.Array, Guidance]:
+  """Rollout side: FP4 activations (NVFP4 two-level per row, or MXFP4) and the guidance
+  record they leave.
 
   Returns the dequantized activations in x's dtype and the record (compact or full).
   """
-  q = formats.nvfp4_quantize(x, formats.nvfp4_row_scale(x))
-  return formats.nvfp4_dequantize(q).astype(x.dtype), guided.record(q, mode)
+  q = formats.fp4_quantize_act(x, fmt)
+  return formats.fp4_dequantize(q).astype(x.dtype), guided.record(q, mode)

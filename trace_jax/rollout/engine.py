@@ -28,28 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax import model as model_lib
-from trace_jax.model.config import ModelConfig
-from trace_jax.model.precision import SITES
+from trace_jax.io import guidance_store
+from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.rollout import decode, guidance_layout
-from trace_jax.rollout.protocol import Sample, SamplingParams, normalize_request
+from trace_jax.rollout.protocol import GuidanceHandle, Sample, SamplingParams, normalize_request
 
 log = logging.getLogger(__name__)
 
 _MIN_LEN_BUCKET = 16
 _MAX_STOP_IDS = 8
 _SEED_MOD = 2**32
-
-
-def batch_dirs(root: str) -> set[str]:
-  """Names of the guidance batches this engine wrote under a store root ("b000123")."""
-  names = os.listdir(root) if os.path.isdir(root) else []
-  return {n for n in names if n[:1] == "b" and n[1:].isdigit()}
-
-
-def _next_batch_index(writer: Any) -> int:
-  """Continues after the highest batch id already under the writer's root (restarts)."""
-  ids = [int(n[1:]) for n in batch_dirs(writer.root)] if writer is not None else []
-  return max(ids) + 1 if ids else 0
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -78,15 +66,16 @@ class InProcessEngine:
     match expert_mid guidance to experts and allow routing replay;
   - audit_fraction: full 4-bit codes of every layer and site for the first
     ceil(fraction * n) sequences of each batch, so flips can be counted exactly (batch
-    "<batch_id>.audit" in the store, `Sample.guidance["audit_batch_id"]`).
-  With a `guidance_writer` (`trace_jax.io.guidance_store.GuidanceWriter`) each batch is written
-  asynchronously and every Sample carries its handle; without one, the last batch's records
-  stay in `self.last_guidance` (ragged rows, for notebooks and tests). `min_prompt_len` pads
+    "<batch_id>.audit" in the store, `Sample.guidance.audit_batch_id`).
+  With a `guidance_store` (`trace_jax.io.guidance_store.GuidanceStore`, which names and writes
+  the batches) each batch is written asynchronously and every Sample carries its
+  `GuidanceHandle`; without one, the last batch's records stay in `self.last_guidance`
+  (ragged rows, for notebooks and tests). `min_prompt_len` pads
   every batch's prompts to at least that length (see `prompt_bucket`): a trainer that knows
   its longest prompt passes it and compiles one program for the whole run.
   """
 
-  def __init__(self, params: Any, config: ModelConfig, *, guidance_writer: Any = None,
+  def __init__(self, params: Any, config: ModelConfig, *, guidance_store: Any = None,
                record_guidance: bool | None = None, record_routing: bool | None = None,
                audit_fraction: float = 0.0, max_batch: int = 64, seed: int = 0,
                min_prompt_len: int = 0):
@@ -96,15 +85,15 @@ class InProcessEngine:
       raise ValueError(f"audit_fraction must be in [0, 1], got {audit_fraction}")
     self.params = params
     self.config = config
-    self.writer = guidance_writer
-    self.record = (config.policy == "fp4_trace") if record_guidance is None else record_guidance
+    self.store = guidance_store
+    self.record = config.forward.guided if record_guidance is None else record_guidance
     self.audit_fraction = float(audit_fraction)
     self.record_routing = ((self.record or self.audit_fraction > 0) if record_routing is None
                            else record_routing)
     self.max_batch = max_batch
     self.min_prompt_len = min_prompt_len
     self._seed_counter = itertools.count((seed * 1_000_003) % _SEED_MOD)
-    self._batch_counter = itertools.count(_next_batch_index(guidance_writer))
+    self._memory_batches = itertools.count()  # batch ids of records kept in memory
     self._lock = threading.Lock()
     self.last_guidance: dict[str, Any] | None = None
     self.weights_version = 0
@@ -157,8 +146,8 @@ class InProcessEngine:
       self.weights_version += 1
 
   def close(self) -> None:
-    if self.writer is not None:
-      self.writer.flush()
+    if self.store is not None:
+      self.store.flush()
 
   # ---------------------------------------------------------------------------- internals
 
@@ -260,7 +249,7 @@ class InProcessEngine:
                          gen_np[list(rows)], np.asarray(logps)[list(rows)], n_gen[list(rows)])
 
   def close_session(self, session: Session, chunks: Sequence[Sequence[int]]
-                    ) -> list[dict[str, Any] | None]:
+                    ) -> list[GuidanceHandle | None]:
     """Feeds each row's pending token and final chunk (recorded, nothing sampled) and writes
     the records of every row's whole transcript. Returns each row's guidance handle (None
     when nothing is recorded)."""
@@ -320,7 +309,7 @@ class InProcessEngine:
       return tuple(self.config.guided_layers), self.config.guidance_mode
     return (), self.config.guidance_mode
 
-  def _emit(self, counts: list[int], taps: dict) -> list[dict[str, Any]]:
+  def _emit(self, counts: list[int], taps: dict) -> list[GuidanceHandle]:
     """Ragged records (the first counts[i] rows of sequence i) to the store or memory; returns
     each sequence's guidance handle."""
     n_audit = math.ceil(self.audit_fraction * len(counts))
@@ -338,25 +327,16 @@ class InProcessEngine:
       audit = {int(layer): {site: guidance_layout.unpad(rec, counts[:n_audit])
                             for site, rec in sites.items() if site != "routing"}
                for layer, sites in taps.items()}
-    batch_id = f"b{next(self._batch_counter):06d}"
-    audit_id = f"{batch_id}.audit" if n_audit else None
-    seq_ids = [f"{batch_id}-{i}" for i in range(len(counts))]
-    handles = [{"store": None, "batch_id": batch_id, "seq_id": sid,
-                "audit_batch_id": audit_id if i < n_audit else None}
-               for i, sid in enumerate(seq_ids)]
-    if self.writer is not None:
-      handle = self.writer.write_batch(batch_id, seq_ids, counts, guidance, routing)
-      if n_audit:
-        self.writer.write_batch(audit_id, seq_ids[:n_audit], counts[:n_audit], audit)
-      for h in handles:
-        h.update(store=self.writer.root,
-                 guidance_bytes_per_token=handle.stats.get("guidance_bytes_per_token"))
-    else:
-      self.last_guidance = {
-          "batch_id": batch_id, "seq_ids": seq_ids, "token_counts": counts,
-          "guidance": guidance, "routing": routing,
-          "audit": {"batch_id": audit_id, "seq_ids": seq_ids[:n_audit],
-                    "token_counts": counts[:n_audit], "guidance": audit} if n_audit else None}
+    if self.store is not None:
+      return self.store.write_rollout(counts, guidance, routing, audit, n_audit)
+    handles = guidance_store.rollout_handles(
+        guidance_store.batch_name(next(self._memory_batches)), len(counts), n_audit)
+    seq_ids = [h.seq_id for h in handles]
+    self.last_guidance = {
+        "batch_id": handles[0].batch_id, "seq_ids": seq_ids, "token_counts": counts,
+        "guidance": guidance, "routing": routing,
+        "audit": {"batch_id": handles[0].audit_batch_id, "seq_ids": seq_ids[:n_audit],
+                  "token_counts": counts[:n_audit], "guidance": audit} if n_audit else None}
     return handles
 
 

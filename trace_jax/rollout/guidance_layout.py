@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax.quant.guided import Guidance
+from trace_jax.quant.guided import SCALE_DTYPES, Guidance
 
-_E4M3_ONE = np.uint8(0x38)
+# The scale 1.0 as each format's block-scale byte (E4M3 0x38, E8M0 127).
+_ONE = {"nvfp4": np.uint8(0x38), "mxfp4": np.uint8(127)}
 
 
 def _pad(a: np.ndarray, counts: Sequence[int], seq_len: int, fill: Any) -> np.ndarray:
@@ -38,10 +39,12 @@ def _pad(a: np.ndarray, counts: Sequence[int], seq_len: int, fill: Any) -> np.nd
 
 def pad_guidance(g: Guidance, counts: Sequence[int], seq_len: int) -> Guidance:
   """Ragged Guidance rows [T, ...] -> padded [B, seq_len, ...]."""
+  fmt = g.format
   bs = np.asarray(g.block_scale).view(np.uint8)
   fields = {
-      "block_scale": _pad(bs, counts, seq_len, _E4M3_ONE).view(jnp.float8_e4m3fn),
-      "row_scale": _pad(np.asarray(g.row_scale), counts, seq_len, np.float32(1.0)),
+      "block_scale": _pad(bs, counts, seq_len, _ONE[fmt]).view(SCALE_DTYPES[fmt]),
+      "row_scale": None if g.row_scale is None else _pad(np.asarray(g.row_scale), counts,
+                                                         seq_len, np.float32(1.0)),
       "mantissa": None if g.mantissa is None else _pad(np.asarray(g.mantissa), counts,
                                                        seq_len, 0),
       "codes": None if g.codes is None else _pad(np.asarray(g.codes), counts, seq_len, 0),

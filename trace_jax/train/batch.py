@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from trace_jax.rollout import guidance_layout
 from trace_jax.rollout.protocol import Sample
@@ -49,24 +51,41 @@ def sequence_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Seque
   return {"inputs": inputs, "targets": targets, "valid": valid, "loss_mask": loss_mask}
 
 
+@struct.dataclass
+class RLBatch:
+  """One GRPO step's inputs, [B, seq_len] per sequence (row t predicts token t + 1).
+
+  valid: real rows; loss_mask: rows whose target the policy sampled; logp_rollout: the
+  rollout's log-prob of each of those targets; advantages [B]; guidance / routing: the
+  rollout's records of the guided layers and its expert ids per layer, padded to the rows
+  (`trace_jax.rollout.guidance_layout`), or None; logp_ref: the reference policy's log-probs
+  of the targets when the loss has a KL term (`rl.kl_coef`), else None.
+  """
+  inputs: jax.Array
+  targets: jax.Array
+  valid: jax.Array
+  loss_mask: jax.Array
+  logp_rollout: jax.Array
+  advantages: jax.Array
+  guidance: dict[int, dict[str, Any]] | None = None
+  routing: dict[int, jax.Array] | None = None
+  logp_ref: jax.Array | None = None
+
+
 def rl_batch(samples: Sequence[Sample], advantages: np.ndarray, seq_len: int,
              guidance: Mapping[int, Mapping[str, Any]] | None = None,
-             routing: Mapping[int, Any] | None = None) -> dict[str, Any]:
+             routing: Mapping[int, Any] | None = None) -> RLBatch:
   """The GRPO step's batch; guidance/routing are ragged rows in sample order (or None)."""
-  batch: dict[str, Any] = sequence_batch([s.prompt for s in samples],
-                                         [s.tokens for s in samples], seq_len,
-                                         [s.meta.get("loss_mask") for s in samples])
+  seqs = sequence_batch([s.prompt for s in samples], [s.tokens for s in samples], seq_len,
+                        [s.meta.get("loss_mask") for s in samples])
   logp_rollout = np.zeros((len(samples), seq_len), np.float32)
   for i, s in enumerate(samples):
     p = len(s.prompt)
     logp_rollout[i, p - 1:p - 1 + len(s.tokens)] = s.logprobs
-  batch["logp_rollout"] = logp_rollout
-  batch["advantages"] = np.asarray(advantages, np.float32)
   counts = [s.num_rows for s in samples]
-  out = {k: jnp.asarray(v) for k, v in batch.items()}
-  if guidance:
-    out["guidance"] = guidance_layout.pad_tree(guidance, counts, seq_len)
-  if routing:
-    out["routing"] = {int(k): guidance_layout.pad_routing(v, counts, seq_len)
-                      for k, v in routing.items()}
-  return out
+  return RLBatch(
+      **{k: jnp.asarray(v) for k, v in seqs.items()}, logp_rollout=jnp.asarray(logp_rollout),
+      advantages=jnp.asarray(advantages, jnp.float32),
+      guidance=guidance_layout.pad_tree(guidance, counts, seq_len) if guidance else None,
+      routing={int(k): guidance_layout.pad_routing(v, counts, seq_len)
+               for k, v in routing.items()} if routing else None)

@@ -20,32 +20,9 @@ import numpy as np
 from absl import logging
 
 from trace_jax import model as model_lib
-from trace_jax.io import hf, orbax_ckpt
+from trace_jax.io import orbax_ckpt
 from trace_jax.model import policies as policies_lib
-from trace_jax.model.config import ModelConfig
-from trace_jax.train import rl_loop, run_guard, task_io
-
-
-class HttpWeightSync:
-  """RolloutEngine over HTTP whose update_weights(params) writes HF safetensors first."""
-
-  def __init__(self, url: str, config: ModelConfig, weights_dir: str, api_key: str | None):
-    from rollout_bridge.client import HttpRolloutEngine
-    self.client = HttpRolloutEngine(url, api_key=api_key)
-    self.config, self.dir, self.version = config, weights_dir, 0
-
-  def generate(self, prompts, sampling):
-    return self.client.generate(prompts, sampling)
-
-  def update_weights(self, params: Any) -> None:
-    self.version += 1
-    path = os.path.join(self.dir, f"v{self.version:06d}")
-    hf.save_hf_checkpoint(path, self.config, params)
-    self.client.update_weights(os.path.abspath(path))
-
-  def close(self) -> None:
-    self.client.close()
-
+from trace_jax.train import rl_loop, run_guard, run_log, task_io
 
 SUMMARY_KEYS = ("sft_reward", "final_reward", "best_reward", "mean_abs_dlogp", "k3_kl",
                 "flip_rate_guided", "flip_rate_unguided", "routing_flip_rate",
@@ -56,8 +33,8 @@ POSTHOC = "posthoc_fp4"  # the bf16 run's weights evaluated through the FP4 engi
 
 
 def run(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None = None,
-        rollout_url: str | None = None, api_key: str | None = None,
-        progress: bool = True, allow_config_change: bool = False) -> dict[str, Any]:
+        engine_factory: Any = None, progress: bool = True,
+        allow_config_change: bool = False) -> dict[str, Any]:
   """The whole experiment; returns the summary dict also written to summary.json.
 
   One SFT warm start (`cfg.seed`), then for every policy one GRPO run per RL seed
@@ -66,23 +43,19 @@ def run(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None =
   eval over the SFT start with its standard error, and the per-seed summaries. With bf16 in
   the run (and `eval.posthoc_fp4`, default on), it adds `posthoc_fp4`: the SFT and final bf16
   weights evaluated greedily through the FP4 engine (FP4 after the fact, no QAT at all).
-  Launch mistakes raise `run_guard.UserError` before anything runs (`preflight`).
+  engine_factory: the learners' rollout engine (`GRPOLearner`; default: in-process), e.g.
+  `rollout_bridge.weight_sync.http_engine_factory` for a server. Launch mistakes raise
+  `run_guard.UserError` before anything runs (`preflight`).
   """
   preflight(cfg, workdir, policies, sft_checkpoint, allow_config_change)
   params, sft_history = warm_start(cfg, workdir, sft_checkpoint, progress)
   if not policies:
     return {"policies": {}, "sft": {"history": sft_history}}
-  factory = None
-  if rollout_url:
-    def factory(p, c, w):
-      eng = HttpWeightSync(rollout_url, c, os.path.join(workdir, "weights"), api_key)
-      eng.update_weights(p)
-      return eng
   finals: dict[int, Any] = {}  # bf16's final weights per seed, for the post-hoc FP4 eval
   for policy in policies:
     for seed in rl_loop.rl_seeds(cfg):
       out = rl_loop.run_rl(cfg, run_dir(workdir, policy, seed), policy, params, seed=seed,
-                           engine_factory=factory, progress=progress)
+                           engine_factory=engine_factory, progress=progress)
       if policy == "bf16":
         finals[seed] = out["params"]
   posthoc_path = os.path.join(workdir, f"{POSTHOC}.json")
@@ -141,7 +114,7 @@ def report(cfg, workdir: str, policies: Sequence[str],
     per_seed = []
     for seed in rl_loop.rl_seeds(cfg):
       d = run_dir(workdir, policy, seed)
-      rows, evals = rl_loop.read_curves(d)
+      rows, evals = run_log.read_curves(d)
       if not rows and not evals:
         continue
       s = dict(rl_loop.summarize(rows, evals), seed=seed, steps_done=len(rows))
@@ -295,7 +268,7 @@ def plot(workdir: str, policies: Sequence[str], seeds: Sequence[int]) -> None:
   fig, axes = plt.subplots(1, 4, figsize=(19, 3.8))
   for i, p in enumerate(policies):
     c = f"C{i}"
-    curves = [rl_loop.read_curves(run_dir(workdir, p, s)) for s in seeds]
+    curves = [run_log.read_curves(run_dir(workdir, p, s)) for s in seeds]
     label = f"{p} ({len(seeds)} seeds)" if len(seeds) > 1 else p
     _band(axes[0], [[(e["step"], e["reward"]) for e in ev] for _, ev in curves], c, label, "o-")
     rows = [r for r, _ in curves]

@@ -67,8 +67,8 @@ def play(engine: RolloutEngine, task: Any, tok: TextTokenizer, problems: Sequenc
     else:
       out = engine.generate([list(prompts[i]) + tokens[i] for i in live], calls)
     for i, s in zip(live, out):
-      if s.guidance:
-        turn_batches[s.guidance["batch_id"]] = None
+      if s.guidance is not None:
+        turn_batches[s.guidance.batch_id] = None
       action = tok.decode([t for t in s.tokens if t != eos]).split("\n", 1)[0]
       states[i], obs = task.step(states[i], action)
       obs_ids = encode_ids(tok, obs)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from trace_jax.model.config import SITES
+from trace_jax.rollout.guidance_layout import unpad
 
 
 def unpack_codes(packed: Any) -> np.ndarray:
@@ -234,3 +235,30 @@ def compare(train_taps: Mapping[int, Mapping[str, Any]],
                                    np.asarray(rollout_routing[layer])[:n])
       flips[(layer, site)] = code_flips(t, r, src, matched)
   return MismatchReport(flips, routing, tuple(sorted(set(guided_layers))))
+
+
+def compare_step(train_taps: Mapping[int, Mapping[str, Any]], counts: list[int], n_audit: int,
+                 rollout_records: Mapping[int, Mapping[str, Any]],
+                 rollout_routing: Mapping[int, Any], guided_layers: Iterable[int]
+                 ) -> MismatchReport:
+  """`compare` for one training step: the trainer's taps come padded [B, S, ...] (sites for
+  the first n_audit sequences, routing for all), the rollout's records as ragged rows
+  (`counts[i]` rows for sequence i; full codes of the first n_audit sequences)."""
+  train_routing = {layer: unpad(t["routing"], counts)
+                   for layer, t in train_taps.items() if "routing" in t}
+  train_sites = {} if not n_audit else {
+      layer: {site: unpad(g, counts[:n_audit]) for site, g in t.items() if site != "routing"}
+      for layer, t in train_taps.items()}
+  return compare(train_sites, rollout_records if n_audit else {}, train_routing,
+                 rollout_routing, guided_layers)
+
+
+def guidance_bytes_per_token(guidance: Mapping[int, Mapping[str, Any]] | None,
+                             routing: Mapping[int, Any] | None, tokens: int) -> float:
+  """What a guided trainer consumes per token: its guidance records plus the expert ids that
+  place them (and replay, under R3); 0 without guidance."""
+  if not guidance:
+    return 0.0
+  n = (sum(g.nbytes for sites in guidance.values() for g in sites.values()) +
+       sum(np.asarray(a).nbytes for a in (routing or {}).values()))
+  return n / max(tokens, 1)

@@ -3,6 +3,10 @@
 State is a `TrainState` pytree (FP32 master params, optax state, step). The forward runs in
 `config.dtype` under `config.policy`; fake quantizers return BF16-rounded cotangents, so the
 gradients flowing between operators are BF16 and only the optimizer sees FP32 (Jet-RL).
+
+Each step is jitted with the state's shardings declared as its input and output shardings and
+the state donated (`ShardedStep`, as flax's gemma `train.py` declares them): on a mesh the
+state leaves a step sharded exactly as it came in, so a run compiles each step once.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from flax import struct
 from trace_jax import model as model_lib
 from trace_jax.model.config import ModelConfig
 from trace_jax.rl import losses
+from trace_jax.train.batch import RLBatch
 
 
 @struct.dataclass
@@ -55,50 +60,71 @@ def make_optimizer(c: OptimConfig) -> optax.GradientTransformation:
 
 
 def init_state(params: Any, tx: optax.GradientTransformation) -> TrainState:
-  """FP32 master copy of params (callers keep theirs: the steps donate the state) + optimizer.
+  """FP32 master copy of params (callers keep theirs: the steps donate the state) + optimizer,
+  every leaf committed to a device (jit keys its cache on committed-ness, and the steps'
+  outputs are committed: an uncommitted first state would compile each step twice).
 
-  Counters made here are uncommitted while restored or sharded params are committed, and jit
-  keys its cache on that: the first step's outputs (all committed) would then compile the step
-  a second time. So every leaf is placed like the params.
+  Leaves go where the params are: sharded params keep their shardings, and the counters and
+  any other leaf made here are replicated over the params' mesh (or put on their device).
   """
   params = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True), params)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-  placed = [a for a in jax.tree.leaves(params)
-            if not isinstance(a, jax.core.Tracer) and a.committed]  # tracers: under eval_shape
-  if not placed:
+  leaves = jax.tree.leaves(params)
+  if any(isinstance(a, jax.core.Tracer) for a in leaves):  # under eval_shape
     return state
-  s = placed[0].sharding  # one device, or a mesh: replicate the counters over it
+  placed = [a for a in leaves if a.committed]
+  s = placed[0].sharding if placed else jax.sharding.SingleDeviceSharding(jax.devices()[0])
   if isinstance(s, jax.sharding.NamedSharding):
     s = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
   return jax.tree.map(lambda a: a if a.committed else jax.device_put(a, s), state)
 
 
-def placements(state: Any) -> Any:
-  """Each leaf's sharding: what `keep_placement` restores after every step."""
-  return jax.tree.map(lambda a: a.sharding, state)
+class ShardedStep:
+  """`fn(state, batch, **static) -> (state, *outputs)` under `jax.jit`, with the state's
+  shardings as the declared input and output shardings of the state and the state donated.
 
-
-def keep_placement(state: Any, shardings: Any) -> Any:
-  """Moves leaves whose sharding drifted back to `shardings`.
-
-  On a mesh XLA's propagation may give some outputs (norm scales, counters) other shardings
-  than their inputs; jit keys its cache on input shardings, so the next step would compile
-  again. Leaves already in place are returned as they are (a no-op on one device).
+  Without declared output shardings XLA's propagation gives some outputs (norm scales,
+  counters) other shardings than their inputs on a mesh, and the next call would compile
+  again. One jit per (state sharding layout, static arguments), the static arguments bound
+  (jit takes no keyword arguments with declared shardings); the batch and the other outputs
+  are left to JAX (replicated in, XLA's choice out). `_cache_size()` counts the compiled
+  programs of all.
   """
-  return jax.tree.map(lambda a, s: a if a.sharding == s else jax.device_put(a, s), state,
-                      shardings)
+
+  def __init__(self, fn: Any, num_outputs: int):
+    self._fn, self._n = fn, num_outputs
+    self._jits: dict[Any, Any] = {}
+    functools.update_wrapper(self, fn)
+
+  def __call__(self, state: TrainState, batch: Any, **static: Any) -> Any:
+    shardings = jax.tree.map(lambda a: a.sharding, state)
+    key = (jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings)),
+           tuple(sorted(static.items())))
+    if key not in self._jits:
+      self._jits[key] = jax.jit(
+          functools.partial(self._fn, **static), in_shardings=(shardings, None),
+          out_shardings=(shardings,) + (None,) * (self._n - 1), donate_argnums=0)
+    return self._jits[key](state, batch)
+
+  def _cache_size(self) -> int:
+    return sum(j._cache_size() for j in self._jits.values())
 
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-  """GRPO loss settings (docs/design.md §8)."""
+  """GRPO loss settings (docs/design.md §8).
+
+  clip_eps_low / clip_eps_high: the PPO ratio clip range [1 - low, 1 + high] (high > low is
+  DAPO's clip-higher). kl_coef: weight of the k3 KL to the reference policy (the batch's
+  `logp_ref`). routing_replay: R3, route by the rollout's expert ids (`batch.routing`).
+  """
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.2
   is_mode: str = "truncate"
   is_cap: float = 5.0
   kl_coef: float = 0.0
   aux_loss_coef: float = 0.001
-  routing_replay: bool = False  # R3: route by the rollout's expert ids (batch["routing"])
+  routing_replay: bool = False
 
 
 def token_logprobs(params: Any, config: ModelConfig, inputs: jax.Array, targets: jax.Array,
@@ -115,28 +141,26 @@ def token_logprobs(params: Any, config: ModelConfig, inputs: jax.Array, targets:
   return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], out
 
 
-def _grpo_loss(params, config: ModelConfig, rl: RLConfig, batch: dict[str, Any],
+def _grpo_loss(params, config: ModelConfig, rl: RLConfig, batch: RLBatch,
                tap_layers: tuple[int, ...]):
-  logp, out = token_logprobs(params, config, batch["inputs"], batch["targets"],
-                             batch.get("guidance"), batch.get("routing"), tap_layers, "full",
-                             rl.routing_replay)
-  mask = batch["loss_mask"]
+  logp, out = token_logprobs(params, config, batch.inputs, batch.targets, batch.guidance,
+                             batch.routing, tap_layers, "full", rl.routing_replay)
+  if rl.kl_coef and batch.logp_ref is None:
+    raise ValueError(f"kl_coef={rl.kl_coef} needs the batch's logp_ref (reference log-probs)")
   loss, metrics = losses.ppo_clip_loss(
-      logp, None, batch["advantages"], mask, logp_rollout=batch["logp_rollout"],
+      logp, None, batch.advantages, batch.loss_mask, logp_rollout=batch.logp_rollout,
       clip_eps_low=rl.clip_eps_low, clip_eps_high=rl.clip_eps_high, is_mode=rl.is_mode,
-      is_cap=rl.is_cap, logp_ref=batch.get("logp_ref"),
-      kl_coef=rl.kl_coef if "logp_ref" in batch else 0.0)
-  aux = model_lib.aux_loss(out, config, batch["valid"].reshape(-1))
+      is_cap=rl.is_cap, logp_ref=batch.logp_ref if rl.kl_coef else None,
+      kl_coef=rl.kl_coef)
+  aux = model_lib.aux_loss(out, config, batch.valid.reshape(-1))
   loss = loss + rl.aux_loss_coef * aux
   metrics = dict(metrics, aux_loss=aux)
   return loss, (metrics, out.taps)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tx", "rl", "tap_layers", "tap_rows"),
-                   donate_argnames=("state",))
-def grpo_step(state: TrainState, batch: dict[str, Any], *, config: ModelConfig,
-              tx: optax.GradientTransformation, rl: RLConfig, tap_layers: tuple[int, ...] = (),
-              tap_rows: int | None = None) -> tuple[TrainState, dict[str, jax.Array], Any]:
+def _grpo_step(state: TrainState, batch: RLBatch, *, config: ModelConfig,
+               tx: optax.GradientTransformation, rl: RLConfig, tap_layers: tuple[int, ...] = (),
+               tap_rows: int | None = None) -> tuple[TrainState, dict[str, jax.Array], Any]:
   """One on-policy GRPO update. Returns (state, metrics, taps of the training forward).
 
   taps: full-mode records of `tap_layers`' sites for the first `tap_rows` sequences (all if
@@ -153,18 +177,30 @@ def grpo_step(state: TrainState, batch: dict[str, Any], *, config: ModelConfig,
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics, taps
 
 
+grpo_step = ShardedStep(_grpo_step, 3)
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def reference_logprobs(params: Any, config: ModelConfig, inputs: jax.Array,
+                       targets: jax.Array) -> jax.Array:
+  """log pi_ref(targets | inputs) [B, S] of the reference policy's params (the KL term's)."""
+  return token_logprobs(params, config, inputs, targets)[0]
+
+
 def _sft_loss(params, config: ModelConfig, batch: dict[str, Any]):
   logp, _ = token_logprobs(params, config, batch["inputs"], batch["targets"])
   mask = batch["loss_mask"].astype(jnp.float32)
   return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tx"), donate_argnames=("state",))
-def sft_step(state: TrainState, batch: dict[str, Any], *, config: ModelConfig,
-             tx: optax.GradientTransformation) -> tuple[TrainState, dict[str, jax.Array]]:
+def _sft_step(state: TrainState, batch: dict[str, Any], *, config: ModelConfig,
+              tx: optax.GradientTransformation) -> tuple[TrainState, dict[str, jax.Array]]:
   """One supervised step: mean NLL of the demonstration tokens."""
   loss, grads = jax.value_and_grad(_sft_loss)(state.params, config, batch)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   return (TrainState(step=state.step + 1, params=params, opt_state=opt_state),
           {"loss": loss, "grad_norm": optax.tree.norm(grads)})
+
+
+sft_step = ShardedStep(_sft_step, 2)

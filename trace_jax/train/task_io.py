@@ -23,7 +23,8 @@ from trace_jax.train import episodes
 
 @dataclasses.dataclass
 class TaskIO:
-  """A task with the tokenizer that turns its text into the model's ids and back."""
+  """A single-turn task with the tokenizer that turns its text into the model's ids and back
+  (`TaskIO.of` picks `EpisodeIO` for a multi-turn environment)."""
   task: Any
   tok: TextTokenizer
 
@@ -57,8 +58,6 @@ class TaskIO:
     return "".join(out)
 
   def rewards(self, problems: list[Any], samples: list[Sample]) -> np.ndarray:
-    if episodes.is_environment(self.task):  # the environment scored the episode as it ran
-      return np.asarray([s.meta["reward"] for s in samples], np.float32)
     return np.asarray([self.task.reward(p, self.text(s.tokens))
                        for p, s in zip(problems, samples)], np.float32)
 
@@ -68,24 +67,53 @@ class TaskIO:
 
   def generate(self, engine: RolloutEngine, problems: list[Any], prompts: list[list[int]],
                sampling: list[SamplingParams], record: bool = False) -> list[Sample]:
-    """One completion per prompt, or one played episode for environment tasks (`episodes`)."""
-    if episodes.is_environment(self.task):
-      return episodes.play(engine, self.task, self.tok, problems, prompts, sampling,
-                           record=record)
+    """One completion per prompt (record: the engine records as configured; unused here)."""
+    del problems, record
     return engine.generate(prompts, sampling)
 
   def demonstrations(self, problems: list[Any], prompts: list[list[int]]
                      ) -> tuple[list[list[int]], list[list[int]] | None]:
-    """SFT targets after each prompt (+ EOS), and for environment tasks their loss masks."""
-    if not episodes.is_environment(self.task):
-      return [encode_ids(self.tok, self.task.demonstration(p)) + [self.eos_id]
-              for p in problems], None
+    """SFT targets after each prompt (+ EOS), and their loss masks (None: all of them)."""
+    del prompts
+    return [encode_ids(self.tok, self.task.demonstration(p)) + [self.eos_id]
+            for p in problems], None
+
+  def tokens_after_prompt(self, max_new_tokens: int) -> int:
+    """Most tokens a sample holds after its prompt."""
+    return max_new_tokens
+
+  @staticmethod
+  def of(task: Any, tok: TextTokenizer) -> TaskIO:
+    """The TaskIO of a task: `EpisodeIO` for environments (played turn by turn)."""
+    return EpisodeIO(task, tok) if episodes.is_environment(task) else TaskIO(task, tok)
+
+
+class EpisodeIO(TaskIO):
+  """A multi-turn environment (`reset`/`step`/`final_reward`, `trace_jax.train.episodes`):
+  samples are played episodes, scored by the environment as they ran."""
+
+  def rewards(self, problems: list[Any], samples: list[Sample]) -> np.ndarray:
+    return np.asarray([s.meta["reward"] for s in samples], np.float32)
+
+  def generate(self, engine: RolloutEngine, problems: list[Any], prompts: list[list[int]],
+               sampling: list[SamplingParams], record: bool = False) -> list[Sample]:
+    """One played episode per prompt (record: episodes' records for the trainer)."""
+    return episodes.play(engine, self.task, self.tok, problems, prompts, sampling,
+                         record=record)
+
+  def demonstrations(self, problems: list[Any], prompts: list[list[int]]
+                     ) -> tuple[list[list[int]], list[list[int]] | None]:
+    """Demonstration episodes after each prompt, with the environment's tokens masked out."""
     eps = [demonstration_episode(self.task, p, self.tok) for p in problems]
     return ([e.ids[len(pr):].tolist() for e, pr in zip(eps, prompts)],
             [e.loss_mask[len(pr):].tolist() for e, pr in zip(eps, prompts)])
 
+  def tokens_after_prompt(self, max_new_tokens: int) -> int:
+    """Every turn's action and observation, then EOS."""
+    return episodes.max_episode_tokens(self.task, max_new_tokens)
+
 
 def make_task_io(cfg: ml_collections.ConfigDict) -> TaskIO:
   """The TaskIO of `cfg.task` (name, kwargs, and optionally tokenizer)."""
-  return TaskIO(get_task(cfg.task.name, **dict(cfg.task.get("kwargs", {}))),
-                make_tokenizer(cfg.task.get("tokenizer", None)))
+  return TaskIO.of(get_task(cfg.task.name, **dict(cfg.task.get("kwargs", {}))),
+                   make_tokenizer(cfg.task.get("tokenizer", None)))
