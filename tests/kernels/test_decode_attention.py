@@ -1,0 +1,340 @@
+"""trace_jax/kernels: the packed NVFP4 KV cache and the decode-attention kernel.
+
+On CPU the Pallas kernels run with interpret=True; on the GPU (`interpret=None` resolves to
+False there) the same tests run the Triton kernels. References are computed on the CPU device
+in both cases: `formats` (bit-exact on every backend, docs/numerics.md) for the cache, and
+`attention.attend` for attention, so XLA's GPU rewrites of the reference's bf16 roundings
+(excess precision) cannot move the target.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trace_jax.kernels import decode_attention as da
+from trace_jax.kernels import kv_cache
+from trace_jax.quant import formats
+
+CPU = jax.devices("cpu")[0]
+
+
+def _on_cpu(fn, *args):
+  """fn(*args) computed on the CPU backend (numpy results)."""
+  with jax.default_device(CPU):
+    out = fn(*jax.device_put(args, CPU))
+  return jax.tree.map(np.asarray, out)
+
+
+def _bits(x) -> np.ndarray:
+  x = np.asarray(x)
+  return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _fake_quant(x: jax.Array, dtype) -> jax.Array:
+  """What the trainer's `k`/`v` site makes of rows x (RTN NVFP4, row second-level scale)."""
+  return formats.nvfp4_dequantize(formats.nvfp4_quantize(x, formats.nvfp4_row_scale(x))
+                                  ).astype(dtype)
+
+
+_quantize_rows = jax.jit(kv_cache.quantize_rows)
+
+
+# ----------------------------------------------------------------------------- K/V row cases
+
+def _rows(case: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+  """float32 K/V rows [..., H] (rounded to bf16 by the caller) for a named edge case."""
+  h = shape[-1]
+  if case == "random":  # Gaussian rows with log-normal row magnitudes
+    return rng.standard_normal(shape) * np.exp(rng.standard_normal(shape[:-1] + (1,)))
+  if case == "zeros":  # +0 and -0 rows (codes 0 and 8), and one-nonzero rows
+    x = np.zeros(shape)
+    x[..., 1::2, :] = -0.0
+    x[..., 0, 0, 5] = 3.0
+    return x
+  if case == "saturation":  # block maxima at +-6 steps, values at E2M1 rounding ties
+    grid = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.99, 6.0, -6.0, -5.0, -0.25])
+    block_exp = rng.integers(-3, 4, shape[:-1] + (h // 16,))
+    x = rng.choice(grid, shape) * np.repeat(2.0**block_exp, 16, axis=-1)
+    x[..., 0] = 6.0 * 2.0**4  # the row maximum sets the second-level scale
+    return x
+  if case == "tiny_blocks":  # block scales below E4M3's normal range, clamped to 2**-6
+    x = rng.standard_normal(shape) * 1e-5
+    x[..., :16] = rng.standard_normal(shape[:-1] + (16,)) * 10.0
+    return x
+  if case == "row_magnitudes":  # rows 2**-60 .. 2**60 apart in one array
+    e = rng.integers(-60, 61, shape[:-1] + (1,))
+    return rng.standard_normal(shape) * 2.0**e
+  raise ValueError(case)
+
+
+ROW_CASES = ["random", "zeros", "saturation", "tiny_blocks", "row_magnitudes"]
+B, T, G, H, S = 2, 24, 2, 64, 5
+# Scattered per-sequence positions of two writes (the second must not clobber the first).
+POS1 = np.array([[3, 17, 0, 22, 9], [20, 1, 11, 5, 14]])
+POS2 = np.array([[4, 18, 23, 10, 2], [0, 7, 19, 23, 12]])
+
+
+def _written_cache(case: str, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  rows = [jnp.asarray(_rows(case, (B, S, G, H), rng), jnp.bfloat16) for _ in range(4)]
+  cache = kv_cache.init_packed_cache(B, T, G, H)
+  cache = kv_cache.write(cache, rows[0], rows[1], jnp.asarray(POS1))
+  qk, qv = (_quantize_rows(r) for r in rows[2:])
+  cache = kv_cache.write_quantized(cache, qk, qv, jnp.asarray(POS2))
+  return cache, rows
+
+
+@pytest.mark.parametrize("case", ROW_CASES)
+def test_write_dequantize_bit_equal(case):
+  """Written rows dequantize to the trainer's fake-quantized values, bit for bit (XLA and the
+  kernel's in-register decoder); unwritten slots stay +0; bytes are `formats`'s."""
+  cache, rows = _written_cache(case)
+  k, v = _on_cpu(lambda c: kv_cache.dequantize(c, jnp.bfloat16), cache)
+  kp, vp = da.dequantize_pallas(cache, jnp.bfloat16)
+  np.testing.assert_array_equal(_bits(kp), _bits(k))
+  np.testing.assert_array_equal(_bits(vp), _bits(v))
+  written = np.zeros((B, T), bool)
+  bidx = np.arange(B)[:, None]
+  for (xk, xv), pos in (((rows[0], rows[1]), POS1), ((rows[2], rows[3]), POS2)):
+    for got, x in ((k, xk), (v, xv)):
+      want = _on_cpu(lambda a: _fake_quant(a, jnp.bfloat16), x)
+      np.testing.assert_array_equal(_bits(got[bidx, pos]), _bits(want))
+    q = _on_cpu(_quantize_rows, xk)
+    np.testing.assert_array_equal(np.asarray(cache.k_codes)[bidx, pos],
+                                  np.asarray(formats.pack_fp4(jnp.asarray(q.codes))))
+    np.testing.assert_array_equal(np.asarray(cache.k_block)[bidx, pos].view(np.uint8),
+                                  q.block_scale.view(np.uint8))
+    np.testing.assert_array_equal(_bits(np.asarray(cache.k_row)[bidx, pos]),
+                                  _bits(q.tensor_scale[..., 0]))
+    written[bidx, pos] = True
+  assert not np.any(_bits(k)[~written]) and not np.any(_bits(v)[~written])
+  if case == "zeros":  # -0 rows keep their sign through the cache
+    assert np.any(_bits(k)[written] == 0x8000)
+
+
+def test_pack_rows_equals_write():
+  """A prefill-style `pack_rows` of whole [B, T, G, H] caches holds `write`'s bytes."""
+  rng = np.random.default_rng(5)
+  k, v = (jnp.asarray(_rows("random", (B, S, G, H), rng), jnp.bfloat16) for _ in range(2))
+  perm = jnp.asarray(np.stack([rng.permutation(S) for _ in range(B)]))
+  bidx = jnp.arange(B)[:, None]
+  written = kv_cache.write(kv_cache.init_packed_cache(B, S, G, H), k[bidx, perm], v[bidx, perm],
+                           perm)
+  packed = kv_cache.pack_rows(k, v)
+  for name in ("k_codes", "v_codes", "k_block", "v_block", "k_row", "v_row"):
+    a, b = (np.asarray(getattr(c, name)) for c in (written, packed))
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
+
+
+def test_dequantize_float32_bit_equal():
+  """The decoder's float32 values (before any cast) are `formats.nvfp4_dequantize`'s."""
+  cache, _ = _written_cache("random", seed=1)
+  k, v = _on_cpu(lambda c: kv_cache.dequantize(c, jnp.float32), cache)
+  kp, vp = da.dequantize_pallas(cache, jnp.float32)
+  np.testing.assert_array_equal(_bits(kp), _bits(k))
+  np.testing.assert_array_equal(_bits(vp), _bits(v))
+
+
+def test_decoder_every_code_and_scale_byte():
+  """All 256 code bytes against all 256 E4M3 block-scale bytes (subnormal scales, negative
+  scales, NaN 0x7F/0xFF) decode as `formats` does; NaN where formats gives NaN."""
+  rng = np.random.default_rng(2)
+  t, g, h = 256, 1, 32  # 256 rows; 16 code bytes and 2 scale bytes per row
+  r = np.arange(t)
+  codes = ((r[:, None] * 16 + np.arange(16)[None, :] * 17) % 256).astype(np.uint8)
+  block = np.stack([r, (r * 7 + 3) % 256], axis=-1).astype(np.uint8)
+  row = np.exp(rng.standard_normal(t)).astype(np.float32)
+  row[::5] = 1.0
+  cache = kv_cache.PackedKVCache(
+      k_codes=jnp.asarray(codes.reshape(1, t, g, h // 2)),
+      v_codes=jnp.asarray(codes[::-1].reshape(1, t, g, h // 2)),
+      k_block=jnp.asarray(block.reshape(1, t, g, 2).view(jnp.float8_e4m3fn)),
+      v_block=jnp.asarray(block[::-1].reshape(1, t, g, 2).view(jnp.float8_e4m3fn)),
+      k_row=jnp.asarray(row.reshape(1, t, g)), v_row=jnp.asarray(row[::-1].reshape(1, t, g)))
+  for dtype in (jnp.bfloat16, jnp.float32):
+    want = _on_cpu(lambda c, d=dtype: kv_cache.dequantize(c, d), cache)
+    got = da.dequantize_pallas(cache, dtype, block_t=16)
+    for w, x in zip(want, got):
+      x = np.asarray(x)
+      nan = np.isnan(w.astype(np.float32))
+      np.testing.assert_array_equal(np.isnan(x.astype(np.float32)), nan)
+      np.testing.assert_array_equal(_bits(x)[~nan], _bits(w)[~nan])
+      assert nan.any() and (~nan).any()
+
+
+# ----------------------------------------------------------------------------- attention
+
+# name: (B, T, G, N, H, lengths, block_t, num_splits); R = N // G in {1, 2, 4, 8, 16}.
+ATTN_CASES = {
+    "len1_r4": (2, 64, 2, 8, 64, [1, 1], 16, 1),
+    "nonmultiple_mqa_r1": (2, 50, 1, 1, 32, [37, 50], 16, 2),
+    "full_r8": (2, 128, 4, 32, 128, [128, 128], 64, 1),
+    "mixed_lengths_r2_split3": (4, 100, 2, 4, 64, [1, 37, 64, 100], 32, 3),
+    "mqa_r16_unpadded": (2, 40, 1, 16, 64, [40, 17], 16, 1),
+}
+
+
+POOL = 1024  # rows per head_dim, quantized once (CPU compiles of the quantizer are slow)
+
+
+@functools.cache
+def _pool(h: int) -> tuple[np.ndarray, formats.NVFP4Tensor]:
+  """Raw bf16 K/V rows [2, POOL, h] and their NVFP4, as numpy (rows quantize independently,
+  so slices of it are what `kv_cache.write` would store; numpy slicing compiles nothing)."""
+  rng = np.random.default_rng(h)
+  raw = jnp.asarray(rng.standard_normal((2, POOL, h)), jnp.bfloat16)
+  return np.asarray(raw), jax.tree.map(np.asarray, _quantize_rows(raw))
+
+
+def _attn_inputs(b, t, g, n, h, seed=0, q_scale=3.0):
+  """q [B, N, H] (scores of std ~q_scale), K/V rows [B, T, G, H] as (raw, NVFP4) from the
+  pool (a seed-dependent window), and per-sequence permuted write positions [B, T]."""
+  rng = np.random.default_rng(seed)
+  raw, q4 = _pool(h)
+  start = int(rng.integers(0, POOL - b * t * g + 1))
+  take = lambda a, i: a[i, start:start + b * t * g].reshape((b, t, g) + a.shape[2:])
+  kv = [(take(raw, i), jax.tree.map(lambda a, i=i: take(a, i), q4)) for i in (0, 1)]
+  q = jnp.asarray(rng.standard_normal((b, n, h)) * q_scale, jnp.bfloat16)
+  pos = np.stack([rng.permutation(t) for _ in range(b)])
+  return q, kv, pos
+
+
+def _cache(kind, kv, pos):
+  """The cache holding rows kv (from `_attn_inputs`) written at positions pos: "bf16" (raw
+  values), "packed" (NVFP4)."""
+  (k, qk), (v, qv) = kv
+  b, t, g, h = k.shape
+  if kind == "bf16":
+    bidx = np.arange(b)[:, None]
+    ck, cv = np.zeros_like(k), np.zeros_like(v)
+    ck[bidx, pos], cv[bidx, pos] = k, v
+    return jnp.asarray(ck), jnp.asarray(cv)
+  qk, qv = (jax.tree.map(jnp.asarray, x) for x in (qk, qv))
+  return kv_cache.write_quantized(kv_cache.init_packed_cache(b, t, g, h), qk, qv,
+                                  jnp.asarray(pos))
+
+
+def _values(cache):
+  """V as the kernel reads it (bf16)."""
+  return (kv_cache.dequantize(cache, jnp.bfloat16)[1] if isinstance(cache, kv_cache.PackedKVCache)
+          else cache[1])
+
+
+@jax.jit
+def _reference_f32(q, cache, lengths):
+  return da.decode_attention_reference(q, cache, lengths).astype(jnp.float32)
+
+
+def _reference(q, cache, lengths):
+  return _on_cpu(_reference_f32, q, cache, lengths)
+
+
+_tolerance = jax.jit(da.output_tolerance, static_argnames=("num_heads",))
+
+
+def _check_within_tolerance(out, ref, v, lengths, n):
+  out = np.asarray(out).astype(np.float32)
+  assert np.all(np.isfinite(out))
+  tol = _on_cpu(lambda *a: _tolerance(*a, num_heads=n), v, lengths, ref)
+  err = np.abs(out - ref)
+  worst = np.unravel_index(np.argmax(err / tol), err.shape)
+  assert np.all(err <= tol), (f"max |err| / tol = {np.max(err / tol):.3g} at {worst}: "
+                              f"out {out[worst]}, ref {ref[worst]}, tol {tol[worst]}")
+  return float(np.max(err / tol))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "packed"])
+@pytest.mark.parametrize("name", list(ATTN_CASES))
+def test_kernel_matches_reference(name, kind):
+  """Kernel vs `attend` on the same cache values within `output_tolerance`; a sequence of
+  length 1 gets its single V row exactly (softmax weight 1, so the kernel's in-register V
+  decode shows through; compared as values, since the PV dot turns -0 into +0)."""
+  b, t, g, n, h, lengths, block_t, splits = ATTN_CASES[name]
+  q, kv, pos = _attn_inputs(b, t, g, n, h)
+  cache = _cache(kind, kv, pos)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  out = da.decode_attention(q, cache, lengths, block_t=block_t, num_splits=splits)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  ref = _reference(q, cache, lengths)
+  vals = _on_cpu(_values, cache)
+  _check_within_tolerance(out, ref, vals, lengths, n)
+  for bi in np.flatnonzero(np.asarray(lengths) == 1):  # values: the PV dot turns -0 into +0
+    want = np.repeat(vals[bi, 0], n // g, axis=0).astype(np.float32)  # head i: kv i // R
+    np.testing.assert_array_equal(np.asarray(out)[bi].astype(np.float32), want)
+
+
+def test_tolerance_rejects_plausible_bugs():
+  """The stated tolerance is tight enough to fail: one key too many, the wrong kv head per
+  query head, and unquantized K/V all exceed it."""
+  b, t, g, n, h, _, block_t, splits = ATTN_CASES["mixed_lengths_r2_split3"]
+  q, kv, pos = _attn_inputs(b, t, g, n, h, seed=3)
+  lengths = jnp.asarray([5, 9, 12, 30], jnp.int32)
+  cache = _cache("packed", kv, pos)
+  vals = _on_cpu(_values, cache)
+  out = np.asarray(da.decode_attention(q, cache, lengths, block_t=block_t,
+                                       num_splits=splits)).astype(np.float32)
+  tol = lambda ref: _on_cpu(lambda *a: _tolerance(*a, num_heads=n), vals, lengths, ref)
+  ok = _reference(q, cache, lengths)
+  assert np.all(np.abs(out - ok) <= tol(ok))
+  r = n // g
+  perm = np.array([(j % r) * g + j // r for j in range(n)])  # head i reads kv head i % G
+  wrong = {
+      "one key too many": _reference(q, cache, lengths + 1),
+      "kv head i % G": _reference(q[:, perm], cache, lengths)[:, np.argsort(perm)],
+      "unquantized K/V": _reference(q, _cache("bf16", kv, pos), lengths),
+  }
+  for what, ref in wrong.items():
+    assert np.any(np.abs(out - ref) > tol(ref)), what
+
+
+def test_masked_keys_are_ignored_and_length_zero():
+  """Garbage beyond `lengths` (NaN in a BF16 cache, NaN/huge scale bytes in a packed one)
+  never reaches the output; a length of 0 gives zeros."""
+  b, t, g, n, h, _, block_t, splits = ATTN_CASES["mixed_lengths_r2_split3"]
+  q, kv, pos = _attn_inputs(b, t, g, n, h, seed=4)
+  lengths = jnp.asarray([0, 37, 64, 99], jnp.int32)
+  beyond = (jnp.arange(t)[None, :] >= lengths[:, None])[:, :, None, None]
+  for kind in ("bf16", "packed"):
+    clean = _cache(kind, kv, pos)
+    if kind == "bf16":
+      dirty = tuple(jnp.where(beyond, jnp.asarray(np.nan, a.dtype), a) for a in clean)
+    else:
+      nan_scale = jnp.asarray(np.full((), 0x7F, np.uint8).view(jnp.float8_e4m3fn))
+      dirty = clean.replace(
+          k_block=jnp.where(beyond, nan_scale, clean.k_block),
+          v_block=jnp.where(beyond, nan_scale, clean.v_block),
+          v_row=jnp.where(beyond[..., 0], jnp.float32(3e38), clean.v_row),
+          v_codes=jnp.where(beyond, jnp.uint8(0x77), clean.v_codes))
+    out = np.asarray(da.decode_attention(q, dirty, lengths, block_t=block_t,
+                                         num_splits=splits)).astype(np.float32)
+    assert np.all(out[0] == 0)
+    ref = _reference(q, clean, lengths)
+    _check_within_tolerance(out[1:], ref[1:], _on_cpu(_values, clean)[1:], lengths[1:], n)
+
+
+@pytest.mark.parametrize("what", ["q_rank", "heads", "lengths", "block_t", "head_dim"])
+def test_bad_input(what):
+  q = jnp.zeros((2, 4, 64), jnp.bfloat16)
+  cache = (jnp.zeros((2, 16, 2, 64), jnp.bfloat16),) * 2
+  lengths = jnp.ones((2,), jnp.int32)
+  kw = {}
+  if what == "q_rank":
+    q = q[:, None]
+  elif what == "heads":
+    q = jnp.zeros((2, 3, 64), jnp.bfloat16)
+  elif what == "lengths":
+    lengths = jnp.ones((3,), jnp.int32)
+  elif what == "block_t":
+    kw["block_t"] = 24
+  else:
+    q, cache = q[..., :24], tuple(a[..., :24] for a in cache)
+  with pytest.raises(ValueError):
+    da.decode_attention(q, cache, lengths, **kw)
+  with pytest.raises(ValueError):
+    kv_cache.init_packed_cache(1, 4, 1, 40)

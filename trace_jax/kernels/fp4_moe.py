@@ -1,0 +1,410 @@
+"""MoE grouped matmul at decode: each touched expert's weights read once, packed NVFP4 or BF16.
+
+Contract (the same as `trace_jax.model.grouped.grouped_matmul`): rows x [M, K] sorted by
+expert, `group_sizes` [E] (int, summing to M), weights w [E, N, K] (torch [out, in] order,
+contraction axis last) -> [M, N] in x.dtype, products summed in float32. Rows past
+sum(group_sizes) come out zero, as with ragged_dot.
+
+Weights are either a dense array (BF16 or the compute dtype) or `PackedNVFP4Weights`: the
+two-level NVFP4 quantization of `qat.fake_quant_weight(w, "nvfp4")` stored as it is read,
+two E2M1 codes per byte (`formats.pack_fp4` nibble order), E4M3 block scales per 16 elements
+and one float32 second-level scale per expert. The kernel dequantizes in registers with the
+operations and rounding order of `formats.nvfp4_dequantize` (code value * block scale, exact;
+then * tensor scale, one float32 rounding; then one rounding to x.dtype), so the weights it
+multiplies are bit for bit those of today's fake-quantized path, without materialising them.
+
+Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewhere):
+- grid (E, N // block_n): one program per (expert, output tile). A program reads its
+  expert's row offset and size; an expert with no rows returns before loading anything, so
+  untouched experts' weights are never read.
+- Each program loops over its expert's rows in blocks of `block_m` (masked loads/stores, so
+  M needs no padding), and for each row block over K in tiles of `block_k`: load the weight
+  tile (packed codes + block scales, or BF16), dequantize, dot with the x tile (float32
+  accumulator [block_m, block_n]), store the row block's output tile once.
+- Loop order: row blocks outside, K inside. The accumulator must be a static-size register
+  tile while the number of row blocks is dynamic, so the K loop cannot be outermost with
+  every row block's accumulator live. The first row block reads the expert's [block_n, K]
+  weight slab from HBM; further row blocks (only experts holding more than `block_m` rows)
+  re-read the same slab (64 KiB packed FP4 at block_n=64, K=2048) right after, from L2.
+  `block_m` defaults to about twice the mean group size (16..64), so at decode nearly every
+  expert fits one row block and its weights cross HBM once per step.
+- Decoding uses integer/bit operations and exact float32 products only, never float8/float4
+  conversions (which XLA or Triton may rewrite): the block scale from its E4M3 bits
+  (`exact.e4m3_value`), each byte's two E2M1 codes placed into float16 bit patterns by two
+  integer multiplies and masks (`e2m1_pair_scaled`: the float16 is the code's value times
+  2**-14, folded back exactly into the block scale; no int -> float conversion, which is
+  quarter rate on Hopper). The codes tile is loaded as whole contiguous rows [block_n,
+  block_k // 2] (coalesced) and viewed as [block_n, block_k // 16, 8] so the block scales
+  broadcast; the two nibbles are re-interleaved with a 2-way stack + reshape (Triton `join` +
+  `reshape`, as Pallas unpacks int4 itself), or, with `split=True`, contracted against x's
+  even and odd columns as two dots.
+- `swap_ab` (default for packed weights) computes each tile transposed, weights as the MMA's
+  first operand: at decode the weight tile is the large side. In Triton 3.6's sm_90 code for
+  block 64 x 256 this is ~11 SASS instructions per weight element (~12.5 unswapped), no
+  spills (compiled offline from this kernel's Triton IR; timings need the GPU).
+- Rows past sum(group_sizes) are zeroed by the programs of the last expert.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.experimental import pallas as pl
+
+from trace_jax.model import grouped
+from trace_jax.quant import exact, formats
+
+try:  # Triton-specific Pallas names (masked load/store, compiler params)
+  from jax.experimental.pallas import triton as _plgpu
+except ImportError:  # pragma: no cover - every jax with Pallas ships it
+  _plgpu = None
+
+NVFP4_BLOCK = formats.NVFP4_BLOCK
+_BYTES_PER_BLOCK = NVFP4_BLOCK // 2  # packed code bytes under one block scale
+
+
+# ----------------------------------------------------------------------------- packed weights
+
+@struct.dataclass
+class PackedNVFP4Weights:
+  """Two-level NVFP4 stacked expert weights [E, N, K] as the decode kernel reads them.
+
+  codes: uint8 [E, N, K // 2], two E2M1 codes per byte, element 2i in the low nibble.
+  block_scale: float8_e4m3fn [E, N, K // 16].
+  tensor_scale: float32 [E], one second-level scale per expert.
+  """
+  codes: jax.Array
+  block_scale: jax.Array
+  tensor_scale: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    """The logical weight shape (E, N, K)."""
+    e, n, half = self.codes.shape
+    return e, n, 2 * half
+
+  def slice_n(self, start: int, stop: int | None = None) -> PackedNVFP4Weights:
+    """Output rows [start:stop] of every expert (the tensor scales are shared, not copied)."""
+    return PackedNVFP4Weights(codes=self.codes[:, start:stop],
+                              block_scale=self.block_scale[:, start:stop],
+                              tensor_scale=self.tensor_scale)
+
+
+def check_packed(p: PackedNVFP4Weights) -> None:
+  """Raises ValueError/TypeError if the fields' shapes or dtypes disagree (works on tracers)."""
+  if p.codes.ndim != 3 or p.codes.dtype != jnp.uint8:
+    raise TypeError(f"PackedNVFP4Weights.codes must be uint8 [E, N, K // 2], got "
+                    f"{p.codes.dtype} {p.codes.shape}")
+  e, n, k = p.shape
+  if k % NVFP4_BLOCK:
+    raise ValueError(f"PackedNVFP4Weights: K={k} is not a multiple of {NVFP4_BLOCK}")
+  if p.block_scale.shape != (e, n, k // NVFP4_BLOCK) or \
+      p.block_scale.dtype != jnp.float8_e4m3fn:
+    raise ValueError(f"PackedNVFP4Weights.block_scale must be float8_e4m3fn "
+                     f"{(e, n, k // NVFP4_BLOCK)}, got {p.block_scale.dtype} "
+                     f"{p.block_scale.shape}")
+  if p.tensor_scale.shape != (e,) or p.tensor_scale.dtype != jnp.float32:
+    raise ValueError(f"PackedNVFP4Weights.tensor_scale must be float32 {(e,)}, got "
+                     f"{p.tensor_scale.dtype} {p.tensor_scale.shape}")
+
+
+def pack_nvfp4(w: jax.Array) -> PackedNVFP4Weights:
+  """Packs stacked expert weights w [E, N, K] exactly as `qat.fake_quant_weight(w, "nvfp4")`
+  quantizes them: one second-level scale per expert (`nvfp4_tensor_scale` over axes 1, 2).
+
+  Pass w in the dtype the model quantizes it in (the compute dtype: `Precision.expert_weights`
+  receives the weights already cast to x.dtype), so the codes match its fake quantization.
+  """
+  if w.ndim != 3:
+    raise ValueError(f"pack_nvfp4: expected stacked expert weights [E, N, K], got {w.shape}")
+  ts = formats.nvfp4_tensor_scale(w, axes=(1, 2))
+  q = formats.nvfp4_quantize(w, ts)
+  return PackedNVFP4Weights(codes=formats.pack_fp4(q.codes), block_scale=q.block_scale,
+                            tensor_scale=ts.reshape(w.shape[0]))
+
+
+def pack_nvfp4_gate_up(gate: jax.Array, up: jax.Array
+                       ) -> tuple[PackedNVFP4Weights, PackedNVFP4Weights]:
+  """Gate and up [E, F, D] packed with one shared tensor scale per expert, as
+  `Precision.expert_weights` quantizes them (concatenated along N, quantized, split).
+
+  For one fused gate/up matmul, `pack_nvfp4(jnp.concatenate([gate, up], axis=1))` holds the
+  same bytes.
+  """
+  if gate.shape != up.shape:
+    raise ValueError(f"pack_nvfp4_gate_up: gate {gate.shape} and up {up.shape} differ")
+  f = gate.shape[1]
+  both = pack_nvfp4(jnp.concatenate([gate, up], axis=1))
+  return both.slice_n(0, f), both.slice_n(f)
+
+
+def dequantize(p: PackedNVFP4Weights, dtype: Any = jnp.float32) -> jax.Array:
+  """[E, N, K] values in `dtype`; equals `qat.fake_quant_weight(w, "nvfp4")` bit for bit
+  when dtype is w's dtype (the same `formats.nvfp4_dequantize`, then one rounding)."""
+  check_packed(p)
+  q = formats.NVFP4Tensor(codes=formats.unpack_fp4(p.codes), block_scale=p.block_scale,
+                          tensor_scale=p.tensor_scale.reshape(-1, 1, 1))
+  return formats.nvfp4_dequantize(q).astype(dtype)
+
+
+def weight_bytes_per_expert(w: jax.Array | PackedNVFP4Weights) -> int:
+  """Bytes of one expert's weights as stored (what the kernel reads for a touched expert)."""
+  if isinstance(w, PackedNVFP4Weights):
+    _, n, k = w.shape
+    return n * k // 2 + n * k // NVFP4_BLOCK + 4
+  _, n, k = w.shape
+  return n * k * jnp.dtype(w.dtype).itemsize
+
+
+# ----------------------------------------------------------------------------- reference
+
+def grouped_matmul_reference(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
+                             group_sizes: jax.Array) -> jax.Array:
+  """The kernel's contract in plain JAX: dequantize (or cast) to x.dtype, then ragged_dot."""
+  wd = dequantize(w, x.dtype) if isinstance(w, PackedNVFP4Weights) else w.astype(x.dtype)
+  return grouped.grouped_matmul(x, wd, group_sizes.astype(jnp.int32), "ragged_dot")
+
+
+# ----------------------------------------------------------------------------- Pallas glue
+
+def _masked_load(ref: Any, idx: tuple[Any, ...], mask: jax.Array, other: Any) -> jax.Array:
+  if _plgpu is not None and hasattr(_plgpu, "load"):  # jax >= 0.7: pallas.triton.load
+    return _plgpu.load(ref.at[idx], mask=mask, other=other)
+  return pl.load(ref, idx, mask=mask, other=other)  # pragma: no cover - older jax
+
+
+def _masked_store(ref: Any, idx: tuple[Any, ...], val: jax.Array, mask: jax.Array) -> None:
+  if _plgpu is not None and hasattr(_plgpu, "store"):
+    _plgpu.store(ref.at[idx], val, mask=mask)
+  else:  # pragma: no cover - older jax
+    pl.store(ref, idx, val, mask=mask)
+
+
+def _compiler_params(num_warps: int, num_stages: int) -> Any:
+  cls = (getattr(_plgpu, "CompilerParams", None) or getattr(_plgpu, "TritonCompilerParams", None)
+         if _plgpu is not None else None)
+  if cls is not None:
+    return cls(num_warps=num_warps, num_stages=num_stages)
+  return {"triton": {"num_warps": num_warps, "num_stages": num_stages}}  # pragma: no cover
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+  """The largest power of two that divides n and is at most cap."""
+  b = 1
+  while b * 2 <= cap and n % (b * 2) == 0:
+    b *= 2
+  return b
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
+def default_block_m(m: int, num_experts: int) -> int:
+  """Rows per block: about twice the mean group size, a power of two in [16, 64]."""
+  return min(64, max(16, _next_pow2(2 * -(-m // num_experts))))
+
+
+def _check_block(name: str, value: int, lo: int) -> None:
+  if value < lo or value & (value - 1):
+    raise ValueError(f"{name} must be a power of two >= {lo}, got {value}")
+
+
+# ----------------------------------------------------------------------------- decoding
+
+_DECODE_SHIFT = np.float32(2.0**14)  # E2M1 bits placed in float16 read as value * 2**-14
+
+
+def e2m1_pair_scaled(p: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """float32 values * 2**-14 of the low and high E2M1 nibbles of packed bytes p (uint8).
+
+  Each nibble's magnitude bits go to float16 bits 11..9 (the two low exponent bits and the top
+  mantissa bit) and its sign to bit 15, so the float16 is the E2M1 value times 2**-14 exactly
+  (code 1, 0.5, becomes the float16 subnormal 2**-15) and float16 -> float32 is exact on every
+  backend. Both halves come from two integer multiplies and masks on the byte (the shifted
+  copies never overlap, so no carries): no int -> float conversion (quarter rate on Hopper) and
+  no table. The 2**-14 is folded into the block scale (`e4m3_value_scaled`), so the products
+  stay exact. Equals `formats.e2m1_decode(formats.unpack_fp4(p)) * 2**-14` bit for bit,
+  signed zeros included.
+  """
+  t = p.astype(jnp.uint32)
+  # low nibble -> bits 9..11 and 15, high nibble -> bits 25..27 and 31
+  r = (((t * np.uint32(0x00200200)) & np.uint32(0x0E000E00))
+       | ((t * np.uint32(0x01001000)) & np.uint32(0x80008000)))
+  as_f32 = lambda b: jax.lax.bitcast_convert_type(b.astype(jnp.uint16),
+                                                  jnp.float16).astype(jnp.float32)
+  return as_f32(r), as_f32(r >> 16)
+
+
+def e4m3_value_scaled(scale: jax.Array) -> jax.Array:
+  """`exact.e4m3_value(scale) * 2**14` (exact: a power-of-two product of a value in
+  [2**-9, 448]); pairs with `e2m1_pair_scaled`."""
+  return exact.e4m3_value(scale) * _DECODE_SHIFT
+
+
+# ----------------------------------------------------------------------------- kernel
+
+def _kernel(offs_ref, sizes_ref, *refs, fp4: bool, split: bool, swap_ab: bool, m: int, k: int,
+            num_experts: int, bm: int, bn: int, bk: int):
+  """One (expert, N tile) program: see the module docstring."""
+  if split:  # x's even and odd columns as two inputs, each [M, K // 2]
+    x_refs, (*w_refs, o_ref) = refs[:2], refs[2:]
+  else:
+    x_refs, (*w_refs, o_ref) = refs[:1], refs[1:]
+  dt = o_ref.dtype
+  e = pl.program_id(0)
+  n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+  start = offs_ref[e]
+  size = sizes_ref[e]
+  end = jnp.minimum(start + size, m)
+  row_iota = jnp.arange(bm, dtype=jnp.int32)[:, None]  # [bm, 1]
+  xk = bk // 2 if split else bk  # x columns per K tile and input
+
+  if fp4:
+    codes_ref, bs_ref, ts_ref = w_refs
+    kb = bk // NVFP4_BLOCK  # scale blocks per K tile
+
+    def load_w(t, ts):
+      kb0 = pl.multiple_of(t * kb, kb)
+      # A 2-D tile of whole contiguous rows (coalesced loads), viewed as [bn, kb, 8]: the
+      # bytes under each block scale on their own axis, so the scales broadcast over it.
+      p = codes_ref[e, pl.ds(n0, bn), pl.ds(pl.multiple_of(t * (bk // 2), bk // 2), bk // 2)]
+      p = p.reshape(bn, kb, _BYTES_PER_BLOCK)                                # uint8
+      s = e4m3_value_scaled(bs_ref[e, pl.ds(n0, bn), pl.ds(kb0, kb)])[:, :, None]
+      lo, hi = e2m1_pair_scaled(p)                                           # elements 2i, 2i+1
+      # formats.nvfp4_dequantize's order: code value * block scale, exact (the 2**-14 and
+      # 2**14 factors cancel exactly), then * tensor scale, one float32 rounding; then x.dtype.
+      lo, hi = ((lo * s) * ts).astype(dt), ((hi * s) * ts).astype(dt)
+      if split:
+        return lo.reshape(bn, bk // 2), hi.reshape(bn, bk // 2)
+      return (jnp.stack([lo, hi], axis=-1).reshape(bn, bk),)                # [bn, kb, 8, 2]
+  else:
+    (w_ref,) = w_refs
+
+    def load_w(t, ts):
+      del ts
+      k0 = pl.multiple_of(t * bk, bk)
+      return (w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(dt),)
+
+  @pl.when(size > 0)
+  def _matmul():
+    ts = ts_ref[e] if fp4 else None
+
+    def row_block(r, carry):
+      row0 = start + r * bm
+      valid = (row0 + row_iota) < end                                       # [bm, 1]
+      x_mask = jnp.broadcast_to(valid, (bm, xk))
+
+      def k_step(t, acc):
+        k0 = pl.multiple_of(t * xk, xk)
+        for x_ref, wt in zip(x_refs, load_w(t, ts)):
+          xt = _masked_load(x_ref, (pl.ds(row0, bm), pl.ds(k0, xk)), x_mask, 0).astype(dt)
+          a, b = (wt, xt) if swap_ab else (xt, wt)
+          acc = acc + jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                          preferred_element_type=jnp.float32)
+        return acc
+
+      acc = jax.lax.fori_loop(0, k // bk, k_step,
+                              jnp.zeros((bn, bm) if swap_ab else (bm, bn), jnp.float32))
+      acc = acc.T if swap_ab else acc
+      _masked_store(o_ref, (pl.ds(row0, bm), pl.ds(n0, bn)), acc.astype(dt),
+                    jnp.broadcast_to(valid, (bm, bn)))
+      return carry
+
+    jax.lax.fori_loop(0, jax.lax.div(size + (bm - 1), bm), row_block, 0)
+
+  total = offs_ref[num_experts - 1] + sizes_ref[num_experts - 1]
+
+  @pl.when((e == num_experts - 1) & (total < m))
+  def _zero_tail():  # rows no group holds: zeros, as ragged_dot gives
+    def zero_block(r, carry):
+      row0 = total + r * bm
+      valid = jnp.broadcast_to((row0 + row_iota) < m, (bm, bn))
+      _masked_store(o_ref, (pl.ds(row0, bm), pl.ds(n0, bn)), jnp.zeros((bm, bn), dt), valid)
+      return carry
+
+    jax.lax.fori_loop(0, jax.lax.div(m - total + (bm - 1), bm), zero_block, 0)
+
+
+_STATIC = ("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages", "split",
+           "swap_ab", "debug")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _decode(x, w, group_sizes, *, interpret, block_m, block_n, block_k, num_warps, num_stages,
+            split, swap_ab, debug):
+  m, k = x.shape
+  fp4 = isinstance(w, PackedNVFP4Weights)
+  e, n, _ = w.shape
+  if m == 0:
+    return jnp.zeros((0, n), x.dtype)
+  gs = group_sizes.astype(jnp.int32)
+  offs = jnp.cumsum(gs) - gs
+  bn, bk = _pow2_divisor(n, block_n), _pow2_divisor(k, block_k)
+  split = split and fp4  # dense weights: one dot per tile (a strided split does not lower)
+  if split and bk < 32:
+    raise ValueError(f"split=True needs K tiles of >= 32 columns; K={k} allows {bk}")
+  xs = (x[:, 0::2], x[:, 1::2]) if split else (x,)  # split: one small XLA copy of x per call
+  if fp4:
+    weights = (w.codes, w.block_scale, w.tensor_scale)
+  else:
+    weights = (w,)
+  kernel = functools.partial(_kernel, fp4=fp4, split=split, swap_ab=swap_ab, m=m, k=k,
+                             num_experts=e, bm=block_m, bn=bn, bk=bk)
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(e, n // bn),
+      interpret=interpret, debug=debug,
+      name="grouped_matmul_decode_fp4" if fp4 else "grouped_matmul_decode",
+      compiler_params=None if interpret else _compiler_params(num_warps, num_stages),
+  )(offs, gs, *xs, *weights)
+
+
+def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
+                          group_sizes: jax.Array, *, interpret: bool | None = None,
+                          block_m: int | None = None, block_n: int = 64, block_k: int = 256,
+                          num_warps: int = 4, num_stages: int = 3, split: bool = False,
+                          swap_ab: bool | None = None, debug: bool = False) -> jax.Array:
+  """Rows x [M, K] sorted by expert times w [E, N, K] (dense or packed NVFP4) -> [M, N].
+
+  interpret: None runs the Triton kernel on GPU and the Pallas interpreter elsewhere.
+  block_m: rows per block (None: `default_block_m`); block_n / block_k: output / contraction
+  tile caps, each reduced to the largest power of two dividing N / K (N and K must be
+  multiples of 16). num_warps / num_stages: Triton launch parameters.
+  split: packed weights only: contract even and odd columns as two dots (x split outside the
+  kernel) instead of interleaving the two nibbles of each byte in registers.
+  swap_ab: compute each output tile transposed, weights as the MMA's first operand (M = the
+  weight tile's rows) and x rows as its N; the same products. None: True for packed weights
+  (fewer instructions per weight in Triton 3.6's sm_90 code), False for dense ones.
+  """
+  if x.ndim != 2:
+    raise ValueError(f"grouped_matmul_decode: x must be [M, K], got {x.shape}")
+  if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+    raise TypeError(f"grouped_matmul_decode: x dtype must be bf16, f16 or f32, got {x.dtype}")
+  if isinstance(w, PackedNVFP4Weights):
+    check_packed(w)
+  elif w.ndim != 3:
+    raise ValueError(f"grouped_matmul_decode: w must be [E, N, K], got {w.shape}")
+  e, n, k = w.shape
+  if k != x.shape[1]:
+    raise ValueError(f"grouped_matmul_decode: x {x.shape} and w {w.shape} disagree on K")
+  if group_sizes.shape != (e,):
+    raise ValueError(f"grouped_matmul_decode: group_sizes must be [{e}], got "
+                     f"{group_sizes.shape}")
+  if n % 16 or k % 16:
+    raise ValueError(f"grouped_matmul_decode: N={n} and K={k} must be multiples of 16")
+  block_m = default_block_m(x.shape[0], e) if block_m is None else block_m
+  _check_block("block_m", block_m, 16)
+  _check_block("block_n", block_n, 16)
+  _check_block("block_k", block_k, 16)
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  if swap_ab is None:
+    swap_ab = isinstance(w, PackedNVFP4Weights)
+  return _decode(x, w, group_sizes, interpret=bool(interpret), block_m=block_m,
+                 block_n=block_n, block_k=block_k, num_warps=num_warps,
+                 num_stages=num_stages, split=split, swap_ab=bool(swap_ab), debug=debug)

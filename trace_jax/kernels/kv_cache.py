@@ -1,0 +1,149 @@
+"""Packed NVFP4 KV cache: per layer, K and V rows as E2M1 codes, E4M3 block scales, FP32 scales.
+
+Under FP4 policies the model fake-quantizes K and V at the `k`/`v` sites before they enter the
+cache (`Precision.kv_site`: rows = (token, kv head), blocks of 16 along head_dim, two-level with
+the row's FP32 second-level scale), then stores the dequantized values in BF16: as many bytes as
+a BF16 cache. This cache stores what the quantizer produced instead, 4.5 bits per element plus
+32 bits per head row (76 bytes instead of 256 for head_dim 128), and `dequantize` rebuilds the
+values the trainer's forward sees, bit for bit: `formats.nvfp4_dequantize(q).astype(dtype)`.
+
+The quantizer is `trace_jax.quant.formats` itself (RTN, as the rollout records it). `write`
+must get K/V rows *before* the site's fake quantization: quantizing already-dequantized values
+again is not the identity (the row amax, hence the row scale, moves). `write_quantized` takes
+the site's `NVFP4Tensor`s directly when the caller already quantized them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from trace_jax.quant import formats
+
+
+@struct.dataclass
+class PackedKVCache:
+  """One layer's NVFP4 KV cache.
+
+  k_codes, v_codes: uint8 [B, T, G, H // 2], two E2M1 codes per byte (`formats.pack_fp4`:
+    element 2i in the low nibble).
+  k_block, v_block: float8_e4m3fn [B, T, G, H // 16], the block scales.
+  k_row, v_row: float32 [B, T, G], the per-(token, kv head) second-level scales.
+  Unwritten slots are all zero bytes, which dequantize to +0 (as a zero BF16 cache holds).
+  """
+  k_codes: jax.Array
+  v_codes: jax.Array
+  k_block: jax.Array
+  v_block: jax.Array
+  k_row: jax.Array
+  v_row: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, int, int, int]:
+    """(B, T, G, H) of the K/V arrays this cache holds."""
+    b, t, g, h2 = self.k_codes.shape
+    return b, t, g, 2 * h2
+
+  def nbytes(self) -> int:
+    """Bytes held (K and V), as the arrays are laid out in memory."""
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self))
+
+
+def bytes_per_head_row(head_dim: int) -> int:
+  """Bytes of one (token, kv head) row of K or V: codes, block scales, row scale."""
+  return head_dim // 2 + head_dim // formats.NVFP4_BLOCK + 4
+
+
+def _check_head_dim(head_dim: int) -> None:
+  if head_dim % formats.NVFP4_BLOCK:
+    raise ValueError(f"head_dim {head_dim} is not a multiple of the NVFP4 block "
+                     f"{formats.NVFP4_BLOCK}")
+
+
+def init_packed_cache(batch: int, max_len: int, num_kv_heads: int,
+                      head_dim: int) -> PackedKVCache:
+  """An empty (all-zero) cache of [batch, max_len, num_kv_heads, head_dim] K and V."""
+  _check_head_dim(head_dim)
+  lead = (batch, max_len, num_kv_heads)
+  codes = jnp.zeros(lead + (head_dim // 2,), jnp.uint8)
+  block = jnp.zeros(lead + (head_dim // formats.NVFP4_BLOCK,), jnp.float8_e4m3fn)
+  row = jnp.zeros(lead, jnp.float32)
+  return PackedKVCache(k_codes=codes, v_codes=codes, k_block=block, v_block=block,
+                       k_row=row, v_row=row)
+
+
+def quantize_rows(x: jax.Array) -> formats.NVFP4Tensor:
+  """NVFP4 of K or V rows [..., H] exactly as the `k`/`v` sites quantize them (RTN, two-level
+  with the per-row second-level scale)."""
+  return formats.nvfp4_quantize(x, formats.nvfp4_row_scale(x))
+
+
+def _scatter(a: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+  """a [B, T, ...] with new [B, S, ...] written at positions [B, S] (as attention.py does)."""
+  bidx = jnp.arange(a.shape[0])[:, None]
+  return a.at[bidx, positions].set(new.astype(a.dtype))
+
+
+@jax.jit
+def write_quantized(cache: PackedKVCache, qk: formats.NVFP4Tensor, qv: formats.NVFP4Tensor,
+                    positions: jax.Array) -> PackedKVCache:
+  """Writes NVFP4 K/V rows (codes [B, S, G, H], two-level) at per-sequence positions [B, S]."""
+  b, t, g, h = cache.shape
+  for name, q in (("k", qk), ("v", qv)):
+    if q.codes.shape[0] != b or q.codes.shape[2:] != (g, h) or q.tensor_scale is None:
+      raise ValueError(f"write_quantized: {name} codes of shape {q.codes.shape} (two-level "
+                       f"expected) do not fit a cache of [B, T, G, H] = {(b, t, g, h)}")
+  if positions.shape != qk.codes.shape[:2]:
+    raise ValueError(f"write_quantized: positions of shape {positions.shape}, expected "
+                     f"{qk.codes.shape[:2]}")
+  lead = qk.codes.shape[:3]
+  return PackedKVCache(
+      k_codes=_scatter(cache.k_codes, formats.pack_fp4(qk.codes), positions),
+      v_codes=_scatter(cache.v_codes, formats.pack_fp4(qv.codes), positions),
+      k_block=_scatter(cache.k_block, qk.block_scale, positions),
+      v_block=_scatter(cache.v_block, qv.block_scale, positions),
+      k_row=_scatter(cache.k_row, jnp.broadcast_to(qk.tensor_scale, lead + (1,))[..., 0],
+                     positions),
+      v_row=_scatter(cache.v_row, jnp.broadcast_to(qv.tensor_scale, lead + (1,))[..., 0],
+                     positions))
+
+
+@jax.jit
+def write(cache: PackedKVCache, k: jax.Array, v: jax.Array,
+          positions: jax.Array) -> PackedKVCache:
+  """Quantizes new K/V rows [B, S, G, H] (unquantized values) and writes them at positions
+  [B, S], one position per sequence and token, as the BF16 cache update of attention.py."""
+  if k.shape != v.shape:
+    raise ValueError(f"write: k {k.shape} and v {v.shape} differ")
+  q = quantize_rows(jnp.stack([k, v]))  # one quantizer for both (rows are independent)
+  qk, qv = (jax.tree.map(lambda a, i=i: a[i], q) for i in (0, 1))
+  return write_quantized(cache, qk, qv, positions)
+
+
+@jax.jit
+def pack_rows(k: jax.Array, v: jax.Array) -> PackedKVCache:
+  """A whole cache from K/V rows [B, T, G, H] (a prefill; no scatter): the same bytes as
+  `write` of every position into an empty cache."""
+  qk, qv = quantize_rows(k), quantize_rows(v)
+  return PackedKVCache(
+      k_codes=formats.pack_fp4(qk.codes), v_codes=formats.pack_fp4(qv.codes),
+      k_block=qk.block_scale, v_block=qv.block_scale,
+      k_row=qk.tensor_scale[..., 0], v_row=qv.tensor_scale[..., 0])
+
+
+def _dequantize_one(codes: jax.Array, block: jax.Array, row: jax.Array,
+                    dtype: jnp.dtype) -> jax.Array:
+  q = formats.NVFP4Tensor(codes=formats.unpack_fp4(codes), block_scale=block,
+                          tensor_scale=row[..., None])
+  return formats.nvfp4_dequantize(q).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def dequantize(cache: PackedKVCache,
+               dtype: jnp.dtype = jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
+  """(k, v) [B, T, G, H] in `dtype`: the trainer's fake-quantized values, bit for bit (XLA)."""
+  return (_dequantize_one(cache.k_codes, cache.k_block, cache.k_row, dtype),
+          _dequantize_one(cache.v_codes, cache.v_block, cache.v_row, dtype))
