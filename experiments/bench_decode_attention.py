@@ -281,12 +281,7 @@ def main(argv: Sequence[str]) -> dict[str, Any] | None:
                   FLAGS.kv_heads or p["kv_heads"], FLAGS.head_dim or p["head_dim"], FLAGS.impls,
                   FLAGS.reps, FLAGS.warmup, FLAGS.inner, FLAGS.check_seqs, FLAGS.seed,
                   kernel_args)
-  res["flags"] = common.flag_dict(FLAGS)
-  print(format_bench(res))
-  common.write_json(FLAGS.json_out, res)
-  if FLAGS.json_out:
-    print(f"wrote {FLAGS.json_out}")
-  return res
+  return common.finish(res, FLAGS, format_bench(res))
 
 
 if __name__ == "__main__":

@@ -348,11 +348,7 @@ def main(argv: Sequence[str]) -> dict[str, Any] | None:
     return None
   common.set_gpu_memory_env()
   res = run_bench(FLAGS.seed)
-  res["flags"] = common.flag_dict(FLAGS)
-  common.write_json(FLAGS.json_out, res)
-  if FLAGS.json_out:
-    print(f"wrote {FLAGS.json_out}")
-  return res
+  return common.finish(res, FLAGS)
 
 
 if __name__ == "__main__":

@@ -358,12 +358,7 @@ def main(argv: Sequence[str]) -> dict[str, Any] | None:
   res = run_bench(FLAGS.size, FLAGS.k, FLAGS.dtype, FLAGS.reps, FLAGS.warmup, FLAGS.torch,
                   FLAGS.torch_device, FLAGS.torch_reps, FLAGS.torch_max_elements, FLAGS.ops,
                   FLAGS.seed, FLAGS.json_out)
-  res["flags"] = common.flag_dict(FLAGS)
-  print(format_bench(res))
-  common.write_json(FLAGS.json_out, res)
-  if FLAGS.json_out:
-    print(f"wrote {FLAGS.json_out}")
-  return res
+  return common.finish(res, FLAGS, format_bench(res))
 
 
 if __name__ == "__main__":

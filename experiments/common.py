@@ -98,6 +98,19 @@ def _to_jsonable(obj: Any) -> Any:
   return obj
 
 
+def finish(res: dict[str, Any], fv: flags.FlagValues, text: str | None = None
+           ) -> dict[str, Any]:
+  """A benchmark's last steps: its flags into `res`, `text` printed, `res` written to
+  --json_out (when set, saying where); returns res."""
+  res["flags"] = flag_dict(fv)
+  if text is not None:
+    print(text)
+  write_json(fv.json_out, res)
+  if fv.json_out:
+    print(f"wrote {fv.json_out}")
+  return res
+
+
 def write_json(path: str, obj: Any) -> None:
   """Writes obj as indented JSON (numpy values converted, non-finite floats as null)."""
   if not path:
