@@ -84,6 +84,24 @@ def median_seconds(fn: Callable[[], Any], sync: Callable[[Any], Any], warmup: in
   return statistics.median(times), min(times)
 
 
+def bandwidth_gbps(mib: int | None = None, reps: int = 10) -> dict[str, float]:
+  """The memory-bandwidth references of this device, measured now: a jitted copy (bytes read +
+  written) and a read-only float32 sum of a BF16 array of `mib` MiB (default 4096 on GPU: a
+  1 GiB copy read low on the H200, 64 elsewhere)."""
+  import jax
+  import jax.numpy as jnp
+
+  mib = mib or (4096 if jax.default_backend() == "gpu" else 64)
+  a = jnp.zeros((mib * 2**19,), jnp.bfloat16)
+  nbytes = a.size * 2
+  copy = jax.jit(jnp.copy)
+  read = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+  t_copy, _ = median_seconds(lambda: copy(a), jax.block_until_ready, 2, reps)
+  t_read, _ = median_seconds(lambda: read(a), jax.block_until_ready, 2, reps)
+  return {"copy_gbps": 2 * nbytes / t_copy / 1e9, "read_gbps": nbytes / t_read / 1e9,
+          "mib": mib}
+
+
 def _to_jsonable(obj: Any) -> Any:
   if isinstance(obj, dict):
     return {str(k): _to_jsonable(v) for k, v in obj.items()}

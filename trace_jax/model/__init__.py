@@ -15,6 +15,7 @@ Entry points:
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +68,8 @@ def forward(params: nnx.State, config: ModelConfig, tokens: jax.Array,
             decode: bool = False, guidance: GuidanceTree | None = None,
             routing: dict[int, jax.Array] | None = None, replay: bool = False,
             tap_layers: tuple[int, ...] = (), tap_mode: str | None = None,
-            tap_routing: bool | None = None, record: bool = False) -> ForwardOut:
+            tap_routing: bool | None = None, record: bool = False,
+            experts: list[Any] | None = None) -> ForwardOut:
   """One forward pass in `config.policy` and `config.dtype`.
 
   tokens, positions: int32 [B, S] (positions default to 0..S-1).
@@ -83,6 +85,8 @@ def forward(params: nnx.State, config: ModelConfig, tokens: jax.Array,
   tap_routing: also return every layer's expert ids in `taps[layer]["routing"]` (default:
     whenever tap_layers is set).
   record: rollout side (no gradient rules at the quantizers).
+  experts: per layer `expert_weights.ExpertWeights` (the rollout engine's weights, packed once
+    per update) used instead of the params' expert weights.
   """
   tokens = jnp.asarray(tokens, jnp.int32)
   if tokens.ndim != 2:
@@ -100,8 +104,11 @@ def forward(params: nnx.State, config: ModelConfig, tokens: jax.Array,
   if replay and not routing:
     raise ValueError("forward: replay=True needs `routing` (the rollout's expert ids)")
   model = nnx.merge(graphdef(config), params)
+  if experts is not None and len(experts) != config.num_hidden_layers:
+    raise ValueError(f"forward: experts for {len(experts)} layers, config has "
+                     f"{config.num_hidden_layers}")
   return model(tokens, positions, prec, cache=cache, decode=decode, routing=routing,
-               replay=replay)
+               replay=replay, experts=experts)
 
 
 @functools.partial(jax.jit, static_argnames="config")

@@ -16,6 +16,7 @@ from trace_jax.model.policies import Forward, forward_of
 GUIDANCE_MODES = ("compact", "full")
 DTYPES = ("float32", "bfloat16")
 MOE_IMPLS = ("ragged_dot", "tiled")  # trace_jax.model.grouped
+DECODE_IMPLS = ("xla", "kernel")  # the rollout's one-token decode steps (trace_jax.kernels)
 # The activation sites an FP4 policy quantizes in each layer (docs/design.md §3), in the order
 # the guidance store and the metrics list them.
 SITES = ("moe_in", "expert_mid", "k", "v")
@@ -42,6 +43,9 @@ class ModelConfig:
     in a guided policy (`fp4_trace`, `mxfp4_trace`); None means the deepest half
     (`num_hidden_layers // 2 ..`).
   moe_impl: how the experts' grouped matmuls run (`trace_jax.model.grouped`); not a shape.
+  decode_impl: how the rollout engine's one-token decode steps run the experts given as
+    `expert_weights.ExpertWeights`: "xla" (dequantize + moe_impl) or "kernel" (the Pallas
+    grouped matmul reading packed NVFP4 / BF16 weights in place); training never uses it.
   """
   vocab_size: int
   hidden_size: int
@@ -63,6 +67,7 @@ class ModelConfig:
   guided_layers: tuple[int, ...] | None = None
   guidance_mode: str = "compact"
   moe_impl: str = "tiled"
+  decode_impl: str = "xla"
 
   def __post_init__(self):
     if self.guided_layers is None:
@@ -104,6 +109,8 @@ class ModelConfig:
       errors.append(f"guidance_mode must be one of {GUIDANCE_MODES}, got {self.guidance_mode!r}")
     if self.moe_impl not in MOE_IMPLS:
       errors.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+    if self.decode_impl not in DECODE_IMPLS:
+      errors.append(f"decode_impl must be one of {DECODE_IMPLS}, got {self.decode_impl!r}")
     bad = [i for i in self.guided_layers if not 0 <= i < self.num_hidden_layers]
     if bad:
       errors.append(f"guided_layers {bad} outside [0, {self.num_hidden_layers})")

@@ -11,10 +11,14 @@ FP4 blocks of 16 run along the contraction axis.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trace_jax.kernels import fp4_moe
+from trace_jax.model import expert_weights
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.grouped import grouped_matmul
 from trace_jax.model.layers import Linear, _normal
@@ -74,14 +78,18 @@ class MoE(nnx.Module):
     self.k = config.num_experts_per_tok
     self.norm_topk_prob = config.norm_topk_prob
     self.impl = config.moe_impl
+    self.decode_impl = config.decode_impl
 
   def __call__(self, x: jax.Array, prec: Precision, layer: int,
-               rollout_ids: jax.Array | None = None,
-               replay: bool = False) -> tuple[jax.Array, jax.Array]:
+               rollout_ids: jax.Array | None = None, replay: bool = False,
+               experts: Any = None, decode: bool = False) -> tuple[jax.Array, jax.Array]:
     """x [B, S, D] -> (out [B, S, D], router logits [B*S, E]).
 
     rollout_ids [B, S, K]: the experts the rollout routed each token to. They match
     expert_mid guidance to experts, and with `replay` they replace the router's top-k.
+    experts: this layer's `expert_weights.ExpertWeights` (the rollout engine's, made once per
+    weight update) instead of the params' expert weights; one-token decode steps then run the
+    decode kernel (`trace_jax.kernels.fp4_moe`) when `config.decode_impl` is "kernel".
     """
     b, s, d = x.shape
     e, k = self.gate_proj.shape[0], self.k
@@ -94,19 +102,29 @@ class MoE(nnx.Module):
     prec.tap_route(layer, ids.reshape(b, s, k))
 
     xq = prec.expert_input(prec.site(layer, "moe_in", x).reshape(b * s, d))
-    gate, up, down = prec.expert_weights(*(w[...].astype(x.dtype) for w in
-                                           (self.gate_proj, self.up_proj, self.down_proj)))
     # Dispatch: (token, slot) rows sorted by expert id (stable, so token order within a group).
     flat_ids = ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)
     group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
     rows = xq[order // k]                                                    # [M, D]
-    h = (jax.nn.silu(grouped_matmul(rows, gate, group_sizes, self.impl))
-         * grouped_matmul(rows, up, group_sizes, self.impl))
+    if experts is None:
+      gate, up, down = prec.expert_weights(*(w[...].astype(x.dtype) for w in
+                                             (self.gate_proj, self.up_proj, self.down_proj)))
+      h = (jax.nn.silu(grouped_matmul(rows, gate, group_sizes, self.impl))
+           * grouped_matmul(rows, up, group_sizes, self.impl))
+      mm_down = lambda h: grouped_matmul(h, down, group_sizes, self.impl)
+    else:
+      kernel = decode and s == 1 and self.decode_impl == "kernel"
+      mm = lambda a, w: (fp4_moe.grouped_matmul_decode(a, w, group_sizes) if kernel else
+                         grouped_matmul(a, expert_weights.dense(w, a.dtype), group_sizes,
+                                        self.impl))
+      gu = mm(rows, experts.gate_up)
+      h = jax.nn.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]
+      mm_down = lambda h: mm(h, experts.down)
     h = prec.site(layer, "expert_mid", h, row_order=order, tap_shape=(b, s, k),
                   experts=ids.reshape(b, s, k), rollout_experts=rollout_ids)
     h = prec.expert_input(h)
-    y = grouped_matmul(h, down, group_sizes, self.impl)                      # [M, D]
+    y = mm_down(h)                                                           # [M, D]
     # Combine: back to (token, slot) order, weight, sum over slots.
     y = jnp.zeros_like(y).at[order].set(y).reshape(b * s, k, d)
     out = jnp.sum(y * weights[..., None], axis=1)

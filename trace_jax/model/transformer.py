@@ -32,10 +32,11 @@ class DecoderLayer(nnx.Module):
     self.moe = MoE(config, rngs=rngs, param_dtype=param_dtype)
 
   def __call__(self, x, cos, sin, positions, prec, layer, cache=None, decode=False,
-               rollout_ids=None, replay=False):
+               rollout_ids=None, replay=False, experts=None):
     a, cache = self.attn(self.input_norm(x), cos, sin, positions, prec, layer, cache, decode)
     x = x + a
-    m, router_logits = self.moe(self.post_attn_norm(x), prec, layer, rollout_ids, replay)
+    m, router_logits = self.moe(self.post_attn_norm(x), prec, layer, rollout_ids, replay,
+                                experts, decode)
     return x + m, cache, router_logits
 
 
@@ -68,7 +69,8 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, prec: Precision,
                cache: list[LayerCache] | None = None, decode: bool = False,
-               routing: dict[int, jax.Array] | None = None, replay: bool = False) -> ForwardOut:
+               routing: dict[int, jax.Array] | None = None, replay: bool = False,
+               experts: list[Any] | None = None) -> ForwardOut:
     """tokens/positions [B, S]; see `trace_jax.model.forward`."""
     c = self.config
     dtype = jnp.dtype(c.dtype)
@@ -79,7 +81,8 @@ class Transformer(nnx.Module):
     for i, layer in enumerate(self.layers):
       x, lc, rl = layer(x, cos, sin, positions, prec, i,
                         None if cache is None else cache[i], decode,
-                        None if routing is None else routing.get(i), replay)
+                        None if routing is None else routing.get(i), replay,
+                        None if experts is None else experts[i])
       router_logits.append(rl)
       if new_cache is not None:
         new_cache.append(lc)

@@ -29,6 +29,7 @@ import numpy as np
 
 from trace_jax import model as model_lib
 from trace_jax.io import guidance_store
+from trace_jax.model import expert_weights
 from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.rollout import decode, guidance_layout
 from trace_jax.rollout.protocol import GuidanceHandle, Sample, SamplingParams, normalize_request
@@ -83,8 +84,8 @@ class InProcessEngine:
       raise ValueError(f"min_prompt_len must be >= 0, got {min_prompt_len}")
     if not 0.0 <= audit_fraction <= 1.0:
       raise ValueError(f"audit_fraction must be in [0, 1], got {audit_fraction}")
-    self.params = params
     self.config = config
+    self._set_params(params)
     self.store = guidance_store
     self.record = config.forward.guided if record_guidance is None else record_guidance
     self.audit_fraction = float(audit_fraction)
@@ -142,7 +143,7 @@ class InProcessEngine:
         jax.tree.leaves(new):
       raise ValueError("update_weights: new parameters differ in structure, shape or dtype")
     with self._lock:
-      self.params = params
+      self._set_params(params)
       self.weights_version += 1
 
   def close(self) -> None:
@@ -150,6 +151,17 @@ class InProcessEngine:
       self.store.flush()
 
   # ---------------------------------------------------------------------------- internals
+
+  def _set_params(self, params: Any) -> None:
+    """The weights decode runs; with `config.decode_impl == "kernel"` also the routed experts
+    as the decode kernel reads them (packed NVFP4 under an NVFP4 forward), made once here."""
+    self.params = params
+    self.experts = None
+    if self.config.decode_impl == "kernel":
+      if not expert_weights.supported(self.config):
+        raise ValueError(f"decode_impl='kernel' runs BF16 and NVFP4 experts; policy "
+                         f"{self.config.policy!r} is neither")
+      self.experts = _prepare_experts(params, self.config)
 
   def _generate_batch(self, prompts: list[list[int]],
                       sampling: list[SamplingParams]) -> list[Sample]:
@@ -166,7 +178,7 @@ class InProcessEngine:
     gen, logps, n_gen, taps = decode.generate(
         self.params, self.config, jnp.asarray(tokens), jnp.asarray(lens),
         *self._sampling_arrays(sampling, b), max_new=max_new, tap_layers=tap_layers,
-        tap_mode=tap_mode, tap_routing=self.record_routing)
+        tap_mode=tap_mode, tap_routing=self.record_routing, experts=self.experts)
     samples = self._samples(prompts, sampling, gen, logps, n_gen)
     if tap_layers or self.record_routing:
       for s, h in zip(samples, self._emit([s.num_rows for s in samples], taps)):
@@ -239,7 +251,8 @@ class InProcessEngine:
       gen, logps, n_gen, session.cache, session.taps = decode.extend(
           self.params, self.config, session.cache, session.taps, jnp.asarray(session.lens),
           chunk, chunk_lens, *self._sampling_arrays(sp, session.batch), max_new=max_new,
-          tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=self.record_routing)
+          tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=self.record_routing,
+          experts=self.experts)
     n_gen = np.asarray(n_gen)
     gen_np = np.asarray(gen)
     for r in rows:
@@ -266,7 +279,7 @@ class InProcessEngine:
       session.cache, session.taps = decode.feed(
           self.params, self.config, session.cache, session.taps, jnp.asarray(session.lens),
           chunk, chunk_lens, tap_layers=tap_layers, tap_mode=tap_mode,
-          tap_routing=self.record_routing)
+          tap_routing=self.record_routing, experts=self.experts)
     for r in rows:
       session.lens[r] += len(fed[r])
       session.pending[r] = None
@@ -354,3 +367,6 @@ class Session:
   taps: Any
   lens: np.ndarray
   pending: list[int | None]
+
+
+_prepare_experts = jax.jit(expert_weights.prepare, static_argnums=1)

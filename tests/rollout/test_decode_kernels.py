@@ -1,0 +1,78 @@
+"""The engine's decode through the Pallas kernels (`ModelConfig.decode_impl="kernel"`, Pallas
+interpreter on CPU) against the reference decode (fake-quantized weights, XLA matmuls)."""
+
+import jax
+import numpy as np
+import pytest
+
+from trace_jax import model as M
+from trace_jax.model import expert_weights
+from trace_jax.quant import qat
+from trace_jax.rollout.engine import InProcessEngine
+from trace_jax.rollout.protocol import SamplingParams
+
+NEW = 32
+
+
+def _engines(policy: str):
+  config = M.tiny(policy=policy, dtype="bfloat16", num_hidden_layers=2, vocab_size=128)
+  params = jax.tree.map(lambda a: a if a.ndim == 1 else a * 4.0, M.init_params(config, 3))
+  return [InProcessEngine(params, config.replace(decode_impl=impl), audit_fraction=1.0,
+                          record_routing=True, max_batch=4) for impl in ("xla", "kernel")]
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp4_trace"])
+def test_kernel_decode_matches_the_reference(policy):
+  """Greedy: the same 32 tokens per prompt, log-probs within BF16 matmul rounding, and (FP4)
+  the records' codes of the decode steps equal but for values at a rounding boundary."""
+  ref, fast = _engines(policy)
+  prompts = np.random.default_rng(0).integers(1, 128, (4, 9)).tolist()
+  sp = SamplingParams(max_new_tokens=NEW, temperature=0.0)
+  a, b = ref.generate(prompts, sp), fast.generate(prompts, sp)
+  for x, y in zip(a, b):
+    assert x.tokens == y.tokens and len(x.tokens) == NEW
+    np.testing.assert_allclose(x.logprobs, y.logprobs, atol=2e-2)
+  if policy == "fp4_trace":
+    ra, rb = ref.last_guidance["audit"]["guidance"], fast.last_guidance["audit"]["guidance"]
+    for layer, sites in ra.items():
+      for site, g in sites.items():
+        same = np.mean(np.asarray(g.codes) == np.asarray(rb[layer][site].codes))
+        assert same > 0.99, (layer, site, same)
+
+
+def test_packed_experts_are_the_fake_quantized_weights():
+  config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=1)
+  params = M.init_params(config, 0)
+  (ew,) = expert_weights.prepare(params, config)
+  assert ew.packed
+  moe = params["layers"][0]["moe"]
+  gate, up, down = (moe[n][...].astype("bfloat16") for n in ("gate_proj", "up_proj",
+                                                              "down_proj"))
+  f = gate.shape[1]
+  gu = qat.fake_quant_weight(np.concatenate([gate, up], axis=1), "nvfp4")
+  dense = expert_weights.dense(ew.gate_up, "bfloat16")
+  np.testing.assert_array_equal(np.asarray(dense[:, :f]), np.asarray(gu[:, :f]))
+  np.testing.assert_array_equal(np.asarray(dense), np.asarray(gu))
+  np.testing.assert_array_equal(np.asarray(expert_weights.dense(ew.down, "bfloat16")),
+                                np.asarray(qat.fake_quant_weight(down, "nvfp4")))
+
+
+def test_unsupported_forwards_are_refused():
+  config = M.tiny(policy="mxfp4_trace", decode_impl="kernel")
+  with pytest.raises(ValueError, match="runs BF16 and NVFP4 experts"):
+    InProcessEngine(M.init_params(config, 0), config)
+
+
+def test_decode_steps_run_the_kernel_and_prefill_does_not():
+  config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=1,
+                  decode_impl="kernel")
+  params = M.init_params(config, 0)
+  experts = expert_weights.prepare(params, config)
+  cache = M.init_cache(config, 2, 8)
+  step = jax.make_jaxpr(lambda p, e, c: M.decode_step(
+      p, config, c, np.zeros(2, np.int32), np.zeros(2, np.int32), experts=e).logits)(
+          params, experts, cache)
+  prefill = jax.make_jaxpr(lambda p, e: M.prefill(p, config, np.zeros((2, 4), np.int32), 8,
+                                                  experts=e).logits)(params, experts)
+  assert str(step).count("pallas_call") == 2  # gate/up and down of the one layer
+  assert "pallas_call" not in str(prefill)
