@@ -8,7 +8,10 @@ Per case (context T, batch B; every sequence at full length T, one query token e
   xla_packed_dequant  XLA dequantizes the packed cache, then `attend` (what XLA does with the
                       packed bytes without a kernel)
   kernel_bf16         the kernel on the BF16 cache
-  kernel_packed       the kernel on the packed cache (reads ~3.4x fewer KV bytes)
+  kernel_packed       the kernel on the packed cache (reads ~3.4x fewer KV bytes), decoder
+                      `--decoder` (auto: the table decoder, `fp4_decode`)
+  kernel_packed_bits  the same with the previous decoder (`decoder="bits"`), for the
+                      before/after ratio in one process
   copy                `jnp.copy` of the BF16 K cache: the bandwidth reference (read + write)
 Before timing, every path is checked against the CPU reference of its contract on the first
 `--check_seqs` sequences (`max_err_over_tol` <= 1: within `decode_attention.output_tolerance`).
@@ -50,6 +53,9 @@ flags.DEFINE_integer("num_splits", 0, "Kernel key splits (0: the kernel's defaul
                      flag_values=FLAGS)
 flags.DEFINE_integer("num_warps", 4, "Kernel warps per program.", flag_values=FLAGS)
 flags.DEFINE_integer("num_stages", 2, "Kernel pipeline stages.", flag_values=FLAGS)
+flags.DEFINE_enum("decoder", "auto", ["auto", "table", "bits"],
+                  "kernel_packed's decoder (auto: table where the tile allows it).",
+                  flag_values=FLAGS)
 flags.DEFINE_integer("reps", 0, "Timed calls per path (0: 30 on GPU, 3 otherwise).",
                      flag_values=FLAGS)
 flags.DEFINE_integer("warmup", 2, "Untimed calls first (compilation).", flag_values=FLAGS)
@@ -66,11 +72,12 @@ PRESETS = {
                   head_dim=128),
     "cpu": dict(contexts=[64], batches=[2], heads=8, kv_heads=2, head_dim=64),
 }
-IMPLS = ("xla_bf16", "xla_fq_bf16", "xla_packed_dequant", "kernel_bf16", "kernel_packed")
+IMPLS = ("xla_bf16", "xla_fq_bf16", "xla_packed_dequant", "kernel_bf16", "kernel_packed",
+         "kernel_packed_bits")
 COPY = "copy"
 # The cache each path reads, and the contract its output is checked against.
 CACHE_OF = {"xla_bf16": "bf16", "xla_fq_bf16": "fq_bf16", "xla_packed_dequant": "packed",
-            "kernel_bf16": "bf16", "kernel_packed": "packed"}
+            "kernel_bf16": "bf16", "kernel_packed": "packed", "kernel_packed_bits": "packed"}
 
 
 def _nbytes(tree: Any) -> int:
@@ -140,8 +147,8 @@ def _cpu_reference(q: Any, cache: Any, lengths: Any, c: int) -> tuple[Any, Any]:
   return np.asarray(ref), np.asarray(tol)
 
 
-def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int,
-           num_stages: int) -> dict[str, Callable[..., Any]]:
+def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stages: int,
+           decoder: str = "auto") -> dict[str, Callable[..., Any]]:
   from trace_jax.kernels import decode_attention as da
 
   kernel = functools.partial(da.decode_attention, block_t=block_t,
@@ -149,12 +156,15 @@ def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int,
                              num_stages=num_stages)
   ref = da.decode_attention_reference
   return {"xla_bf16": ref, "xla_fq_bf16": ref, "xla_packed_dequant": ref,
-          "kernel_bf16": kernel, "kernel_packed": kernel}
+          "kernel_bf16": kernel,
+          "kernel_packed": functools.partial(kernel, decoder=None if decoder == "auto"
+                                             else decoder),
+          "kernel_packed_bits": functools.partial(kernel, decoder="bits")}
 
 
 def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps: int,
              warmup: int, inner: int, check_seqs: int, seed: int,
-             kernel_args: dict[str, int]) -> dict[str, Any]:
+             kernel_args: dict[str, Any]) -> dict[str, Any]:
   """One (B, T) case: every selected path checked, then timed; returns its record."""
   import jax
   import jax.numpy as jnp
@@ -215,6 +225,9 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
   case["ratios"] = {
       "kv_bytes_packed_over_bf16": kv_bytes["packed"] / kv_bytes["bf16"],
       "time_kernel_packed_over_kernel_bf16": ratio("kernel_packed", "kernel_bf16"),
+      "time_kernel_packed_bits_over_kernel_bf16": ratio("kernel_packed_bits", "kernel_bf16"),
+      "time_kernel_packed_over_kernel_packed_bits": ratio("kernel_packed",
+                                                          "kernel_packed_bits"),
       "time_kernel_packed_over_xla_fq_bf16": ratio("kernel_packed", "xla_fq_bf16"),
       "time_kernel_bf16_over_xla_bf16": ratio("kernel_bf16", "xla_bf16"),
       "time_xla_packed_dequant_over_xla_fq_bf16": ratio("xla_packed_dequant", "xla_fq_bf16"),
@@ -224,7 +237,7 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
 
 def run_bench(preset: str, contexts: Sequence[int], batches: Sequence[int], n: int, g: int,
               h: int, impls: Sequence[str], reps: int, warmup: int, inner: int,
-              check_seqs: int, seed: int, kernel_args: dict[str, int]) -> dict[str, Any]:
+              check_seqs: int, seed: int, kernel_args: dict[str, Any]) -> dict[str, Any]:
   import jax
 
   unknown = sorted(set(impls) - set(IMPLS))
@@ -275,7 +288,8 @@ def main(argv: Sequence[str]) -> dict[str, Any] | None:
   common.set_gpu_memory_env()
   p = PRESETS[FLAGS.preset]
   kernel_args = dict(block_t=FLAGS.block_t, num_splits=FLAGS.num_splits,
-                     num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages)
+                     num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages,
+                     decoder=FLAGS.decoder)
   res = run_bench(FLAGS.preset, [int(x) for x in FLAGS.contexts] or p["contexts"],
                   [int(x) for x in FLAGS.batches] or p["batches"], FLAGS.heads or p["heads"],
                   FLAGS.kv_heads or p["kv_heads"], FLAGS.head_dim or p["head_dim"], FLAGS.impls,

@@ -10,10 +10,13 @@ side by side in one process:
 - fq_ragged_fp4: today's FP4 path, `qat.fake_quant_weight(w, "nvfp4")` of the BF16 weights
   every call, then ragged_dot (as `Precision.expert_weights` + `MoE` run it);
 - dq_ragged_fp4: XLA dequantization of the packed weights, then ragged_dot;
-- kernel_fp4: `fp4_moe.grouped_matmul_decode` on the packed weights (`PackedNVFP4Weights`).
+- kernel_fp4: `fp4_moe.grouped_matmul_decode` on the packed weights (`PackedNVFP4Weights`),
+  decoder `--decoder` (auto: the table decoder, `fp4_decode`);
+- kernel_fp4_float16: the same kernel with the previous decoder (`decoder="float16"`, the
+  float16 bit trick), for the before/after ratio in one process.
 
 Before timing, each kernel case's output is checked against its reference (kernel_bf16 against
-ragged_bf16, kernel_fp4 against dq_ragged_fp4 and fq_ragged_fp4) within the float32-summation
+ragged_bf16, the FP4 kernels against dq_ragged_fp4 and fq_ragged_fp4) within the float32-summation
 + one-ulp bound of tests/kernels/test_fp4_moe.py, and dequantize(pack(w)) against
 fake_quant_weight(w) bit for bit, on the machine the benchmark runs on.
 
@@ -65,15 +68,22 @@ flags.DEFINE_integer("num_warps", 4, "Triton warps.", flag_values=FLAGS)
 flags.DEFINE_integer("num_stages", 3, "Triton pipeline stages.", flag_values=FLAGS)
 flags.DEFINE_enum("swap_ab", "auto", ["auto", "true", "false"], "Kernel operand order.",
                   flag_values=FLAGS)
-flags.DEFINE_bool("split", False, "FP4 kernel: even/odd column dots instead of interleaving.",
+flags.DEFINE_enum("split", "auto", ["auto", "true", "false"],
+                  "FP4 kernel: even/odd column dots (x split outside the kernel) instead of "
+                  "interleaving the nibbles in registers (auto: split for the table decoder).",
+                  flag_values=FLAGS)
+flags.DEFINE_enum("decoder", "auto", ["auto", "table", "float16"],
+                  "kernel_fp4's decoder (auto: table where the tile allows it).",
                   flag_values=FLAGS)
 flags.DEFINE_bool("sweep", False, "Also time the kernel cases over --sweep_configs.",
                   flag_values=FLAGS)
 flags.DEFINE_list("sweep_configs",
-                  ["64:256:16:4:3:auto", "128:256:16:4:3:auto", "64:128:16:4:3:auto",
-                   "64:256:16:4:3:false", "64:256:16:4:3:true", "128:256:16:8:3:auto",
-                   "64:512:16:4:2:auto", "64:256:32:4:3:auto"],
-                  "block_n:block_k:block_m:num_warps:num_stages:swap_ab entries.",
+                  ["64:256:16:4:3:auto", "64:256:16:4:2:auto", "128:128:16:4:2:auto",
+                   "128:256:16:8:2:auto", "256:128:16:8:2:auto", "128:256:16:4:3:auto",
+                   "64:128:16:4:3:auto", "64:256:32:4:2:auto", "64:256:16:4:3:auto:float16",
+                   "32:256:16:4:4:auto:float16"],
+                  "block_n:block_k:block_m:num_warps:num_stages:swap_ab[:decoder] entries "
+                  "(decoder: auto, table or float16; packed weights only).",
                   flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "PRNG seed.", flag_values=FLAGS)
 flags.DEFINE_integer("copy_mib", 0, "Copy-bandwidth array size in MiB (0: 1024 GPU, 64 else).",
@@ -86,22 +96,32 @@ PRESETS = {
     "cpu": dict(experts=(8,), batches=(4,), hidden=128, width=64, top_k=2),
 }
 CASES = ("ragged_bf16", "tiled_bf16", "kernel_bf16", "fq_ragged_fp4", "dq_ragged_fp4",
-         "kernel_fp4")
+         "kernel_fp4", "kernel_fp4_float16")
 BASELINE = "ragged_bf16"
 # kernel case -> the cases whose outputs it must match (same weights, float32 sums).
-VERIFY = {"kernel_bf16": ("ragged_bf16",), "kernel_fp4": ("dq_ragged_fp4", "fq_ragged_fp4")}
+VERIFY = {"kernel_bf16": ("ragged_bf16",), "kernel_fp4": ("dq_ragged_fp4", "fq_ragged_fp4"),
+          "kernel_fp4_float16": ("dq_ragged_fp4",)}
+_TRI = {"auto": None, "true": True, "false": False}
 
 
 def _kernel_opts(spec: str | None = None) -> dict[str, Any]:
-  """Kernel keyword arguments from the flags, or from a sweep entry n:k:m:warps:stages:swap."""
+  """Kernel keyword arguments from the flags, or from a sweep entry
+  n:k:m:warps:stages:swap[:decoder]; "decoder" applies to packed weights only."""
   if spec is None:
-    n, k, m, warps, stages, swap = (FLAGS.block_n, FLAGS.block_k, FLAGS.block_m,
-                                    FLAGS.num_warps, FLAGS.num_stages, FLAGS.swap_ab)
+    n, k, m, warps, stages, swap, dec = (FLAGS.block_n, FLAGS.block_k, FLAGS.block_m,
+                                         FLAGS.num_warps, FLAGS.num_stages, FLAGS.swap_ab,
+                                         FLAGS.decoder)
   else:
-    n, k, m, warps, stages, swap = spec.split(":")
+    n, k, m, warps, stages, swap, *rest = spec.split(":")
+    dec = rest[0] if rest else "auto"
   return dict(block_n=int(n), block_k=int(k), block_m=int(m) or None, num_warps=int(warps),
-              num_stages=int(stages), split=FLAGS.split,
-              swap_ab={"auto": None, "true": True, "false": False}[swap])
+              num_stages=int(stages), split=_TRI[FLAGS.split], swap_ab=_TRI[swap],
+              decoder=None if dec == "auto" else dec)
+
+
+def _dense_opts(opts: dict[str, Any]) -> dict[str, Any]:
+  """The options without the packed-weight ones (a BF16 call takes the float16 path)."""
+  return {k: v for k, v in opts.items() if k != "decoder"}
 
 
 def _fns(opts: dict[str, Any]) -> dict[str, Callable[..., Any]]:
@@ -115,13 +135,15 @@ def _fns(opts: dict[str, Any]) -> dict[str, Callable[..., Any]]:
   return {
       "ragged_bf16": jax.jit(lambda x, w, gs: grouped.grouped_matmul(x, w[0], gs, "ragged_dot")),
       "tiled_bf16": jax.jit(lambda x, w, gs: grouped.grouped_matmul(x, w[0], gs, "tiled")),
-      "kernel_bf16": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(x, w[0], gs,
-                                                                            **opts)),
+      "kernel_bf16": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
+          x, w[0], gs, **_dense_opts(opts))),
       "fq_ragged_fp4": jax.jit(lambda x, w, gs: grouped.grouped_matmul(
           x, qat.fake_quant_weight(w[0], "nvfp4"), gs, "ragged_dot")),
       "dq_ragged_fp4": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_reference(x, w[1], gs)),
       "kernel_fp4": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(x, w[1], gs,
                                                                            **opts)),
+      "kernel_fp4_float16": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
+          x, w[1], gs, **{**opts, "decoder": "float16"})),
   }
 
 
@@ -261,7 +283,7 @@ def run_bench(seed: int = 0) -> dict[str, Any]:
         shape["verify"] = _verify(outs, x, w, gs)
         del outs
         for c in cases:
-          stored = w[1] if c.endswith("fp4") and c != "fq_ragged_fp4" else w[0]
+          stored = w[1] if "fp4" in c and c != "fq_ragged_fp4" else w[0]
           nbytes = touched * fp4_moe.weight_bytes_per_expert(stored)
           med, best = _time(lambda c=c, x=x, w=w, gs=gs: fns[c](x, w, gs), FLAGS.warmup, reps,
                             inner)
@@ -297,6 +319,10 @@ def _sweep(x: Any, w: tuple[Any, Any], gs: Any, reps: int, inner: int,
     rows = {}
     for spec in FLAGS.sweep_configs:
       opts = _kernel_opts(spec)
+      if kind == "bf16":
+        if opts["decoder"] is not None:
+          continue  # a packed-only entry
+        opts = _dense_opts(opts)
       try:
         fn = jax.jit(lambda x, wk, gs, o=opts: fp4_moe.grouped_matmul_decode(x, wk, gs, **o))
         med, _ = _time(lambda fn=fn, wk=wk: fn(x, wk, gs), FLAGS.warmup, reps, inner)
@@ -330,10 +356,15 @@ def format_shape(shape: dict[str, Any]) -> str:
            f"{shape.get('dispatch_floor_ms', float('nan')):.4f} ms",
            common.format_table(head, rows)]
   cs = shape["cases"]
-  for num in ("kernel_fp4", "kernel_bf16"):
+  for num in ("kernel_fp4", "kernel_fp4_float16", "kernel_bf16"):
     if num in cs and BASELINE in cs:
       r = cs[num]["median_ms"] / cs[BASELINE]["median_ms"]
       lines.append(f"  {num} / {BASELINE} time: {r:.3f} (speed-up {1 / r:.2f}x)")
+  for num in ("kernel_fp4", "kernel_fp4_float16"):
+    if num in cs and "kernel_bf16" in cs:
+      r = cs[num]["median_ms"] / cs["kernel_bf16"]["median_ms"]
+      lines.append(f"  {num} / kernel_bf16 time: {r:.3f} (FP4 kernel {1 / r:.2f}x the BF16 "
+                   f"kernel's speed)")
   for kind, s in shape.get("sweep", {}).items():
     if s["best"]:
       best = s["configs"][s["best"]]

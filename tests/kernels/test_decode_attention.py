@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from trace_jax.kernels import decode_attention as da
-from trace_jax.kernels import kv_cache
+from trace_jax.kernels import fp4_decode, kv_cache
 from trace_jax.quant import formats
 
 CPU = jax.devices("cpu")[0]
@@ -90,13 +90,14 @@ def _written_cache(case: str, seed: int = 0):
   return cache, rows
 
 
+@pytest.mark.parametrize("decoder", [None, "table"], ids=["default", "table"])
 @pytest.mark.parametrize("case", ROW_CASES)
-def test_write_dequantize_bit_equal(case):
+def test_write_dequantize_bit_equal(case, decoder):
   """Written rows dequantize to the trainer's fake-quantized values, bit for bit (XLA and the
   kernel's in-register decoder); unwritten slots stay +0; bytes are `formats`'s."""
   cache, rows = _written_cache(case)
   k, v = _on_cpu(lambda c: kv_cache.dequantize(c, jnp.bfloat16), cache)
-  kp, vp = da.dequantize_pallas(cache, jnp.bfloat16)
+  kp, vp = da.dequantize_pallas(cache, jnp.bfloat16, decoder=decoder)
   np.testing.assert_array_equal(_bits(kp), _bits(k))
   np.testing.assert_array_equal(_bits(vp), _bits(v))
   written = np.zeros((B, T), bool)
@@ -141,9 +142,20 @@ def test_dequantize_float32_bit_equal():
   np.testing.assert_array_equal(_bits(vp), _bits(v))
 
 
-def test_decoder_every_code_and_scale_byte():
+# (name, dequantize_pallas options): the table decoder needs >= 4 code bytes per thread on
+# the GPU, so its cases use 32-row blocks (both run the Triton kernels there).
+DECODER_CASES = [
+    ("bits", {"decoder": "bits", "block_t": 16}),
+    ("table", {"decoder": "table", "block_t": 32}),
+    ("table_exact", {"decoder": "table", "block_t": 32, "table": "exact"}),
+]
+
+
+@pytest.mark.parametrize("name,opts", DECODER_CASES, ids=[c[0] for c in DECODER_CASES])
+def test_decoder_every_code_and_scale_byte(name, opts):
   """All 256 code bytes against all 256 E4M3 block-scale bytes (subnormal scales, negative
-  scales, NaN 0x7F/0xFF) decode as `formats` does; NaN where formats gives NaN."""
+  scales, NaN 0x7F/0xFF) decode as `formats` does; NaN where formats gives NaN. Some row
+  scales lie outside the table decoder's fast range (2**118 .. 2**127)."""
   rng = np.random.default_rng(2)
   t, g, h = 256, 1, 32  # 256 rows; 16 code bytes and 2 scale bytes per row
   r = np.arange(t)
@@ -151,6 +163,10 @@ def test_decoder_every_code_and_scale_byte():
   block = np.stack([r, (r * 7 + 3) % 256], axis=-1).astype(np.uint8)
   row = np.exp(rng.standard_normal(t)).astype(np.float32)
   row[::5] = 1.0
+  # The last rows: scales beyond the table decoder's fast range (so their tiles take the exact
+  # table), large rather than tiny ones: no product is subnormal, which the CPU reference would
+  # flush to zero and the GPU keep (some overflow to inf, on both).
+  row[200:] = np.exp2(rng.uniform(118, 127, t - 200))
   cache = kv_cache.PackedKVCache(
       k_codes=jnp.asarray(codes.reshape(1, t, g, h // 2)),
       v_codes=jnp.asarray(codes[::-1].reshape(1, t, g, h // 2)),
@@ -159,7 +175,8 @@ def test_decoder_every_code_and_scale_byte():
       k_row=jnp.asarray(row.reshape(1, t, g)), v_row=jnp.asarray(row[::-1].reshape(1, t, g)))
   for dtype in (jnp.bfloat16, jnp.float32):
     want = _on_cpu(lambda c, d=dtype: kv_cache.dequantize(c, d), cache)
-    got = da.dequantize_pallas(cache, dtype, block_t=16)
+    kw = opts if dtype == jnp.bfloat16 else {"block_t": 16}  # float32: the bits decoder
+    got = da.dequantize_pallas(cache, dtype, **kw)
     for w, x in zip(want, got):
       x = np.asarray(x)
       nan = np.isnan(w.astype(np.float32))
@@ -249,17 +266,32 @@ def _check_within_tolerance(out, ref, v, lengths, n):
   return float(np.max(err / tol))
 
 
-@pytest.mark.parametrize("kind", ["bf16", "packed"])
-@pytest.mark.parametrize("name", list(ATTN_CASES))
+# Packed-cache decoder variants beyond the default (the table decoder): kind -> options.
+# "packed": the default decoder (table on the GPU where the tile allows, bits in interpret
+# mode); "packed_table" forces the table decoder (the GPU may refuse small tiles: skipped).
+PACKED_VARIANTS = {"packed": {}, "packed_table": {"decoder": "table"},
+                   "packed_bits": {"decoder": "bits"},
+                   "packed_table_exact": {"decoder": "table", "table": "exact"}}
+KERNEL_CASES = [(name, kind) for name in ATTN_CASES for kind in ("bf16", "packed",
+                                                                   "packed_table")] + [
+    ("full_r8", "packed_bits"), ("full_r8", "packed_table_exact"),
+    ("len1_r4", "packed_table_exact"), ("mixed_lengths_r2_split3", "packed_table_exact")]
+
+
+@pytest.mark.parametrize("name,kind", KERNEL_CASES, ids=[f"{n}-{k}" for n, k in KERNEL_CASES])
 def test_kernel_matches_reference(name, kind):
   """Kernel vs `attend` on the same cache values within `output_tolerance`; a sequence of
   length 1 gets its single V row exactly (softmax weight 1, so the kernel's in-register V
   decode shows through; compared as values, since the PV dot turns -0 into +0)."""
   b, t, g, n, h, lengths, block_t, splits = ATTN_CASES[name]
+  opts = PACKED_VARIANTS.get(kind, {})
+  if opts.get("decoder") == "table" and not da._default_interpret() and \
+      not fp4_decode.lookup_supported(block_t, h // 2, 4):
+    pytest.skip(f"the table decoder needs a larger tile on the GPU than {block_t} x {h}")
   q, kv, pos = _attn_inputs(b, t, g, n, h)
-  cache = _cache(kind, kv, pos)
+  cache = _cache("bf16" if kind == "bf16" else "packed", kv, pos)
   lengths = jnp.asarray(lengths, jnp.int32)
-  out = da.decode_attention(q, cache, lengths, block_t=block_t, num_splits=splits)
+  out = da.decode_attention(q, cache, lengths, block_t=block_t, num_splits=splits, **opts)
   assert out.shape == q.shape and out.dtype == q.dtype
   ref = _reference(q, cache, lengths)
   vals = _on_cpu(_values, cache)

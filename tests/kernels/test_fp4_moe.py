@@ -47,9 +47,13 @@ GROUPS = [
 VARIANTS = [
     ("bf16", "bf16", {}),
     ("bf16_swap_ab", "bf16", {"swap_ab": True}),
-    ("fp4", "fp4", {}),
-    ("fp4_no_swap", "fp4", {"swap_ab": False}),
-    ("fp4_split", "fp4", {"split": True}),
+    ("fp4", "fp4", {}),  # the default: table decoder on the GPU, float16 in interpret mode
+    ("fp4_table", "fp4", {"decoder": "table"}),  # even/odd split dots
+    ("fp4_table_no_swap", "fp4", {"decoder": "table", "swap_ab": False}),
+    ("fp4_table_interleaved", "fp4", {"decoder": "table", "split": False}),
+    ("fp4_table_exact", "fp4", {"decoder": "table", "table": "exact"}),
+    ("fp4_float16", "fp4", {"decoder": "float16"}),
+    ("fp4_float16_split", "fp4", {"decoder": "float16", "split": True}),
 ]
 
 
@@ -231,26 +235,65 @@ def test_decode_helpers_are_exact(jit):
   assert_bits_equal(dec(scale), exact.e4m3_value(scale) * np.float32(2.0**14), "e4m3")
 
 
-def test_kernel_dequantizes_bit_exactly():
+# (name, kernel options, block_n, block_k): the table decoder needs >= 4 code bytes per thread
+# on the GPU, so its cases use a tile of 32 x 64 (both run the Triton kernel there).
+DEQUANT_CASES = [
+    ("float16", {"decoder": "float16"}, 16, 32),
+    ("table", {"decoder": "table"}, 32, 64),
+    ("table_exact", {"decoder": "table", "table": "exact"}, 32, 64),
+]
+
+
+@pytest.mark.parametrize("name,opts,block_n,block_k", DEQUANT_CASES,
+                         ids=[c[0] for c in DEQUANT_CASES])
+def test_kernel_dequantizes_bit_exactly(name, opts, block_n, block_k):
   """One-hot rows make every output one weight times 1 (exact): the kernel's in-register
   weights equal `dequantize` for random packed bytes (every code, every finite E4M3 scale
-  byte, subnormal ones included) — up to the sign of zero, which a sum does not keep."""
+  byte, subnormal ones included) — up to the sign of zero, which a sum does not keep. The
+  last expert's tensor scale (2**-118) lies outside the table decoder's fast range, so its
+  program takes the exact table (its scale bytes are >= 1, so no weight is subnormal)."""
   e, n, k = 4, 32, 64
   rng = np.random.default_rng(5)
   scale_bytes = rng.integers(0, 0x7F, (e, n, k // 16)) | (rng.integers(0, 2, (e, n, k // 16))
                                                            << 7)
+  scale_bytes[-1] = rng.integers(0x38, 0x7F, (n, k // 16))
+  ts = np.exp2(rng.uniform(-12, 4, e))
+  ts[-1] = 2.0**-118
   p = fp4_moe.PackedNVFP4Weights(
       codes=jnp.asarray(rng.integers(0, 256, (e, n, k // 2)), jnp.uint8),
       block_scale=jax.lax.bitcast_convert_type(jnp.asarray(scale_bytes, jnp.uint8),
                                                jnp.float8_e4m3fn),
-      tensor_scale=jnp.asarray(np.exp2(rng.uniform(-12, 4, e)), jnp.float32))
+      tensor_scale=jnp.asarray(ts, jnp.float32))
   x = jnp.tile(jnp.eye(k, dtype=jnp.bfloat16), (e, 1))  # expert i gets the k one-hot rows
   y = fp4_moe.grouped_matmul_decode(x, p, jnp.full((e,), k, jnp.int32), block_m=16,
-                                    block_n=16, block_k=32)
+                                    block_n=block_n, block_k=block_k, **opts)
   want = np.asarray(_dequantize(p, jnp.bfloat16), np.float32).transpose(0, 2, 1)
   got = np.asarray(y, np.float32).reshape(e, k, n)
-  assert np.array_equal(got, want), f"{int((got != want).sum())} weights differ"
+  assert np.array_equal(got, want), f"{name}: {int((got != want).sum())} weights differ"
   assert (np.asarray(scale_bytes) & 0x78 == 0).any()  # subnormal E4M3 scales were covered
+
+
+def test_decoder_choice(monkeypatch):
+  """With `fp4_decode.TABLE_BY_DEFAULT`, None picks the table decoder on the GPU for bf16/f16
+  rows on a supported tile, float16 otherwise (and in interpret mode); without it (the default
+  until a GPU run confirms the table decoder), float16 everywhere. An explicit table decoder on
+  an unsupported GPU tile is an error, in interpret mode it runs on any tile."""
+  from trace_jax.kernels import fp4_decode
+  pick = functools.partial(fp4_moe.resolve_decoder, None, n=N, k=K, num_warps=4)
+  assert pick(dtype=jnp.bfloat16, block_n=64, block_k=256, interpret=False) == (
+      "table" if fp4_decode.TABLE_BY_DEFAULT else "float16")
+  monkeypatch.setattr(fp4_decode, "TABLE_BY_DEFAULT", True)
+  assert pick(dtype=jnp.bfloat16, block_n=64, block_k=256, interpret=False) == "table"
+  assert pick(dtype=jnp.float16, block_n=64, block_k=256, interpret=False) == "table"
+  assert pick(dtype=jnp.float32, block_n=64, block_k=256, interpret=False) == "float16"
+  assert pick(dtype=jnp.bfloat16, block_n=16, block_k=32, interpret=False) == "float16"
+  assert pick(dtype=jnp.bfloat16, block_n=64, block_k=256, interpret=True) == "float16"
+  assert fp4_moe.resolve_decoder("table", jnp.bfloat16, N, K, 16, 32, 4, interpret=True) == \
+      "table"
+  with pytest.raises(ValueError, match="table"):
+    fp4_moe.resolve_decoder("table", jnp.bfloat16, N, K, 16, 32, 4, interpret=False)
+  with pytest.raises(ValueError, match="decoder"):
+    fp4_moe.resolve_decoder("lut", jnp.bfloat16, N, K, 64, 256, 4, interpret=True)
 
 
 # ----------------------------------------------------------------------------- matmul

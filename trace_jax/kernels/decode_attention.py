@@ -9,14 +9,24 @@ S > 1 writes each split's state and a small XLA pass merges them (split-K pays o
 is small next to the GPU's SM count).
 
 Packed cache (`kv_cache.PackedKVCache`): each block loads the E2M1 codes (two per byte), E4M3
-block scales and FP32 row scales and decodes them in registers with integer/bit arithmetic
-(no float8 `astype`, which XLA or Triton may rewrite, no gathers): `(code_value *
-block_scale) * row_scale` in float32, the order of `formats.nvfp4_dequantize` (the first
-product is exact, the second rounds once), then a cast to q.dtype. So the kernel's K/V are
-the trainer's fake-quantized values bit for bit (tests check this through `dequantize_pallas`,
-which runs the same decoder, and through the exact output at length 1). The decode costs a
-few integer instructions per element (`_e2m1_half`); on the GPU it, not the bytes, may bound
-the packed kernel's speed.
+block scales and FP32 row scales and decodes them in registers (no float8 `astype`, which XLA
+or Triton may rewrite, no gathers) to `formats.nvfp4_dequantize`'s values in q.dtype, bit for
+bit, with one of two decoders (`decoder`):
+- "table" (default on the GPU for bf16/f16): `fp4_decode`, per-(row, block) tables of the 8
+  results and byte-permute lookups in PTX inline assembly. It yields the even and odd
+  head_dim elements apart: q comes as its even and odd columns (split outside the kernel),
+  the scores are the sum of two half dots, V's halves accumulate separately and the output
+  is interleaved outside. The row scales pick the table per key tile: fast (every scale the
+  quantizer makes; unwritten rows' 0 too) or exact (extreme row scales).
+- "bits" (interpret mode, float32, tiles too small for the table decoder): integer/bit
+  arithmetic per element (`_e2m1_half`), `(code_value * block_scale) * row_scale` in float32
+  (the first product exact, the second rounding once), then a cast to q.dtype.
+So the kernel's K/V are the trainer's fake-quantized values bit for bit (tests check this
+through `dequantize_pallas`, which runs the same decoders, and through the exact output at
+length 1). SASS of the key loop (Triton 3.6, sm_90, offline from the kernel's Triton IR after
+`make_ttir`; H=128, 32 query / 4 KV heads, block_t 64, 4 warps, 2 stages): "table" 1092
+instructions per thread per key block on the fast path (1338 with the exact tables), 144
+registers; "bits" 1915, 152 registers; the BF16 kernel 591; no spills.
 
 Numerics against `attention.attend` (the model's decode path, `decode_attention_reference`):
 the scores are rounded as `attend` rounds them (float32 dot, cast to q.dtype, times
@@ -41,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from trace_jax.kernels import fp4_decode
 from trace_jax.kernels.kv_cache import PackedKVCache, dequantize
 from trace_jax.model import attention
 from trace_jax.quant import formats
@@ -160,75 +171,152 @@ def _block_bits(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype != jnp.uint8 else x
 
 
+DECODERS = ("table", "bits")
+KEYS_FIRST = False
+
+
+def resolve_decoder(decoder: str | None, dtype: jnp.dtype, rows: int, head_dim: int,
+                    num_warps: int, interpret: bool) -> str:
+  """The packed-cache decoder. None: "table" (per-block byte tables and `prmt` lookups,
+  `fp4_decode`; ~1.9x fewer instructions per loop iteration on sm_90) on the GPU for bf16/f16
+  on tiles it supports, else "bits" (`decode_nvfp4_rows`), also in interpret mode, where XLA
+  has no byte permute and the table decoder's emulation is the slower one."""
+  ok = fp4_decode.supported_dtype(dtype) and (
+      interpret or fp4_decode.lookup_supported(rows, head_dim // 2, num_warps))
+  if decoder is None:
+    return "table" if ok and not interpret and fp4_decode.TABLE_BY_DEFAULT else "bits"
+  if decoder not in DECODERS:
+    raise ValueError(f"decoder must be one of {DECODERS} or None, got {decoder!r}")
+  if decoder == "table" and not ok:
+    raise ValueError(f"decoder='table' needs bf16/f16 and >= 4 code bytes per thread on the "
+                     f"GPU; got {jnp.dtype(dtype)}, tile {rows} x {head_dim}, {num_warps} warps")
+  return decoder
+
+
+def decode_nvfp4_split(codes: jax.Array, block_bits: jax.Array, row: jax.Array,
+                       dtype: jnp.dtype, *, asm: bool, valid: jax.Array | None = None,
+                       table: str | None = None) -> tuple[jax.Array, jax.Array]:
+  """(even, odd) elements [n, H/2] in dtype of rows as `decode_nvfp4_rows` takes them, by the
+  table decoder (`fp4_decode.decode_blocks`, per-row second-level scales); bit-equal to its
+  even and odd columns. valid: rows outside it decode to +-0 (their scale bytes and row
+  scale are zeroed first, so undefined masked loads cannot reach the tile's table branch).
+  table: `fp4_decode.block_tables`' (None: the fast table when every row of the tile allows
+  it)."""
+  bits = block_bits.astype(jnp.int32)
+  if valid is not None:
+    bits = jnp.where(valid[:, None], bits, 0)
+    row = jnp.where(valid, row, np.float32(0.0))
+  return fp4_decode.decode_blocks(codes, bits.astype(jnp.uint8), row, dtype, asm=asm,
+                                  table=table)
+
+
 # ----------------------------------------------------------------------------- the kernel
 
-def _attention_kernel(len_ref, q_ref, *refs, packed: bool, r: int, block_t: int,
-                      blocks_per_split: int, splits: int, scale: float):
-  """One (b, g, split): online softmax over this split's key blocks."""
+def _attention_kernel(len_ref, *refs, packed: bool, lut: bool, asm: bool, table: str | None,
+                      keys_first: bool, r: int, block_t: int, blocks_per_split: int,
+                      splits: int, scale: float):
+  """One (b, g, split): online softmax over this split's key blocks.
+
+  lut (table decoder): K and V decode as even and odd head_dim halves; q comes as its even
+  and odd columns, the scores are the sum of the two half dots, and the output (or split
+  state) is written as the even and odd halves of the accumulator."""
+  n_q = 2 if lut else 1
   n_kv = 6 if packed else 2
-  kv_refs, out_refs = refs[:n_kv], refs[n_kv:]
-  q = q_ref[...]  # [Rp, H], rows >= r are zero padding
-  rp, h = q.shape
-  dtype = q.dtype
+  q_refs, kv_refs, out_refs = refs[:n_q], refs[n_q:n_q + n_kv], refs[n_q + n_kv:]
+  qs = [q_ref[...] for q_ref in q_refs]  # [Rp, H] (or two [Rp, H/2]), rows >= r zero padding
+  qts = [q.T for q in qs] if keys_first else None
+  rp, hq = qs[0].shape
+  dtype = qs[0].dtype
   length = len_ref[...]
   first = pl.program_id(2) * blocks_per_split
   last = jnp.minimum(first + blocks_per_split, (length + block_t - 1) // block_t)
   sc = jnp.asarray(scale, dtype)
 
   def load_kv(t0, ok):
+    """(ks, vs): lists of [block_t, hq] tiles (the whole head_dim, or its two halves)."""
     rows = pl.ds(t0, block_t)
     if packed:
       kc, vc, kb, vb, kr, vr = kv_refs
-      m2 = jnp.broadcast_to(ok[:, None], (block_t, h // 2))
-      mb = jnp.broadcast_to(ok[:, None], (block_t, h // formats.NVFP4_BLOCK))
-      k = decode_nvfp4_rows(_load(kc, (rows, slice(None)), m2),
-                            _block_bits(_load(kb, (rows, slice(None)), mb)),
-                            _load(kr, (rows,), ok), dtype)  # invalid rows: scores masked
-      v = decode_nvfp4_rows(_load(vc, (rows, slice(None)), m2),
-                            _block_bits(_load(vb, (rows, slice(None)), mb)),
-                            _load(vr, (rows,), ok), dtype, valid=ok)
-      return k, v
+      h2 = kc.shape[-1]
+      m2 = jnp.broadcast_to(ok[:, None], (block_t, h2))
+      mb = jnp.broadcast_to(ok[:, None], (block_t, kb.shape[-1]))
+      args = lambda c, b, rr: (_load(c, (rows, slice(None)), m2),
+                               _block_bits(_load(b, (rows, slice(None)), mb)),
+                               _load(rr, (rows,), ok))
+      if lut:  # invalid rows decode to zeros (K's scores are masked anyway). One table
+        # branch per tile: a joint one for K and V kept both tables live (spills, measured).
+        k = decode_nvfp4_split(*args(kc, kb, kr), dtype, asm=asm, valid=ok, table=table)
+        v = decode_nvfp4_split(*args(vc, vb, vr), dtype, asm=asm, valid=ok, table=table)
+        return list(k), list(v)
+      k = decode_nvfp4_rows(*args(kc, kb, kr), dtype)  # invalid rows: scores masked
+      v = decode_nvfp4_rows(*args(vc, vb, vr), dtype, valid=ok)
+      return [k], [v]
     else:
       k_ref, v_ref = kv_refs
+      h = k_ref.shape[-1]
       mk = jnp.broadcast_to(ok[:, None], (block_t, h))
       k = _load(k_ref, (rows, slice(None)), mk).astype(dtype)
       v = _load(v_ref, (rows, slice(None)), mk).astype(dtype)
       # Masked lanes are undefined: zero V there (K's scores are masked below).
-      return k, jnp.where(mk, v, jnp.zeros((), dtype))
+      return [k], [jnp.where(mk, v, jnp.zeros((), dtype))]
 
   def body(i, carry):
-    m, l, acc = carry
+    m, l, accs = carry
     t0 = i * block_t
     ok = t0 + jnp.arange(block_t) < length
-    k, v = load_kv(t0, ok)
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)  # [Rp, block_t]
-    s = (s.astype(dtype) * sc).astype(jnp.float32)  # attend's rounding of the scores
-    s = jnp.where(ok[None, :], s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new[:, None])
-    l = alpha * l + jnp.sum(p, axis=1)
-    pv = jax.lax.dot_general(p.astype(dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # [Rp, H]
-    return m_new, l, acc * alpha[:, None] + pv
+    ks, vs = load_kv(t0, ok)
+    s = None
+    if keys_first:  # scores transposed, [block_t, Rp]: K is the MMA's first operand
+      for qt, k in zip(qts, ks):
+        d = jax.lax.dot_general(k, qt, (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        s = d if s is None else s + d
+      s = (s.astype(dtype) * sc).astype(jnp.float32)  # attend's rounding of the scores
+      s = jnp.where(ok[:, None], s, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=0))
+      alpha = jnp.exp(m - m_new)
+      p = jnp.exp(s - m_new[None, :])
+      l = alpha * l + jnp.sum(p, axis=0)
+      pd = p.astype(dtype).T
+    else:
+      for q, k in zip(qs, ks):
+        d = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)  # [Rp, block_t]
+        s = d if s is None else s + d
+      s = (s.astype(dtype) * sc).astype(jnp.float32)  # attend's rounding of the scores
+      s = jnp.where(ok[None, :], s, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))
+      alpha = jnp.exp(m - m_new)
+      p = jnp.exp(s - m_new[:, None])
+      l = alpha * l + jnp.sum(p, axis=1)
+      pd = p.astype(dtype)
+    accs = tuple(acc * alpha[:, None] + jax.lax.dot_general(
+        pd, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        for acc, v in zip(accs, vs))  # [Rp, hq] each
+    return m_new, l, accs
 
   init = (jnp.full((rp,), _F32_MIN, jnp.float32), jnp.zeros((rp,), jnp.float32),
-          jnp.zeros((rp, h), jnp.float32))
-  m, l, acc = jax.lax.fori_loop(first, last, body, init)
+          tuple(jnp.zeros((rp, hq), jnp.float32) for _ in qs))
+  m, l, accs = jax.lax.fori_loop(first, last, body, init)
 
   row_ok = jnp.arange(rp) < r
-  mask2 = None if r == rp else jnp.broadcast_to(row_ok[:, None], (rp, h))
+  mask2 = None if r == rp else jnp.broadcast_to(row_ok[:, None], (rp, hq))
   mask1 = None if r == rp else row_ok
   if splits == 1:
-    (o_ref,) = out_refs
-    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-    _store(o_ref, (slice(None), slice(None)), out.astype(o_ref.dtype), mask2)
+    for o_ref, acc in zip(out_refs, accs):
+      out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+      _store(o_ref, (slice(None), slice(None)), out.astype(o_ref.dtype), mask2)
   else:
-    o_ref, m_ref, l_ref = out_refs
-    _store(o_ref, (slice(None), slice(None)), acc, mask2)
+    *o_refs, m_ref, l_ref = out_refs
+    for o_ref, acc in zip(o_refs, accs):
+      _store(o_ref, (slice(None), slice(None)), acc, mask2)
     _store(m_ref, (slice(None),), m, mask1)
     _store(l_ref, (slice(None),), l, mask1)
+
+
+def _interleave(even: jax.Array, odd: jax.Array) -> jax.Array:
+  """[..., H/2] even and odd columns -> [..., H]."""
+  return jnp.stack([even, odd], axis=-1).reshape(even.shape[:-1] + (2 * even.shape[-1],))
 
 
 def _next_pow2(x: int) -> int:
@@ -247,10 +335,12 @@ def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_t", "num_splits", "num_warps",
-                                             "num_stages"))
+                                             "num_stages", "decoder", "table"))
 def _decode_attention(q, cache, lengths, *, interpret: bool, block_t: int, num_splits: int,
-                      num_warps: int, num_stages: int):
+                      num_warps: int, num_stages: int, decoder: str = "bits",
+                      table: str | None = None):
   packed = isinstance(cache, PackedKVCache)
+  lut = packed and decoder == "table"
   b, n, h = q.shape
   if packed:
     _, t, g, _ = cache.shape
@@ -267,36 +357,43 @@ def _decode_attention(q, cache, lengths, *, interpret: bool, block_t: int, num_s
   qg = q.reshape(b, g, r, h)
   if rp != r:
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rp - r), (0, 0)))
+  qs = (qg[..., 0::2], qg[..., 1::2]) if lut else (qg,)  # lut: even and odd columns
+  hq = qs[0].shape[-1]
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
 
   def kv_spec(a):  # program (b, g, s) sees cache[b, :, g] ([T] or [T, last])
     zeros = (0,) * (a.ndim - 3)
     return pl.BlockSpec((_SQ, t, _SQ) + a.shape[3:], lambda bi, gi, si: (bi, 0, gi) + zeros)
 
-  in_specs = [pl.BlockSpec((_SQ,), lambda bi, gi, si: (bi,)),
-              pl.BlockSpec((_SQ, _SQ, rp, h), lambda bi, gi, si: (bi, gi, 0, 0))]
+  q_spec = pl.BlockSpec((_SQ, _SQ, rp, hq), lambda bi, gi, si: (bi, gi, 0, 0))
+  in_specs = [pl.BlockSpec((_SQ,), lambda bi, gi, si: (bi,))] + [q_spec] * len(qs)
   in_specs += [kv_spec(a) for a in kv]
   if splits == 1:
-    out_shape = [jax.ShapeDtypeStruct((b, g, r, h), q.dtype)]
-    out_specs = [pl.BlockSpec((_SQ, _SQ, rp, h), lambda bi, gi, si: (bi, gi, 0, 0))]
+    out_shape = [jax.ShapeDtypeStruct((b, g, r, hq), q.dtype)] * len(qs)
+    out_specs = [q_spec] * len(qs)
   else:
-    out_shape = [jax.ShapeDtypeStruct((b, g, splits, r, h), jnp.float32),
-                 jax.ShapeDtypeStruct((b, g, splits, r), jnp.float32),
-                 jax.ShapeDtypeStruct((b, g, splits, r), jnp.float32)]
-    out_specs = [pl.BlockSpec((_SQ, _SQ, _SQ, rp, h), lambda bi, gi, si: (bi, gi, si, 0, 0)),
-                 pl.BlockSpec((_SQ, _SQ, _SQ, rp), lambda bi, gi, si: (bi, gi, si, 0)),
-                 pl.BlockSpec((_SQ, _SQ, _SQ, rp), lambda bi, gi, si: (bi, gi, si, 0))]
-  kernel = functools.partial(_attention_kernel, packed=packed, r=r, block_t=block_t,
-                             blocks_per_split=bps, splits=splits, scale=h ** -0.5)
+    acc_spec = pl.BlockSpec((_SQ, _SQ, _SQ, rp, hq), lambda bi, gi, si: (bi, gi, si, 0, 0))
+    out_shape = [jax.ShapeDtypeStruct((b, g, splits, r, hq), jnp.float32)] * len(qs) + [
+        jax.ShapeDtypeStruct((b, g, splits, r), jnp.float32),
+        jax.ShapeDtypeStruct((b, g, splits, r), jnp.float32)]
+    out_specs = [acc_spec] * len(qs) + [
+        pl.BlockSpec((_SQ, _SQ, _SQ, rp), lambda bi, gi, si: (bi, gi, si, 0)),
+        pl.BlockSpec((_SQ, _SQ, _SQ, rp), lambda bi, gi, si: (bi, gi, si, 0))]
+  kernel = functools.partial(_attention_kernel, packed=packed, lut=lut, asm=not interpret,
+                             table=table, keys_first=KEYS_FIRST, r=r, block_t=block_t,
+                             blocks_per_split=bps,
+                             splits=splits, scale=h ** -0.5)
   outs = pl.pallas_call(
       kernel, grid=(b, g, splits), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=interpret,
       compiler_params=_compiler_params(num_warps, num_stages),
       name="decode_attention_nvfp4" if packed else "decode_attention_bf16",
-  )(lengths, qg, *kv)
+  )(lengths, *qs, *kv)
   if splits == 1:
-    return outs[0].reshape(b, n, h)
-  acc, m, l = outs
+    out = _interleave(*outs) if lut else outs[0]
+    return out.reshape(b, n, h)
+  *acc, m, l = outs
+  acc = _interleave(*acc) if lut else acc[0]
   mx = jnp.max(m, axis=2, keepdims=True)
   w = jnp.exp(m - mx)  # empty splits: m = float32.min, weight 0
   lt = jnp.sum(w * l, axis=2)
@@ -326,23 +423,31 @@ def _check(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: jax.Array,
 def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: jax.Array, *,
                      interpret: bool | None = None, block_t: int = DEFAULT_BLOCK_T,
                      num_splits: int | None = None, num_warps: int = 4,
-                     num_stages: int = 2) -> jax.Array:
+                     num_stages: int = 2, decoder: str | None = None,
+                     table: str | None = None) -> jax.Array:
   """Attention of one query token per sequence over its cache: q [B, N, H] -> [B, N, H].
 
   cache: a `PackedKVCache` (NVFP4) or BF16 (k, v), each [B, T, G, H]; lengths [B]: keys
   0..lengths-1 are valid (the cache already holds the current token; lengths >= 1; 0 gives
   zeros). Query head n reads kv head n // (N // G). interpret=None: interpret off-GPU.
-  num_splits=None: `default_num_splits`. Output in q.dtype; the numerics are the module's.
+  num_splits=None: `default_num_splits`. decoder (packed cache): "table", "bits" or None
+  (`resolve_decoder`); table (decoder "table"): None picks the bf16 fast table per key block
+  where its row scales allow it, "exact" always takes the exact one (for tests), "fast"
+  always the fast one (only exact for row scales in `fp4_decode.tensor_scale_factors`' fast
+  range; for instruction counts). Output in q.dtype; the numerics are the module's.
   """
   _check(q, cache, lengths, block_t)
   if interpret is None:
     interpret = _default_interpret()
-  b, t, g = (cache.shape if isinstance(cache, PackedKVCache) else cache[0].shape)[:3]
+  packed = isinstance(cache, PackedKVCache)
+  b, t, g, h = cache.shape if packed else cache[0].shape
   if num_splits is None:
     num_splits = default_num_splits(b, g, -(-t // block_t))
+  decoder = resolve_decoder(decoder, q.dtype, block_t, h, num_warps, bool(interpret)) \
+      if packed else "bits"
   return _decode_attention(q, cache, lengths, interpret=bool(interpret), block_t=block_t,
                            num_splits=int(num_splits), num_warps=num_warps,
-                           num_stages=num_stages)
+                           num_stages=num_stages, decoder=decoder, table=table)
 
 
 # ----------------------------------------------------------------------------- references
@@ -383,48 +488,66 @@ def output_tolerance(v: jax.Array, lengths: jax.Array, ref: jax.Array,
 
 # ----------------------------------------------------------------------------- dequantize kernel
 
-def _dequant_kernel(c_ref, b_ref, r_ref, o_ref, *, block_t: int, t: int):
+def _dequant_kernel(c_ref, b_ref, r_ref, *o_refs, block_t: int, t: int, lut: bool, asm: bool,
+                    table: str | None):
   i = pl.program_id(1)
   rows = pl.ds(i * block_t, block_t)
   ok = i * block_t + jnp.arange(block_t) < t
   h2 = c_ref.shape[-1]
   m2 = jnp.broadcast_to(ok[:, None], (block_t, h2))
   mb = jnp.broadcast_to(ok[:, None], (block_t, b_ref.shape[-1]))
-  x = decode_nvfp4_rows(_load(c_ref, (rows, slice(None)), m2),
-                        _block_bits(_load(b_ref, (rows, slice(None)), mb)),
-                        _load(r_ref, (rows,), ok), o_ref.dtype)
-  _store(o_ref, (rows, slice(None)), x, jnp.broadcast_to(ok[:, None], (block_t, 2 * h2)))
+  args = (_load(c_ref, (rows, slice(None)), m2), _block_bits(_load(b_ref, (rows, slice(None)), mb)),
+          _load(r_ref, (rows,), ok))
+  if lut:  # even and odd elements as two outputs
+    for o_ref, x in zip(o_refs, decode_nvfp4_split(*args, o_refs[0].dtype, asm=asm,
+                                                   table=table)):
+      _store(o_ref, (rows, slice(None)), x, m2)
+  else:
+    (o_ref,) = o_refs
+    x = decode_nvfp4_rows(*args, o_ref.dtype)
+    _store(o_ref, (rows, slice(None)), x, jnp.broadcast_to(ok[:, None], (block_t, 2 * h2)))
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block_t"))
-def _dequantize_pallas(codes, block, row, *, dtype, interpret: bool, block_t: int):
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block_t", "decoder",
+                                             "num_warps", "table"))
+def _dequantize_pallas(codes, block, row, *, dtype, interpret: bool, block_t: int,
+                       decoder: str = "bits", num_warps: int = 4, table: str | None = None):
   lead, h2 = codes.shape[:-1], codes.shape[-1]
   t = int(np.prod(lead))
   c = codes.reshape(1, t, h2)
   bb = block.reshape(1, t, block.shape[-1])
   rr = row.reshape(1, t)
   nblk = -(-t // block_t)
+  lut = decoder == "table"
+
   def spec(a):
     zeros = (0,) * (a.ndim - 1)
     return pl.BlockSpec((_SQ, t) + a.shape[2:], lambda i, j: (i,) + zeros)
 
-  out = pl.pallas_call(
-      functools.partial(_dequant_kernel, block_t=block_t, t=t), grid=(1, nblk),
-      in_specs=[spec(c), spec(bb), spec(rr)],
-      out_specs=pl.BlockSpec((_SQ, t, 2 * h2), lambda i, j: (i, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((1, t, 2 * h2), dtype), interpret=interpret,
-      compiler_params=_compiler_params(4, 1), name="nvfp4_kv_dequantize")(c, bb, rr)
+  width = h2 if lut else 2 * h2
+  n_out = 2 if lut else 1
+  outs = pl.pallas_call(
+      functools.partial(_dequant_kernel, block_t=block_t, t=t, lut=lut, asm=not interpret,
+                        table=table),
+      grid=(1, nblk), in_specs=[spec(c), spec(bb), spec(rr)],
+      out_specs=[pl.BlockSpec((_SQ, t, width), lambda i, j: (i, 0, 0))] * n_out,
+      out_shape=[jax.ShapeDtypeStruct((1, t, width), dtype)] * n_out, interpret=interpret,
+      compiler_params=_compiler_params(num_warps, 1), name="nvfp4_kv_dequantize")(c, bb, rr)
+  out = _interleave(*outs) if lut else outs[0]
   return out.reshape(lead + (2 * h2,))
 
 
 def dequantize_pallas(cache: PackedKVCache, dtype: jnp.dtype = jnp.bfloat16, *,
-                      interpret: bool | None = None,
-                      block_t: int = DEFAULT_BLOCK_T) -> tuple[jax.Array, jax.Array]:
+                      interpret: bool | None = None, block_t: int = DEFAULT_BLOCK_T,
+                      decoder: str | None = None,
+                      table: str | None = None) -> tuple[jax.Array, jax.Array]:
   """(k, v) [B, T, G, H] decoded by the attention kernel's in-register decoder (a Pallas
-  kernel of its own), so tests can compare its bits with `kv_cache.dequantize`."""
+  kernel of its own), so tests can compare its bits with `kv_cache.dequantize`. decoder,
+  table: as in `decode_attention`."""
   if interpret is None:
     interpret = _default_interpret()
+  decoder = resolve_decoder(decoder, dtype, block_t, cache.shape[-1], 4, bool(interpret))
   f = functools.partial(_dequantize_pallas, dtype=jnp.dtype(dtype), interpret=bool(interpret),
-                        block_t=block_t)
+                        block_t=block_t, decoder=decoder, table=table)
   return (f(cache.k_codes, cache.k_block, cache.k_row),
           f(cache.v_codes, cache.v_block, cache.v_row))

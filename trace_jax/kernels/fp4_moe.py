@@ -28,20 +28,31 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
   re-read the same slab (64 KiB packed FP4 at block_n=64, K=2048) right after, from L2.
   `block_m` defaults to about twice the mean group size (16..64), so at decode nearly every
   expert fits one row block and its weights cross HBM once per step.
-- Decoding uses integer/bit operations and exact float32 products only, never float8/float4
-  conversions (which XLA or Triton may rewrite): the block scale from its E4M3 bits
-  (`exact.e4m3_value`), each byte's two E2M1 codes placed into float16 bit patterns by two
-  integer multiplies and masks (`e2m1_pair_scaled`: the float16 is the code's value times
-  2**-14, folded back exactly into the block scale; no int -> float conversion, which is
-  quarter rate on Hopper). The codes tile is loaded as whole contiguous rows [block_n,
-  block_k // 2] (coalesced) and viewed as [block_n, block_k // 16, 8] so the block scales
-  broadcast; the two nibbles are re-interleaved with a 2-way stack + reshape (Triton `join` +
-  `reshape`, as Pallas unpacks int4 itself), or, with `split=True`, contracted against x's
-  even and odd columns as two dots.
+- Decoding never uses float8/float4 conversions in jnp (which XLA or Triton may rewrite). The
+  codes tile is loaded as whole contiguous rows [block_n, block_k // 2] (coalesced). Two
+  decoders (`decoder`):
+  - "table" (default on the GPU for bf16/f16 rows): `fp4_decode`, per-block tables of the 8
+    results dtype(RN(v * bs * ts)) and byte-permute (`prmt`) lookups, 4 codes per
+    instruction, in PTX inline assembly. It yields the even and odd elements apart, so by
+    default (`split`) x's even and odd columns (split outside the kernel, one small XLA copy
+    of x per call) meet them in two dots; split=False re-interleaves them in registers. The
+    tensor scale picks the table per program: the fast one (3 float32 products and 3 packed
+    bf16 products per block; every scale the quantizer makes) or the exact one (8 products;
+    extreme tensor scales, f16): two copies of the loops, one runs.
+  - "float16" (interpret mode, float32 rows, tiles too small for the table decoder): the
+    block scale from its E4M3 bits (`exact.e4m3_value`), each byte's two E2M1 codes placed
+    into float16 bit patterns by two integer multiplies and masks (`e2m1_pair_scaled`: the
+    float16 is the code's value times 2**-14, folded back exactly into the block scale),
+    then the two float32 products per weight; the nibbles re-interleaved with a 2-way stack
+    + reshape (Triton `join` + `reshape`) or, with split=True, two dots.
+  Both give `formats.nvfp4_dequantize`'s bits (`fp4_decode`'s docstring proves the table's).
 - `swap_ab` (default for packed weights) computes each tile transposed, weights as the MMA's
-  first operand: at decode the weight tile is the large side. In Triton 3.6's sm_90 code for
-  block 64 x 256 this is ~11 SASS instructions per weight element (~12.5 unswapped), no
-  spills (compiled offline from this kernel's Triton IR; timings need the GPU).
+  first operand: at decode the weight tile is the large side. SASS of the K loop (Triton 3.6,
+  sm_90, compiled offline from this kernel's Triton IR after Triton's `make_ttir` passes, as
+  XLA runs them; block 64 x 256, 4 warps, 3 stages, block_m 16): table decoder 521
+  instructions per thread per tile = 4.1 per weight (577 = 4.5 with the exact table), 176
+  registers; float16 decoder 1228 = 9.6 per weight, 212 registers; BF16 weights 182 = 1.4;
+  no spills. Timings need the GPU (`experiments/bench_moe_decode.py`).
 - Rows past sum(group_sizes) are zeroed by the programs of the last expert.
 """
 
@@ -56,7 +67,7 @@ import numpy as np
 from flax import struct
 from jax.experimental import pallas as pl
 
-from trace_jax.model import grouped
+from trace_jax.kernels import fp4_decode
 from trace_jax.quant import exact, formats
 
 try:  # Triton-specific Pallas names (masked load/store, compiler params)
@@ -166,6 +177,8 @@ def weight_bytes_per_expert(w: jax.Array | PackedNVFP4Weights) -> int:
 def grouped_matmul_reference(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
                              group_sizes: jax.Array) -> jax.Array:
   """The kernel's contract in plain JAX: dequantize (or cast) to x.dtype, then ragged_dot."""
+  from trace_jax.model import grouped  # here: trace_jax.model imports this module
+
   wd = dequantize(w, x.dtype) if isinstance(w, PackedNVFP4Weights) else w.astype(x.dtype)
   return grouped.grouped_matmul(x, wd, group_sizes.astype(jnp.int32), "ragged_dot")
 
@@ -249,8 +262,9 @@ def e4m3_value_scaled(scale: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------------- kernel
 
-def _kernel(offs_ref, sizes_ref, *refs, fp4: bool, split: bool, swap_ab: bool, m: int, k: int,
-            num_experts: int, bm: int, bn: int, bk: int):
+def _kernel(offs_ref, sizes_ref, *refs, fp4: bool, split: bool, swap_ab: bool, lut: bool,
+            asm: bool, table: str | None, m: int, k: int, num_experts: int, bm: int, bn: int,
+            bk: int):
   """One (expert, N tile) program: see the module docstring."""
   if split:  # x's even and odd columns as two inputs, each [M, K // 2]
     x_refs, (*w_refs, o_ref) = refs[:2], refs[2:]
@@ -269,32 +283,36 @@ def _kernel(offs_ref, sizes_ref, *refs, fp4: bool, split: bool, swap_ab: bool, m
     codes_ref, bs_ref, ts_ref = w_refs
     kb = bk // NVFP4_BLOCK  # scale blocks per K tile
 
-    def load_w(t, ts):
+    def load_w(t, ts, table=None):
       kb0 = pl.multiple_of(t * kb, kb)
-      # A 2-D tile of whole contiguous rows (coalesced loads), viewed as [bn, kb, 8]: the
-      # bytes under each block scale on their own axis, so the scales broadcast over it.
+      # A 2-D tile of whole contiguous rows (coalesced loads).
       p = codes_ref[e, pl.ds(n0, bn), pl.ds(pl.multiple_of(t * (bk // 2), bk // 2), bk // 2)]
-      p = p.reshape(bn, kb, _BYTES_PER_BLOCK)                                # uint8
-      s = e4m3_value_scaled(bs_ref[e, pl.ds(n0, bn), pl.ds(kb0, kb)])[:, :, None]
-      lo, hi = e2m1_pair_scaled(p)                                           # elements 2i, 2i+1
-      # formats.nvfp4_dequantize's order: code value * block scale, exact (the 2**-14 and
-      # 2**14 factors cancel exactly), then * tensor scale, one float32 rounding; then x.dtype.
-      lo, hi = ((lo * s) * ts).astype(dt), ((hi * s) * ts).astype(dt)
+      scale = bs_ref[e, pl.ds(n0, bn), pl.ds(kb0, kb)]
+      if lut:  # per-block byte tables + prmt lookups (fp4_decode); ts: tensor_scale_factors
+        bits = jax.lax.bitcast_convert_type(scale, jnp.uint8)
+        lo, hi = fp4_decode.decode_blocks(p, bits, None, dt, asm=asm, factors=ts, table=table)
+      else:
+        # Viewed as [bn, kb, 8]: the bytes under each block scale on their own axis, so the
+        # scales broadcast over it.
+        p = p.reshape(bn, kb, _BYTES_PER_BLOCK)                              # uint8
+        s = e4m3_value_scaled(scale)[:, :, None]
+        lo, hi = e2m1_pair_scaled(p)                                         # elements 2i, 2i+1
+        # formats.nvfp4_dequantize's order: code value * block scale, exact (the 2**-14 and
+        # 2**14 factors cancel exactly), then * tensor scale, one float32 rounding; then dt.
+        lo, hi = ((lo * s) * ts).astype(dt), ((hi * s) * ts).astype(dt)
       if split:
         return lo.reshape(bn, bk // 2), hi.reshape(bn, bk // 2)
-      return (jnp.stack([lo, hi], axis=-1).reshape(bn, bk),)                # [bn, kb, 8, 2]
+      return (jnp.stack([lo.reshape(bn, bk // 2), hi.reshape(bn, bk // 2)], axis=-1
+                        ).reshape(bn, bk),)
   else:
     (w_ref,) = w_refs
 
-    def load_w(t, ts):
-      del ts
+    def load_w(t, ts, table=None):
+      del ts, table
       k0 = pl.multiple_of(t * bk, bk)
       return (w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(dt),)
 
-  @pl.when(size > 0)
-  def _matmul():
-    ts = ts_ref[e] if fp4 else None
-
+  def matmul(ts, table):
     def row_block(r, carry):
       row0 = start + r * bm
       valid = (row0 + row_iota) < end                                       # [bm, 1]
@@ -302,7 +320,7 @@ def _kernel(offs_ref, sizes_ref, *refs, fp4: bool, split: bool, swap_ab: bool, m
 
       def k_step(t, acc):
         k0 = pl.multiple_of(t * xk, xk)
-        for x_ref, wt in zip(x_refs, load_w(t, ts)):
+        for x_ref, wt in zip(x_refs, load_w(t, ts, table)):
           xt = _masked_load(x_ref, (pl.ds(row0, bm), pl.ds(k0, xk)), x_mask, 0).astype(dt)
           a, b = (wt, xt) if swap_ab else (xt, wt)
           acc = acc + jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
@@ -318,6 +336,20 @@ def _kernel(offs_ref, sizes_ref, *refs, fp4: bool, split: bool, swap_ab: bool, m
 
     jax.lax.fori_loop(0, jax.lax.div(size + (bm - 1), bm), row_block, 0)
 
+  @pl.when(size > 0)
+  def _matmul():
+    if not fp4:
+      matmul(None, None)
+    elif not lut:
+      matmul(ts_ref[e], None)
+    else:  # the tensor scale's exact factors, once per program
+      factors = fp4_decode.tensor_scale_factors(ts_ref[e])
+      if jnp.dtype(dt) != jnp.dtype(jnp.bfloat16) or table is not None:
+        matmul(factors, table or "exact")
+      else:  # two copies of the loops: the fast table (every quantizer scale), or the exact
+        pl.when(factors[0])(lambda: matmul(factors, "fast"))
+        pl.when(jnp.logical_not(factors[0]))(lambda: matmul(factors, "exact"))
+
   total = offs_ref[num_experts - 1] + sizes_ref[num_experts - 1]
 
   @pl.when((e == num_experts - 1) & (total < m))
@@ -332,12 +364,37 @@ def _kernel(offs_ref, sizes_ref, *refs, fp4: bool, split: bool, swap_ab: bool, m
 
 
 _STATIC = ("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages", "split",
-           "swap_ab", "debug")
+           "swap_ab", "decoder", "table", "debug")
+DECODERS = ("table", "float16")
+
+
+def _tiles(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:
+  return _pow2_divisor(n, block_n), _pow2_divisor(k, block_k)
+
+
+def resolve_decoder(decoder: str | None, dtype: Any, n: int, k: int, block_n: int, block_k: int,
+                    num_warps: int, interpret: bool) -> str:
+  """The packed-weight decoder a call uses. None: "table" (per-block byte tables and byte
+  permutes, `fp4_decode`; ~2.3x fewer instructions per weight on sm_90) on the GPU for bf16/f16
+  rows on tiles it supports, else "float16" (`e2m1_pair_scaled`), also in interpret mode,
+  where XLA has no byte permute and the table decoder's emulation is the slower one."""
+  bn, bk = _tiles(n, k, block_n, block_k)
+  ok = fp4_decode.supported_dtype(dtype) and (
+      interpret or fp4_decode.lookup_supported(bn, bk // 2, num_warps))
+  if decoder is None:
+    return "table" if ok and not interpret and fp4_decode.TABLE_BY_DEFAULT else "float16"
+  if decoder not in DECODERS:
+    raise ValueError(f"decoder must be one of {DECODERS} or None, got {decoder!r}")
+  if decoder == "table" and not ok:
+    raise ValueError(f"decoder='table' needs bf16/f16 rows and a tile of >= 4 code bytes per "
+                     f"thread on the GPU; got {jnp.dtype(dtype)}, tile {bn} x {bk}, "
+                     f"{num_warps} warps")
+  return decoder
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _decode(x, w, group_sizes, *, interpret, block_m, block_n, block_k, num_warps, num_stages,
-            split, swap_ab, debug):
+            split, swap_ab, decoder, table, debug):
   m, k = x.shape
   fp4 = isinstance(w, PackedNVFP4Weights)
   e, n, _ = w.shape
@@ -345,7 +402,7 @@ def _decode(x, w, group_sizes, *, interpret, block_m, block_n, block_k, num_warp
     return jnp.zeros((0, n), x.dtype)
   gs = group_sizes.astype(jnp.int32)
   offs = jnp.cumsum(gs) - gs
-  bn, bk = _pow2_divisor(n, block_n), _pow2_divisor(k, block_k)
+  bn, bk = _tiles(n, k, block_n, block_k)
   split = split and fp4  # dense weights: one dot per tile (a strided split does not lower)
   if split and bk < 32:
     raise ValueError(f"split=True needs K tiles of >= 32 columns; K={k} allows {bk}")
@@ -354,8 +411,9 @@ def _decode(x, w, group_sizes, *, interpret, block_m, block_n, block_k, num_warp
     weights = (w.codes, w.block_scale, w.tensor_scale)
   else:
     weights = (w,)
-  kernel = functools.partial(_kernel, fp4=fp4, split=split, swap_ab=swap_ab, m=m, k=k,
-                             num_experts=e, bm=block_m, bn=bn, bk=bk)
+  kernel = functools.partial(_kernel, fp4=fp4, split=split, swap_ab=swap_ab,
+                             lut=fp4 and decoder == "table", asm=not interpret, table=table,
+                             m=m, k=k, num_experts=e, bm=block_m, bn=bn, bk=bk)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(e, n // bn),
       interpret=interpret, debug=debug,
@@ -367,8 +425,9 @@ def _decode(x, w, group_sizes, *, interpret, block_m, block_n, block_k, num_warp
 def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
                           group_sizes: jax.Array, *, interpret: bool | None = None,
                           block_m: int | None = None, block_n: int = 64, block_k: int = 256,
-                          num_warps: int = 4, num_stages: int = 3, split: bool = False,
-                          swap_ab: bool | None = None, debug: bool = False) -> jax.Array:
+                          num_warps: int = 4, num_stages: int = 3, split: bool | None = None,
+                          swap_ab: bool | None = None, debug: bool = False,
+                          decoder: str | None = None, table: str | None = None) -> jax.Array:
   """Rows x [M, K] sorted by expert times w [E, N, K] (dense or packed NVFP4) -> [M, N].
 
   interpret: None runs the Triton kernel on GPU and the Pallas interpreter elsewhere.
@@ -376,10 +435,15 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
   tile caps, each reduced to the largest power of two dividing N / K (N and K must be
   multiples of 16). num_warps / num_stages: Triton launch parameters.
   split: packed weights only: contract even and odd columns as two dots (x split outside the
-  kernel) instead of interleaving the two nibbles of each byte in registers.
+  kernel) instead of interleaving the two nibbles of each byte in registers. None: True for
+  the table decoder (its natural output; K tiles of >= 32), False otherwise.
   swap_ab: compute each output tile transposed, weights as the MMA's first operand (M = the
   weight tile's rows) and x rows as its N; the same products. None: True for packed weights
   (fewer instructions per weight in Triton 3.6's sm_90 code), False for dense ones.
+  decoder: packed weights only: "table", "float16" or None (`resolve_decoder`).
+  table: decoder "table" only: None picks the fast or exact table per expert from its tensor
+  scale; "exact" always takes the exact one (any scale; for tests); "fast" always the fast
+  one (exact only for tensor scales in `fp4_decode.tensor_scale_factors`' fast range).
   """
   if x.ndim != 2:
     raise ValueError(f"grouped_matmul_decode: x must be [M, K], got {x.shape}")
@@ -403,8 +467,14 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
   _check_block("block_k", block_k, 16)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
+  packed = isinstance(w, PackedNVFP4Weights)
   if swap_ab is None:
-    swap_ab = isinstance(w, PackedNVFP4Weights)
+    swap_ab = packed
+  decoder = resolve_decoder(decoder, x.dtype, n, k, block_n, block_k, num_warps,
+                            bool(interpret)) if packed else "float16"
+  if split is None:  # the table decoder's natural output: even and odd elements apart
+    split = packed and decoder == "table" and _tiles(n, k, block_n, block_k)[1] >= 32
   return _decode(x, w, group_sizes, interpret=bool(interpret), block_m=block_m,
                  block_n=block_n, block_k=block_k, num_warps=num_warps,
-                 num_stages=num_stages, split=split, swap_ab=bool(swap_ab), debug=debug)
+                 num_stages=num_stages, split=bool(split), swap_ab=bool(swap_ab),
+                 decoder=decoder, table=table, debug=debug)
