@@ -177,10 +177,11 @@ KEYS_FIRST = False
 
 def resolve_decoder(decoder: str | None, dtype: jnp.dtype, rows: int, head_dim: int,
                     num_warps: int, interpret: bool) -> str:
-  """The packed-cache decoder. None: "table" (per-block byte tables and `prmt` lookups,
-  `fp4_decode`; ~1.9x fewer instructions per loop iteration on sm_90) on the GPU for bf16/f16
-  on tiles it supports, else "bits" (`decode_nvfp4_rows`), also in interpret mode, where XLA
-  has no byte permute and the table decoder's emulation is the slower one."""
+  """The packed-cache decoder. None: "bits" (`decode_nvfp4_rows`), or, once
+  `fp4_decode.TABLE_BY_DEFAULT` is set (after a GPU run confirms it), "table" (per-block byte
+  tables and `prmt` lookups; ~1.75x fewer static instructions per loop iteration on sm_90) on
+  the GPU for bf16/f16 on tiles it supports; never in interpret mode, where XLA has no byte
+  permute and the table decoder's emulation is the slower one."""
   ok = fp4_decode.supported_dtype(dtype) and (
       interpret or fp4_decode.lookup_supported(rows, head_dim // 2, num_warps))
   if decoder is None:
