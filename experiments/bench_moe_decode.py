@@ -86,7 +86,8 @@ flags.DEFINE_list("sweep_configs",
                   "(decoder: auto, table or float16; packed weights only).",
                   flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "PRNG seed.", flag_values=FLAGS)
-flags.DEFINE_integer("copy_mib", 0, "Copy-bandwidth array size in MiB (0: 1024 GPU, 64 else).",
+flags.DEFINE_integer("copy_mib", 0, "Bandwidth-reference array size in MiB (0: "
+                     "common.bandwidth_gbps' default, 4096 on GPU).",
                      flag_values=FLAGS)
 flags.DEFINE_string("json_out", "runs/bench_moe_decode/bench.json",
                     "JSON output path ('' = none).", flag_values=FLAGS)
@@ -145,17 +146,6 @@ def _fns(opts: dict[str, Any]) -> dict[str, Callable[..., Any]]:
       "kernel_fp4_float16": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
           x, w[1], gs, **{**opts, "decoder": "float16"})),
   }
-
-
-def _copy_gbps(mib: int, warmup: int, reps: int) -> float:
-  """Bandwidth of a jitted copy of a BF16 array (bytes read + written per second)."""
-  import jax
-  import jax.numpy as jnp
-
-  a = jnp.zeros((mib * 2**19,), jnp.bfloat16)
-  fn = jax.jit(jnp.copy)
-  med, _ = common.median_seconds(lambda: fn(a), jax.block_until_ready, warmup, reps)
-  return 2 * a.size * 2 / med / 1e9
 
 
 def _time(fn: Callable[[], Any], warmup: int, reps: int, inner: int) -> tuple[float, float]:
@@ -259,9 +249,11 @@ def run_bench(seed: int = 0) -> dict[str, Any]:
   print(f"bench_moe_decode: backend {backend}, device {dev['device_kind']}, jax "
         f"{jax.__version__}; D={d} F={f} top-{top_k}, experts {experts}, batches {batches}",
         flush=True)
-  res["copy_gbps"] = copy_bw = _copy_gbps(FLAGS.copy_mib or (1024 if on_gpu else 64),
-                                          FLAGS.warmup, reps)
-  print(f"copy bandwidth (read + write): {copy_bw:.1f} GB/s", flush=True)
+  bw = common.bandwidth_gbps(FLAGS.copy_mib or None)
+  res.update(bw)
+  copy_bw = bw["copy_gbps"]
+  print(f"copy bandwidth (read + write): {copy_bw:.1f} GB/s, read {bw['read_gbps']:.1f} GB/s",
+        flush=True)
   fns = _fns(opts)
   for e in experts:
     if top_k > e:

@@ -171,7 +171,6 @@ def _block_bits(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype != jnp.uint8 else x
 
 
-DECODERS = ("table", "bits")
 KEYS_FIRST = False
 
 
@@ -182,16 +181,7 @@ def resolve_decoder(decoder: str | None, dtype: jnp.dtype, rows: int, head_dim: 
   tables and `prmt` lookups; ~1.75x fewer static instructions per loop iteration on sm_90) on
   the GPU for bf16/f16 on tiles it supports; never in interpret mode, where XLA has no byte
   permute and the table decoder's emulation is the slower one."""
-  ok = fp4_decode.supported_dtype(dtype) and (
-      interpret or fp4_decode.lookup_supported(rows, head_dim // 2, num_warps))
-  if decoder is None:
-    return "table" if ok and not interpret and fp4_decode.TABLE_BY_DEFAULT else "bits"
-  if decoder not in DECODERS:
-    raise ValueError(f"decoder must be one of {DECODERS} or None, got {decoder!r}")
-  if decoder == "table" and not ok:
-    raise ValueError(f"decoder='table' needs bf16/f16 and >= 4 code bytes per thread on the "
-                     f"GPU; got {jnp.dtype(dtype)}, tile {rows} x {head_dim}, {num_warps} warps")
-  return decoder
+  return fp4_decode.choose(decoder, "bits", dtype, rows, head_dim // 2, num_warps, interpret)
 
 
 def decode_nvfp4_split(codes: jax.Array, block_bits: jax.Array, row: jax.Array,

@@ -98,6 +98,24 @@ def supported_dtype(dtype: Any) -> bool:
   return jnp.dtype(dtype) in tuple(jnp.dtype(d) for d in _DTYPES)
 
 
+def choose(decoder: str | None, fallback: str, dtype: Any, rows: int, row_bytes: int,
+           num_warps: int, interpret: bool) -> str:
+  """A kernel's packed-NVFP4 decoder: `decoder` checked, or None -> "table" where it runs and
+  is the default (`TABLE_BY_DEFAULT`, on the GPU only: in interpret mode its byte-permute
+  emulation is the slower one), else the kernel's own `fallback`. rows x row_bytes: the code
+  tile one program decodes at a time."""
+  ok = supported_dtype(dtype) and (interpret or lookup_supported(rows, row_bytes, num_warps))
+  if decoder is None:
+    return "table" if ok and not interpret and TABLE_BY_DEFAULT else fallback
+  if decoder not in ("table", fallback):
+    raise ValueError(f"decoder must be one of {('table', fallback)} or None, got {decoder!r}")
+  if decoder == "table" and not ok:
+    raise ValueError(f"decoder='table' needs bf16/f16 and >= 4 code bytes per thread on the "
+                     f"GPU; got {jnp.dtype(dtype)}, tile {rows} x {row_bytes} code bytes, "
+                     f"{num_warps} warps")
+  return decoder
+
+
 def _u32(x: int) -> np.uint32:
   return np.uint32(x)
 

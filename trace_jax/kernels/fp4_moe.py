@@ -365,7 +365,6 @@ def _kernel(offs_ref, sizes_ref, *refs, fp4: bool, split: bool, swap_ab: bool, l
 
 _STATIC = ("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages", "split",
            "swap_ab", "decoder", "table", "debug")
-DECODERS = ("table", "float16")
 
 
 def _tiles(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:
@@ -380,17 +379,7 @@ def resolve_decoder(decoder: str | None, dtype: Any, n: int, k: int, block_n: in
   for bf16/f16 rows on tiles it supports; never in interpret mode, where XLA has no byte
   permute and the table decoder's emulation is the slower one."""
   bn, bk = _tiles(n, k, block_n, block_k)
-  ok = fp4_decode.supported_dtype(dtype) and (
-      interpret or fp4_decode.lookup_supported(bn, bk // 2, num_warps))
-  if decoder is None:
-    return "table" if ok and not interpret and fp4_decode.TABLE_BY_DEFAULT else "float16"
-  if decoder not in DECODERS:
-    raise ValueError(f"decoder must be one of {DECODERS} or None, got {decoder!r}")
-  if decoder == "table" and not ok:
-    raise ValueError(f"decoder='table' needs bf16/f16 rows and a tile of >= 4 code bytes per "
-                     f"thread on the GPU; got {jnp.dtype(dtype)}, tile {bn} x {bk}, "
-                     f"{num_warps} warps")
-  return decoder
+  return fp4_decode.choose(decoder, "float16", dtype, bn, bk // 2, num_warps, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
