@@ -22,10 +22,13 @@ from absl import app, flags
 
 from trace_jax import model as M
 
-_PRESET = flags.DEFINE_enum("preset", "tiny", ["tiny", "small_h200", "bench_gpu"],
-                            "model size (small_h200: configs/small_h200.py's model and batch)")
-_POLICIES = flags.DEFINE_list("policies", ["bf16", "fp8_unified", "fp4_rtn", "fp4_trace"],
-                              "policies to time")
+_PRESET = flags.DEFINE_enum("preset", "tiny", ["tiny", "small_h200", "bench_gpu", "qwen3_layers"],
+                            "model size (small_h200: configs/small_h200.py's model and batch; "
+                            "qwen3_layers: 4 Qwen3-30B-A3B-wide layers, 64 experts, 8k tokens)")
+_POLICIES = flags.DEFINE_list(
+    "policies", ["bf16", "fp8_unified", "fp8_unified@kernel", "fp8_unified@kernel+fp8bwd",
+                 "fp4_rtn", "fp4_trace"],
+    "forwards to time; `name@impl` sets fp8_gemm (xla, kernel), `+fp8bwd` the FP8 backward")
 _BATCH = flags.DEFINE_integer("batch", None, "batch size (default per preset)")
 _SEQ = flags.DEFINE_integer("seq", None, "sequence length (default per preset)")
 _EXPERTS = flags.DEFINE_integer("experts", None, "number of experts (default per preset; the "
@@ -45,6 +48,9 @@ def _config(preset: str) -> tuple[M.ModelConfig, int, int]:
     cfg = small_h200.get_config()
     return (rl_loop.model_config(cfg), cfg.rl.prompts_per_step * cfg.rl.group_size,
             cfg.seq_len)
+  if preset == "qwen3_layers":  # issue 15's FP8 comparison: 8 x 1024 tokens per step
+    return M.qwen3_30b_a3b(num_hidden_layers=4, num_experts=64, vocab_size=32768,
+                           dtype="bfloat16"), 8, 1024
   # Qwen3-30B-A3B layer width with 32 experts, 2 layers and a 32k vocabulary: matmuls
   # dominate at this batch. (128 experts OOM on the H200 with moe_impl=ragged_dot: its
   # backward materialises ~62 GiB at 2048 tokens; --experts=128 --moe_impls=tiled tries the
@@ -53,8 +59,8 @@ def _config(preset: str) -> tuple[M.ModelConfig, int, int]:
                          dtype="bfloat16"), 4, 1024
 
 
-def _loss(params, config, tokens, guidance):
-  out = M.forward(params, config, tokens, guidance=guidance)
+def _loss(params, config, tokens, guidance, routing):
+  out = M.forward(params, config, tokens, guidance=guidance, routing=routing)
   logp = jax.nn.log_softmax(out.logits[:, :-1].astype(jnp.float32))
   nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)
   return jnp.mean(nll) + config.router_aux_loss_coef * M.aux_loss(out, config)
@@ -84,25 +90,30 @@ def main(argv):
   ref = None  # the first impl's bf16 time; rows print as they finish (a timeout keeps them)
   for impl in _MOE_IMPLS.value:
     for policy in _POLICIES.value:
-      config = base.replace(policy=policy, moe_impl=impl)
-      guidance = None
-      if policy == "fp4_trace":
+      name, bwd = policy.removesuffix("+fp8bwd"), policy.endswith("+fp8bwd")
+      name, _, fp8_gemm = name.partition("@")
+      config = base.replace(policy=name, moe_impl=impl, fp8_gemm=fp8_gemm or "xla",
+                            fp8_backward=bwd)
+      guidance = routing = None
+      if name == "fp4_trace":
         taps = jax.jit(lambda p, t, c=config: M.forward(p, c, t, tap_layers=c.guided_layers,
                                                          record=True).taps)(params, tokens)
         guidance = {i: {s: taps[i][s] for s in M.SITES} for i in config.guided_layers}
+        routing = {i: taps[i]["routing"] for i in taps}  # matches expert_mid rows to experts
       step = jax.jit(jax.value_and_grad(functools.partial(_loss, config=config)))
-      compiled = step.lower(params, tokens=tokens, guidance=guidance).compile()  # once
+      compiled = step.lower(params, tokens=tokens, guidance=guidance,
+                            routing=routing).compile()  # once
       gib = compiled.memory_analysis().temp_size_in_bytes / 2**30
       if _STEPS.value == 0:
-        print(f"  {impl:10s} {policy:12s} {'-':>9s} ms/step  {'':24s} temp {gib:7.2f} GiB",
+        print(f"  {impl:10s} {policy:26s} {'-':>9s} ms/step  {'':24s} temp {gib:7.2f} GiB",
               flush=True)
         continue
-      t = _time(lambda p, t, g, f=compiled: f(p, tokens=t, guidance=g), params, tokens,
-                guidance, steps=_STEPS.value)
-      if ref is None and impl == _MOE_IMPLS.value[0] and policy == "bf16":
+      t = _time(lambda p, t, g, r, f=compiled: f(p, tokens=t, guidance=g, routing=r), params,
+                tokens, guidance, routing, steps=_STEPS.value)
+      if ref is None and impl == _MOE_IMPLS.value[0] and name == "bf16":
         ref = t
       rel = f"{t / ref:.2f}x {_MOE_IMPLS.value[0]} bf16" if ref else ""
-      print(f"  {impl:10s} {policy:12s} {t * 1e3:9.2f} ms/step  {rel:24s} temp {gib:7.2f} GiB",
+      print(f"  {impl:10s} {policy:26s} {t * 1e3:9.2f} ms/step  {rel:24s} temp {gib:7.2f} GiB",
             flush=True)
 
 

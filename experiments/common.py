@@ -102,6 +102,20 @@ def bandwidth_gbps(mib: int | None = None, reps: int = 10) -> dict[str, float]:
           "mib": mib}
 
 
+def matmul_tflops(n: int | None = None, reps: int = 10) -> dict[str, float]:
+  """The dense BF16 matmul rate of this device, measured now: an n x n x n `jnp.dot` with
+  float32 accumulation (default n 8192 on GPU, 512 elsewhere)."""
+  import jax
+  import jax.numpy as jnp
+
+  n = n or (8192 if jax.default_backend() == "gpu" else 512)
+  a = jnp.ones((n, n), jnp.bfloat16)
+  dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32
+                                     ).astype(jnp.bfloat16))
+  t, _ = median_seconds(lambda: dot(a, a), jax.block_until_ready, 2, reps)
+  return {"bf16_tflops": 2 * n**3 / t / 1e12, "n": n}
+
+
 def _to_jsonable(obj: Any) -> Any:
   if isinstance(obj, dict):
     return {str(k): _to_jsonable(v) for k, v in obj.items()}

@@ -176,11 +176,11 @@ KEYS_FIRST = False
 
 def resolve_decoder(decoder: str | None, dtype: jnp.dtype, rows: int, head_dim: int,
                     num_warps: int, interpret: bool) -> str:
-  """The packed-cache decoder. None: "bits" (`decode_nvfp4_rows`), or, once
-  `fp4_decode.TABLE_BY_DEFAULT` is set (after a GPU run confirms it), "table" (per-block byte
-  tables and `prmt` lookups; ~1.75x fewer static instructions per loop iteration on sm_90) on
-  the GPU for bf16/f16 on tiles it supports; never in interpret mode, where XLA has no byte
-  permute and the table decoder's emulation is the slower one."""
+  """The packed-cache decoder. None: "table" (per-block byte tables and `prmt` lookups;
+  ~1.75x fewer static instructions per loop iteration on sm_90) on the GPU for bf16/f16 on
+  tiles it supports, while `fp4_decode.TABLE_BY_DEFAULT` is set (since the H200 run of
+  2026-12-02); else "bits" (`decode_nvfp4_rows`), always so in interpret mode, where XLA has
+  no byte permute and the table decoder's emulation is the slower one."""
   return fp4_decode.choose(decoder, "bits", dtype, rows, head_dim // 2, num_warps, interpret)
 
 

@@ -373,11 +373,11 @@ def _tiles(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:
 
 def resolve_decoder(decoder: str | None, dtype: Any, n: int, k: int, block_n: int, block_k: int,
                     num_warps: int, interpret: bool) -> str:
-  """The packed-weight decoder a call uses. None: "float16" (`e2m1_pair_scaled`), or, once
-  `fp4_decode.TABLE_BY_DEFAULT` is set (after a GPU run confirms it), "table" (per-block byte
-  tables and byte permutes; ~2.3x fewer static instructions per weight on sm_90) on the GPU
-  for bf16/f16 rows on tiles it supports; never in interpret mode, where XLA has no byte
-  permute and the table decoder's emulation is the slower one."""
+  """The packed-weight decoder a call uses. None: "table" (per-block byte tables and byte
+  permutes; ~2.3x fewer static instructions per weight on sm_90) on the GPU for bf16/f16 rows
+  on tiles it supports, while `fp4_decode.TABLE_BY_DEFAULT` is set (since the H200 run of
+  2026-12-02); else "float16" (`e2m1_pair_scaled`), always so in interpret mode, where XLA has
+  no byte permute and the table decoder's emulation is the slower one."""
   bn, bk = _tiles(n, k, block_n, block_k)
   return fp4_decode.choose(decoder, "float16", dtype, bn, bk // 2, num_warps, interpret)
 

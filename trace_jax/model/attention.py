@@ -45,10 +45,9 @@ class Attention(nnx.Module):
     """
     b, s, _ = x.shape
     n, g, h = self.num_heads, self.num_kv_heads, self.head_dim
-    xin = prec.linear_input(x)
-    q = self.q_proj(xin, prec.linear_weight).reshape(b, s, n, h)
-    k = self.k_proj(xin, prec.linear_weight).reshape(b, s, g, h)
-    v = self.v_proj(xin, prec.linear_weight).reshape(b, s, g, h)
+    q = self.q_proj(x, prec.linear).reshape(b, s, n, h)
+    k = self.k_proj(x, prec.linear).reshape(b, s, g, h)
+    v = self.v_proj(x, prec.linear).reshape(b, s, g, h)
     q = apply_rope(self.q_norm(q), cos, sin)
     k = apply_rope(self.k_norm(k), cos, sin)
     k, v = prec.kv_site(layer, k, v)
@@ -67,7 +66,7 @@ class Attention(nnx.Module):
     else:
       keys, values, key_pos = k, v, positions
     out = attend(q, keys, values, positions, key_pos)
-    out = self.o_proj(prec.linear_input(out.reshape(b, s, n * h)), prec.linear_weight)
+    out = self.o_proj(out.reshape(b, s, n * h), prec.linear)
     return out, new_cache
 
 

@@ -17,6 +17,7 @@ GUIDANCE_MODES = ("compact", "full")
 DTYPES = ("float32", "bfloat16")
 MOE_IMPLS = ("ragged_dot", "tiled")  # trace_jax.model.grouped
 DECODE_IMPLS = ("xla", "kernel")  # the rollout's one-token decode steps (trace_jax.kernels)
+FP8_GEMMS = ("xla", "kernel")  # fp8_unified's GEMMs (trace_jax.model.fp8_linear)
 # The activation sites an FP4 policy quantizes in each layer (docs/design.md §3), in the order
 # the guidance store and the metrics list them.
 SITES = ("moe_in", "expert_mid", "k", "v")
@@ -46,6 +47,11 @@ class ModelConfig:
   decode_impl: how the rollout engine's one-token decode steps run the experts given as
     `expert_weights.ExpertWeights`: "xla" (dequantize + moe_impl) or "kernel" (the Pallas
     grouped matmul reading packed NVFP4 / BF16 weights in place); training never uses it.
+  fp8_gemm: how forwards with FP8 linears (`fp8_unified`) run their block-scaled FP8 GEMMs
+    (`trace_jax.model.fp8_linear`): "xla" (the plain-JAX reference: dequantized float32
+    operands) or "kernel" (Pallas on the FP8 tensor cores); the same sums up to order.
+  fp8_backward: those forwards' DGrad/WGrad GEMMs on FP8 operands too (Jet-RL's full flow);
+    False: BF16 backward GEMMs. Gradients between operators are BF16 either way.
   """
   vocab_size: int
   hidden_size: int
@@ -68,6 +74,8 @@ class ModelConfig:
   guidance_mode: str = "compact"
   moe_impl: str = "tiled"
   decode_impl: str = "xla"
+  fp8_gemm: str = "xla"
+  fp8_backward: bool = False
 
   def __post_init__(self):
     if self.guided_layers is None:
@@ -111,6 +119,10 @@ class ModelConfig:
       errors.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
     if self.decode_impl not in DECODE_IMPLS:
       errors.append(f"decode_impl must be one of {DECODE_IMPLS}, got {self.decode_impl!r}")
+    if self.fp8_gemm not in FP8_GEMMS:
+      errors.append(f"fp8_gemm must be one of {FP8_GEMMS}, got {self.fp8_gemm!r}")
+    if not isinstance(self.fp8_backward, bool):
+      errors.append(f"fp8_backward must be a bool, got {self.fp8_backward!r}")
     bad = [i for i in self.guided_layers if not 0 <= i < self.num_hidden_layers]
     if bad:
       errors.append(f"guided_layers {bad} outside [0, {self.num_hidden_layers})")

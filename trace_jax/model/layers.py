@@ -41,11 +41,11 @@ class Linear(nnx.Module):
                param_dtype: jnp.dtype = jnp.float32):
     self.kernel = nnx.Param(_normal(rngs, (d_out, d_in), param_dtype))
 
-  def __call__(self, x: jax.Array, weight_fn=None) -> jax.Array:
-    """`x @ kernel.T` in x's dtype; `weight_fn` (e.g. a fake quantizer) transforms the kernel."""
+  def __call__(self, x: jax.Array, matmul=None) -> jax.Array:
+    """`x @ kernel.T` in x's dtype, or `matmul(x, kernel)` (e.g. `Precision.linear`, FP8)."""
     w = self.kernel[...].astype(x.dtype)
-    if weight_fn is not None:
-      w = weight_fn(w)
+    if matmul is not None:
+      return matmul(x, w)
     return jnp.einsum("...i,oi->...o", x, w)
 
 

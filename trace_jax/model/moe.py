@@ -101,7 +101,7 @@ class MoE(nnx.Module):
                          rollout_ids.reshape(b * s, k) if replay else None)
     prec.tap_route(layer, ids.reshape(b, s, k))
 
-    xq = prec.expert_input(prec.site(layer, "moe_in", x).reshape(b * s, d))
+    xq = prec.site(layer, "moe_in", x).reshape(b * s, d)
     # Dispatch: (token, slot) rows sorted by expert id (stable, so token order within a group).
     flat_ids = ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)
@@ -110,9 +110,13 @@ class MoE(nnx.Module):
     if experts is None:
       gate, up, down = prec.expert_weights(*(w[...].astype(x.dtype) for w in
                                              (self.gate_proj, self.up_proj, self.down_proj)))
-      h = (jax.nn.silu(grouped_matmul(rows, gate, group_sizes, self.impl))
-           * grouped_matmul(rows, up, group_sizes, self.impl))
-      mm_down = lambda h: grouped_matmul(h, down, group_sizes, self.impl)
+      if prec.fp8:  # one GEMM for gate and up (the same 128x128 blocks as two)
+        gu = prec.grouped(rows, jnp.concatenate([gate, up], axis=1), group_sizes)
+        h = jax.nn.silu(gu[:, :gate.shape[1]]) * gu[:, gate.shape[1]:]
+      else:
+        h = (jax.nn.silu(prec.grouped(rows, gate, group_sizes))
+             * prec.grouped(rows, up, group_sizes))
+      mm_down = lambda h: prec.grouped(h, down, group_sizes)
     else:
       kernel = decode and s == 1 and self.decode_impl == "kernel"
       mm = lambda a, w: (fp4_moe.grouped_matmul_decode(a, w, group_sizes) if kernel else
@@ -123,7 +127,6 @@ class MoE(nnx.Module):
       mm_down = lambda h: mm(h, experts.down)
     h = prec.site(layer, "expert_mid", h, row_order=order, tap_shape=(b, s, k),
                   experts=ids.reshape(b, s, k), rollout_experts=rollout_ids)
-    h = prec.expert_input(h)
     y = mm_down(h)                                                           # [M, D]
     # Combine: back to (token, slot) order, weight, sum over slots.
     y = jnp.zeros_like(y).at[order].set(y).reshape(b * s, k, d)

@@ -11,9 +11,9 @@ Sites (TRACE): `moe_in` (a token's input to the routed experts, row = token), `e
 (entering the KV cache, row = (token, kv head), blocks along head_dim), plus the routed
 expert weights (in NVFP4 one second-level scale per expert; gate and up share it, as SGLang's
 fused w13 does), all in the forward's FP4 format (NVFP4 or MXFP4). `fp8_unified` (Jet-RL)
-instead quantizes the input and weight of every linear layer in the decoder blocks (q/k/v/o
-projections and experts) with FP8; the router, embeddings, norms and lm_head stay in the
-compute dtype in every policy.
+instead runs every linear layer in the decoder blocks (q/k/v/o projections and experts) as an
+FP8 GEMM (`linear`, `grouped`: `trace_jax.model.fp8_linear`); the router, embeddings, norms
+and lm_head stay in the compute dtype in every policy.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from trace_jax.model import fp8_linear
 from trace_jax.model.config import SITES, ModelConfig
+from trace_jax.model.grouped import grouped_matmul
 from trace_jax.quant import formats, guided, qat
 from trace_jax.quant.guided import Guidance
 
@@ -162,26 +164,30 @@ class Precision:
 
   def expert_weights(self, gate: jax.Array, up: jax.Array,
                      down: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Fake-quantized routed expert weights [E, F, D], [E, F, D], [E, D, F]."""
+    """FP4 fake-quantized routed expert weights [E, F, D], [E, F, D], [E, D, F] (the FP8
+    linears quantize their weights inside `grouped`)."""
     if self.fp4:
       f = gate.shape[1]
       gate_up = qat.fake_quant_weight(jnp.concatenate([gate, up], axis=1), self.fmt)
       return gate_up[:, :f], gate_up[:, f:], qat.fake_quant_weight(down, self.fmt)
-    if self.fp8:
-      return tuple(qat.fake_quant_weight(w, "fp8") for w in (gate, up, down))
     return gate, up, down
 
-  def linear_input(self, x: jax.Array) -> jax.Array:
-    """Input of a quantized linear layer: FP8 (1x128 groups) in fp8_unified, else identity."""
-    return qat.fake_quant_act(x, "fp8") if self.fp8 else x
+  def linear(self, x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w [out, in]^T of an attention projection: an FP8 GEMM (1x128 input groups,
+    128x128 weight blocks) in forwards with FP8 linears, else the compute dtype's matmul."""
+    if not self.fp8:
+      return jnp.einsum("...i,oi->...o", x, w)
+    c = self.config
+    return fp8_linear.linear(x, w, c.fp8_gemm, "fp8" if c.fp8_backward else "bf16")
 
-  def linear_weight(self, w: jax.Array) -> jax.Array:
-    """[out, in] weight of an attention projection: FP8 128x128 blocks in fp8_unified."""
-    return qat.fake_quant_weight(w, "fp8") if self.fp8 else w
-
-  def expert_input(self, x: jax.Array) -> jax.Array:
-    """FP8 on the expert matmul inputs in fp8_unified (FP4 sites go through `site`)."""
-    return self.linear_input(x)
+  def grouped(self, rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Expert rows [M, in] sorted by expert times w [E, out, in]: FP8 in forwards with FP8
+    linears, else the compute dtype's grouped matmul (`ModelConfig.moe_impl`)."""
+    c = self.config
+    if not self.fp8:
+      return grouped_matmul(rows, w, group_sizes, c.moe_impl)
+    return fp8_linear.grouped(rows, w, group_sizes, c.fp8_gemm,
+                              "fp8" if c.fp8_backward else "bf16", c.moe_impl)
 
 
 def match_experts(experts: jax.Array, rollout_experts: jax.Array

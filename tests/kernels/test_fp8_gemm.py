@@ -1,0 +1,157 @@
+"""Block-scaled FP8 GEMMs (`trace_jax.kernels.fp8_gemm`): kernel against a float64 product.
+
+On CPU the kernel runs in the Pallas interpreter, on the GPU as the Triton kernel itself
+(`interpret=None`). The reference is the float64 product of `formats.fp8_dequantize`'s
+values (what the GEMM consumes, by construction the quantizer's codes and scales). Tolerance:
+every E4M3 x E4M3 product is exact in float32; the errors are float32 summation within and
+across the 128-wide groups, the two scale products, and the final rounding. Any order of
+round-to-nearest summation is within K * 2**-24 * S (S = sum_k |a_k b_k| of the dequantized
+values); the GPU's FP8 MMA may add in fewer bits inside a group, so the bound allows
+K * 2**-20 * S, plus half an ulp of the output dtype. A wrong scale or code is off by far more
+(the broken cases below).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trace_jax.kernels import fp8_gemm
+from trace_jax.quant import formats
+
+E, N, K = 4, 256, 512
+M = 100  # not a multiple of any row block
+
+GROUPS = [
+    ("mixed_with_empty", (30, 0, 50, 20)),
+    ("one_expert_all_rows", (0, M, 0, 0)),
+    ("trailing_rows", (10, 0, 25, 0)),
+    ("all_empty", (0, 0, 0, 0)),
+]
+VARIANTS = [
+    ("defaults", {}),
+    ("small_rows_swap_ab", dict(block_m=16, swap_ab=True, reps=3)),
+    ("small_rows_no_swap", dict(block_m=16, swap_ab=False)),
+    ("block_n_64", dict(block_n=64, block_m=32)),
+    ("two_groups_per_step", dict(group_k=2, block_m=64)),
+    ("four_groups_per_step_swap_ab", dict(group_k=4, block_m=16, swap_ab=True)),
+]
+
+
+def _operands(seed: int, e: int = E, b_groups: bool = False):
+  rng = np.random.default_rng(seed)
+  # Rows of very different magnitudes: the per-group scales matter.
+  x = rng.standard_normal((M, K)) * np.exp(rng.uniform(-8, 8, (M, 1)))
+  w = rng.standard_normal((e, N, K)) * np.exp(rng.uniform(-6, 6, (e, 1, K // 128))
+                                              ).repeat(128, axis=-1)
+  qa = formats.fp8_quantize_act(jnp.asarray(x, jnp.bfloat16))
+  wq = jnp.asarray(w, jnp.bfloat16)
+  qb = formats.fp8_quantize_act(wq) if b_groups else formats.fp8_quantize_weight(wq)
+  return qa, qb
+
+
+def _exact(qa, qb, group_sizes):
+  """float64 product of the dequantized values, and S = sum |a b| per output."""
+  a = np.asarray(formats.fp8_dequantize(qa), np.float64)
+  b = np.asarray(formats.fp8_dequantize(qb), np.float64)
+  out, mag = np.zeros((M, N)), np.zeros((M, N))
+  start = 0
+  for g, size in enumerate(np.asarray(group_sizes)):
+    rows = slice(start, start + size)
+    out[rows], mag[rows] = a[rows] @ b[g].T, np.abs(a[rows]) @ np.abs(b[g]).T
+    start += size
+  return out, mag
+
+
+def _assert_close(y, exact, mag, dtype):
+  ulp = 2.0**-8 if dtype == jnp.bfloat16 else 2.0**-24
+  bound = K * 2.0**-20 * mag + ulp * np.abs(exact) + 1e-30
+  err = np.abs(np.asarray(y, np.float64) - exact)
+  assert np.all(err <= bound), f"max err/bound {np.max(err / bound):.3g}"
+
+
+@pytest.mark.parametrize("groups", [g for _, g in GROUPS], ids=[n for n, _ in GROUPS])
+@pytest.mark.parametrize("opts", [o for _, o in VARIANTS], ids=[n for n, _ in VARIANTS])
+def test_grouped_matches_float64(groups, opts):
+  qa, qb = _operands(0)
+  gs = jnp.asarray(groups, jnp.int32)
+  y = fp8_gemm.grouped_matmul(qa, qb, gs, out_dtype=jnp.float32, **opts)
+  exact, mag = _exact(qa, qb, gs)
+  _assert_close(y, exact, mag, jnp.float32)
+
+
+@pytest.mark.parametrize("b_groups", [False, True], ids=["weight_blocks", "act_groups"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16_out", "f32_out"])
+def test_dense_matches_float64_and_reference(b_groups, dtype):
+  qa, qb = _operands(1, e=1, b_groups=b_groups)
+  qb = formats.FP8Tensor(values=qb.values[0], scale=qb.scale[0], block_rows=qb.block_rows)
+  y = fp8_gemm.matmul(qa, qb, out_dtype=dtype)
+  a = np.asarray(formats.fp8_dequantize(qa), np.float64)
+  b = np.asarray(formats.fp8_dequantize(qb), np.float64)
+  _assert_close(y.astype(jnp.float32), a @ b.T, np.abs(a) @ np.abs(b).T, dtype)
+  ref = fp8_gemm.reference(qa, qb, out_dtype=jnp.float32)
+  ulp = 2.0**-8 if dtype == jnp.bfloat16 else 0.0
+  err = jnp.abs(y.astype(jnp.float32) - ref) - ulp * jnp.abs(ref)
+  assert float(jnp.max(err) / jnp.max(jnp.abs(ref))) < 1e-5
+
+
+def test_nan_block_propagates_and_zeros_stay_zero():
+  """A NaN input group has scale NaN: its rows come out NaN; an all-zero row gives zeros."""
+  x = np.random.default_rng(2).standard_normal((M, K)).astype(np.float32)
+  x[3, 5] = np.nan
+  x[7] = 0.0
+  qa = jax.jit(formats.fp8_quantize_act)(jnp.asarray(x))  # eagerly, NaN input raises
+  qb = formats.fp8_quantize_weight(jnp.ones((N, K), jnp.float32))
+  y = np.asarray(fp8_gemm.matmul(qa, qb, out_dtype=jnp.float32))
+  assert np.all(np.isnan(y[3])) and np.all(y[7] == 0.0)
+  assert np.all(np.isfinite(np.delete(y, 3, axis=0)))
+
+
+@pytest.mark.parametrize("broken", ["scale_a", "scale_b", "code"])
+def test_broken_operand_is_detected(broken):
+  """The tolerance catches a scale off by 2x or one code with a wrong exponent bit (the checks
+  can fail; one wrong mantissa bit among K products is within it)."""
+  qa, qb = _operands(3)
+  gs = jnp.asarray((M, 0, 0, 0), jnp.int32)
+  exact, mag = _exact(qa, qb, gs)
+  if broken == "scale_a":
+    qa = qa.replace(scale=qa.scale.at[5, 1].multiply(2.0))
+  elif broken == "scale_b":
+    qb = qb.replace(scale=qb.scale.at[0, 1, 2].multiply(2.0))
+  else:
+    # The largest product term of row 5, with its top exponent bit flipped.
+    weight = np.abs(np.asarray(formats.fp8_dequantize(qb), np.float64)).mean(axis=(0, 1))
+    col = int(np.argmax(np.abs(np.asarray(formats.fp8_dequantize(qa)[5], np.float64)) * weight))
+    bits = jax.lax.bitcast_convert_type(qa.values, jnp.uint8)
+    bits = bits.at[5, col].set(bits[5, col] ^ 0x40)
+    qa = qa.replace(values=jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn))
+  y = fp8_gemm.grouped_matmul(qa, qb, gs, out_dtype=jnp.float32)
+  with pytest.raises(AssertionError):
+    _assert_close(y, exact, mag, jnp.float32)
+
+
+def test_transpose_weight_is_the_quantization_of_the_transpose():
+  w = jnp.asarray(np.random.default_rng(4).standard_normal((256, 384)), jnp.bfloat16)
+  t, q = fp8_gemm.transpose_weight(formats.fp8_quantize_weight(w)), formats.fp8_quantize_weight(w.T)
+  np.testing.assert_array_equal(np.asarray(t.scale), np.asarray(q.scale))
+  np.testing.assert_array_equal(np.asarray(t.values.astype(jnp.float32)),
+                                np.asarray(q.values.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("case", ["not_fp8", "bad_scale_shape", "k_mismatch", "block_n"])
+def test_bad_input_raises(case):
+  qa, qb = _operands(5)
+  gs = jnp.asarray((M, 0, 0, 0), jnp.int32)
+  kw = {}
+  if case == "not_fp8":
+    qa = qa.replace(values=qa.values.astype(jnp.bfloat16))
+  elif case == "bad_scale_shape":
+    qb = qb.replace(scale=qb.scale[:, :1])
+  elif case == "k_mismatch":
+    qa = formats.fp8_quantize_act(jnp.ones((M, 128), jnp.float32))
+  else:
+    kw = dict(block_n=256)
+  with pytest.raises((TypeError, ValueError)):
+    fp8_gemm.grouped_matmul(qa, qb, gs, **kw)

@@ -1,0 +1,247 @@
+"""Block-scaled FP8 (E4M3) GEMMs on FP8 tensor cores, dense and grouped by expert (Jet-RL).
+
+Contract: a [M, K] and b [N, K] (or stacked [E, N, K] with rows of a sorted by expert and
+`group_sizes` [E]) as `formats.FP8Tensor`s, contraction axis last:
+
+  out[m, n] = sum_kb (sum_{k in kb} a[m, k] * b[n, k]) * a.scale[m, kb] * b.scale[n', kb]
+
+with kb the 128-wide K groups and n' = n // 128 for 128x128 weight blocks (`block_rows=128`)
+or n for 1x128 groups (`block_rows=1`: activations as the right operand, the WGrad GEMM).
+Products of the E4M3 values are summed in float32 within each K group (on the GPU by the
+tensor cores' FP8 MMA), scaled, summed over groups in float32 and rounded once to the output
+dtype. The values the GEMM consumes are the codes and scales `formats.fp8_quantize_act` /
+`fp8_quantize_weight` make, unchanged, so `reference` (dequantize with `formats.fp8_dequantize`,
+float32 matmul) is the same sum up to float32 accumulation order. Rows past sum(group_sizes)
+come out zero, as with ragged_dot.
+
+Kernel (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewhere): grid
+(E, N // block_n, R). Program (e, j, r) takes expert e's row blocks r, r + R, ... (block_m
+rows each; an expert with no rows returns at once) and for
+each loops over K in groups of 128: load a [block_m, 128] tile of a and a [block_n, 128] tile
+of b as float8_e4m3fn (a's rows padded by block_m, so the loads need no masks and feed the MMA
+directly; only the stores are masked to the expert's rows), one FP8 dot into a fresh
+float32 tile, scale it by the two scale vectors and add it to the accumulator (the per-group
+promotion DeepSeek-V3 uses, since Hopper's FP8 MMA keeps few accumulator bits). Dense GEMMs
+are the E = 1 case with R = M // block_m. `swap_ab` computes each tile transposed (b as the
+MMA's M side), for decode where a has few rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from trace_jax.kernels import fp4_moe
+from trace_jax.quant import formats
+
+GROUP = formats.FP8_GROUP  # 128: the K group of every scale (and the weight block's N side)
+
+
+def _check(name: str, q: formats.FP8Tensor, ndim: int, block_rows: tuple[int, ...]) -> None:
+  v, s = q.values, q.scale
+  if v.dtype != jnp.float8_e4m3fn or v.ndim != ndim:
+    raise TypeError(f"{name}: values must be float8_e4m3fn with {ndim} axes, got {v.dtype} "
+                    f"{v.shape}")
+  if q.block_rows not in block_rows:
+    raise ValueError(f"{name}: block_rows must be one of {block_rows}, got {q.block_rows}")
+  *lead, n, k = v.shape
+  if k % GROUP or (q.block_rows == GROUP and n % GROUP):
+    raise ValueError(f"{name}: shape {v.shape} is not in whole {q.block_rows}x{GROUP} blocks")
+  want = tuple(lead) + ((n // GROUP,) if q.block_rows == GROUP else (n,)) + (k // GROUP,)
+  if s.shape != want or s.dtype != jnp.float32:
+    raise ValueError(f"{name}: scale must be float32 {want}, got {s.dtype} {s.shape}")
+
+
+def transpose_weight(q: formats.FP8Tensor) -> formats.FP8Tensor:
+  """The 128x128-block quantization of w^T from that of w [..., N, K] (the same blocks)."""
+  if q.block_rows != GROUP:
+    raise ValueError("transpose_weight needs 128x128 blocks (block_rows=128)")
+  return formats.FP8Tensor(values=jnp.swapaxes(q.values, -1, -2),
+                           scale=jnp.swapaxes(q.scale, -1, -2), block_rows=GROUP)
+
+
+# ----------------------------------------------------------------------------- reference
+
+def reference(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.Array | None = None,
+              out_dtype: Any = jnp.bfloat16) -> jax.Array:
+  """The contract in plain JAX: dequantized float32 operands, float32 matmul (HIGHEST)."""
+  av, bv = formats.fp8_dequantize(a), formats.fp8_dequantize(b)
+  hi = jax.lax.Precision.HIGHEST
+  if group_sizes is None:
+    return jnp.einsum("mk,nk->mn", av, bv, precision=hi).astype(out_dtype)
+  dn = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[0])
+  return jax.lax.ragged_dot_general(av, bv, group_sizes.astype(jnp.int32), dn, precision=hi,
+                                    preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+def _kernel(offs_ref, sizes_ref, a_ref, sa_ref, b_ref, sb_ref, o_ref, *, m: int, k: int,
+            num_experts: int, bm: int, bn: int, b_block: bool, swap_ab: bool, reps: int,
+            group_k: int, interpret: bool):
+  e = pl.program_id(0)
+  n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+  r = pl.program_id(2)
+  start = offs_ref[e]
+  size = sizes_ref[e]
+  end = jnp.minimum(start + size, m)
+  blocks = jax.lax.div(size + (bm - 1), bm)
+  rows = jnp.arange(bm, dtype=jnp.int32)[:, None]
+  # The interpreter (XLA on CPU) multiplies the same exact E4M3 values in float32.
+  cast = (lambda v: v.astype(jnp.float32)) if interpret else (lambda v: v)
+
+  def row_block(i, carry):
+    row0 = start + (r + i * reps) * bm
+    valid = (row0 + rows) < end                                             # [bm, 1]
+
+    def k_step(t, acc):
+      # Unmasked loads straight into the dot (a's rows are padded by block_m; rows of other
+      # experts are read but never stored), so Triton pipelines them as plain tiles. With
+      # group_k > 1 several groups' dots are issued before their partials are scaled.
+      parts = []
+      for j in range(group_k):
+        g = t * group_k + j
+        k0 = pl.multiple_of(g * GROUP, GROUP)
+        a = cast(a_ref[pl.ds(row0, bm), pl.ds(k0, GROUP)])
+        sa = sa_ref[pl.ds(row0, bm), pl.ds(g, 1)]                          # [bm, 1]
+        b = cast(b_ref[e, pl.ds(n0, bn), pl.ds(k0, GROUP)])
+        if b_block:  # one 128x128 block row covers the tile (bn <= 128)
+          sb = sb_ref[e, pl.ds(jax.lax.div(n0, GROUP), 1), pl.ds(g, 1)]    # [1, 1]
+        else:
+          sb = sb_ref[e, pl.ds(n0, bn), pl.ds(g, 1)]                       # [bn, 1]
+        if swap_ab:
+          part = jax.lax.dot_general(b, a, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)  # [bn, bm]
+          parts.append((part, sb, sa.reshape(1, bm)))
+        else:
+          part = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)  # [bm, bn]
+          parts.append((part, sa, sb.reshape(1, -1)))
+      for part, s0, s1 in parts:
+        acc = acc + part * s0 * s1
+      return acc
+
+    acc = jax.lax.fori_loop(0, k // (GROUP * group_k), k_step,
+                            jnp.zeros((bn, bm) if swap_ab else (bm, bn), jnp.float32))
+    acc = acc.T if swap_ab else acc
+    fp4_moe._masked_store(o_ref, (pl.ds(row0, bm), pl.ds(n0, bn)), acc.astype(o_ref.dtype),
+                          jnp.broadcast_to(valid, (bm, bn)))
+    return carry
+
+  mine = jnp.maximum(jax.lax.div(blocks - r + (reps - 1), reps), 0)  # blocks r, r + R, ...
+  jax.lax.fori_loop(0, mine, row_block, 0)
+
+  total = offs_ref[num_experts - 1] + sizes_ref[num_experts - 1]
+
+  @pl.when((e == num_experts - 1) & (r == 0) & (total < m))
+  def _zero_tail():  # rows no group holds: zeros, as ragged_dot gives
+    def zero_block(i, carry):
+      row0 = total + i * bm
+      valid = jnp.broadcast_to((row0 + rows) < m, (bm, bn))
+      fp4_moe._masked_store(o_ref, (pl.ds(row0, bm), pl.ds(n0, bn)),
+                            jnp.zeros((bm, bn), o_ref.dtype), valid)
+      return carry
+
+    jax.lax.fori_loop(0, jax.lax.div(m - total + (bm - 1), bm), zero_block, 0)
+
+
+_STATIC = ("b_block", "out_dtype", "interpret", "block_m", "block_n", "reps", "swap_ab",
+           "group_k", "num_warps", "num_stages")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _call(a_values, a_scale, b_values, b_scale, group_sizes, *, b_block, out_dtype, interpret,
+          block_m, block_n, reps, swap_ab, group_k, num_warps, num_stages):
+  m, k = a_values.shape
+  e, n, _ = b_values.shape
+  if m == 0:
+    return jnp.zeros((0, n), out_dtype)
+  gs = group_sizes.astype(jnp.int32)
+  offs = jnp.cumsum(gs) - gs
+  # block_m zero rows (and whole blocks): a row block that starts in the last rows reads past M.
+  pad = ((0, -m % block_m + block_m), (0, 0))
+  a_values, a_scale = jnp.pad(a_values, pad), jnp.pad(a_scale, pad)
+  kernel = functools.partial(_kernel, m=m, k=k, num_experts=e, bm=block_m, bn=block_n,
+                             b_block=b_block, swap_ab=swap_ab, reps=reps, group_k=group_k,
+                             interpret=interpret)
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(e, n // block_n, reps),
+      interpret=interpret, name="fp8_grouped_gemm" if e > 1 else "fp8_gemm",
+      compiler_params=None if interpret else fp4_moe._compiler_params(num_warps, num_stages),
+  )(offs, gs, a_values, a_scale, b_values, b_scale)
+
+
+def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.Array, *,
+                   out_dtype: Any = jnp.bfloat16, interpret: bool | None = None,
+                   block_m: int | None = None, block_n: int | None = None,
+                   reps: int | None = None, swap_ab: bool | None = None,
+                   group_k: int | None = None, num_warps: int | None = None,
+                   num_stages: int = 4) -> jax.Array:
+  """FP8 rows a [M, K] (1x128 groups, sorted by expert) times b [E, N, K] -> [M, N].
+
+  b: 128x128 blocks (weights) or 1x128 groups. group_sizes [E] sums to at most M.
+  interpret: None runs the Triton kernel on GPU and the Pallas interpreter elsewhere.
+  block_m / block_n: tile rows / columns (powers of two; block_n <= 128 with 128x128 blocks).
+  reps: programs per (expert, N tile); None: enough for M / E rows per expert in 2 blocks.
+  swap_ab: tiles computed transposed (b the MMA's M side); None: when block_m < 64.
+  group_k: 128-wide K groups per loop step (their dots issued before any is scaled); None: 1
+    (2 and 4 ran no faster on the H200, docs/benchmarks.md).
+  """
+  _check("grouped_matmul a", a, 2, (1,))
+  _check("grouped_matmul b", b, 3, (1, GROUP))
+  m, k = a.values.shape
+  e, n, kb = b.values.shape
+  if kb != k:
+    raise ValueError(f"grouped_matmul: a {a.values.shape} and b {b.values.shape} disagree on K")
+  if group_sizes.shape != (e,):
+    raise ValueError(f"grouped_matmul: group_sizes must be [{e}], got {group_sizes.shape}")
+  if block_m is None:
+    block_m = min(128, max(16, fp4_moe._next_pow2(-(-m // e))))
+  fp4_moe._check_block("block_m", block_m, 16)
+  if block_m > 256:
+    raise ValueError(f"grouped_matmul: block_m={block_m} > 256")
+  if block_n is None:  # 64 (with block_m 128, 4 warps): the H200 sweep's best at M 8192
+    block_n = fp4_moe._pow2_divisor(n, 64)
+  fp4_moe._check_block("block_m", block_m, 16)
+  fp4_moe._check_block("block_n", block_n, 16)
+  if n % block_n or (b.block_rows == GROUP and block_n > GROUP):
+    raise ValueError(f"grouped_matmul: block_n={block_n} must divide N={n} (and be <= 128 "
+                     "with 128x128 blocks)")
+  if group_k is None:
+    group_k = 1
+  if group_k not in (1, 2, 4) or (k // GROUP) % group_k:
+    raise ValueError(f"grouped_matmul: group_k={group_k} must be 1, 2 or 4 and divide "
+                     f"K / 128 = {k // GROUP}")
+  if reps is None:
+    reps = max(1, -(-m // (e * block_m * 2)))
+  if swap_ab is None:
+    swap_ab = block_m < 64
+  if num_warps is None:
+    num_warps = 8 if block_m * block_n > 128 * 64 else 4
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  return _call(a.values, a.scale, b.values, b.scale, group_sizes, b_block=b.block_rows == GROUP,
+               out_dtype=jnp.dtype(out_dtype), interpret=bool(interpret), block_m=block_m,
+               block_n=block_n, reps=int(reps), swap_ab=bool(swap_ab), group_k=group_k,
+               num_warps=num_warps, num_stages=num_stages)
+
+
+def matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, *, out_dtype: Any = jnp.bfloat16,
+           block_m: int | None = None, **kw) -> jax.Array:
+  """FP8 a [M, K] (1x128 groups) times b [N, K] (128x128 blocks or 1x128 groups) -> [M, N]."""
+  _check("matmul a", a, 2, (1,))
+  _check("matmul b", b, 2, (1, GROUP))
+  m = a.values.shape[0]
+  if block_m is None:
+    block_m = min(128, max(16, fp4_moe._next_pow2(m)))
+  stacked = formats.FP8Tensor(values=b.values[None], scale=b.scale[None],
+                              block_rows=b.block_rows)
+  return grouped_matmul(a, stacked, jnp.full((1,), m, jnp.int32), out_dtype=out_dtype,
+                        block_m=block_m, reps=kw.pop("reps", max(1, -(-m // block_m))), **kw)
+

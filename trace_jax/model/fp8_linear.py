@@ -1,0 +1,144 @@
+"""The linear layers of `fp8_unified` (Jet-RL, docs/design.md §3.4) as FP8 GEMMs with gradients.
+
+Forward: the input quantized in 1x128 groups and the weight in 128x128 blocks
+(`formats.fp8_quantize_act` / `fp8_quantize_weight`), then one block-scaled FP8 GEMM
+(`trace_jax.kernels.fp8_gemm`): float32 accumulation, output in the compute dtype. `impl`
+("xla": the GEMM's plain-JAX reference, dequantized float32 operands; "kernel": the Pallas
+kernel on FP8 tensor cores) changes only the summation order.
+
+Backward (straight-through: the gradient of the quantizers is the identity; gradients between
+operators are BF16, docs/design.md §3.7):
+- backward="bf16" (default): the BF16 GEMMs of the dequantized operands,
+  dx = dy @ w_q and dw = dy^T x_q, with w_q, x_q the forward's values in the compute dtype;
+  exactly the gradient of a BF16 matmul of the fake-quantized operands.
+- backward="fp8" (Jet-RL's full flow): DGrad on FP8 operands, dy in 1x128 groups along N times
+  the forward's 128x128 weight blocks transposed; WGrad with dy and the saved input both
+  re-quantized in 128x1 groups along the tokens. For the routed experts, DGrad runs in FP8 and
+  WGrad stays BF16 (an FP8 WGrad needs groups of 128 tokens within each expert).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.kernels import fp8_gemm
+from trace_jax.model import grouped as grouped_mm
+from trace_jax.quant import formats
+
+IMPLS = ("xla", "kernel")
+BACKWARDS = ("bf16", "fp8")
+_G = formats.FP8_GROUP
+
+
+def _check(impl: str, backward: str) -> None:
+  if impl not in IMPLS:
+    raise ValueError(f"fp8_gemm must be one of {IMPLS}, got {impl!r}")
+  if backward not in BACKWARDS:
+    raise ValueError(f"fp8 backward must be one of {BACKWARDS}, got {backward!r}")
+
+
+def _gemm(a: formats.FP8Tensor, b: formats.FP8Tensor, impl: str, dtype: Any,
+          group_sizes: jax.Array | None = None, moe_impl: str = "tiled") -> jax.Array:
+  if impl == "kernel":
+    if group_sizes is None:
+      return fp8_gemm.matmul(a, b, out_dtype=dtype)
+    return fp8_gemm.grouped_matmul(a, b, group_sizes, out_dtype=dtype)
+  if group_sizes is None:
+    return fp8_gemm.reference(a, b, out_dtype=dtype)
+  av, bv = formats.fp8_dequantize(a), formats.fp8_dequantize(b)
+  return grouped_mm.grouped_matmul(av, bv, group_sizes, moe_impl).astype(dtype)
+
+
+def _pad_rows(a: jax.Array) -> jax.Array:
+  """a [M, C] with zero rows appended up to a multiple of 128 (128x1 groups along M)."""
+  pad = -a.shape[0] % _G
+  return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
+
+
+def _wgrad_fp8(dy: jax.Array, xq: jax.Array, impl: str) -> jax.Array:
+  """dy [M, N]^T @ xq [M, K] on FP8 operands quantized in 128x1 groups along M -> [N, K]."""
+  dyt = formats.fp8_quantize_act(_pad_rows(dy).T)
+  xt = formats.fp8_quantize_act(_pad_rows(xq).T)
+  return _gemm(dyt, xt, impl, dy.dtype)
+
+
+# ----------------------------------------------------------------------------- dense
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def linear(x: jax.Array, w: jax.Array, impl: str = "xla", backward: str = "bf16") -> jax.Array:
+  """x [..., K] @ w [N, K]^T on FP8 operands -> [..., N] in x.dtype (w in x.dtype)."""
+  return _linear_fwd(x, w, impl, backward)[0]
+
+
+def _linear_fwd(x, w, impl, backward):
+  _check(impl, backward)
+  qx = formats.fp8_quantize_act(x.reshape(-1, x.shape[-1]))
+  qw = formats.fp8_quantize_weight(w)
+  y = _gemm(qx, qw, impl, x.dtype)
+  # Dtypes ride along as empty arrays (residuals must be arrays).
+  return (y.reshape(x.shape[:-1] + (w.shape[0],)),
+          (qx, qw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)))
+
+
+def _linear_bwd(impl, backward, res, dy):
+  qx, qw, xlike, wlike = res
+  dtype, wdtype = xlike.dtype, wlike.dtype
+  shape = dy.shape[:-1] + (qx.values.shape[-1],)
+  dy = dy.reshape(-1, dy.shape[-1]).astype(dtype)
+  xq = formats.fp8_dequantize(qx).astype(dtype)
+  if backward == "bf16":
+    wq = formats.fp8_dequantize(qw).astype(dtype)
+    _, vjp = jax.vjp(lambda a, b: jnp.einsum("mk,nk->mn", a, b), xq, wq)
+    dx, dw = vjp(dy)
+  else:
+    dx = _gemm(formats.fp8_quantize_act(dy), fp8_gemm.transpose_weight(qw), impl, dtype)
+    dw = _wgrad_fp8(dy, xq, impl)
+  return dx.reshape(shape), dw.astype(wdtype)
+
+
+linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+# ----------------------------------------------------------------------------- grouped (experts)
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def grouped(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str = "xla",
+            backward: str = "bf16", moe_impl: str = "tiled") -> jax.Array:
+  """Rows [M, K] sorted by expert times w [E, N, K] on FP8 operands -> [M, N] in rows.dtype.
+
+  moe_impl: the grouped matmul of the "xla" forward and of the BF16 backward GEMMs.
+  """
+  return _grouped_fwd(rows, w, group_sizes, impl, backward, moe_impl)[0]
+
+
+def _grouped_fwd(rows, w, group_sizes, impl, backward, moe_impl):
+  _check(impl, backward)
+  qx = formats.fp8_quantize_act(rows)
+  qw = formats.fp8_quantize_weight(w)
+  y = _gemm(qx, qw, impl, rows.dtype, group_sizes, moe_impl)
+  return y, (qx, qw, group_sizes, jnp.zeros((0,), rows.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _grouped_bwd(impl, backward, moe_impl, res, dy):
+  qx, qw, gs, xlike, wlike = res
+  dtype, wdtype = xlike.dtype, wlike.dtype
+  dy = dy.astype(dtype)
+  xq = formats.fp8_dequantize(qx).astype(dtype)
+  wq = formats.fp8_dequantize(qw).astype(dtype)
+  _, vjp = jax.vjp(lambda a, b: grouped_mm.grouped_matmul(a, b, gs, moe_impl), xq, wq)
+  if backward == "bf16":
+    dx, dw = vjp(dy)
+  else:
+    dx = _gemm(formats.fp8_quantize_act(dy), fp8_gemm.transpose_weight(qw), impl, dtype, gs,
+               moe_impl)
+    _, dw = vjp(dy)  # XLA drops the unused BF16 DGrad
+  zero_gs = jnp.zeros(gs.shape, jax.dtypes.float0) if jnp.issubdtype(gs.dtype, jnp.integer) \
+      else jnp.zeros_like(gs)
+  return dx, dw.astype(wdtype), zero_gs
+
+
+grouped.defvjp(_grouped_fwd, _grouped_bwd)
