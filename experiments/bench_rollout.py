@@ -1,4 +1,5 @@
-"""Decode speed of the embedded rollout engine: BF16 vs FP4 policies, XLA vs kernel decode.
+"""Decode speed of the embedded rollout engine: BF16 vs FP4 (and FP8: `--policies=bf16,
+fp8_unified,...`) policies, XLA vs kernel decode.
 
   python -m experiments.bench_rollout --json_out=/tmp/rollout.json          # GPU preset
   python -m experiments.bench_rollout --preset=cpu                          # a minute on CPU
@@ -32,7 +33,8 @@ FLAGS = flags.FlagValues()
 flags.DEFINE_enum("preset", "h200", ["h200", "cpu"], "Model and batch sizes.", flag_values=FLAGS)
 flags.DEFINE_list("policies", ["bf16", "fp4_rtn", "fp4_trace"], "Forwards of the rollout.",
                   flag_values=FLAGS)
-flags.DEFINE_list("impls", ["xla", "kernel"], "decode_impl values.", flag_values=FLAGS)
+flags.DEFINE_list("impls", ["xla", "kernel"],
+                  "decode_impl values (and fp8_gemm's, for fp8_unified).", flag_values=FLAGS)
 flags.DEFINE_list("batches", [], "Batch sizes (default per preset).", flag_values=FLAGS)
 flags.DEFINE_list("cases", [], "Only these policy:impl:batch cases (default: all).",
                   flag_values=FLAGS)
@@ -56,14 +58,17 @@ PRESETS = {
 }
 
 
-def step_bytes(config: Any, batch: int, context: float, policy_fp4: bool,
-               touched: float) -> float:
-  """Bytes one decode step must read: `touched` experts per layer (weights as stored), the
-  attention projections, lm_head, and the KV cache at `context` tokens per sequence."""
-  c = config
+def step_bytes(config: Any, batch: int, context: float, touched: float) -> float:
+  """Bytes one decode step must read: `touched` experts per layer (weights as stored: BF16,
+  packed NVFP4, or FP8 under FP8 linears), the attention projections (FP8 under FP8 linears),
+  lm_head, and the KV cache at `context` tokens per sequence."""
+  c, fwd = config, config.forward
   d, f, h = c.hidden_size, c.moe_intermediate_size, c.head_dim
-  expert = 3 * f * d * (0.5 + 1 / 16) + 8 if policy_fp4 else 3 * f * d * 2
-  attn = (c.num_attention_heads * h * d * 2 + 2 * c.num_key_value_heads * h * d) * 2
+  fp8 = 1 + 4 / 128**2  # E4M3 byte + a float32 scale per 128 x 128 block
+  expert = 3 * f * d * (0.5 + 1 / 16) + 8 if fwd.fp4 else 3 * f * d * (fp8 if fwd.fp8_linears
+                                                                       else 2)
+  attn = ((c.num_attention_heads * h * d * 2 + 2 * c.num_key_value_heads * h * d)
+          * (fp8 if fwd.fp8_linears else 2))
   kv_row = 2 * c.num_key_value_heads * h * 2  # BF16 cache (the FP4 cache is fake-quantized)
   per_layer = touched * expert + attn + batch * context * kv_row
   return c.num_hidden_layers * per_layer + c.vocab_size * d * 2
@@ -127,11 +132,13 @@ def run_bench() -> dict[str, Any]:
         if FLAGS.budget_s and time.perf_counter() - start > FLAGS.budget_s:
           res["cases"][name] = {"skipped": "budget"}
           continue
-        config = base.replace(policy=policy, decode_impl=impl)
+        # "kernel": the decode kernels, and FP8 GEMMs on the Pallas kernel with FP8 weights
+        # made once per update; "xla": the references.
+        config = base.replace(policy=policy, decode_impl=impl, fp8_gemm=impl)
         r = run_case(params, config, batch, FLAGS.reps)
         ctx = FLAGS.prompt_len + r["tokens_per_seq"] / 2
         touched = expected_touched(base.num_experts, base.num_experts_per_tok, batch)
-        nbytes = step_bytes(base, batch, ctx, config.forward.fp4 is not None, touched)
+        nbytes = step_bytes(config, batch, ctx, touched)
         steps_per_s = r["tokens_per_s"] / batch
         r.update(step_bytes=nbytes, read_fraction=nbytes * steps_per_s / 1e9 / res["read_gbps"])
         res["cases"][name] = r

@@ -40,6 +40,11 @@ def test_bad_run_policies_refuse():
   with pytest.raises(ValueError, match=r"\+r3 replays the routing"):
     policies.parse("bf16+r3")
   assert policies.parse("mxfp4_trace+r3").replay
+  assert policies.parse("fp8_unified+fp8bwd").fp8_backward
+  assert not policies.parse("fp8_unified").fp8_backward
+  for name in ("bf16+fp8bwd", "fp8_rollout+fp8bwd"):  # trained without FP8 linears
+    with pytest.raises(ValueError, match="trains without FP8 linears"):
+      policies.parse(name)
 
 
 @pytest.mark.parametrize("section,overrides,want", [

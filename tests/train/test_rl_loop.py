@@ -45,7 +45,8 @@ def start_params():
 
 # Every run policy but the MXFP4 baselines (the same code paths as their NVFP4 twins, with the
 # format mxfp4_trace exercises here): each one compiles its own rollout and step programs.
-ONE_STEP = [p for p in POLICIES if p not in ("mxfp4_rollout", "mxfp4_rtn")] + ["fp4_trace+r3"]
+ONE_STEP = [p for p in POLICIES if p not in ("mxfp4_rollout", "mxfp4_rtn")] + ["fp4_trace+r3",
+                                                                       "fp8_unified+fp8bwd"]
 
 
 @pytest.mark.parametrize("policy", ONE_STEP)
@@ -265,7 +266,8 @@ def test_validate_names_every_bad_field_at_once():
                           "`rl.clip_eps`")
 
 
-@pytest.mark.parametrize("name", ["quickstart", "small_h200", "qwen3_30b_a3b", "long_horizon"])
+@pytest.mark.parametrize("name", ["quickstart", "small_h200", "small_h200_fp8", "qwen3_30b_a3b",
+                                  "long_horizon"])
 def test_shipped_configs_hold_every_prompt_of_their_run(name, bpe_tokenizer):
   module = importlib.import_module(f"configs.{name}")
   # The Qwen3 config reads the checkpoint's HF tokenizer; a small BPE stands in for it.

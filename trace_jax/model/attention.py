@@ -9,6 +9,8 @@ before they enter the cache, so prefill, decode and training see the same cached
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -37,17 +39,22 @@ class Attention(nnx.Module):
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
                prec: Precision, layer: int, cache: LayerCache | None = None,
-               decode: bool = False) -> tuple[jax.Array, LayerCache | None]:
+               decode: bool = False, quantized: dict[str, Any] | None = None
+               ) -> tuple[jax.Array, LayerCache | None]:
     """x [B, S, D], positions [B, S] -> (out [B, S, D], updated cache or None).
 
     decode=False: attend within x (cache, if given, is filled and returned).
     decode=True: attend over the whole cache after writing this call's K/V into it.
+    quantized: the rollout engine's FP8 projection weights by name (`expert_weights`), used
+    instead of the params' kernels.
     """
     b, s, _ = x.shape
     n, g, h = self.num_heads, self.num_kv_heads, self.head_dim
-    q = self.q_proj(x, prec.linear).reshape(b, s, n, h)
-    k = self.k_proj(x, prec.linear).reshape(b, s, g, h)
-    v = self.v_proj(x, prec.linear).reshape(b, s, g, h)
+    proj = ((lambda name, a: getattr(self, name)(a, prec.linear)) if quantized is None else
+            (lambda name, a: prec.linear(a, quantized[name])))
+    q = proj("q_proj", x).reshape(b, s, n, h)
+    k = proj("k_proj", x).reshape(b, s, g, h)
+    v = proj("v_proj", x).reshape(b, s, g, h)
     q = apply_rope(self.q_norm(q), cos, sin)
     k = apply_rope(self.k_norm(k), cos, sin)
     k, v = prec.kv_site(layer, k, v)
@@ -66,7 +73,7 @@ class Attention(nnx.Module):
     else:
       keys, values, key_pos = k, v, positions
     out = attend(q, keys, values, positions, key_pos)
-    out = self.o_proj(out.reshape(b, s, n * h), prec.linear)
+    out = proj("o_proj", out.reshape(b, s, n * h))
     return out, new_cache
 
 

@@ -117,6 +117,10 @@ class MoE(nnx.Module):
         h = (jax.nn.silu(prec.grouped(rows, gate, group_sizes))
              * prec.grouped(rows, up, group_sizes))
       mm_down = lambda h: prec.grouped(h, down, group_sizes)
+    elif experts.fp8:  # the engine's FP8 weights, quantized once per update
+      gu = prec.grouped(rows, experts.gate_up, group_sizes)
+      h = jax.nn.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]
+      mm_down = lambda h: prec.grouped(h, experts.down, group_sizes)
     else:
       kernel = decode and s == 1 and self.decode_impl == "kernel"
       mm = lambda a, w: (fp4_moe.grouped_matmul_decode(a, w, group_sizes) if kernel else

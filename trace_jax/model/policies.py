@@ -4,11 +4,13 @@ run's rollout and trainer each run.
 A `Forward` says how one forward pass quantizes; `ModelConfig.policy` names one and
 `trace_jax/model/precision.py` reads its fields at every site. A run `PrecisionPolicy` pairs
 a rollout forward with a training forward. Adding either is one entry below. A run may add
-options after "+": `fp4_trace+r3` replays the rollout's routing in the training forward (R3).
+options after "+": `fp4_trace+r3` replays the rollout's routing in the training forward (R3);
+`fp8_unified+fp8bwd` runs the training backward's GEMMs in FP8 too (Jet-RL's full flow).
 
 Forwards (FP4 quantizes the routed experts' weights, their inputs `moe_in` and `expert_mid`,
-and the KV cache `k`/`v`; FP8 quantizes the inputs and weights of the attention projections
-and the experts; the router, embeddings, norms and lm_head stay in the compute dtype):
+and the KV cache `k`/`v`; FP8 runs the attention projections and the experts as block-scaled
+FP8 GEMMs, `model/fp8_linear.py`; the router, embeddings, norms and lm_head stay in the
+compute dtype):
 
 | forward       | FP4 sites | FP8 linears | rounds under rollout guidance |
 |---------------|-----------|-------------|-------------------------------|
@@ -38,7 +40,8 @@ import dataclasses
 
 from trace_jax.quant.formats import FP4_BLOCKS, FP8_GROUP
 
-OPTIONS = {"r3": "replay the rollout's routing (expert ids of every layer) in training"}
+OPTIONS = {"r3": "replay the rollout's routing (expert ids of every layer) in training",
+           "fp8bwd": "FP8 DGrad/WGrad GEMMs in training (Jet-RL's full flow; FP8 linears only)"}
 BACKWARDS = ("bf16",)  # precision of the backward GEMMs (gradients between operators: BF16)
 
 
@@ -171,6 +174,7 @@ class RunSpec:
   name: str
   policy: PrecisionPolicy
   replay: bool = False
+  fp8_backward: bool = False
 
 
 def parse(name: str) -> RunSpec:
@@ -183,8 +187,12 @@ def parse(name: str) -> RunSpec:
   if bad or len(set(opts)) != len(opts):
     raise ValueError(f"run {name!r}: unknown or repeated options {bad or opts}; options: "
                      + "; ".join(f"{k}: {v}" for k, v in OPTIONS.items()))
-  spec = RunSpec(name=str(name), policy=POLICIES[base], replay="r3" in opts)
+  spec = RunSpec(name=str(name), policy=POLICIES[base], replay="r3" in opts,
+                 fp8_backward="fp8bwd" in opts)
   if spec.replay and not spec.policy.fp4_rollout:
     raise ValueError(f"run {name!r}: +r3 replays the routing an FP4 rollout records; policy "
                      f"{base!r} records none")
+  if spec.fp8_backward and not spec.policy.train.fp8_linears:
+    raise ValueError(f"run {name!r}: +fp8bwd runs the FP8 linears' backward GEMMs in FP8; "
+                     f"policy {base!r} trains without FP8 linears")
   return spec

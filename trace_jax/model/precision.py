@@ -172,18 +172,25 @@ class Precision:
       return gate_up[:, :f], gate_up[:, f:], qat.fake_quant_weight(down, self.fmt)
     return gate, up, down
 
-  def linear(self, x: jax.Array, w: jax.Array) -> jax.Array:
+  def linear(self, x: jax.Array, w: jax.Array | formats.FP8Tensor) -> jax.Array:
     """x [..., in] @ w [out, in]^T of an attention projection: an FP8 GEMM (1x128 input groups,
-    128x128 weight blocks) in forwards with FP8 linears, else the compute dtype's matmul."""
+    128x128 weight blocks) in forwards with FP8 linears, else the compute dtype's matmul.
+    w may be the rollout engine's already quantized weight (`expert_weights.prepare`)."""
+    c = self.config
+    if isinstance(w, formats.FP8Tensor):
+      return fp8_linear.apply(x, w, c.fp8_gemm)
     if not self.fp8:
       return jnp.einsum("...i,oi->...o", x, w)
-    c = self.config
     return fp8_linear.linear(x, w, c.fp8_gemm, "fp8" if c.fp8_backward else "bf16")
 
-  def grouped(self, rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  def grouped(self, rows: jax.Array, w: jax.Array | formats.FP8Tensor,
+              group_sizes: jax.Array) -> jax.Array:
     """Expert rows [M, in] sorted by expert times w [E, out, in]: FP8 in forwards with FP8
-    linears, else the compute dtype's grouped matmul (`ModelConfig.moe_impl`)."""
+    linears (w possibly already quantized, as `linear`), else the compute dtype's grouped
+    matmul (`ModelConfig.moe_impl`)."""
     c = self.config
+    if isinstance(w, formats.FP8Tensor):
+      return fp8_linear.apply(rows, w, c.fp8_gemm, group_sizes, c.moe_impl)
     if not self.fp8:
       return grouped_matmul(rows, w, group_sizes, c.moe_impl)
     return fp8_linear.grouped(rows, w, group_sizes, c.fp8_gemm,

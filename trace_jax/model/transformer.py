@@ -33,7 +33,8 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x, cos, sin, positions, prec, layer, cache=None, decode=False,
                rollout_ids=None, replay=False, experts=None):
-    a, cache = self.attn(self.input_norm(x), cos, sin, positions, prec, layer, cache, decode)
+    a, cache = self.attn(self.input_norm(x), cos, sin, positions, prec, layer, cache, decode,
+                         None if experts is None else experts.attention)
     x = x + a
     m, router_logits = self.moe(self.post_attn_norm(x), prec, layer, rollout_ids, replay,
                                 experts, decode)

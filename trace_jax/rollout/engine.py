@@ -154,13 +154,14 @@ class InProcessEngine:
 
   def _set_params(self, params: Any) -> None:
     """The weights decode runs; with `config.decode_impl == "kernel"` also the routed experts
-    as the decode kernel reads them (packed NVFP4 under an NVFP4 forward), made once here."""
+    as the decode kernel reads them (packed NVFP4 under an NVFP4 forward) and, under FP8
+    linears, every FP8 GEMM's weights quantized (`expert_weights.prepare`), made once here."""
     self.params = params
     self.experts = None
     if self.config.decode_impl == "kernel":
       if not expert_weights.supported(self.config):
-        raise ValueError(f"decode_impl='kernel' runs BF16 and NVFP4 experts; policy "
-                         f"{self.config.policy!r} is neither")
+        raise ValueError(f"decode_impl='kernel' runs BF16, NVFP4 and FP8 weights; policy "
+                         f"{self.config.policy!r} is none of them")
       self.experts = _prepare_experts(params, self.config)
 
   def _generate_batch(self, prompts: list[list[int]],

@@ -100,6 +100,8 @@ class GRPOLearner:
     self.seeds = rl_loop.Seeds(cfg.seed, cfg.seed if seed is None else int(seed))
     os.makedirs(workdir, exist_ok=True)
     self.model_cfg = rl_loop.model_config(cfg, pol.train.name)
+    if self.spec.fp8_backward:
+      self.model_cfg = self.model_cfg.replace(fp8_backward=True)
     self.rollout_cfg = rl_loop.model_config(cfg, pol.rollout.name)
     self.io = make_task_io(cfg)
     self.all_layers = tuple(range(self.model_cfg.num_hidden_layers))
