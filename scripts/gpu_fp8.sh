@@ -1,25 +1,11 @@
 #!/usr/bin/env bash
 # One H200 call (device tool, `carry: [".whl"]`, timeout_s 600) for issue 15's FP8 GEMMs and
-# the FP4 table decoder: the FP8 kernel's tests on the GPU, bench_fp8_gemm (tile sweep),
-# the FP4 table decoder's tests (T_DECODE), bench_moe_decode with the table decoder, bench_train_step (bf16 vs fp8_unified with the
-# kernel, BF16 and FP8 backward, and fp4_trace at 4 Qwen3-width layers, 8k tokens). Each step
-# has its own limit in seconds (T_TESTS, T_GEMM, T_MOE, T_TRAIN; 1 skips a step).
-set -u
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:.
-log() { tee -a "$OUT/session.log"; }
-stamp() { echo "[$(date -u +%H:%M:%S)] $*" | log; }
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | log
-quiet() { grep -v -i -E "warn|^[IW][0-9]{4} "; }
-run() {  # run NAME SECONDS COMMAND...: output to $OUT/NAME.log, its tail to the session log
-  local name=$1 secs=$2; shift 2
-  if [ "$secs" -le 1 ]; then return; fi
-  stamp "$name (limit ${secs}s)"
-  timeout "$secs" "$@" 2>&1 | quiet > "$OUT/$name.log"
-  echo "  exit ${PIPESTATUS[0]}" | log
-  tail -n "${TAIL:-12}" "$OUT/$name.log" | log
-}
+# the FP4 table decoder: the FP8 kernel's tests on the GPU (T_TESTS), the table decoder's
+# tests (T_DECODE), bench_fp8_gemm (T_GEMM, GEMM_ARGS), bench_moe_decode with the table decoder
+# (T_MOE), bench_train_step (T_TRAIN, TRAIN_ARGS: bf16 vs fp8_unified with the kernel, BF16 and
+# FP8 backward, and fp4_trace at 4 Qwen3-width layers, 8k tokens). Each step has its own limit
+# in seconds; 1 skips a step.
+source "$(dirname "$0")/gpu_lib.sh"
 stamp start
 run fp8_tests "${T_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider -rf -x \
   tests/kernels/test_fp8_gemm.py

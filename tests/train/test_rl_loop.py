@@ -266,8 +266,8 @@ def test_validate_names_every_bad_field_at_once():
                           "`rl.clip_eps`")
 
 
-@pytest.mark.parametrize("name", ["quickstart", "small_h200", "small_h200_fp8", "qwen3_30b_a3b",
-                                  "long_horizon"])
+@pytest.mark.parametrize("name", ["quickstart", "quickstart_fp8", "small_h200", "small_h200_fp8",
+                                  "qwen3_30b_a3b", "long_horizon"])
 def test_shipped_configs_hold_every_prompt_of_their_run(name, bpe_tokenizer):
   module = importlib.import_module(f"configs.{name}")
   # The Qwen3 config reads the checkpoint's HF tokenizer; a small BPE stands in for it.

@@ -1,0 +1,19 @@
+# Shared set-up of the one-call GPU scripts (sourced): the carried wheels installed, logging to
+# $OUT/session.log, and `run NAME SECONDS COMMAND...` (output to $OUT/NAME.log, its last TAIL
+# lines to the session log; SECONDS <= 1 skips the step).
+set -u
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:.
+log() { tee -a "$OUT/session.log"; }
+stamp() { echo "[$(date -u +%H:%M:%S)] $*" | log; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | log
+quiet() { grep -v -i -E "warn|^[IW][0-9]{4} "; }
+run() {
+  local name=$1 secs=$2; shift 2
+  if [ "$secs" -le 1 ]; then return; fi
+  stamp "$name (limit ${secs}s)"
+  timeout "$secs" "$@" 2>&1 | quiet > "$OUT/$name.log"
+  echo "  exit ${PIPESTATUS[0]}" | log
+  tail -n "${TAIL:-8}" "$OUT/$name.log" | log
+}
