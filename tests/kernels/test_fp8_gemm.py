@@ -8,10 +8,14 @@ across the 128-wide groups, the two scale products, and the final rounding. Any 
 round-to-nearest summation is within K * 2**-24 * S (S = sum_k |a_k b_k| of the dequantized
 values); the GPU's FP8 MMA may add in fewer bits inside a group, so the bound allows
 K * 2**-20 * S, plus half an ulp of the output dtype. A wrong scale or code is off by far more
-(the broken cases below).
+(the broken cases below). The experts' WGrad (`grouped_wgrad`) is checked the same way, with
+the padded rows P as the contraction length, against a float64 product per expert built here
+from the group sizes (each expert's rows padded to whole 128-row tiles, in numpy).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -65,9 +69,10 @@ def _exact(qa, qb, group_sizes):
   return out, mag
 
 
-def _assert_close(y, exact, mag, dtype):
+def _assert_close(y, exact, mag, dtype, length=K):
+  """|y - exact| within the bound above for sums of `length` products."""
   ulp = 2.0**-8 if dtype == jnp.bfloat16 else 2.0**-24
-  bound = K * 2.0**-20 * mag + ulp * np.abs(exact) + 1e-30
+  bound = length * 2.0**-20 * mag + ulp * np.abs(exact) + 1e-30
   err = np.abs(np.asarray(y, np.float64) - exact)
   assert np.all(err <= bound), f"max err/bound {np.max(err / bound):.3g}"
 
@@ -155,3 +160,105 @@ def test_bad_input_raises(case):
     kw = dict(block_n=256)
   with pytest.raises((TypeError, ValueError)):
     fp8_gemm.grouped_matmul(qa, qb, gs, **kw)
+
+
+# ----------------------------------------------------------------------------- WGrad (experts)
+
+MW = 300  # rows of dy [MW, N] and x [MW, K]: experts of several tiles, none a multiple of 128
+PW = (-(-MW // 128) + E) * 128  # padded rows: the most any group sizes need
+WGRAD_GROUPS = [
+    ("mixed_with_empty", (130, 0, 150, 20)),
+    ("one_expert_all_rows", (0, MW, 0, 0)),
+    ("trailing_rows", (10, 0, 200, 0)),  # the last 90 rows belong to no expert
+    ("all_empty", (0, 0, 0, 0)),
+]
+WGRAD_IMPLS = [
+    ("kernel_defaults", functools.partial(fp8_gemm.grouped_wgrad, out_dtype=jnp.float32)),
+    ("kernel_block_32x128", functools.partial(fp8_gemm.grouped_wgrad, out_dtype=jnp.float32,
+                                              block_n=32, block_k=128)),
+    ("reference", functools.partial(fp8_gemm.wgrad_reference, out_dtype=jnp.float32)),
+]
+
+
+def _wgrad_operands(seed: int, groups):
+  """dyt [N, PW], xt [K, PW] quantized in the padded layout, and each expert's padded rows."""
+  rng = np.random.default_rng(seed)
+  # Magnitudes vary along the rows and the columns: every tile's per-column scales matter.
+  dy = rng.standard_normal((MW, N)) * np.exp(rng.uniform(-6, 6, (MW, 1)) +
+                                             rng.uniform(-3, 3, (1, N)))
+  x = rng.standard_normal((MW, K)) * np.exp(rng.uniform(-6, 6, (MW, 1)) +
+                                            rng.uniform(-3, 3, (1, K)))
+  dyp, xp, spans, row, tile = np.zeros((PW, N)), np.zeros((PW, K)), [], 0, 0
+  for size in groups:
+    p0 = tile * 128
+    dyp[p0:p0 + size], xp[p0:p0 + size] = dy[row:row + size], x[row:row + size]
+    tile += -(-size // 128)
+    spans.append(slice(p0, tile * 128))
+    row += size
+  quant = lambda a: formats.fp8_quantize_act(jnp.asarray(a.T, jnp.bfloat16))
+  return quant(dyp), quant(xp), spans
+
+
+def _wgrad_exact(dyt, xt, spans):
+  """float64 dW [E, N, K] of the dequantized values, and S = sum |dy x|, per expert."""
+  d = np.asarray(formats.fp8_dequantize(dyt), np.float64)
+  x = np.asarray(formats.fp8_dequantize(xt), np.float64)
+  out = np.stack([d[:, s] @ x[:, s].T for s in spans])
+  mag = np.stack([np.abs(d[:, s]) @ np.abs(x[:, s]).T for s in spans])
+  return out, mag
+
+
+@pytest.mark.parametrize("groups", [g for _, g in WGRAD_GROUPS], ids=[n for n, _ in WGRAD_GROUPS])
+@pytest.mark.parametrize("impl", [f for _, f in WGRAD_IMPLS], ids=[n for n, _ in WGRAD_IMPLS])
+def test_wgrad_matches_float64(groups, impl):
+  dyt, xt, spans = _wgrad_operands(6, groups)
+  dw = impl(dyt, xt, jnp.asarray(groups, jnp.int32))
+  assert dw.shape == (E, N, K) and dw.dtype == jnp.float32
+  exact, mag = _wgrad_exact(dyt, xt, spans)
+  _assert_close(dw, exact, mag, jnp.float32, length=PW)
+  for g, size in enumerate(groups):
+    if size == 0:  # experts with no rows: zeros
+      assert not np.any(np.asarray(dw[g]))
+
+
+@pytest.mark.parametrize("broken", ["scale_dy", "scale_x", "code"])
+def test_wgrad_broken_operand_is_detected(broken):
+  """The bound catches one tile's column scale off by 2x or one code with a wrong exponent bit."""
+  groups = WGRAD_GROUPS[0][1]
+  dyt, xt, spans = _wgrad_operands(7, groups)
+  exact, mag = _wgrad_exact(dyt, xt, spans)
+  if broken == "scale_dy":
+    dyt = dyt.replace(scale=dyt.scale.at[5, 3].multiply(2.0))  # expert 2's second tile
+  elif broken == "scale_x":
+    xt = xt.replace(scale=xt.scale.at[7, 0].multiply(2.0))
+  else:
+    # The largest product term of dyt's column 5 in expert 0's rows, top exponent bit flipped.
+    d = np.abs(np.asarray(formats.fp8_dequantize(dyt), np.float64))
+    x = np.abs(np.asarray(formats.fp8_dequantize(xt), np.float64)).mean(axis=0)
+    col = int(np.argmax((d[5] * x)[spans[0]]))
+    bits = jax.lax.bitcast_convert_type(dyt.values, jnp.uint8)
+    bits = bits.at[5, col].set(bits[5, col] ^ 0x40)
+    dyt = dyt.replace(values=jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn))
+  dw = fp8_gemm.grouped_wgrad(dyt, xt, jnp.asarray(groups, jnp.int32), out_dtype=jnp.float32)
+  with pytest.raises(AssertionError):
+    _assert_close(dw, exact, mag, jnp.float32, length=PW)
+
+
+@pytest.mark.parametrize("case", ["not_fp8", "weight_blocks", "rows_mismatch", "group_sizes",
+                                  "block_k"])
+def test_wgrad_bad_input_raises(case):
+  dyt, xt, _ = _wgrad_operands(8, WGRAD_GROUPS[0][1])
+  gs, kw = jnp.asarray(WGRAD_GROUPS[0][1], jnp.int32), {}
+  if case == "not_fp8":
+    dyt = dyt.replace(values=dyt.values.astype(jnp.bfloat16))
+  elif case == "weight_blocks":
+    dyt = formats.FP8Tensor(values=dyt.values, scale=jnp.ones((N // 128, PW // 128)),
+                            block_rows=128)
+  elif case == "rows_mismatch":
+    xt = xt.replace(values=xt.values[:, :-128], scale=xt.scale[:, :-1])
+  elif case == "group_sizes":
+    gs = gs[None]
+  else:
+    kw = dict(block_k=1024)
+  with pytest.raises((TypeError, ValueError)):
+    fp8_gemm.grouped_wgrad(dyt, xt, gs, **kw)

@@ -24,6 +24,17 @@ float32 tile, scale it by the two scale vectors and add it to the accumulator (t
 promotion DeepSeek-V3 uses, since Hopper's FP8 MMA keeps few accumulator bits). Dense GEMMs
 are the E = 1 case with R = M // block_m. `swap_ab` computes each tile transposed (b as the
 MMA's M side), for decode where a has few rows.
+
+The experts' WGrad (`grouped_wgrad`, reference `wgrad_reference`): dW[e] = sum over expert e's
+rows r of dy[r]^T x[r] -> [E, N, K], with dy [M, N] and x [M, K] quantized in 128x1 groups
+along the rows *within each expert*: each expert's rows padded with zero rows to whole 128-row
+tiles (the padded layout of `model.grouped._layout(group_sizes, M, E, tile=128)`), transposed
+to dyt [N, P] and xt [K, P] and quantized in 1x128 groups along P, so every tile has its own
+scale per column and belongs to one expert. Grid (E, N // block_n, K // block_k): program
+(e, j, l) loops over expert e's tiles, one FP8 dot of a [block_n, 128] tile of dyt and a
+[block_k, 128] tile of xt into a fresh float32 tile per 128-row tile, scaled by the two
+per-column scale vectors ([block_n, 1] x [1, block_k]) and accumulated in float32, then stored
+once (zeros for an expert with no rows). P is whole tiles, so no load or store needs a mask.
 """
 
 from __future__ import annotations
@@ -245,3 +256,118 @@ def matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, *, out_dtype: Any = jnp.b
   return grouped_matmul(a, stacked, jnp.full((1,), m, jnp.int32), out_dtype=out_dtype,
                         block_m=block_m, reps=kw.pop("reps", max(1, -(-m // block_m))), **kw)
 
+
+# ----------------------------------------------------------------------------- WGrad (experts)
+
+def _check_wgrad(name: str, dyt: formats.FP8Tensor, xt: formats.FP8Tensor,
+                 group_sizes: jax.Array) -> None:
+  _check(f"{name} dyt", dyt, 2, (1,))
+  _check(f"{name} xt", xt, 2, (1,))
+  if dyt.values.shape[1] != xt.values.shape[1]:
+    raise ValueError(f"{name}: dyt {dyt.values.shape} and xt {xt.values.shape} disagree on the "
+                     "padded rows P")
+  if group_sizes.ndim != 1 or group_sizes.shape[0] < 1:
+    raise ValueError(f"{name}: group_sizes must be [E] with E >= 1, got {group_sizes.shape}")
+
+
+def _expert_tiles(group_sizes: jax.Array, tiles: int) -> tuple[jax.Array, jax.Array]:
+  """(first tile [E], tile count [E]) of each expert in the padded layout (every expert's rows
+  padded to whole 128-row tiles, experts in order), clipped to the `tiles` there are."""
+  gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  count = (gs + GROUP - 1) // GROUP
+  first = jnp.minimum(jnp.cumsum(count) - count, tiles)
+  return first, jnp.minimum(count, tiles - first)
+
+
+def wgrad_reference(dyt: formats.FP8Tensor, xt: formats.FP8Tensor, group_sizes: jax.Array,
+                    out_dtype: Any = jnp.bfloat16) -> jax.Array:
+  """The WGrad contract in plain JAX: dequantized float32 tiles, one float32 product per 128-row
+  tile (HIGHEST) added to its expert's sum -> [E, N, K] (a scan over tiles: [E, N, K] memory).
+  """
+  _check_wgrad("wgrad_reference", dyt, xt, group_sizes)
+  dv, xv = formats.fp8_dequantize(dyt), formats.fp8_dequantize(xt)
+  (n, p), k, e = dv.shape, xv.shape[0], group_sizes.shape[0]
+  tiles = p // GROUP
+  first, count = _expert_tiles(group_sizes, tiles)
+  # The expert of each tile; e for tiles no expert holds (their sums are dropped).
+  owner = jnp.searchsorted(first + count, jnp.arange(tiles, dtype=jnp.int32), side="right")
+
+  def tile(acc, args):
+    d, x, g = args
+    part = jnp.einsum("nr,kr->nk", d, x, precision=jax.lax.Precision.HIGHEST)
+    return acc.at[g].add(part, mode="drop"), None
+
+  by_tile = lambda v: jnp.moveaxis(v.reshape(v.shape[0], tiles, GROUP), 1, 0)
+  acc, _ = jax.lax.scan(tile, jnp.zeros((e, n, k), jnp.float32),
+                        (by_tile(dv), by_tile(xv), owner.astype(jnp.int32)))
+  return acc.astype(out_dtype)
+
+
+def _wgrad_kernel(first_ref, count_ref, d_ref, sd_ref, x_ref, sx_ref, o_ref, *, bn: int, bk: int,
+                  interpret: bool):
+  e = pl.program_id(0)
+  n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+  k0 = pl.multiple_of(pl.program_id(2) * bk, bk)
+  first = first_ref[e]
+  cast = (lambda v: v.astype(jnp.float32)) if interpret else (lambda v: v)
+
+  def tile(i, acc):
+    # Unmasked FP8 loads straight into the dot: P is whole tiles, N and K whole blocks.
+    t = first + i
+    p0 = pl.multiple_of(t * GROUP, GROUP)
+    d = cast(d_ref[pl.ds(n0, bn), pl.ds(p0, GROUP)])                       # [bn, 128]
+    sd = sd_ref[pl.ds(n0, bn), pl.ds(t, 1)]                                # [bn, 1]
+    x = cast(x_ref[pl.ds(k0, bk), pl.ds(p0, GROUP)])                       # [bk, 128]
+    sx = sx_ref[pl.ds(k0, bk), pl.ds(t, 1)]                                # [bk, 1]
+    part = jax.lax.dot_general(d, x, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)        # [bn, bk]
+    return acc + part * sd * sx.reshape(1, bk)
+
+  acc = jax.lax.fori_loop(0, count_ref[e], tile, jnp.zeros((bn, bk), jnp.float32))
+  o_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)] = acc.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k",
+                                             "num_warps", "num_stages"))
+def _wgrad_call(d_values, d_scale, x_values, x_scale, group_sizes, *, out_dtype, interpret,
+                block_n, block_k, num_warps, num_stages):
+  (n, p), k, e = d_values.shape, x_values.shape[0], group_sizes.shape[0]
+  if p == 0:
+    return jnp.zeros((e, n, k), out_dtype)
+  first, count = _expert_tiles(group_sizes, p // GROUP)
+  kernel = functools.partial(_wgrad_kernel, bn=block_n, bk=block_k, interpret=interpret)
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((e, n, k), out_dtype),
+      grid=(e, n // block_n, k // block_k), interpret=interpret, name="fp8_grouped_wgrad",
+      compiler_params=None if interpret else fp4_moe._compiler_params(num_warps, num_stages),
+  )(first, count, d_values, d_scale, x_values, x_scale)
+
+
+def grouped_wgrad(dyt: formats.FP8Tensor, xt: formats.FP8Tensor, group_sizes: jax.Array, *,
+                  out_dtype: Any = jnp.bfloat16, interpret: bool | None = None,
+                  block_n: int | None = None, block_k: int | None = None,
+                  num_warps: int | None = None, num_stages: int = 4) -> jax.Array:
+  """The experts' WGrad: dyt [N, P] and xt [K, P] (1x128 groups along P) -> dW [E, N, K].
+
+  P: the rows in the padded layout (each expert's rows padded with zero rows to whole 128-row
+  tiles, experts in order, as `model.grouped._layout(group_sizes, M, E, tile=128)` places
+  them); dW[e] sums expert e's tiles only, tiles past the experts' are not read.
+  interpret: None runs the Triton kernel on GPU and the Pallas interpreter elsewhere.
+  block_n / block_k: output tile (powers of two >= 16 dividing N / K); None: up to 128 / 64.
+  """
+  _check_wgrad("grouped_wgrad", dyt, xt, group_sizes)
+  n, k = dyt.values.shape[0], xt.values.shape[0]
+  block_n = fp4_moe._pow2_divisor(n, 128) if block_n is None else block_n
+  block_k = fp4_moe._pow2_divisor(k, 64) if block_k is None else block_k
+  fp4_moe._check_block("block_n", block_n, 16)
+  fp4_moe._check_block("block_k", block_k, 16)
+  if n % block_n or k % block_k:
+    raise ValueError(f"grouped_wgrad: block_n={block_n} and block_k={block_k} must divide "
+                     f"N={n} and K={k}")
+  if num_warps is None:
+    num_warps = 8 if block_n * block_k > 128 * 64 else 4
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  return _wgrad_call(dyt.values, dyt.scale, xt.values, xt.scale, group_sizes,
+                     out_dtype=jnp.dtype(out_dtype), interpret=bool(interpret), block_n=block_n,
+                     block_k=block_k, num_warps=num_warps, num_stages=num_stages)

@@ -13,8 +13,11 @@ operators are BF16, docs/design.md §3.7):
   exactly the gradient of a BF16 matmul of the fake-quantized operands.
 - backward="fp8" (Jet-RL's full flow): DGrad on FP8 operands, dy in 1x128 groups along N times
   the forward's 128x128 weight blocks transposed; WGrad with dy and the saved input both
-  re-quantized in 128x1 groups along the tokens. For the routed experts, DGrad runs in FP8 and
-  WGrad stays BF16 (an FP8 WGrad needs groups of 128 tokens within each expert).
+  re-quantized in 128x1 groups along the tokens. For the routed experts the 128-token groups
+  lie within one expert: each expert's rows of dy and x are padded with zero rows to whole
+  128-row tiles (`grouped._layout`, tile 128) before the transpose and quantization, and the
+  WGrad GEMM (`fp8_gemm.grouped_wgrad`, or its reference for impl "xla") sums each expert's
+  own tiles only.
 """
 
 from __future__ import annotations
@@ -64,6 +67,38 @@ def _wgrad_fp8(dy: jax.Array, xq: jax.Array, impl: str) -> jax.Array:
   dyt = formats.fp8_quantize_act(_pad_rows(dy).T)
   xt = formats.fp8_quantize_act(_pad_rows(xq).T)
   return _gemm(dyt, xt, impl, dy.dtype)
+
+
+def apply(x: jax.Array, qw: formats.FP8Tensor, impl: str = "xla",
+          group_sizes: jax.Array | None = None, moe_impl: str = "tiled") -> jax.Array:
+  """The forward of `linear` (group_sizes None; x [..., K], qw [N, K]) or `grouped` (rows
+  [M, K], qw [E, N, K]) with the weight already quantized (the rollout engine's weights, made
+  once per update; `expert_weights.prepare`). No gradient: rollout only."""
+  _check(impl, "bf16")
+  qx = formats.fp8_quantize_act(x.reshape(-1, x.shape[-1]))
+  y = _gemm(qx, qw, impl, x.dtype, group_sizes, moe_impl)
+  return y.reshape(x.shape[:-1] + (y.shape[-1],))
+
+
+def _wgrad_fp8_grouped(dy: jax.Array, xq: jax.Array, gs: jax.Array, impl: str) -> jax.Array:
+  """Per expert dy [M, N]^T @ xq [M, K] on FP8 operands quantized in 128x1 groups along the rows
+  within each expert -> [E, N, K] in dy.dtype.
+
+  Rows past sum(gs) are zeroed (ragged_dot's contract: they belong to no expert).
+  """
+  m, e = dy.shape[0], gs.shape[0]
+  dest, _ = grouped_mm._layout(gs, m, e, _G)
+  rows = (-(-m // _G) + e) * _G  # the layout's tile bound (its rounding to chunks: empty tiles)
+  held = (jnp.arange(m) < jnp.sum(gs))[:, None]
+
+  def padded_t(a):  # [M, C] -> [C, rows]: each expert's rows padded to whole 128-row tiles
+    a = jnp.where(held, a, jnp.zeros((), a.dtype))
+    return jnp.zeros((rows, a.shape[1]), a.dtype).at[dest].set(a, unique_indices=True).T
+
+  dyt, xt = formats.fp8_quantize_act(padded_t(dy)), formats.fp8_quantize_act(padded_t(xq))
+  if impl == "kernel":
+    return fp8_gemm.grouped_wgrad(dyt, xt, gs, out_dtype=dy.dtype)
+  return fp8_gemm.wgrad_reference(dyt, xt, gs, out_dtype=dy.dtype)
 
 
 # ----------------------------------------------------------------------------- dense
@@ -128,14 +163,14 @@ def _grouped_bwd(impl, backward, moe_impl, res, dy):
   dtype, wdtype = xlike.dtype, wlike.dtype
   dy = dy.astype(dtype)
   xq = formats.fp8_dequantize(qx).astype(dtype)
-  wq = formats.fp8_dequantize(qw).astype(dtype)
-  _, vjp = jax.vjp(lambda a, b: grouped_mm.grouped_matmul(a, b, gs, moe_impl), xq, wq)
   if backward == "bf16":
+    wq = formats.fp8_dequantize(qw).astype(dtype)
+    _, vjp = jax.vjp(lambda a, b: grouped_mm.grouped_matmul(a, b, gs, moe_impl), xq, wq)
     dx, dw = vjp(dy)
   else:
     dx = _gemm(formats.fp8_quantize_act(dy), fp8_gemm.transpose_weight(qw), impl, dtype, gs,
                moe_impl)
-    _, dw = vjp(dy)  # XLA drops the unused BF16 DGrad
+    dw = _wgrad_fp8_grouped(dy, xq, gs, impl)
   zero_gs = jnp.zeros(gs.shape, jax.dtypes.float0) if jnp.issubdtype(gs.dtype, jnp.integer) \
       else jnp.zeros_like(gs)
   return dx, dw.astype(wdtype), zero_gs
