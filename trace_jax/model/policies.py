@@ -42,7 +42,6 @@ from trace_jax.quant.formats import FP4_BLOCKS, FP8_GROUP
 
 OPTIONS = {"r3": "replay the rollout's routing (expert ids of every layer) in training",
            "fp8bwd": "FP8 DGrad/WGrad GEMMs in training (Jet-RL's full flow; FP8 linears only)"}
-BACKWARDS = ("bf16",)  # precision of the backward GEMMs (gradients between operators: BF16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,16 +109,15 @@ def forward_of(name: str) -> Forward:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionPolicy:
-  """One run policy: the rollout's and the trainer's forward, and the backward's precision."""
+  """One run policy: the rollout's and the trainer's forward. The backward's GEMMs are BF16
+  unless the run adds `+fp8bwd` (`RunSpec.fp8_backward`); gradients between operators are
+  BF16 always."""
   name: str
   rollout: Forward
   train: Forward
   doc: str
-  backward: str = "bf16"
 
   def __post_init__(self):
-    if self.backward not in BACKWARDS:
-      raise ValueError(f"policy {self.name!r}: backward must be one of {BACKWARDS}")
     if self.train.guided and self.rollout.fp4 != self.train.fp4:
       raise ValueError(f"policy {self.name!r}: guided training needs a rollout in its format")
 
