@@ -76,6 +76,21 @@ def prepare(params: Any, config: ModelConfig) -> list[ExpertWeights]:
   return out
 
 
+def drop_prepared(params: Any, config: ModelConfig) -> Any:
+  """params with the weights `prepare` holds in another form replaced by empty arrays (the
+  routed experts; under FP8 linears also the attention projections), so an engine that runs
+  on prepared weights keeps one copy of them. A forward given the prepared weights never reads
+  these (`MoE` takes the expert count from the config)."""
+  def is_prepared(path: tuple[Any, ...]) -> bool:
+    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+    if "moe" in keys:
+      return any(k in keys for k in ("gate_proj", "up_proj", "down_proj"))
+    return config.forward.fp8_linears and "attn" in keys and any(k in keys for k in ATTENTION)
+
+  return jax.tree_util.tree_map_with_path(
+      lambda path, a: jnp.zeros((0,), a.dtype) if is_prepared(path) else a, params)
+
+
 def dense(w: DenseOrPacked, dtype: Any) -> jax.Array:
   """The weights in `dtype` (packed NVFP4 / FP8 dequantized: the quantized values)."""
   if isinstance(w, fp4_moe.PackedNVFP4Weights):

@@ -75,6 +75,7 @@ class MoE(nnx.Module):
     self.gate_proj = nnx.Param(_normal(rngs, (e, f, d), param_dtype))
     self.up_proj = nnx.Param(_normal(rngs, (e, f, d), param_dtype))
     self.down_proj = nnx.Param(_normal(rngs, (e, d, f), param_dtype))
+    self.num_experts = config.num_experts  # not the weights' shape: an engine may drop them
     self.k = config.num_experts_per_tok
     self.norm_topk_prob = config.norm_topk_prob
     self.impl = config.moe_impl
@@ -92,7 +93,7 @@ class MoE(nnx.Module):
     decode kernel (`trace_jax.kernels.fp4_moe`) when `config.decode_impl` is "kernel".
     """
     b, s, d = x.shape
-    e, k = self.gate_proj.shape[0], self.k
+    e, k = self.num_experts, self.k
     xt = x.reshape(b * s, d)
     router_logits = self.router(xt)
     if replay and rollout_ids is None:

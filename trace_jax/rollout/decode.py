@@ -155,11 +155,12 @@ def feed(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, *,
 
 
 def tap_buffers(params, config: ModelConfig, batch: int, total: int, *,
-                tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool) -> Any:
+                tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool,
+                experts=None) -> Any:
   """Zero record buffers [batch, total, ...] of what one decode step taps (shapes only)."""
   cache = model_lib.init_cache(config, batch, 1)
-  step = jax.eval_shape(lambda p, c: model_lib.decode_step(
+  step = jax.eval_shape(lambda p, c, e: model_lib.decode_step(
       p, config, c, jnp.zeros(batch, jnp.int32), jnp.zeros(batch, jnp.int32),
-      tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing, record=True).taps,
-      params, cache)
+      tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing, record=True,
+      experts=e).taps, params, cache, experts)
   return jax.tree.map(lambda a: jnp.zeros((batch, total) + a.shape[2:], a.dtype), step)

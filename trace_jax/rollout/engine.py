@@ -137,7 +137,7 @@ class InProcessEngine:
                          f"served model {mine}")
     else:
       params = path_or_params
-    old = jax.tree.map(lambda a: (a.shape, a.dtype), self.params)
+    old = self._param_shapes
     new = jax.tree.map(lambda a: (a.shape, jnp.asarray(a).dtype), params)
     if jax.tree.structure(old) != jax.tree.structure(new) or jax.tree.leaves(old) != \
         jax.tree.leaves(new):
@@ -156,6 +156,7 @@ class InProcessEngine:
     """The weights decode runs; with `config.decode_impl == "kernel"` also the routed experts
     as the decode kernel reads them (packed NVFP4 under an NVFP4 forward) and, under FP8
     linears, every FP8 GEMM's weights quantized (`expert_weights.prepare`), made once here."""
+    self._param_shapes = jax.tree.map(lambda a: (a.shape, jnp.asarray(a).dtype), params)
     self.params = params
     self.experts = None
     if self.config.decode_impl == "kernel":
@@ -163,6 +164,9 @@ class InProcessEngine:
         raise ValueError(f"decode_impl='kernel' runs BF16, NVFP4 and FP8 weights; policy "
                          f"{self.config.policy!r} is none of them")
       self.experts = _prepare_experts(params, self.config)
+      # One copy of each weight: the prepared ones replace the params' (freed unless the
+      # caller still holds them, as the in-process learner does its master weights).
+      self.params = expert_weights.drop_prepared(params, self.config)
 
   def _generate_batch(self, prompts: list[list[int]],
                       sampling: list[SamplingParams]) -> list[Sample]:
@@ -225,7 +229,8 @@ class InProcessEngine:
                        f"{self.config.max_position_embeddings}")
     tap_layers, tap_mode = self._tap_plan()
     taps = (decode.tap_buffers(self.params, self.config, b, total, tap_layers=tap_layers,
-                               tap_mode=tap_mode, tap_routing=self.record_routing)
+                               tap_mode=tap_mode, tap_routing=self.record_routing,
+                               experts=self.experts)
             if tap_layers or self.record_routing else {})
     return Session(n=n, batch=b, total=total, cache=model_lib.init_cache(self.config, b, total),
                    taps=taps, lens=np.zeros(b, np.int32), pending=[None] * b)
