@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments import common
 from trace_jax import model as M
 
 _PRESET = flags.DEFINE_enum("preset", "tiny", ["tiny", "small_h200", "bench_gpu", "qwen3_layers"],
@@ -76,6 +77,21 @@ def _time(fn, *args, steps: int) -> float:
   return float(np.median(times))
 
 
+def step_flops(c: M.ModelConfig, batch: int, seq: int) -> dict[str, float]:
+  """Matmul FLOPs of one forward + backward step (3x the forward's): the decoder blocks'
+  linear layers (q/k/v/o and the experts: the GEMMs FP8 linears quantize), the attention
+  score/value products, and router + lm_head."""
+  t, d, h = batch * seq, c.hidden_size, c.head_dim
+  n, g = c.num_attention_heads * h, c.num_key_value_heads * h
+  per_layer = 2 * t * d * (n + 2 * g) + 2 * t * n * d                    # q, k, v, o
+  per_layer += 2 * t * c.num_experts_per_tok * 3 * d * c.moe_intermediate_size  # experts
+  attn = 2 * 2 * batch * seq * seq * n                                  # scores, values
+  other = 2 * t * d * (c.num_experts * c.num_hidden_layers + c.vocab_size)  # router, lm_head
+  layers = c.num_hidden_layers
+  return {"linear": 3.0 * layers * per_layer, "attention": 3.0 * layers * attn,
+          "other": 3.0 * other}
+
+
 def main(argv):
   del argv
   base, batch, seq = _config(_PRESET.value)
@@ -87,6 +103,13 @@ def main(argv):
   print(f"device: {jax.devices()[0].device_kind}  batch {batch} x seq {seq}  "
         f"layers {base.num_hidden_layers}  hidden {base.hidden_size}  experts {base.num_experts}",
         flush=True)
+  flops = step_flops(base, batch, seq)
+  rate = common.matmul_tflops()["bf16_tflops"] * 1e12
+  bound = {k: v / rate * 1e3 for k, v in flops.items()}
+  print(f"matmul FLOPs per step: linear layers {flops['linear'] / 1e12:.2f} T, attention "
+        f"{flops['attention'] / 1e12:.2f} T, router + lm_head {flops['other'] / 1e12:.2f} T; at "
+        f"the BF16 matmul rate measured now ({rate / 1e12:.0f} TFLOP/s): "
+        + ", ".join(f"{k} {v:.1f} ms" for k, v in bound.items()), flush=True)
   ref = None  # the first impl's bf16 time; rows print as they finish (a timeout keeps them)
   for impl in _MOE_IMPLS.value:
     for policy in _POLICIES.value:
@@ -113,8 +136,9 @@ def main(argv):
       if ref is None and impl == _MOE_IMPLS.value[0] and name == "bf16":
         ref = t
       rel = f"{t / ref:.2f}x {_MOE_IMPLS.value[0]} bf16" if ref else ""
-      print(f"  {impl:10s} {policy:26s} {t * 1e3:9.2f} ms/step  {rel:24s} temp {gib:7.2f} GiB",
-            flush=True)
+      share = bound["linear"] / (t * 1e3)
+      print(f"  {impl:10s} {policy:26s} {t * 1e3:9.2f} ms/step  {rel:24s} temp {gib:7.2f} GiB"
+            f"  (linear GEMMs at the BF16 rate: {100 * share:.0f}% of it)", flush=True)
 
 
 if __name__ == "__main__":
