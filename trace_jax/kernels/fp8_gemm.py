@@ -175,9 +175,12 @@ def _call(a_values, a_scale, b_values, b_scale, group_sizes, *, b_block, out_dty
     return jnp.zeros((0, n), out_dtype)
   gs = group_sizes.astype(jnp.int32)
   offs = jnp.cumsum(gs) - gs
-  # block_m zero rows (and whole blocks): a row block that starts in the last rows reads past M.
-  pad = ((0, -m % block_m + block_m), (0, 0))
-  a_values, a_scale = jnp.pad(a_values, pad), jnp.pad(a_scale, pad)
+  # A grouped row block that starts in the last rows reads up to block_m - 1 rows past M: pad
+  # block_m zero rows. Dense GEMMs (one group from row 0) with M in whole blocks read none, so
+  # they skip the copy.
+  if e > 1 or m % block_m:
+    pad = ((0, -m % block_m + block_m), (0, 0))
+    a_values, a_scale = jnp.pad(a_values, pad), jnp.pad(a_scale, pad)
   kernel = functools.partial(_kernel, m=m, k=k, num_experts=e, bm=block_m, bn=block_n,
                              b_block=b_block, swap_ab=swap_ab, reps=reps, group_k=group_k,
                              interpret=interpret)

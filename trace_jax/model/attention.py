@@ -45,16 +45,15 @@ class Attention(nnx.Module):
 
     decode=False: attend within x (cache, if given, is filled and returned).
     decode=True: attend over the whole cache after writing this call's K/V into it.
-    quantized: the rollout engine's FP8 projection weights by name (`expert_weights`), used
-    instead of the params' kernels.
+    quantized: the rollout engine's FP8 projection weights by name (`expert_weights.prepare`),
+    used instead of the params' kernels.
     """
     b, s, _ = x.shape
     n, g, h = self.num_heads, self.num_kv_heads, self.head_dim
-    proj = ((lambda name, a: getattr(self, name)(a, prec.linear)) if quantized is None else
-            (lambda name, a: prec.linear(a, quantized[name])))
-    q = proj("q_proj", x).reshape(b, s, n, h)
-    k = proj("k_proj", x).reshape(b, s, g, h)
-    v = proj("v_proj", x).reshape(b, s, g, h)
+    names = ("q_proj", "k_proj", "v_proj")
+    q, k, v = prec.linears(x, [getattr(self, p).kernel[...].astype(x.dtype) for p in names]
+                           if quantized is None else [quantized[p] for p in names])
+    q, k, v = q.reshape(b, s, n, h), k.reshape(b, s, g, h), v.reshape(b, s, g, h)
     q = apply_rope(self.q_norm(q), cos, sin)
     k = apply_rope(self.k_norm(k), cos, sin)
     k, v = prec.kv_site(layer, k, v)
@@ -73,7 +72,9 @@ class Attention(nnx.Module):
     else:
       keys, values, key_pos = k, v, positions
     out = attend(q, keys, values, positions, key_pos)
-    out = proj("o_proj", out.reshape(b, s, n * h))
+    out = out.reshape(b, s, n * h)
+    out = (self.o_proj(out, prec.linear) if quantized is None else
+           prec.linear(out, quantized["o_proj"]))
     return out, new_cache
 
 

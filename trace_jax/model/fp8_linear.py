@@ -69,15 +69,21 @@ def _wgrad_fp8(dy: jax.Array, xq: jax.Array, impl: str) -> jax.Array:
   return _gemm(dyt, xt, impl, dy.dtype)
 
 
+def _forward(x: jax.Array, qw: formats.FP8Tensor, impl: str, group_sizes: jax.Array | None,
+             moe_impl: str) -> tuple[jax.Array, formats.FP8Tensor]:
+  """x [..., K] quantized in 1x128 groups times the quantized weight -> (y [..., N], x's codes)."""
+  qx = formats.fp8_quantize_act(x.reshape(-1, x.shape[-1]))
+  y = _gemm(qx, qw, impl, x.dtype, group_sizes, moe_impl)
+  return y.reshape(x.shape[:-1] + (y.shape[-1],)), qx
+
+
 def apply(x: jax.Array, qw: formats.FP8Tensor, impl: str = "xla",
           group_sizes: jax.Array | None = None, moe_impl: str = "tiled") -> jax.Array:
   """The forward of `linear` (group_sizes None; x [..., K], qw [N, K]) or `grouped` (rows
   [M, K], qw [E, N, K]) with the weight already quantized (the rollout engine's weights, made
   once per update; `expert_weights.prepare`). No gradient: rollout only."""
   _check(impl, "bf16")
-  qx = formats.fp8_quantize_act(x.reshape(-1, x.shape[-1]))
-  y = _gemm(qx, qw, impl, x.dtype, group_sizes, moe_impl)
-  return y.reshape(x.shape[:-1] + (y.shape[-1],))
+  return _forward(x, qw, impl, group_sizes, moe_impl)[0]
 
 
 def _wgrad_fp8_grouped(dy: jax.Array, xq: jax.Array, gs: jax.Array, impl: str) -> jax.Array:
@@ -111,12 +117,10 @@ def linear(x: jax.Array, w: jax.Array, impl: str = "xla", backward: str = "bf16"
 
 def _linear_fwd(x, w, impl, backward):
   _check(impl, backward)
-  qx = formats.fp8_quantize_act(x.reshape(-1, x.shape[-1]))
   qw = formats.fp8_quantize_weight(w)
-  y = _gemm(qx, qw, impl, x.dtype)
+  y, qx = _forward(x, qw, impl, None, "tiled")
   # Dtypes ride along as empty arrays (residuals must be arrays).
-  return (y.reshape(x.shape[:-1] + (w.shape[0],)),
-          (qx, qw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)))
+  return y, (qx, qw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
 def _linear_bwd(impl, backward, res, dy):
@@ -152,9 +156,8 @@ def grouped(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str = "
 
 def _grouped_fwd(rows, w, group_sizes, impl, backward, moe_impl):
   _check(impl, backward)
-  qx = formats.fp8_quantize_act(rows)
   qw = formats.fp8_quantize_weight(w)
-  y = _gemm(qx, qw, impl, rows.dtype, group_sizes, moe_impl)
+  y, qx = _forward(rows, qw, impl, group_sizes, moe_impl)
   return y, (qx, qw, group_sizes, jnp.zeros((0,), rows.dtype), jnp.zeros((0,), w.dtype))
 
 

@@ -108,28 +108,29 @@ class MoE(nnx.Module):
     order = jnp.argsort(flat_ids, stable=True)
     group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
     rows = xq[order // k]                                                    # [M, D]
+    # gate and up stacked [E, 2F, D], down, and their grouped matmul (Precision's: FP8 or the
+    # compute dtype's, unless the engine's decode kernel runs them).
+    mm = lambda a, w: prec.grouped(a, w, group_sizes)
+    h = None
     if experts is None:
       gate, up, down = prec.expert_weights(*(w[...].astype(x.dtype) for w in
                                              (self.gate_proj, self.up_proj, self.down_proj)))
       if prec.fp8:  # one GEMM for gate and up (the same 128x128 blocks as two)
-        gu = prec.grouped(rows, jnp.concatenate([gate, up], axis=1), group_sizes)
-        h = jax.nn.silu(gu[:, :gate.shape[1]]) * gu[:, gate.shape[1]:]
-      else:
-        h = (jax.nn.silu(prec.grouped(rows, gate, group_sizes))
-             * prec.grouped(rows, up, group_sizes))
-      mm_down = lambda h: prec.grouped(h, down, group_sizes)
+        gate_up = jnp.concatenate([gate, up], axis=1)
+      else:  # two matmuls, as the recorded BF16 and FP4 results ran them
+        h = jax.nn.silu(mm(rows, gate)) * mm(rows, up)
     elif experts.fp8:  # the engine's FP8 weights, quantized once per update
-      gu = prec.grouped(rows, experts.gate_up, group_sizes)
-      h = jax.nn.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]
-      mm_down = lambda h: prec.grouped(h, experts.down, group_sizes)
+      gate_up, down = experts.gate_up, experts.down
     else:
+      gate_up, down = experts.gate_up, experts.down
       kernel = decode and s == 1 and self.decode_impl == "kernel"
       mm = lambda a, w: (fp4_moe.grouped_matmul_decode(a, w, group_sizes) if kernel else
                          grouped_matmul(a, expert_weights.dense(w, a.dtype), group_sizes,
                                         self.impl))
-      gu = mm(rows, experts.gate_up)
+    if h is None:
+      gu = mm(rows, gate_up)
       h = jax.nn.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]
-      mm_down = lambda h: mm(h, experts.down)
+    mm_down = lambda h: mm(h, down)
     h = prec.site(layer, "expert_mid", h, row_order=order, tap_shape=(b, s, k),
                   experts=ids.reshape(b, s, k), rollout_experts=rollout_ids)
     y = mm_down(h)                                                           # [M, D]

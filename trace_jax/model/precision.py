@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trace_jax.model import fp8_linear
 from trace_jax.model.config import SITES, ModelConfig
@@ -182,6 +183,17 @@ class Precision:
     if not self.fp8:
       return jnp.einsum("...i,oi->...o", x, w)
     return fp8_linear.linear(x, w, c.fp8_gemm, "fp8" if c.fp8_backward else "bf16")
+
+  def linears(self, x: jax.Array, ws: list[jax.Array | formats.FP8Tensor]) -> list[jax.Array]:
+    """Several projections [out_i, in] of one input (q, k, v): under FP8 linears one GEMM of
+    the stacked weights (x quantized once; every out_i is a multiple of 128, so the weight
+    blocks are those of each apart, and each output the same sum), else one matmul each. The
+    engine's weights, quantized apart once per update, run apart (stacking them would copy
+    them at every step)."""
+    if not self.fp8 or any(isinstance(w, formats.FP8Tensor) for w in ws):
+      return [self.linear(x, w) for w in ws]
+    ends = np.cumsum([w.shape[0] for w in ws])[:-1].tolist()
+    return jnp.split(self.linear(x, jnp.concatenate(ws, axis=0)), ends, axis=-1)
 
   def grouped(self, rows: jax.Array, w: jax.Array | formats.FP8Tensor,
               group_sizes: jax.Array) -> jax.Array:
