@@ -1,17 +1,45 @@
 """Decode speed of the embedded rollout engine: BF16 vs FP4 (and FP8: `--policies=bf16,
-fp8_unified,...`) policies, XLA vs kernel decode.
+fp8_unified,...`) policies, XLA vs kernel decode, at fixed batch and at a fixed memory budget,
+against HF transformers `generate` on the same checkpoint.
 
   python -m experiments.bench_rollout --json_out=/tmp/rollout.json          # GPU preset
-  python -m experiments.bench_rollout --preset=cpu                          # a minute on CPU
+  python -m experiments.bench_rollout --layers=24 --json_out=/tmp/r24.json  # the 24-layer model
+  python -m experiments.bench_rollout --preset=cpu                          # CPU smoke run
 
-For each (policy, decode_impl, batch): one `InProcessEngine.generate` call compiles (its wall
-time is the program's compile plus one run: `first_call_s`), then `--reps` timed calls of
-greedy decoding of `--new_tokens` tokens after `--prompt_len`-token prompts. Reported: decode
-tokens/s (batch * new tokens / median call time, prefill included), the bytes a decode step
-must read (the touched experts' weights as stored, attention and lm_head weights, the KV cache
-at the mean length) and their rate against the device's read bandwidth measured in the same
-process (`common.bandwidth_gbps`), and ratios side by side: FP4 over BF16 at each batch, the
-kernel decode over XLA's.
+Fixed batch: for each (policy, decode_impl, batch), one `InProcessEngine.generate` call
+compiles (its wall time is the program's compile plus one run: `first_call_s`; `compile_s` =
+that minus the median call), then `--reps` timed calls of greedy decoding of `--new_tokens`
+tokens after `--prompt_len`-token prompts. Reported: decode tokens/s (batch * new tokens /
+median call time, prefill included), the bytes a decode step must read (`step_bytes`: the
+touched experts' weights as the engine stores them, attention, router, norms and lm_head
+weights, the KV cache at the mean length) and their rate against the device's read and copy
+bandwidths measured in the same process (`common.bandwidth_gbps`), and ratios side by side:
+FP4 over BF16 at each batch, the kernel decode over XLA's.
+
+Fixed memory (`--budget_gb`, 0 skips it; `--budget_context`, `--budget_max_batch`,
+`--budget_policies`, `--budget_impl`): per policy, how many sequences of `--budget_context`
+tokens fit in the budget next to the weights as the engine stores them (`weight_bytes`; with
+decode_impl "kernel": packed NVFP4 experts under FP4, E4M3 experts and attention projections
+under FP8, the rest BF16), each sequence costing its BF16 KV cache and the records the engine
+keeps for it (fp4_trace's guidance and routing); then the decode of `--new_tokens` tokens by
+the engine's session program (`decode.extend`) at that batch (capped at `--budget_max_batch`)
+over caches of `--budget_context` tokens. The KV cache is BF16 under every policy today (the
+FP4 policies' "FP4 KV" is fake-quantized BF16): FP4 fits more sequences through its weights
+only. The caches are filled with random values instead of a prefill: the XLA prefill
+materializes [batch, heads, S, S] float32 scores (8.3 GB per 8k sequence on the GPU preset),
+and a decode step's work does not depend on the cache's values.
+
+Reference (`--transformers`, `--transformers_batches`): the same params exported with
+`trace_jax.io.hf.save_hf_checkpoint`, loaded into `transformers.Qwen3MoeForCausalLM` (BF16,
+its default attention and experts implementations; torch device from env TRACE_TORCH_DEVICE,
+else cuda when available), greedy `generate` of exactly `--new_tokens` tokens
+(min_new_tokens = max_new_tokens) on the same prompts, timed after one warm-up call.
+
+Top-level plain numbers (issue 14/15; `--key_batch`, default 64 on the GPU preset):
+`fp4_over_bf16_fixed_batch`, `fp8_over_bf16_fixed_batch`, `fp4_trace_over_fp4_rtn_b{B}`,
+`decode_bandwidth_fraction` (bf16 kernel, of read bandwidth; `_copy`: of copy bandwidth),
+`fp4_over_bf16_fixed_memory` (+ `_sequences`), `bf16_over_transformers`,
+`fp4_over_transformers`, `compile_s_max` and `compile_s_{L}_layers` (slowest program).
 
 Model (GPU preset): a random Qwen3-MoE of hidden 2048, 32 query / 4 KV heads of 128, 64
 experts top-8 of width 768, vocab 32768, `--layers` decoder layers (8: 2.70B parameters).
@@ -19,9 +47,12 @@ experts top-8 of width 768, vocab 32768, `--layers` decoder layers (8: 2.70B par
 
 from __future__ import annotations
 
+import math
+import os
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,6 +73,22 @@ flags.DEFINE_integer("layers", 0, "Decoder layers (0: per preset).", flag_values
 flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.", flag_values=FLAGS)
 flags.DEFINE_integer("new_tokens", 128, "Generated tokens per sequence.", flag_values=FLAGS)
 flags.DEFINE_integer("reps", 3, "Timed calls per case.", flag_values=FLAGS)
+flags.DEFINE_integer("key_batch", 0, "Batch of the top-level plain-number keys (0: per preset).",
+                     flag_values=FLAGS)
+flags.DEFINE_float("budget_gb", None, "Fixed memory budget (GB, 1e9 bytes) for weights + KV "
+                   "cache (0: skip the case; default per preset).", flag_values=FLAGS)
+flags.DEFINE_integer("budget_context", None, "Tokens per sequence (cache length) in the "
+                     "fixed-memory case (default per preset).", flag_values=FLAGS)
+flags.DEFINE_integer("budget_max_batch", None, "Largest batch timed in the fixed-memory case "
+                     "(default per preset).", flag_values=FLAGS)
+flags.DEFINE_list("budget_policies", [], "Policies of the fixed-memory case (default: "
+                  "--policies).", flag_values=FLAGS)
+flags.DEFINE_string("budget_impl", "kernel", "decode_impl of the fixed-memory case.",
+                    flag_values=FLAGS)
+flags.DEFINE_boolean("transformers", None, "HF transformers generate (BF16) as a reference "
+                     "(default per preset).", flag_values=FLAGS)
+flags.DEFINE_list("transformers_batches", [], "Batches of the transformers reference (default: "
+                  "--key_batch).", flag_values=FLAGS)
 flags.DEFINE_float("budget_s", 0, "Skip the remaining cases after this many seconds (0: none).",
                    flag_values=FLAGS)
 flags.DEFINE_string("json_out", "", "JSON output path ('' = none).", flag_values=FLAGS)
@@ -50,28 +97,74 @@ PRESETS = {
     "h200": dict(model=dict(vocab_size=32768, hidden_size=2048, num_hidden_layers=8,
                             num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                             num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768,
-                            max_position_embeddings=4096), batches=(8, 64, 256)),
+                            max_position_embeddings=4096), batches=(8, 64, 256), key_batch=64,
+                 budget_gb=60.0, budget_context=8192, budget_max_batch=512, transformers=True),
+    # Budget: 1.6 MB holds the BF16 weights (1.12 MB) and 3 sequences of 256 tokens, FP4 7.
     "cpu": dict(model=dict(vocab_size=256, hidden_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                           max_position_embeddings=512), batches=(4,)),
+                           max_position_embeddings=512), batches=(4,), key_batch=4,
+                budget_gb=0.0016, budget_context=256, budget_max_batch=8, transformers=False),
 }
+FP8_BYTES = 1 + 4 / 128**2  # E4M3 byte + a float32 scale per 128 x 128 block
+
+
+# ----------------------------------------------------------------------------- byte accounting
+
+def byte_layout(config: Any) -> dict[str, float]:
+  """Bytes of each part of the model as the rollout engine stores it (the one place the formats'
+  sizes are written down; `weight_bytes` and `step_bytes` sum them).
+
+  decode_impl "kernel": the prepared weights (`expert_weights.prepare`; the params' copies are
+  dropped): routed experts as packed NVFP4 under FP4 forwards (0.5 byte a value + an E4M3 scale
+  per 16 + one float32 scale per expert for gate/up and one for down), E4M3 + block scales
+  under FP8 linears (the attention projections too), else the compute dtype. "xla": the params
+  in the compute dtype (FP4 and FP8 are computed from them at every step). Embeddings, lm_head,
+  norms and router always in the compute dtype; the KV cache too (the FP4 "KV cache" is
+  fake-quantized BF16 today). Keys: expert (one routed expert), attention (one layer's q, k, v,
+  o), layer_rest (one layer's norms and router), embed, lm_head, final_norm, kv_token (one
+  token's K and V in one layer).
+  """
+  import jax.numpy as jnp
+
+  c, fwd = config, config.forward
+  item = jnp.dtype(c.dtype).itemsize
+  d, f, h, e = c.hidden_size, c.moe_intermediate_size, c.head_dim, c.num_experts
+  kernel = c.decode_impl == "kernel"
+  if kernel and fwd.fp4 == "nvfp4":
+    expert = 3 * f * d * (0.5 + 1 / 16) + 2 * 4
+  elif kernel and fwd.fp8_linears:
+    expert = 3 * f * d * FP8_BYTES
+  else:
+    expert = 3 * f * d * item
+  nq, nkv = c.num_attention_heads * h, c.num_key_value_heads * h
+  attn = (2 * nq * d + 2 * nkv * d) * (FP8_BYTES if kernel and fwd.fp8_linears else item)
+  return {"expert": expert, "attention": attn, "layer_rest": (2 * d + 2 * h + e * d) * item,
+          "embed": c.vocab_size * d * item, "lm_head": c.vocab_size * d * item,
+          "final_norm": d * item, "kv_token": 2 * nkv * item}
+
+
+def weight_bytes(config: Any) -> float:
+  """Bytes of every weight as the engine stores them (`byte_layout`)."""
+  b = byte_layout(config)
+  per_layer = config.num_experts * b["expert"] + b["attention"] + b["layer_rest"]
+  return config.num_hidden_layers * per_layer + b["embed"] + b["lm_head"] + b["final_norm"]
+
+
+def kv_bytes_per_token(config: Any) -> float:
+  """Bytes of one token's KV cache over all layers."""
+  return config.num_hidden_layers * byte_layout(config)["kv_token"]
 
 
 def step_bytes(config: Any, batch: int, context: float, touched: float) -> float:
-  """Bytes one decode step must read: `touched` experts per layer (weights as stored: BF16,
-  packed NVFP4, or FP8 under FP8 linears), the attention projections (FP8 under FP8 linears),
-  lm_head, and the KV cache at `context` tokens per sequence."""
-  c, fwd = config, config.forward
-  d, f, h = c.hidden_size, c.moe_intermediate_size, c.head_dim
-  fp8 = 1 + 4 / 128**2  # E4M3 byte + a float32 scale per 128 x 128 block
-  expert = 3 * f * d * (0.5 + 1 / 16) + 8 if fwd.fp4 else 3 * f * d * (fp8 if fwd.fp8_linears
-                                                                       else 2)
-  attn = ((c.num_attention_heads * h * d * 2 + 2 * c.num_key_value_heads * h * d)
-          * (fp8 if fwd.fp8_linears else 2))
-  kv_row = 2 * c.num_key_value_heads * h * 2  # BF16 cache (the FP4 cache is fake-quantized)
-  per_layer = touched * expert + attn + batch * context * kv_row
-  return c.num_hidden_layers * per_layer + c.vocab_size * d * 2
+  """Bytes one decode step must read at least: `touched` experts per layer, every layer's
+  attention projections, norms and router, lm_head, `batch` embedding rows, and the KV cache at
+  `context` tokens per sequence, each as the engine stores it (`byte_layout`)."""
+  b = byte_layout(config)
+  per_layer = (touched * b["expert"] + b["attention"] + b["layer_rest"]
+               + batch * context * b["kv_token"])
+  return (config.num_hidden_layers * per_layer + b["lm_head"] + b["final_norm"]
+          + batch * b["embed"] / config.vocab_size)
 
 
 def expected_touched(num_experts: int, top_k: int, batch: int) -> float:
@@ -79,28 +172,216 @@ def expected_touched(num_experts: int, top_k: int, batch: int) -> float:
   return num_experts * (1 - (1 - top_k / num_experts) ** batch)
 
 
-def run_case(params: Any, config: Any, batch: int, reps: int) -> dict[str, Any]:
-  from trace_jax.rollout.engine import InProcessEngine
-  from trace_jax.rollout.protocol import SamplingParams
+def fit_sequences(budget_bytes: float, weights: float, per_sequence: float) -> tuple[int, str]:
+  """(How many sequences of `per_sequence` bytes fit next to `weights` in `budget_bytes`, and
+  why none does when 0)."""
+  if per_sequence <= 0:
+    raise ValueError(f"per-sequence bytes must be > 0, got {per_sequence}")
+  if budget_bytes < weights:
+    return 0, (f"the budget {budget_bytes / 1e9:.4g} GB does not hold the weights "
+               f"({weights / 1e9:.4g} GB)")
+  n = int(math.floor((budget_bytes - weights) / per_sequence))
+  if n == 0:
+    return 0, (f"the budget {budget_bytes / 1e9:.4g} GB holds the weights ({weights / 1e9:.4g} "
+               f"GB) but not one sequence ({per_sequence / 1e9:.4g} GB)")
+  return n, ""
 
+
+def record_bytes_per_token(engine: Any) -> float:
+  """Bytes per token of the records the engine keeps on the device for a sequence (guidance and
+  routing buffers under fp4_trace; 0 when it records nothing), from their shapes."""
+  import jax
+
+  from trace_jax.rollout import decode
+
+  tap_layers, tap_mode = engine._tap_plan()
+  if not (tap_layers or engine.record_routing):
+    return 0.0
+  shapes = jax.eval_shape(lambda p, e: decode.tap_buffers(
+      p, engine.config, 1, 1, tap_layers=tap_layers, tap_mode=tap_mode,
+      tap_routing=engine.record_routing, experts=e), engine.params, engine.experts)
+  return float(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes)))
+
+
+def _gb(n: float) -> str:
+  return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB"
+
+
+# ----------------------------------------------------------------------------- cases
+
+def make_prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+  """The benchmark's prompts (the same for every policy and for transformers)."""
+  return np.random.default_rng(0).integers(1, vocab, (batch, length)).tolist()
+
+
+def _engine(params: Any, config: Any, batch: int) -> tuple[Any, float]:
+  from trace_jax.rollout.engine import InProcessEngine
+
+  t0 = time.perf_counter()
   engine = InProcessEngine(params, config, max_batch=batch,
                            record_guidance=config.forward.guided,
                            record_routing=config.forward.guided)
-  rng = np.random.default_rng(0)
-  prompts = rng.integers(1, config.vocab_size, (batch, FLAGS.prompt_len)).tolist()
+  return engine, time.perf_counter() - t0
+
+
+def _timed(call: Callable[[], float], reps: int) -> dict[str, float]:
+  """first_call_s, median_s and compile_s (first minus median) of `call`, which returns the
+  seconds of the work it timed."""
+  first = call()
+  med = float(np.median([call() for _ in range(max(reps, 1))]))
+  return {"first_call_s": first, "median_s": med, "compile_s": max(first - med, 0.0)}
+
+
+def run_case(params: Any, config: Any, batch: int, reps: int) -> tuple[dict[str, Any], list]:
+  """A fixed-batch case: (its numbers, the first generated token of each sequence)."""
+  from trace_jax.rollout.protocol import SamplingParams
+
+  engine, init_s = _engine(params, config, batch)
+  prompts = make_prompts(batch, FLAGS.prompt_len, config.vocab_size)
   sp = SamplingParams(max_new_tokens=FLAGS.new_tokens, temperature=0.0)
-  t0 = time.perf_counter()
-  engine.generate(prompts, sp)
-  first = time.perf_counter() - t0
-  times = []
-  for _ in range(reps):
+  out: list[Any] = []
+
+  def call() -> float:
     t0 = time.perf_counter()
-    out = engine.generate(prompts, sp)
-    times.append(time.perf_counter() - t0)
+    out[:] = engine.generate(prompts, sp)
+    return time.perf_counter() - t0
+
+  r = _timed(call, reps)
   tokens = sum(len(s.tokens) for s in out)
-  med = float(np.median(times))
-  return {"first_call_s": first, "median_s": med, "tokens": tokens,
-          "tokens_per_s": tokens / med, "tokens_per_seq": tokens / batch}
+  r.update(engine_init_s=init_s, tokens=tokens, tokens_per_s=tokens / r["median_s"],
+           tokens_per_seq=tokens / batch)
+  return r, [s.tokens[0] for s in out]
+
+
+def run_budget_case(params: Any, config: Any, budget_bytes: float, context: int, max_batch: int,
+                    reps: int) -> dict[str, Any]:
+  """The fixed-memory case of one policy: sequences of `context` tokens fitting next to the
+  engine's weights, and the decode tokens/s of `decode.extend` at that many (at most
+  `max_batch`) over random caches of `context` tokens."""
+  import jax
+  import jax.numpy as jnp
+
+  from trace_jax.rollout import decode
+  from trace_jax.rollout.protocol import SamplingParams
+
+  new = FLAGS.new_tokens
+  if context <= new:
+    raise ValueError(f"--budget_context {context} must exceed --new_tokens {new}")
+  config = config.replace(max_position_embeddings=max(config.max_position_embeddings, context))
+  engine, init_s = _engine(params, config, max_batch)
+  weights = weight_bytes(config)
+  rec = record_bytes_per_token(engine)
+  per_seq = context * (kv_bytes_per_token(config) + rec)
+  fits, why = fit_sequences(budget_bytes, weights, per_seq)
+  r: dict[str, Any] = {"weight_bytes": weights, "kv_bytes_per_seq": context
+                       * kv_bytes_per_token(config), "record_bytes_per_seq": context * rec,
+                       "sequences": fits, "engine_init_s": init_s}
+  if not fits:
+    r["skipped"] = why
+    return r
+  b = min(fits, max_batch)
+  tap_layers, tap_mode = engine._tap_plan()
+  sampling = engine._sampling_arrays([SamplingParams(max_new_tokens=new, temperature=0.0)] * b, b)
+  rng = np.random.default_rng(0)
+  chunk = jnp.asarray(rng.integers(1, config.vocab_size, (b, 1)), jnp.int32)
+  lens = jnp.full((b,), context - new, jnp.int32)  # the prompt's cache rows, then 1 fed token
+  shape = (b, context, config.num_key_value_heads, config.head_dim)  # `model.init_cache`'s
+  dtype = jnp.dtype(config.dtype)
+  n_gen: list[Any] = []
+
+  def call() -> float:
+    keys = jax.random.split(jax.random.key(len(n_gen)), 2 * config.num_hidden_layers)
+    cache = [(jax.random.normal(keys[2 * i], shape, dtype),
+              jax.random.normal(keys[2 * i + 1], shape, dtype))
+             for i in range(config.num_hidden_layers)]
+    taps = (decode.tap_buffers(engine.params, config, b, context, tap_layers=tap_layers,
+                               tap_mode=tap_mode, tap_routing=engine.record_routing,
+                               experts=engine.experts)
+            if tap_layers or engine.record_routing else {})
+    jax.block_until_ready((cache, taps))
+    t0 = time.perf_counter()
+    out = decode.extend(engine.params, config, cache, taps, lens, chunk, jnp.ones(b, jnp.int32),
+                        *sampling, max_new=new, tap_layers=tap_layers, tap_mode=tap_mode,
+                        tap_routing=engine.record_routing, experts=engine.experts)
+    n_gen.append(np.asarray(out[2]))  # waits for the program
+    dt = time.perf_counter() - t0
+    del out, cache, taps
+    return dt
+
+  r.update(_timed(call, reps))
+  tokens = int(n_gen[-1].sum())
+  if tokens != b * new:
+    raise RuntimeError(f"fixed-memory decode generated {tokens} tokens, expected {b} x {new}")
+  r.update(batch=b, tokens=tokens, tokens_per_s=tokens / r["median_s"],
+           total_bytes=weights + b * per_seq)
+  return r
+
+
+def run_transformers(params: Any, config: Any, batches: Sequence[int], reps: int,
+                     first_tokens: dict[str, list]) -> dict[str, Any]:
+  """HF transformers `generate` (BF16, greedy) on the same params exported as an HF checkpoint
+  and the same prompts; tokens/s per batch after one warm-up call."""
+  import torch
+  import transformers
+
+  from trace_jax.io import hf
+
+  dev = os.environ.get("TRACE_TORCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+  sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+  res: dict[str, Any] = {"device": dev, "transformers": transformers.__version__,
+                         "torch": torch.__version__, "cases": {}}
+  transformers.utils.logging.disable_progress_bar()
+  t0 = time.perf_counter()
+  with tempfile.TemporaryDirectory() as d:
+    hf.save_hf_checkpoint(d, config, params, dtype="bfloat16", progress=False)
+    res["export_s"] = time.perf_counter() - t0
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(d)
+    model = model.to(device=dev, dtype=torch.bfloat16).eval()
+  res["load_s"] = time.perf_counter() - t0 - res["export_s"]
+  res["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+  res["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
+  n = FLAGS.new_tokens
+  for batch in batches:
+    ids = torch.tensor(make_prompts(batch, FLAGS.prompt_len, config.vocab_size), device=dev)
+    out: list[Any] = []
+
+    def call(ids=ids, out=out) -> float:
+      sync()
+      t0 = time.perf_counter()
+      with torch.inference_mode():
+        # Exactly n new tokens: greedy, and no EOS can end a row early (min_new_tokens).
+        out[:] = [model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                 pad_token_id=0)]
+      sync()
+      return time.perf_counter() - t0
+
+    r = _timed(call, reps)
+    del r["compile_s"]  # eager torch: the first call is a warm-up, not a compile
+    got = tuple(out[0].shape)
+    if got != (batch, FLAGS.prompt_len + n):
+      raise RuntimeError(f"transformers generate returned {got}, expected "
+                         f"{(batch, FLAGS.prompt_len + n)}")
+    r.update(tokens=batch * n, tokens_per_s=batch * n / r["median_s"])
+    ours = first_tokens.get(f"bf16:kernel:{batch}") or first_tokens.get(f"bf16:xla:{batch}")
+    if ours:  # same checkpoint: greedy first tokens mostly agree (BF16 near-ties may not)
+      hf_first = out[0][:, FLAGS.prompt_len].cpu().numpy()
+      r["first_token_agreement"] = float(np.mean(hf_first == np.asarray(ours)))
+    res["cases"][str(batch)] = r
+    print(f"  transformers:{batch:<9} {r['tokens_per_s']:>10,.0f} tok/s  warm-up call "
+          f"{r['first_call_s']:6.1f} s  ({dev}, attention {res['attn_implementation']}, "
+          f"experts {res['experts_implementation']})", flush=True)
+  del model
+  if dev.startswith("cuda"):
+    torch.cuda.empty_cache()
+  return res
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _preset(name: str) -> Any:
+  value = FLAGS[name].value
+  return PRESETS[FLAGS.preset][name] if value is None else value
 
 
 def run_bench() -> dict[str, Any]:
@@ -114,40 +395,86 @@ def run_bench() -> dict[str, Any]:
     fields["num_hidden_layers"] = FLAGS.layers
   base = model_lib.tiny(**fields)
   batches = [int(b) for b in FLAGS.batches] or list(p["batches"])
+  key_batch = FLAGS.key_batch or p["key_batch"]
   res: dict[str, Any] = {**common.device_description(), **common.bandwidth_gbps(),
-                         "model": fields, "prompt_len": FLAGS.prompt_len,
-                         "new_tokens": FLAGS.new_tokens, "cases": {}}
+                         "model": fields, "layers": base.num_hidden_layers,
+                         "prompt_len": FLAGS.prompt_len, "new_tokens": FLAGS.new_tokens,
+                         "key_batch": key_batch, "cases": {}}
   print(f"bench_rollout: {res['backend']} {res['device_kind']}, copy {res['copy_gbps']:.0f} "
         f"GB/s, read {res['read_gbps']:.0f} GB/s; {base.num_hidden_layers} layers", flush=True)
   params = model_lib.init_params(base, jax.random.key(0), param_dtype="bfloat16")
-  n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
-  res["parameters"] = n_params
+  res["parameters"] = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
   start = time.perf_counter()
+
+  def over_budget() -> bool:
+    return bool(FLAGS.budget_s) and time.perf_counter() - start > FLAGS.budget_s
+
+  first_tokens: dict[str, list] = {}
   for policy in FLAGS.policies:
     for impl in FLAGS.impls:
       for batch in batches:
         name = f"{policy}:{impl}:{batch}"
         if FLAGS.cases and name not in FLAGS.cases:
           continue
-        if FLAGS.budget_s and time.perf_counter() - start > FLAGS.budget_s:
+        if over_budget():
           res["cases"][name] = {"skipped": "budget"}
           continue
         # "kernel": the decode kernels, and FP8 GEMMs on the Pallas kernel with FP8 weights
         # made once per update; "xla": the references.
         config = base.replace(policy=policy, decode_impl=impl, fp8_gemm=impl)
-        r = run_case(params, config, batch, FLAGS.reps)
+        r, first_tokens[name] = run_case(params, config, batch, FLAGS.reps)
         ctx = FLAGS.prompt_len + r["tokens_per_seq"] / 2
         touched = expected_touched(base.num_experts, base.num_experts_per_tok, batch)
         nbytes = step_bytes(config, batch, ctx, touched)
-        steps_per_s = r["tokens_per_s"] / batch
-        r.update(step_bytes=nbytes, read_fraction=nbytes * steps_per_s / 1e9 / res["read_gbps"])
+        rate = nbytes * r["tokens_per_s"] / batch / 1e9  # GB/s
+        r.update(step_bytes=nbytes, read_fraction=rate / res["read_gbps"],
+                 copy_fraction=rate / res["copy_gbps"])
         res["cases"][name] = r
         print(f"  {name:<22} {r['tokens_per_s']:>10,.0f} tok/s  first call "
-              f"{r['first_call_s']:6.1f} s  {nbytes / 1e9:5.2f} GB/step -> "
-              f"{100 * r['read_fraction']:4.1f}% of read bandwidth", flush=True)
+              f"{r['first_call_s']:6.1f} s (compile {r['compile_s']:6.1f} s)  "
+              f"{_gb(nbytes)}/step -> {100 * r['read_fraction']:4.1f}% of read, "
+              f"{100 * r['copy_fraction']:4.1f}% of copy bandwidth", flush=True)
+
+  if _preset("transformers"):
+    hf_batches = [int(b) for b in FLAGS.transformers_batches] or [key_batch]
+    if over_budget():
+      res["transformers"] = {"skipped": "budget"}
+    else:
+      res["transformers"] = run_transformers(params, base, hf_batches, FLAGS.reps, first_tokens)
+
+  budget_gb = _preset("budget_gb")
+  if budget_gb:
+    context, cap = _preset("budget_context"), _preset("budget_max_batch")
+    fm: dict[str, Any] = {"budget_gb": budget_gb, "context": context, "max_batch": cap,
+                          "impl": FLAGS.budget_impl, "cases": {}}
+    res["fixed_memory"] = fm
+    print(f"  fixed memory: {budget_gb:g} GB for weights + KV cache (BF16 in every policy: the "
+          f"FP4 KV cache is fake-quantized BF16) + records, {context}-token sequences, decode "
+          f"impl {FLAGS.budget_impl}, batch at most {cap}", flush=True)
+    for policy in FLAGS.budget_policies or FLAGS.policies:
+      if over_budget():
+        fm["cases"][policy] = {"skipped": "budget"}
+        continue
+      config = base.replace(policy=policy, decode_impl=FLAGS.budget_impl,
+                            fp8_gemm=FLAGS.budget_impl)
+      r = run_budget_case(params, config, budget_gb * 1e9, context, cap, FLAGS.reps)
+      fm["cases"][policy] = r
+      head = (f"  budget:{policy:<15} weights {_gb(r['weight_bytes'])}, "
+              f"{_gb(r['kv_bytes_per_seq'] + r['record_bytes_per_seq'])}/sequence "
+              f"(records {_gb(r['record_bytes_per_seq'])}): {r['sequences']} fit")
+      if "skipped" in r:
+        print(f"{head}; not timed: {r['skipped']}", flush=True)
+      else:
+        print(f"{head}; at batch {r['batch']} {r['tokens_per_s']:>10,.0f} tok/s  first call "
+              f"{r['first_call_s']:6.1f} s (compile {r['compile_s']:6.1f} s)", flush=True)
+
   res["ratios"] = ratios(res["cases"])
   for k, v in res["ratios"].items():
     print(f"  {k}: {v:.3f}")
+  keys = summary(res)
+  res.update(keys)
+  for k, v in keys.items():
+    print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
   return res
 
 
@@ -164,6 +491,47 @@ def ratios(cases: dict[str, Any]) -> dict[str, float]:
     xla = tps.get(f"{policy}:xla:{batch}")
     if impl == "kernel" and xla:
       out[f"kernel_over_xla_{policy}_b{batch}"] = v / xla
+  return out
+
+
+def summary(res: dict[str, Any]) -> dict[str, Any]:
+  """The record's top-level plain numbers (issue 14/15), from the cases that ran: kernel decode
+  at `key_batch` for the fixed-batch ratios, each policy at its own fit for fixed memory."""
+  kb = res["key_batch"]
+  cases = res.get("cases", {})
+  fm = res.get("fixed_memory", {}).get("cases", {})
+  hf = res.get("transformers", {}).get("cases", {})
+
+  def get(d: dict[str, Any], name: str, key: str = "tokens_per_s") -> float | None:
+    return d.get(name, {}).get(key)
+
+  out: dict[str, Any] = {}
+
+  def ratio(key: str, a: float | None, b: float | None) -> None:
+    if a and b:
+      out[key] = a / b
+
+  bf16, fp4 = get(cases, f"bf16:kernel:{kb}"), get(cases, f"fp4_rtn:kernel:{kb}")
+  ratio("fp4_over_bf16_fixed_batch", fp4, bf16)
+  ratio("fp8_over_bf16_fixed_batch", get(cases, f"fp8_unified:kernel:{kb}"), bf16)
+  ratio(f"fp4_trace_over_fp4_rtn_b{kb}", get(cases, f"fp4_trace:kernel:{kb}"), fp4)
+  for key, field in (("decode_bandwidth_fraction", "read_fraction"),
+                     ("decode_bandwidth_fraction_copy", "copy_fraction")):
+    v = get(cases, f"bf16:kernel:{kb}", field)
+    if v:
+      out[key] = v
+  ratio("fp4_over_bf16_fixed_memory", get(fm, "fp4_rtn"), get(fm, "bf16"))
+  ratio("fp4_over_bf16_fixed_memory_sequences", get(fm, "fp4_rtn", "sequences"),
+        get(fm, "bf16", "sequences"))
+  ratio("fp8_over_bf16_fixed_memory", get(fm, "fp8_unified"), get(fm, "bf16"))
+  ratio("bf16_over_transformers", bf16, get(hf, str(kb)))
+  ratio("fp4_over_transformers", fp4, get(hf, str(kb)))
+  compiles = {f"budget:{k}" if src is fm else k: v["compile_s"]
+              for src in (cases, fm) for k, v in src.items() if "compile_s" in v}
+  if compiles:
+    slowest = max(compiles, key=compiles.get)
+    out.update({"compile_s_max": compiles[slowest], "compile_s_max_case": slowest,
+                f"compile_s_{res['layers']}_layers": compiles[slowest]})
   return out
 
 

@@ -1,14 +1,158 @@
-"""bench_rollout on CPU: the cases run, report tokens/s and bandwidth, and give the ratios."""
+"""bench_rollout: the byte accounting against the arrays the engine holds, the fixed-memory fit,
+the top-level keys, and one CPU run of every part (fixed batch, fixed memory, transformers)."""
 
-from experiments import bench_rollout
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import bench_rollout as br
+from trace_jax import model as model_lib
+from trace_jax.model import expert_weights
 
 
-def test_cpu_preset(tmp_path):
+def preset_config(preset: str = "cpu", **overrides) -> model_lib.ModelConfig:
+  return model_lib.tiny(**dict(br.PRESETS[preset]["model"], dtype="bfloat16", **overrides))
+
+
+def nbytes(tree) -> int:
+  return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def engine_held_bytes(config) -> int:
+  """Bytes of the weights an InProcessEngine holds for `config` (its `_set_params`: the params,
+  or with decode_impl "kernel" the prepared weights + the params without their copies), from
+  the arrays' shapes (no memory, any model size)."""
+  params = model_lib.abstract_params(config, "bfloat16")
+  if config.decode_impl != "kernel":
+    return nbytes(params)
+  held = jax.eval_shape(lambda p: (expert_weights.prepare(p, config),
+                                   expert_weights.drop_prepared(p, config)), params)
+  return nbytes(held)
+
+
+# FP8 blocks are 128 x 128: the FP8 cases widen the CPU model's experts and heads to 128 rows.
+FP8_SHAPE = dict(head_dim=64, moe_intermediate_size=128)
+
+
+@pytest.mark.parametrize("preset,policy,impl,extra", [
+    pytest.param("cpu", "bf16", "xla", {}, id="cpu_bf16_xla"),
+    pytest.param("cpu", "bf16", "kernel", {}, id="cpu_bf16_kernel"),
+    pytest.param("cpu", "fp4_rtn", "xla", {}, id="cpu_fp4_rtn_xla"),
+    pytest.param("cpu", "fp4_rtn", "kernel", {}, id="cpu_fp4_rtn_kernel"),
+    pytest.param("cpu", "fp4_trace", "kernel", {}, id="cpu_fp4_trace_kernel"),
+    pytest.param("cpu", "fp8_unified", "kernel", FP8_SHAPE, id="cpu_fp8_unified_kernel"),
+    pytest.param("cpu", "fp8_unified", "xla", FP8_SHAPE, id="cpu_fp8_unified_xla"),
+    pytest.param("h200", "bf16", "kernel", {}, id="h200_bf16_kernel"),
+    pytest.param("h200", "fp4_rtn", "kernel", {}, id="h200_fp4_rtn_kernel"),
+    pytest.param("h200", "fp8_unified", "kernel", {}, id="h200_fp8_unified_kernel"),
+])
+def test_weight_bytes_match_the_engines_arrays(preset, policy, impl, extra):
+  config = preset_config(preset, **extra).replace(policy=policy, decode_impl=impl,
+                                                  fp8_gemm=impl)
+  assert br.weight_bytes(config) == pytest.approx(engine_held_bytes(config), rel=1e-12)
+
+
+def test_bf16_weight_bytes_are_the_params():
+  config = preset_config()
+  params = model_lib.init_params(config, 0, param_dtype="bfloat16")
+  assert br.weight_bytes(config) == sum(a.nbytes for a in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("preset", ["cpu", "h200"])
+def test_kv_and_step_bytes(preset):
+  config = preset_config(preset)
+  cache = jax.eval_shape(lambda: model_lib.init_cache(config, 3, 40))
+  assert br.kv_bytes_per_token(config) * 3 * 40 == nbytes(cache)
+  # Every expert touched, no sequence: a step reads all weights but the embedding table.
+  layout = br.byte_layout(config)
+  assert br.step_bytes(config, 0, 0, config.num_experts) == pytest.approx(
+      br.weight_bytes(config) - layout["embed"])
+  assert br.step_bytes(config, 2, 10, 1) - br.step_bytes(config, 2, 0, 1) == pytest.approx(
+      2 * 10 * br.kv_bytes_per_token(config))
+
+
+def test_fit_is_monotone_and_explains_zero():
+  weights, per_seq = 1000.0, 64.0
+  fits = [br.fit_sequences(b, weights, per_seq)[0] for b in np.linspace(0, 5000, 201)]
+  assert fits == sorted(fits) and fits[-1] == (5000 - 1000) // 64
+  n, why = br.fit_sequences(999.0, weights, per_seq)
+  assert n == 0 and "does not hold the weights" in why
+  n, why = br.fit_sequences(1063.0, weights, per_seq)
+  assert n == 0 and "not one sequence" in why
+  assert br.fit_sequences(1064.0, weights, per_seq) == (1, "")
+
+
+def test_summary_keys():
+  def case(tps, **kw):
+    return dict(tokens_per_s=tps, **kw)
+  res = {"key_batch": 64, "layers": 24,
+         "cases": {"bf16:kernel:64": case(100.0, read_fraction=0.4, copy_fraction=0.38,
+                                          compile_s=5.0),
+                   "fp4_rtn:kernel:64": case(80.0, compile_s=60.0),
+                   "fp4_trace:kernel:64": case(72.0), "fp8_unified:kernel:64": case(110.0),
+                   "bf16:kernel:8": case(30.0)},
+         "fixed_memory": {"cases": {"bf16": case(50.0, sequences=100, compile_s=70.0),
+                                    "fp4_rtn": case(60.0, sequences=130)}},
+         "transformers": {"cases": {"64": {"tokens_per_s": 20.0}}}}
+  got = br.summary(res)
+  want = {"fp4_over_bf16_fixed_batch": 0.8, "fp8_over_bf16_fixed_batch": 1.1,
+          "fp4_trace_over_fp4_rtn_b64": 0.9, "decode_bandwidth_fraction": 0.4,
+          "decode_bandwidth_fraction_copy": 0.38, "fp4_over_bf16_fixed_memory": 1.2,
+          "fp4_over_bf16_fixed_memory_sequences": 1.3, "bf16_over_transformers": 5.0,
+          "fp4_over_transformers": 4.0, "compile_s_max": 70.0,
+          "compile_s_max_case": "budget:bf16", "compile_s_24_layers": 70.0}
+  assert set(got) == set(want)
+  for k, v in want.items():
+    assert got[k] == (v if isinstance(v, str) else pytest.approx(v)), k
+  assert br.summary({"key_batch": 64, "layers": 8, "cases": {}}) == {}
+
+
+def test_cpu_run(tmp_path):
+  """Fixed batch (bf16, both impls), fixed memory (bf16 and fp4_rtn, kernel) and the
+  transformers reference on the CPU model; a budget of the BF16 weights + 2.5 sequences."""
+  context, new = 32, 8
+  config = preset_config()
+  per_seq = nbytes(jax.eval_shape(lambda: model_lib.init_cache(config, 1, context)))
+  budget = engine_held_bytes(config.replace(decode_impl="kernel")) + 2.5 * per_seq
   out = tmp_path / "rollout.json"
-  res = bench_rollout.main(["prog", "--preset=cpu", "--policies=bf16", "--prompt_len=8",
-                            "--new_tokens=8", "--reps=1", f"--json_out={out}"])
+  res = br.main(["prog", "--preset=cpu", "--policies=bf16", "--prompt_len=8",
+                 f"--new_tokens={new}", "--reps=1", "--budget_policies=bf16,fp4_rtn",
+                 f"--budget_gb={budget / 1e9}", f"--budget_context={context}",
+                 "--budget_max_batch=4", "--transformers", f"--json_out={out}"])
   cases = res["cases"]
   assert set(cases) == {"bf16:xla:4", "bf16:kernel:4"}
   for c in cases.values():
-    assert c["tokens_per_s"] > 0 and c["tokens"] == 4 * 8 and 0 < c["read_fraction"]
+    assert c["tokens_per_s"] > 0 and c["tokens"] == 4 * new and c["step_bytes"] > 0
+    assert 0 < c["read_fraction"] and 0 < c["copy_fraction"] and c["compile_s"] >= 0
   assert "kernel_over_xla_bf16_b4" in res["ratios"] and out.stat().st_size > 500
+
+  fm = res["fixed_memory"]["cases"]
+  assert fm["bf16"]["sequences"] == 2 and fm["bf16"]["batch"] == 2
+  assert fm["fp4_rtn"]["sequences"] > 2 and fm["fp4_rtn"]["batch"] == 4
+  for policy, c in fm.items():
+    assert c["tokens"] == c["batch"] * new and c["tokens_per_s"] > 0, policy
+    assert c["total_bytes"] <= budget
+  hf = res["transformers"]["cases"]["4"]
+  assert hf["tokens"] == 4 * new and hf["tokens_per_s"] > 0 and "first_token_agreement" in hf
+
+  for key in ("decode_bandwidth_fraction", "decode_bandwidth_fraction_copy",
+              "fp4_over_bf16_fixed_memory", "bf16_over_transformers", "compile_s_max",
+              "compile_s_2_layers"):
+    assert res[key] > 0, key
+  assert res["fp4_over_bf16_fixed_memory_sequences"] == fm["fp4_rtn"]["sequences"] / 2
+  # Not run: no FP4/FP8 fixed-batch case, so no key claims one.
+  for key in ("fp4_over_bf16_fixed_batch", "fp8_over_bf16_fixed_batch", "fp4_over_transformers"):
+    assert key not in res, key
+
+
+def test_budget_below_one_sequence_is_reported(capsys):
+  config = preset_config()
+  weights = engine_held_bytes(config.replace(decode_impl="kernel"))
+  res = br.main(["prog", "--preset=cpu", "--policies=bf16", "--cases=none", "--reps=1",
+                 "--new_tokens=8", "--budget_context=32", f"--budget_gb={(weights + 10) / 1e9}"])
+  c = res["fixed_memory"]["cases"]["bf16"]
+  assert c["sequences"] == 0 and "not one sequence" in c["skipped"] and "tokens_per_s" not in c
+  assert "not one sequence" in capsys.readouterr().out
+  assert "fp4_over_bf16_fixed_memory" not in res and "compile_s_max" not in res
