@@ -17,23 +17,27 @@ bandwidths measured in the same process (`common.bandwidth_gbps`), and ratios si
 FP4 over BF16 at each batch, the kernel decode over XLA's.
 
 Fixed memory (`--budget_gb`, 0 skips it; `--budget_context`, `--budget_max_batch`,
-`--budget_policies`, `--budget_impl`): per policy, how many sequences of `--budget_context`
-tokens fit in the budget next to the weights as the engine stores them (`weight_bytes`; with
-decode_impl "kernel": packed NVFP4 experts under FP4, E4M3 experts and attention projections
-under FP8, the rest BF16), each sequence costing its BF16 KV cache and the records the engine
-keeps for it (fp4_trace's guidance and routing); then the decode of `--new_tokens` tokens by
-the engine's session program (`decode.extend`) at that batch (capped at `--budget_max_batch`)
-over caches of `--budget_context` tokens. The KV cache is BF16 under every policy today (the
-FP4 policies' "FP4 KV" is fake-quantized BF16): FP4 fits more sequences through its weights
-only. The caches are filled with random values instead of a prefill: the XLA prefill
-materializes [batch, heads, S, S] float32 scores (8.3 GB per 8k sequence on the GPU preset),
-and a decode step's work does not depend on the cache's values.
+`--budget_policies` (CPU preset: bf16 and fp4_rtn), `--budget_impl`): per policy, how many
+sequences of `--budget_context` tokens fit in the budget next to the weights as the engine
+stores them (`weight_bytes`; with decode_impl "kernel": packed NVFP4 experts under FP4, E4M3
+experts and attention projections under FP8, the rest BF16), each sequence costing its BF16 KV
+cache and the records the engine keeps for it (fp4_trace's guidance and routing); then the
+decode of `--new_tokens` tokens in one engine session turn (`InProcessEngine.extend`) at that
+batch (capped at `--budget_max_batch`) over caches of `--budget_context` tokens. The KV cache
+is BF16 under every policy today (the FP4 policies' "FP4 KV" is fake-quantized BF16): FP4 fits
+more sequences through its weights only. The caches hold zeros instead of a prefill's
+values: the XLA prefill materializes [batch, heads, S, S] float32 scores (8.3 GB per 8k
+sequence on the GPU preset), and a decode step's work does not depend on the cache's values
+(the XLA attention reads the whole cache every step). The benchmark's own BF16 params stay on
+the device beside the budget.
 
 Reference (`--transformers`, `--transformers_batches`): the same params exported with
 `trace_jax.io.hf.save_hf_checkpoint`, loaded into `transformers.Qwen3MoeForCausalLM` (BF16,
 its default attention and experts implementations; torch device from env TRACE_TORCH_DEVICE,
 else cuda when available), greedy `generate` of exactly `--new_tokens` tokens
-(min_new_tokens = max_new_tokens) on the same prompts, timed after one warm-up call.
+(min_new_tokens = max_new_tokens; the output length is checked) on the same prompts, timed
+after one warm-up call; `first_token_agreement`: the fraction of its first greedy tokens equal
+to the bf16 engine's at that batch (a check that the export is the same model).
 
 Top-level plain numbers (issue 14/15; `--key_batch`, default 64 on the GPU preset):
 `fp4_over_bf16_fixed_batch`, `fp8_over_bf16_fixed_batch`, `fp4_trace_over_fp4_rtn_b{B}`,
@@ -70,6 +74,8 @@ flags.DEFINE_list("batches", [], "Batch sizes (default per preset).", flag_value
 flags.DEFINE_list("cases", [], "Only these policy:impl:batch cases (default: all).",
                   flag_values=FLAGS)
 flags.DEFINE_integer("layers", 0, "Decoder layers (0: per preset).", flag_values=FLAGS)
+flags.DEFINE_boolean("scan_layers", True, "Layers under lax.scan (False: unrolled, every layer "
+                     "compiled apart).", flag_values=FLAGS)
 flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.", flag_values=FLAGS)
 flags.DEFINE_integer("new_tokens", 128, "Generated tokens per sequence.", flag_values=FLAGS)
 flags.DEFINE_integer("reps", 3, "Timed calls per case.", flag_values=FLAGS)
@@ -81,8 +87,8 @@ flags.DEFINE_integer("budget_context", None, "Tokens per sequence (cache length)
                      "fixed-memory case (default per preset).", flag_values=FLAGS)
 flags.DEFINE_integer("budget_max_batch", None, "Largest batch timed in the fixed-memory case "
                      "(default per preset).", flag_values=FLAGS)
-flags.DEFINE_list("budget_policies", [], "Policies of the fixed-memory case (default: "
-                  "--policies).", flag_values=FLAGS)
+flags.DEFINE_list("budget_policies", None, "Policies of the fixed-memory case (default per "
+                  "preset; GPU: --policies).", flag_values=FLAGS)
 flags.DEFINE_string("budget_impl", "kernel", "decode_impl of the fixed-memory case.",
                     flag_values=FLAGS)
 flags.DEFINE_boolean("transformers", None, "HF transformers generate (BF16) as a reference "
@@ -98,13 +104,16 @@ PRESETS = {
                             num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                             num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768,
                             max_position_embeddings=4096), batches=(8, 64, 256), key_batch=64,
-                 budget_gb=60.0, budget_context=8192, budget_max_batch=512, transformers=True),
-    # Budget: 1.6 MB holds the BF16 weights (1.12 MB) and 3 sequences of 256 tokens, FP4 7.
+                 budget_gb=60.0, budget_context=8192, budget_max_batch=512, budget_policies=None,
+                 transformers=True),
+    # Budget: 1.6 MB holds the BF16 weights (1.12 MB) and 3 sequences of 256 tokens, FP4 7;
+    # fixed memory for two policies only (each FP4 program compiles for ~15 s on CPU).
     "cpu": dict(model=dict(vocab_size=256, hidden_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                            max_position_embeddings=512), batches=(4,), key_batch=4,
-                budget_gb=0.0016, budget_context=256, budget_max_batch=8, transformers=False),
+                budget_gb=0.0016, budget_context=256, budget_max_batch=8,
+                budget_policies=("bf16", "fp4_rtn"), transformers=False),
 }
 FP8_BYTES = 1 + 4 / 128**2  # E4M3 byte + a float32 scale per 128 x 128 block
 
@@ -187,20 +196,32 @@ def fit_sequences(budget_bytes: float, weights: float, per_sequence: float) -> t
   return n, ""
 
 
-def record_bytes_per_token(engine: Any) -> float:
-  """Bytes per token of the records the engine keeps on the device for a sequence (guidance and
-  routing buffers under fp4_trace; 0 when it records nothing), from their shapes."""
+def session_records(engine: Any, context: int) -> Any:
+  """The record buffers (guidance and routing under fp4_trace; {} when the engine records
+  nothing) the engine allocates for one session row, [1, total >= context, ...]."""
+  return engine.open_session(1, context - 1).taps
+
+
+def record_bytes_per_token(engine: Any, context: int) -> float:
+  """Bytes per token of the records the engine keeps on the device for a sequence."""
   import jax
 
-  from trace_jax.rollout import decode
+  leaves = jax.tree.leaves(session_records(engine, context))
+  return float(sum(a.nbytes / a.shape[1] for a in leaves))
 
-  tap_layers, tap_mode = engine._tap_plan()
-  if not (tap_layers or engine.record_routing):
-    return 0.0
-  shapes = jax.eval_shape(lambda p, e: decode.tap_buffers(
-      p, engine.config, 1, 1, tap_layers=tap_layers, tap_mode=tap_mode,
-      tap_routing=engine.record_routing, experts=e), engine.params, engine.experts)
-  return float(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes)))
+
+def budget_plan(engine: Any, budget_bytes: float, context: int) -> dict[str, Any]:
+  """How many sequences of `context` tokens fit in `budget_bytes` next to the weights `engine`
+  holds: each costs its KV cache and the engine's records for it. `skipped` says why none."""
+  weights = weight_bytes(engine.config)
+  kv, rec = (context * kv_bytes_per_token(engine.config),
+             context * record_bytes_per_token(engine, context))
+  fits, why = fit_sequences(budget_bytes, weights, kv + rec)
+  r = {"weight_bytes": weights, "kv_bytes_per_seq": kv, "record_bytes_per_seq": rec,
+       "sequences": fits}
+  if not fits:
+    r["skipped"] = why
+  return r
 
 
 def _gb(n: float) -> str:
@@ -248,6 +269,9 @@ def run_case(params: Any, config: Any, batch: int, reps: int) -> tuple[dict[str,
 
   r = _timed(call, reps)
   tokens = sum(len(s.tokens) for s in out)
+  if tokens != batch * FLAGS.new_tokens:  # greedy without stop ids: every row runs to the end
+    raise RuntimeError(f"{config.policy}: generated {tokens} tokens, expected {batch} x "
+                       f"{FLAGS.new_tokens}")
   r.update(engine_init_s=init_s, tokens=tokens, tokens_per_s=tokens / r["median_s"],
            tokens_per_seq=tokens / batch)
   return r, [s.tokens[0] for s in out]
@@ -256,64 +280,53 @@ def run_case(params: Any, config: Any, batch: int, reps: int) -> tuple[dict[str,
 def run_budget_case(params: Any, config: Any, budget_bytes: float, context: int, max_batch: int,
                     reps: int) -> dict[str, Any]:
   """The fixed-memory case of one policy: sequences of `context` tokens fitting next to the
-  engine's weights, and the decode tokens/s of `decode.extend` at that many (at most
-  `max_batch`) over random caches of `context` tokens."""
+  engine's weights, and the decode tokens/s at that many (at most `max_batch`) of one engine
+  session turn per call (`InProcessEngine.extend`: the pending token fed, padded to 16, then
+  `--new_tokens` decoded) over caches of `context` tokens."""
   import jax
   import jax.numpy as jnp
 
-  from trace_jax.rollout import decode
+  from trace_jax import model as model_lib
+  from trace_jax.rollout import engine as engine_lib
   from trace_jax.rollout.protocol import SamplingParams
 
   new = FLAGS.new_tokens
-  if context <= new:
-    raise ValueError(f"--budget_context {context} must exceed --new_tokens {new}")
-  config = config.replace(max_position_embeddings=max(config.max_position_embeddings, context))
+  if context < new + 2:
+    raise ValueError(f"--budget_context {context} must exceed --new_tokens {new} + 1")
+  config = config.replace(max_position_embeddings=max(config.max_position_embeddings,
+                                                      engine_lib.bucket(context)))
   engine, init_s = _engine(params, config, max_batch)
-  weights = weight_bytes(config)
-  rec = record_bytes_per_token(engine)
-  per_seq = context * (kv_bytes_per_token(config) + rec)
-  fits, why = fit_sequences(budget_bytes, weights, per_seq)
-  r: dict[str, Any] = {"weight_bytes": weights, "kv_bytes_per_seq": context
-                       * kv_bytes_per_token(config), "record_bytes_per_seq": context * rec,
-                       "sequences": fits, "engine_init_s": init_s}
-  if not fits:
-    r["skipped"] = why
+  r = budget_plan(engine, budget_bytes, context)
+  r["engine_init_s"] = init_s
+  if not r["sequences"]:
     return r
-  b = min(fits, max_batch)
-  tap_layers, tap_mode = engine._tap_plan()
-  sampling = engine._sampling_arrays([SamplingParams(max_new_tokens=new, temperature=0.0)] * b, b)
-  rng = np.random.default_rng(0)
-  chunk = jnp.asarray(rng.integers(1, config.vocab_size, (b, 1)), jnp.int32)
-  lens = jnp.full((b,), context - new, jnp.int32)  # the prompt's cache rows, then 1 fed token
-  shape = (b, context, config.num_key_value_heads, config.head_dim)  # `model.init_cache`'s
-  dtype = jnp.dtype(config.dtype)
-  n_gen: list[Any] = []
+  b = min(r["sequences"], max_batch)
+  per_seq = r["kv_bytes_per_seq"] + r["record_bytes_per_seq"]
+  records = session_records(engine, context)
+  pending = np.random.default_rng(0).integers(1, config.vocab_size, b).tolist()
+  sp = [SamplingParams(max_new_tokens=new, temperature=0.0)] * b
+  out: list[Any] = []
 
   def call() -> float:
-    keys = jax.random.split(jax.random.key(len(n_gen)), 2 * config.num_hidden_layers)
-    cache = [(jax.random.normal(keys[2 * i], shape, dtype),
-              jax.random.normal(keys[2 * i + 1], shape, dtype))
-             for i in range(config.num_hidden_layers)]
-    taps = (decode.tap_buffers(engine.params, config, b, context, tap_layers=tap_layers,
-                               tap_mode=tap_mode, tap_routing=engine.record_routing,
-                               experts=engine.experts)
-            if tap_layers or engine.record_routing else {})
-    jax.block_until_ready((cache, taps))
+    # A session of b rows whose caches hold `context - new - 2` tokens (zeros: the decode's
+    # work does not depend on them), its buffers as `open_session` makes them but unpadded.
+    session = engine_lib.Session(
+        n=b, batch=b, total=context, cache=model_lib.init_cache(config, b, context),
+        taps=jax.tree.map(lambda a: jnp.zeros((b, context) + a.shape[2:], a.dtype), records),
+        lens=np.full(b, context - new - 2, np.int32), pending=list(pending))
+    jax.block_until_ready((session.cache, session.taps))
     t0 = time.perf_counter()
-    out = decode.extend(engine.params, config, cache, taps, lens, chunk, jnp.ones(b, jnp.int32),
-                        *sampling, max_new=new, tap_layers=tap_layers, tap_mode=tap_mode,
-                        tap_routing=engine.record_routing, experts=engine.experts)
-    n_gen.append(np.asarray(out[2]))  # waits for the program
+    out[:] = engine.extend(session, list(range(b)), [[]] * b, sp)
     dt = time.perf_counter() - t0
-    del out, cache, taps
+    del session
     return dt
 
   r.update(_timed(call, reps))
-  tokens = int(n_gen[-1].sum())
+  tokens = sum(len(s.tokens) for s in out)
   if tokens != b * new:
     raise RuntimeError(f"fixed-memory decode generated {tokens} tokens, expected {b} x {new}")
   r.update(batch=b, tokens=tokens, tokens_per_s=tokens / r["median_s"],
-           total_bytes=weights + b * per_seq)
+           total_bytes=r["weight_bytes"] + b * per_seq)
   return r
 
 
@@ -327,7 +340,6 @@ def run_transformers(params: Any, config: Any, batches: Sequence[int], reps: int
   from trace_jax.io import hf
 
   dev = os.environ.get("TRACE_TORCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-  sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
   res: dict[str, Any] = {"device": dev, "transformers": transformers.__version__,
                          "torch": torch.__version__, "cases": {}}
   transformers.utils.logging.disable_progress_bar()
@@ -340,33 +352,12 @@ def run_transformers(params: Any, config: Any, batches: Sequence[int], reps: int
   res["load_s"] = time.perf_counter() - t0 - res["export_s"]
   res["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
   res["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
-  n = FLAGS.new_tokens
   for batch in batches:
-    ids = torch.tensor(make_prompts(batch, FLAGS.prompt_len, config.vocab_size), device=dev)
-    out: list[Any] = []
-
-    def call(ids=ids, out=out) -> float:
-      sync()
-      t0 = time.perf_counter()
-      with torch.inference_mode():
-        # Exactly n new tokens: greedy, and no EOS can end a row early (min_new_tokens).
-        out[:] = [model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                                 pad_token_id=0)]
-      sync()
-      return time.perf_counter() - t0
-
-    r = _timed(call, reps)
-    del r["compile_s"]  # eager torch: the first call is a warm-up, not a compile
-    got = tuple(out[0].shape)
-    if got != (batch, FLAGS.prompt_len + n):
-      raise RuntimeError(f"transformers generate returned {got}, expected "
-                         f"{(batch, FLAGS.prompt_len + n)}")
-    r.update(tokens=batch * n, tokens_per_s=batch * n / r["median_s"])
+    r = _time_transformers(model, dev, batch, config.vocab_size, reps)
     ours = first_tokens.get(f"bf16:kernel:{batch}") or first_tokens.get(f"bf16:xla:{batch}")
     if ours:  # same checkpoint: greedy first tokens mostly agree (BF16 near-ties may not)
-      hf_first = out[0][:, FLAGS.prompt_len].cpu().numpy()
-      r["first_token_agreement"] = float(np.mean(hf_first == np.asarray(ours)))
+      r["first_token_agreement"] = float(np.mean(r.pop("_first") == np.asarray(ours)))
+    r.pop("_first", None)
     res["cases"][str(batch)] = r
     print(f"  transformers:{batch:<9} {r['tokens_per_s']:>10,.0f} tok/s  warm-up call "
           f"{r['first_call_s']:6.1f} s  ({dev}, attention {res['attn_implementation']}, "
@@ -375,6 +366,38 @@ def run_transformers(params: Any, config: Any, batches: Sequence[int], reps: int
   if dev.startswith("cuda"):
     torch.cuda.empty_cache()
   return res
+
+
+def _time_transformers(model: Any, dev: str, batch: int, vocab: int, reps: int
+                       ) -> dict[str, Any]:
+  """One batch of `model.generate`: timings, tokens (checked: exactly --new_tokens per row)
+  and the first generated tokens (`_first`)."""
+  import torch
+
+  sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+  n, p = FLAGS.new_tokens, FLAGS.prompt_len
+  ids = torch.tensor(make_prompts(batch, p, vocab), device=dev)
+  out: list[Any] = []
+
+  def call() -> float:
+    sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+      # Exactly n new tokens: greedy, and no EOS can end a row early (min_new_tokens).
+      out[:] = [model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                               do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                               pad_token_id=0)]
+    sync()
+    return time.perf_counter() - t0
+
+  r: dict[str, Any] = _timed(call, reps)
+  del r["compile_s"]  # eager torch: the first call is a warm-up, not a compile
+  got = tuple(out[0].shape)
+  if got != (batch, p + n):
+    raise RuntimeError(f"transformers generate returned {got}, expected {(batch, p + n)}")
+  r.update(tokens=batch * n, tokens_per_s=batch * n / r["median_s"],
+           _first=out[0][:, p].cpu().numpy())
+  return r
 
 
 # ----------------------------------------------------------------------------- driver
@@ -393,6 +416,7 @@ def run_bench() -> dict[str, Any]:
   fields = dict(p["model"], dtype="bfloat16")
   if FLAGS.layers:
     fields["num_hidden_layers"] = FLAGS.layers
+  fields["scan_layers"] = FLAGS.scan_layers
   base = model_lib.tiny(**fields)
   batches = [int(b) for b in FLAGS.batches] or list(p["batches"])
   key_batch = FLAGS.key_batch or p["key_batch"]
@@ -451,7 +475,7 @@ def run_bench() -> dict[str, Any]:
     print(f"  fixed memory: {budget_gb:g} GB for weights + KV cache (BF16 in every policy: the "
           f"FP4 KV cache is fake-quantized BF16) + records, {context}-token sequences, decode "
           f"impl {FLAGS.budget_impl}, batch at most {cap}", flush=True)
-    for policy in FLAGS.budget_policies or FLAGS.policies:
+    for policy in _preset("budget_policies") or FLAGS.policies:
       if over_budget():
         fm["cases"][policy] = {"skipped": "budget"}
         continue

@@ -29,7 +29,8 @@ _PRESET = flags.DEFINE_enum("preset", "tiny", ["tiny", "small_h200", "bench_gpu"
 _POLICIES = flags.DEFINE_list(
     "policies", ["bf16", "fp8_unified", "fp8_unified@kernel", "fp8_unified@kernel+fp8bwd",
                  "fp4_rtn", "fp4_trace"],
-    "forwards to time; `name@impl` sets fp8_gemm (xla, kernel), `+fp8bwd` the FP8 backward")
+    "forwards to time; `name@impl` sets fp8_gemm (xla, kernel), `+fp8bwd` the FP8 backward, "
+    "`+unrolled` scan_layers=False (every layer compiled apart)")
 _BATCH = flags.DEFINE_integer("batch", None, "batch size (default per preset)")
 _SEQ = flags.DEFINE_integer("seq", None, "sequence length (default per preset)")
 _EXPERTS = flags.DEFINE_integer("experts", None, "number of experts (default per preset; the "
@@ -113,10 +114,12 @@ def main(argv):
   ref = None  # the first impl's bf16 time; rows print as they finish (a timeout keeps them)
   for impl in _MOE_IMPLS.value:
     for policy in _POLICIES.value:
-      name, bwd = policy.removesuffix("+fp8bwd"), policy.endswith("+fp8bwd")
+      name, *opts = policy.split("+")
+      if set(opts) - {"fp8bwd", "unrolled"}:
+        raise app.UsageError(f"{policy}: options are +fp8bwd and +unrolled")
       name, _, fp8_gemm = name.partition("@")
       config = base.replace(policy=name, moe_impl=impl, fp8_gemm=fp8_gemm or "xla",
-                            fp8_backward=bwd)
+                            fp8_backward="fp8bwd" in opts, scan_layers="unrolled" not in opts)
       guidance = routing = None
       if name == "fp4_trace":
         taps = jax.jit(lambda p, t, c=config: M.forward(p, c, t, tap_layers=c.guided_layers,
@@ -124,12 +127,14 @@ def main(argv):
         guidance = {i: {s: taps[i][s] for s in M.SITES} for i in config.guided_layers}
         routing = {i: taps[i]["routing"] for i in taps}  # matches expert_mid rows to experts
       step = jax.jit(jax.value_and_grad(functools.partial(_loss, config=config)))
+      t0 = time.perf_counter()
       compiled = step.lower(params, tokens=tokens, guidance=guidance,
                             routing=routing).compile()  # once
+      compile_s = time.perf_counter() - t0
       gib = compiled.memory_analysis().temp_size_in_bytes / 2**30
       if _STEPS.value == 0:
-        print(f"  {impl:10s} {policy:26s} {'-':>9s} ms/step  {'':24s} temp {gib:7.2f} GiB",
-              flush=True)
+        print(f"  {impl:10s} {policy:26s} {'-':>9s} ms/step  {'':24s} temp {gib:7.2f} GiB"
+              f"  compile {compile_s:.1f} s", flush=True)
         continue
       t = _time(lambda p, t, g, r, f=compiled: f(p, tokens=t, guidance=g, routing=r), params,
                 tokens, guidance, routing, steps=_STEPS.value)
@@ -138,7 +143,8 @@ def main(argv):
       rel = f"{t / ref:.2f}x {_MOE_IMPLS.value[0]} bf16" if ref else ""
       share = bound["linear"] / (t * 1e3)
       print(f"  {impl:10s} {policy:26s} {t * 1e3:9.2f} ms/step  {rel:24s} temp {gib:7.2f} GiB"
-            f"  (linear GEMMs at the BF16 rate: {100 * share:.0f}% of it)", flush=True)
+            f"  compile {compile_s:.1f} s  (linear GEMMs at the BF16 rate: {100 * share:.0f}% of "
+            "it)", flush=True)
 
 
 if __name__ == "__main__":

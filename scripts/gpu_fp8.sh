@@ -3,8 +3,9 @@
 # the FP4 table decoder: the FP8 kernel's tests on the GPU (T_TESTS), the table decoder's
 # tests (T_DECODE), bench_fp8_gemm (T_GEMM, GEMM_ARGS), bench_moe_decode with the table decoder
 # (T_MOE), bench_train_step (T_TRAIN, TRAIN_ARGS: bf16 vs fp8_unified with the kernel, BF16 and
-# FP8 backward, and fp4_trace at 4 Qwen3-width layers, 8k tokens). Each step has its own limit
-# in seconds; 1 skips a step.
+# FP8 backward, and fp4_trace at 4 Qwen3-width layers, 8k tokens), bench_rollout (T_ROLLOUT,
+# ROLLOUT_ARGS; T_ROLLOUT2/ROLLOUT2_ARGS a second configuration, e.g. 24 layers). Each step has
+# its own limit in seconds; 1 skips a step.
 source "$(dirname "$0")/gpu_lib.sh"
 stamp start
 run fp8_tests "${T_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider -rf -x \
@@ -18,4 +19,8 @@ run bench_moe_table "${T_MOE:-1}" python3 -m experiments.bench_moe_decode --expe
   --json_out="$OUT/bench_moe_decode_table.json"
 run bench_train_step "${T_TRAIN:-1}" python3 -m experiments.bench_train_step \
   --preset=qwen3_layers --steps=5 ${TRAIN_ARGS:-}
+run bench_rollout "${T_ROLLOUT:-1}" python3 -m experiments.bench_rollout \
+  --json_out="$OUT/bench_rollout.json" ${ROLLOUT_ARGS:-}
+run bench_rollout2 "${T_ROLLOUT2:-1}" python3 -m experiments.bench_rollout \
+  --json_out="$OUT/bench_rollout2.json" ${ROLLOUT2_ARGS:-}
 stamp done

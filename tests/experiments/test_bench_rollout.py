@@ -84,6 +84,23 @@ def test_fit_is_monotone_and_explains_zero():
   assert br.fit_sequences(1064.0, weights, per_seq) == (1, "")
 
 
+def test_budget_plan_counts_fp4_trace_records():
+  """fp4_trace's engine keeps guidance and routing records per token: each sequence costs
+  them on top of its KV cache; the fit grows with the budget."""
+  config = preset_config().replace(policy="fp4_trace", decode_impl="kernel")
+  engine = br._engine(model_lib.init_params(config, 0, param_dtype="bfloat16"), config, 4)[0]
+  kv = 64 * br.kv_bytes_per_token(config)
+  runs = [br.budget_plan(engine, b, 64) for b in np.linspace(0.5e6, 3e6, 11)]
+  for budget, r in zip(np.linspace(0.5e6, 3e6, 11), runs):
+    assert r["weight_bytes"] == br.weight_bytes(config) and r["kv_bytes_per_seq"] == kv
+    assert 0 < r["record_bytes_per_seq"] < kv
+    free = budget - r["weight_bytes"]
+    assert r["sequences"] == max(0, int(free // (kv + r["record_bytes_per_seq"])))
+  fits = [r["sequences"] for r in runs]
+  assert fits == sorted(fits) and fits[0] == 0 and "skipped" in runs[0]
+  assert 0 < fits[-1] < (3e6 - runs[-1]["weight_bytes"]) // kv  # fewer than without records
+
+
 def test_summary_keys():
   def case(tps, **kw):
     return dict(tokens_per_s=tps, **kw)
@@ -107,26 +124,29 @@ def test_summary_keys():
   for k, v in want.items():
     assert got[k] == (v if isinstance(v, str) else pytest.approx(v)), k
   assert br.summary({"key_batch": 64, "layers": 8, "cases": {}}) == {}
+  assert br.ratios({"bf16:xla:8": case(10.0), "bf16:kernel:8": case(30.0),
+                    "fp4_rtn:kernel:8": case(15.0)}) == {
+                        "kernel_over_xla_bf16_b8": 3.0, "fp4_rtn_over_bf16_kernel_b8": 0.5}
 
 
 def test_cpu_run(tmp_path):
-  """Fixed batch (bf16, both impls), fixed memory (bf16 and fp4_rtn, kernel) and the
-  transformers reference on the CPU model; a budget of the BF16 weights + 2.5 sequences."""
+  """Fixed batch (bf16, kernel), fixed memory (bf16 and fp4_rtn, kernel) and the transformers
+  reference on the CPU model; a budget of the BF16 weights + 2.5 sequences."""
   context, new = 32, 8
   config = preset_config()
   per_seq = nbytes(jax.eval_shape(lambda: model_lib.init_cache(config, 1, context)))
   budget = engine_held_bytes(config.replace(decode_impl="kernel")) + 2.5 * per_seq
   out = tmp_path / "rollout.json"
-  res = br.main(["prog", "--preset=cpu", "--policies=bf16", "--prompt_len=8",
+  res = br.main(["prog", "--preset=cpu", "--policies=bf16", "--impls=kernel", "--prompt_len=8",
                  f"--new_tokens={new}", "--reps=1", "--budget_policies=bf16,fp4_rtn",
                  f"--budget_gb={budget / 1e9}", f"--budget_context={context}",
                  "--budget_max_batch=4", "--transformers", f"--json_out={out}"])
   cases = res["cases"]
-  assert set(cases) == {"bf16:xla:4", "bf16:kernel:4"}
+  assert set(cases) == {"bf16:kernel:4"}
   for c in cases.values():
     assert c["tokens_per_s"] > 0 and c["tokens"] == 4 * new and c["step_bytes"] > 0
     assert 0 < c["read_fraction"] and 0 < c["copy_fraction"] and c["compile_s"] >= 0
-  assert "kernel_over_xla_bf16_b4" in res["ratios"] and out.stat().st_size > 500
+  assert res["ratios"] == {} and out.stat().st_size > 500
 
   fm = res["fixed_memory"]["cases"]
   assert fm["bf16"]["sequences"] == 2 and fm["bf16"]["batch"] == 2
@@ -150,8 +170,9 @@ def test_cpu_run(tmp_path):
 def test_budget_below_one_sequence_is_reported(capsys):
   config = preset_config()
   weights = engine_held_bytes(config.replace(decode_impl="kernel"))
-  res = br.main(["prog", "--preset=cpu", "--policies=bf16", "--cases=none", "--reps=1",
-                 "--new_tokens=8", "--budget_context=32", f"--budget_gb={(weights + 10) / 1e9}"])
+  res = br.main(["prog", "--preset=cpu", "--policies=bf16", "--budget_policies=bf16",
+                 "--cases=none", "--reps=1", "--new_tokens=8", "--budget_context=32",
+                 f"--budget_gb={(weights + 10) / 1e9}"])
   c = res["fixed_memory"]["cases"]["bf16"]
   assert c["sequences"] == 0 and "not one sequence" in c["skipped"] and "tokens_per_s" not in c
   assert "not one sequence" in capsys.readouterr().out

@@ -360,3 +360,23 @@ def test_lowers_to_triton(variant, kind, opts):
   text = jax.jit(f).trace(_x(M), w, jnp.zeros((E,), jnp.int32)).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "triton" in text
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp4"])
+def test_stacked_layer_is_read_in_place(kind):
+  """`layer=` on a stack of 3 layers' weights (a traced index, as inside a scan over layers):
+  bit for bit the call on that layer's weights alone, for every layer; a wrong stack shape is
+  refused."""
+  per_layer = [_weights(seed=s) for s in (0, 5, 6)]
+  if kind == "fp4":
+    per_layer = [_pack(w) for w in per_layer]
+  stack = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+  x, gs = _x(M), jnp.asarray(GROUPS[0][1], jnp.int32)
+  run = jax.jit(lambda x, w, gs, i: fp4_moe.grouped_matmul_decode(x, w, gs, layer=i, **BLOCKS))
+  outs = [np.asarray(run(x, stack, gs, jnp.int32(i))) for i in range(3)]
+  for i, w in enumerate(per_layer):
+    alone = fp4_moe.grouped_matmul_decode(x, w, gs, **BLOCKS)
+    assert_bits_equal(outs[i], alone, f"{kind}: layer {i} of the stack vs alone")
+  assert not np.array_equal(outs[0], outs[1])  # the index does select another layer
+  with pytest.raises((ValueError, TypeError), match=r"\[L, E, N, K"):
+    fp4_moe.grouped_matmul_decode(x, per_layer[0], gs, layer=jnp.int32(0))

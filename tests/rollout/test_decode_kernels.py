@@ -17,21 +17,25 @@ NEW = 32
 def _engines(policy: str):
   config = M.tiny(policy=policy, dtype="bfloat16", num_hidden_layers=2, vocab_size=128)
   params = jax.tree.map(lambda a: a if a.ndim == 1 else a * 4.0, M.init_params(config, 3))
-  return [InProcessEngine(params, config.replace(decode_impl=impl), audit_fraction=1.0,
-                          record_routing=True, max_batch=2) for impl in ("xla", "kernel")]
+  return params, [InProcessEngine(params, config.replace(decode_impl=impl), audit_fraction=1.0,
+                                  record_routing=True, max_batch=2) for impl in ("xla", "kernel")]
 
 
 @pytest.mark.parametrize("policy", ["bf16", "fp4_trace"])
 def test_kernel_decode_matches_the_reference(policy):
   """Greedy: the same 32 tokens per prompt, log-probs within BF16 matmul rounding, and (FP4)
   the records' codes of the decode steps equal but for values at a rounding boundary."""
-  ref, fast = _engines(policy)
-  # The kernel engine keeps one copy of the experts: the prepared ones.
-  assert fast.params["layers"][0]["moe"]["gate_proj"][...].size == 0
+  params, (ref, fast) = _engines(policy)
+  # Both hold the layers stacked per run (their params' layer arrays empty); the kernel engine
+  # keeps one copy of the experts: the prepared ones.
+  assert ref.params["layers"][0]["moe"]["gate_proj"][...].size == 0
+  full = params["layers"][0]["moe"]["gate_proj"][...].shape
+  assert ref.layers[0]["moe"]["gate_proj"][...].shape[1:] == full
+  assert fast.layers[0]["moe"]["gate_proj"][...].size == 0
   prompts = np.random.default_rng(0).integers(1, 128, (2, 9)).tolist()
   sp = SamplingParams(max_new_tokens=NEW, temperature=0.0)
   a = ref.generate(prompts, sp)
-  fast.update_weights(ref.params)  # the shape check sees the full params, not the dropped ones
+  fast.update_weights(params)  # the shape check sees the full params, not the dropped ones
   b = fast.generate(prompts, sp)
   for x, y in zip(a, b):
     assert x.tokens == y.tokens and len(x.tokens) == NEW
@@ -47,7 +51,8 @@ def test_kernel_decode_matches_the_reference(policy):
 def test_packed_experts_are_the_fake_quantized_weights():
   config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=1)
   params = M.init_params(config, 0)
-  (ew,) = jax.jit(expert_weights.prepare, static_argnums=1)(params, config)
+  (run,) = jax.jit(expert_weights.prepare, static_argnums=1)(params, config)
+  ew = jax.tree.map(lambda a: a[0], run)  # the run's one layer
   assert ew.packed
   moe = params["layers"][0]["moe"]
   gate, up, down = (moe[n][...].astype("bfloat16") for n in ("gate_proj", "up_proj",
@@ -77,8 +82,23 @@ def test_decode_steps_run_the_kernel_and_prefill_does_not():
           params, experts, cache)
   prefill = jax.make_jaxpr(lambda p, e: M.prefill(p, config, np.zeros((2, 4), np.int32), 8,
                                                   experts=e).logits)(params, experts)
-  assert str(step).count("pallas_call") == 2  # gate/up and down of the one layer
-  assert "pallas_call" not in str(prefill)
+  # q, k, v, o and the experts' gate/up and down of the one layer; none in prefill.
+  assert _kernel_calls(step.jaxpr) == 6
+  assert _kernel_calls(prefill.jaxpr) == 0
+
+
+def _kernel_calls(jaxpr) -> int:
+  """pallas_call equations run by a jaxpr, nested jaxprs counted at every call."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == "pallas_call"
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          n += _kernel_calls(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          n += _kernel_calls(sub)
+  return n
 
 
 def test_fp8_kernel_rollout_matches_the_reference():
@@ -97,7 +117,7 @@ def test_fp8_kernel_rollout_matches_the_reference():
                        for g, d in (("xla", "xla"), ("kernel", "xla"), ("kernel", "kernel")))
   assert packed.experts[0].fp8 and set(packed.experts[0].attention) == {
       "q_proj", "k_proj", "v_proj", "o_proj"}
-  assert packed.params["layers"][1]["attn"]["q_proj"]["kernel"][...].size == 0
+  assert packed.layers[0]["attn"]["q_proj"]["kernel"][...].size == 0  # one copy: the FP8 one
   prompts = np.random.default_rng(1).integers(1, 128, (2, 9)).tolist()
   sp = SamplingParams(max_new_tokens=NEW, temperature=0.0)
   for x, y, z in zip(ref.generate(prompts, sp), fast.generate(prompts, sp),

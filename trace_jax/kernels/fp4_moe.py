@@ -94,10 +94,10 @@ class PackedNVFP4Weights:
   tensor_scale: jax.Array
 
   @property
-  def shape(self) -> tuple[int, int, int]:
-    """The logical weight shape (E, N, K)."""
-    e, n, half = self.codes.shape
-    return e, n, 2 * half
+  def shape(self) -> tuple[int, ...]:
+    """The logical weight shape (E, N, K), or (L, E, N, K) for a stack of layers."""
+    *lead, half = self.codes.shape
+    return (*lead, 2 * half)
 
   def slice_n(self, start: int, stop: int | None = None) -> PackedNVFP4Weights:
     """Output rows [start:stop] of every expert (the tensor scales are shared, not copied)."""
@@ -106,21 +106,22 @@ class PackedNVFP4Weights:
                               tensor_scale=self.tensor_scale)
 
 
-def check_packed(p: PackedNVFP4Weights) -> None:
-  """Raises ValueError/TypeError if the fields' shapes or dtypes disagree (works on tracers)."""
-  if p.codes.ndim != 3 or p.codes.dtype != jnp.uint8:
-    raise TypeError(f"PackedNVFP4Weights.codes must be uint8 [E, N, K // 2], got "
+def check_packed(p: PackedNVFP4Weights, stacked: bool = False) -> None:
+  """Raises ValueError/TypeError if the fields' shapes or dtypes disagree (works on tracers).
+  stacked: every field has a leading layer axis L."""
+  lead = ("L, " if stacked else "")
+  if p.codes.ndim != 3 + stacked or p.codes.dtype != jnp.uint8:
+    raise TypeError(f"PackedNVFP4Weights.codes must be uint8 [{lead}E, N, K // 2], got "
                     f"{p.codes.dtype} {p.codes.shape}")
-  e, n, k = p.shape
+  *layers, e, n, k = p.shape
   if k % NVFP4_BLOCK:
     raise ValueError(f"PackedNVFP4Weights: K={k} is not a multiple of {NVFP4_BLOCK}")
-  if p.block_scale.shape != (e, n, k // NVFP4_BLOCK) or \
-      p.block_scale.dtype != jnp.float8_e4m3fn:
-    raise ValueError(f"PackedNVFP4Weights.block_scale must be float8_e4m3fn "
-                     f"{(e, n, k // NVFP4_BLOCK)}, got {p.block_scale.dtype} "
-                     f"{p.block_scale.shape}")
-  if p.tensor_scale.shape != (e,) or p.tensor_scale.dtype != jnp.float32:
-    raise ValueError(f"PackedNVFP4Weights.tensor_scale must be float32 {(e,)}, got "
+  want = (*layers, e, n, k // NVFP4_BLOCK)
+  if p.block_scale.shape != want or p.block_scale.dtype != jnp.float8_e4m3fn:
+    raise ValueError(f"PackedNVFP4Weights.block_scale must be float8_e4m3fn {want}, got "
+                     f"{p.block_scale.dtype} {p.block_scale.shape}")
+  if p.tensor_scale.shape != (*layers, e) or p.tensor_scale.dtype != jnp.float32:
+    raise ValueError(f"PackedNVFP4Weights.tensor_scale must be float32 {(*layers, e)}, got "
                      f"{p.tensor_scale.dtype} {p.tensor_scale.shape}")
 
 
@@ -262,16 +263,18 @@ def e4m3_value_scaled(scale: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------------- kernel
 
-def _kernel(offs_ref, sizes_ref, *refs, fp4: bool, split: bool, swap_ab: bool, lut: bool,
-            asm: bool, table: str | None, m: int, k: int, num_experts: int, bm: int, bn: int,
-            bk: int):
-  """One (expert, N tile) program: see the module docstring."""
+def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_ab: bool,
+            lut: bool, asm: bool, table: str | None, m: int, k: int, num_experts: int, bm: int,
+            bn: int, bk: int):
+  """One (expert, N tile) program: see the module docstring. The weights carry a leading
+  layer axis; layer_ref [1] names the layer read (in place: no copy of a layer's slice)."""
   if split:  # x's even and odd columns as two inputs, each [M, K // 2]
     x_refs, (*w_refs, o_ref) = refs[:2], refs[2:]
   else:
     x_refs, (*w_refs, o_ref) = refs[:1], refs[1:]
   dt = o_ref.dtype
   e = pl.program_id(0)
+  lyr = layer_ref[0]
   n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
   start = offs_ref[e]
   size = sizes_ref[e]
@@ -286,8 +289,9 @@ def _kernel(offs_ref, sizes_ref, *refs, fp4: bool, split: bool, swap_ab: bool, l
     def load_w(t, ts, table=None):
       kb0 = pl.multiple_of(t * kb, kb)
       # A 2-D tile of whole contiguous rows (coalesced loads).
-      p = codes_ref[e, pl.ds(n0, bn), pl.ds(pl.multiple_of(t * (bk // 2), bk // 2), bk // 2)]
-      scale = bs_ref[e, pl.ds(n0, bn), pl.ds(kb0, kb)]
+      p = codes_ref[lyr, e, pl.ds(n0, bn),
+                    pl.ds(pl.multiple_of(t * (bk // 2), bk // 2), bk // 2)]
+      scale = bs_ref[lyr, e, pl.ds(n0, bn), pl.ds(kb0, kb)]
       if lut:  # per-block byte tables + prmt lookups (fp4_decode); ts: tensor_scale_factors
         bits = jax.lax.bitcast_convert_type(scale, jnp.uint8)
         lo, hi = fp4_decode.decode_blocks(p, bits, None, dt, asm=asm, factors=ts, table=table)
@@ -310,7 +314,7 @@ def _kernel(offs_ref, sizes_ref, *refs, fp4: bool, split: bool, swap_ab: bool, l
     def load_w(t, ts, table=None):
       del ts, table
       k0 = pl.multiple_of(t * bk, bk)
-      return (w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(dt),)
+      return (w_ref[lyr, e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(dt),)
 
   def matmul(ts, table):
     def row_block(r, carry):
@@ -341,9 +345,9 @@ def _kernel(offs_ref, sizes_ref, *refs, fp4: bool, split: bool, swap_ab: bool, l
     if not fp4:
       matmul(None, None)
     elif not lut:
-      matmul(ts_ref[e], None)
+      matmul(ts_ref[lyr, e], None)
     else:  # the tensor scale's exact factors, once per program
-      factors = fp4_decode.tensor_scale_factors(ts_ref[e])
+      factors = fp4_decode.tensor_scale_factors(ts_ref[lyr, e])
       if jnp.dtype(dt) != jnp.dtype(jnp.bfloat16) or table is not None:
         matmul(factors, table or "exact")
       else:  # two copies of the loops: the fast table (every quantizer scale), or the exact
@@ -383,11 +387,14 @@ def resolve_decoder(decoder: str | None, dtype: Any, n: int, k: int, block_n: in
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode(x, w, group_sizes, *, interpret, block_m, block_n, block_k, num_warps, num_stages,
-            split, swap_ab, decoder, table, debug):
+def _decode(x, w, group_sizes, layer, *, interpret, block_m, block_n, block_k, num_warps,
+            num_stages, split, swap_ab, decoder, table, debug):
   m, k = x.shape
   fp4 = isinstance(w, PackedNVFP4Weights)
-  e, n, _ = w.shape
+  if layer is None:  # one layer: a leading axis of 1 (a free reshape)
+    w = jax.tree.map(lambda a: a[None], w)
+    layer = jnp.zeros((), jnp.int32)
+  e, n = (w.codes if fp4 else w).shape[1:3]
   if m == 0:
     return jnp.zeros((0, n), x.dtype)
   gs = group_sizes.astype(jnp.int32)
@@ -409,16 +416,21 @@ def _decode(x, w, group_sizes, *, interpret, block_m, block_n, block_k, num_warp
       interpret=interpret, debug=debug,
       name="grouped_matmul_decode_fp4" if fp4 else "grouped_matmul_decode",
       compiler_params=None if interpret else _compiler_params(num_warps, num_stages),
-  )(offs, gs, *xs, *weights)
+  )(offs, gs, jnp.reshape(layer, (1,)).astype(jnp.int32), *xs, *weights)
 
 
 def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
-                          group_sizes: jax.Array, *, interpret: bool | None = None,
+                          group_sizes: jax.Array, *, layer: jax.Array | None = None,
+                          interpret: bool | None = None,
                           block_m: int | None = None, block_n: int = 64, block_k: int = 256,
                           num_warps: int = 4, num_stages: int = 3, split: bool | None = None,
                           swap_ab: bool | None = None, debug: bool = False,
                           decoder: str | None = None, table: str | None = None) -> jax.Array:
   """Rows x [M, K] sorted by expert times w [E, N, K] (dense or packed NVFP4) -> [M, N].
+
+  layer: with it, w holds a stack of layers ([L, E, N, K]; packed: every field with a leading
+  L) and the kernel reads layer `layer` (int32 scalar, may be traced: a scan over layers) in
+  place, where slicing the stack first would copy the layer's weights at every call.
 
   interpret: None runs the Triton kernel on GPU and the Pallas interpreter elsewhere.
   block_m: rows per block (None: `default_block_m`); block_n / block_k: output / contraction
@@ -439,11 +451,14 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
     raise ValueError(f"grouped_matmul_decode: x must be [M, K], got {x.shape}")
   if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
     raise TypeError(f"grouped_matmul_decode: x dtype must be bf16, f16 or f32, got {x.dtype}")
+  lead = 0 if layer is None else 1
   if isinstance(w, PackedNVFP4Weights):
-    check_packed(w)
-  elif w.ndim != 3:
-    raise ValueError(f"grouped_matmul_decode: w must be [E, N, K], got {w.shape}")
-  e, n, k = w.shape
+    check_packed(w, stacked=layer is not None)
+  elif w.ndim != 3 + lead:
+    raise ValueError(f"grouped_matmul_decode: w must be [{'L, ' * lead}E, N, K], got {w.shape}")
+  if layer is not None and jnp.shape(layer) != ():
+    raise ValueError(f"grouped_matmul_decode: layer must be a scalar, got {jnp.shape(layer)}")
+  e, n, k = w.shape[lead:]
   if k != x.shape[1]:
     raise ValueError(f"grouped_matmul_decode: x {x.shape} and w {w.shape} disagree on K")
   if group_sizes.shape != (e,):
@@ -464,7 +479,7 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
                             bool(interpret)) if packed else "float16"
   if split is None:  # the table decoder's natural output: even and odd elements apart
     split = packed and decoder == "table" and _tiles(n, k, block_n, block_k)[1] >= 32
-  return _decode(x, w, group_sizes, interpret=bool(interpret), block_m=block_m,
+  return _decode(x, w, group_sizes, layer, interpret=bool(interpret), block_m=block_m,
                  block_n=block_n, block_k=block_k, num_warps=num_warps,
                  num_stages=num_stages, split=bool(split), swap_ab=bool(swap_ab),
                  decoder=decoder, table=table, debug=debug)

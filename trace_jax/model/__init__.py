@@ -9,6 +9,7 @@ Entry points:
   forward                            full sequence or one decode step, with taps/guidance
   logits                             jitted float32 logits, `bf16` policy (docs/design.md §10)
   init_cache / prefill / decode_step KV-cache generation helpers
+  layer_runs / stack_layers          the runs of layers one scan body runs, their params stacked
   aux_loss                           HF load-balancing loss from a forward's router logits
 """
 
@@ -22,8 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax.model import sharding
-from trace_jax.model.attention import LayerCache, init_layer_cache
+from trace_jax.model.attention import LayerCache
 from trace_jax.model.config import MOE_IMPLS, ModelConfig, qwen3_30b_a3b, tiny
+from trace_jax.model.layer_runs import layer_runs, stack_layers
 from trace_jax.model.moe import load_balancing_loss
 from trace_jax.model.precision import SITES, GuidanceTree, Precision
 from trace_jax.model.transformer import ForwardOut, Transformer
@@ -31,8 +33,8 @@ from trace_jax.model.transformer import ForwardOut, Transformer
 __all__ = [
     "MOE_IMPLS",
     "SITES", "ForwardOut", "ModelConfig", "Transformer", "abstract_params", "aux_loss",
-    "decode_step", "forward", "graphdef", "init_cache", "init_params", "logits", "prefill",
-    "qwen3_30b_a3b", "sharding", "tiny",
+    "decode_step", "forward", "graphdef", "init_cache", "init_params", "layer_runs", "logits",
+    "prefill", "qwen3_30b_a3b", "sharding", "stack_layers", "tiny",
 ]
 
 
@@ -69,11 +71,12 @@ def forward(params: nnx.State, config: ModelConfig, tokens: jax.Array,
             routing: dict[int, jax.Array] | None = None, replay: bool = False,
             tap_layers: tuple[int, ...] = (), tap_mode: str | None = None,
             tap_routing: bool | None = None, record: bool = False,
-            experts: list[Any] | None = None) -> ForwardOut:
+            experts: list[Any] | None = None, layers: list[Any] | None = None) -> ForwardOut:
   """One forward pass in `config.policy` and `config.dtype`.
 
   tokens, positions: int32 [B, S] (positions default to 0..S-1).
-  cache: per-layer (k, v) [B, T, G, H]; decode=False fills it (prefill), decode=True writes
+  cache: per run of `layer_runs(config)`, (k, v) [n, B, T, G, H] (`init_cache`);
+    decode=False fills it (prefill), decode=True writes
     this call's K/V at `positions` and attends over the whole cache (one step per call, each
     sequence at its own position).
   guidance: fp4_trace training: {layer: {site: Guidance}} from rollout taps (same row layout).
@@ -85,8 +88,11 @@ def forward(params: nnx.State, config: ModelConfig, tokens: jax.Array,
   tap_routing: also return every layer's expert ids in `taps[layer]["routing"]` (default:
     whenever tap_layers is set).
   record: rollout side (no gradient rules at the quantizers).
-  experts: per layer `expert_weights.ExpertWeights` (the rollout engine's weights, packed once
-    per update) used instead of the params' expert weights.
+  experts: per run `expert_weights.ExpertWeights` stacked [n, ...] (the rollout engine's
+    weights, packed once per update) used instead of the params' expert weights.
+  layers: per run the layers' params stacked (`stack_layers`), used instead of
+    params["layers"] (which may then be empty arrays): the engine stacks them once per update
+    rather than at every step.
   """
   tokens = jnp.asarray(tokens, jnp.int32)
   if tokens.ndim != 2:
@@ -96,19 +102,18 @@ def forward(params: nnx.State, config: ModelConfig, tokens: jax.Array,
   positions = jnp.asarray(positions, jnp.int32)
   if positions.shape != tokens.shape:
     raise ValueError(f"forward: positions {positions.shape} must match tokens {tokens.shape}")
-  if cache is not None and len(cache) != config.num_hidden_layers:
-    raise ValueError(f"forward: cache has {len(cache)} layers, config has "
-                     f"{config.num_hidden_layers}")
+  runs = len(layer_runs(config))
+  for name, per_run in (("cache", cache), ("experts", experts), ("layers", layers)):
+    if per_run is not None and len(per_run) != runs:
+      raise ValueError(f"forward: {name} for {len(per_run)} runs of layers, config has {runs} "
+                       f"(`layer_runs`: {layer_runs(config)})")
   prec = Precision(config, guidance=guidance, tap_layers=tuple(tap_layers), tap_mode=tap_mode,
                    record=record, tap_routing=tap_routing)
   if replay and not routing:
     raise ValueError("forward: replay=True needs `routing` (the rollout's expert ids)")
   model = nnx.merge(graphdef(config), params)
-  if experts is not None and len(experts) != config.num_hidden_layers:
-    raise ValueError(f"forward: experts for {len(experts)} layers, config has "
-                     f"{config.num_hidden_layers}")
   return model(tokens, positions, prec, cache=cache, decode=decode, routing=routing,
-               replay=replay, experts=experts)
+               replay=replay, experts=experts, layers=layers)
 
 
 @functools.partial(jax.jit, static_argnames="config")
@@ -123,9 +128,12 @@ def logits(params: nnx.State, config: ModelConfig, tokens: jax.Array) -> jax.Arr
 
 def init_cache(config: ModelConfig, batch: int, max_len: int,
                dtype: str | jnp.dtype | None = None) -> list[LayerCache]:
-  """Zero KV cache: per layer (k, v) [batch, max_len, G, H] in `dtype` (default config.dtype)."""
+  """Zero KV cache: per run of `layer_runs` (k, v) [n, batch, max_len, G, H] in `dtype`
+  (default config.dtype)."""
   dt = jnp.dtype(config.dtype if dtype is None else dtype)
-  return [init_layer_cache(batch, max_len, config, dt) for _ in range(config.num_hidden_layers)]
+  shape = (batch, max_len, config.num_key_value_heads, config.head_dim)
+  return [(jnp.zeros((b - a,) + shape, dt), jnp.zeros((b - a,) + shape, dt))
+          for a, b in layer_runs(config)]
 
 
 def prefill(params: nnx.State, config: ModelConfig, tokens: jax.Array, max_len: int,

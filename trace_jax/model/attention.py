@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trace_jax.kernels import fp4_moe
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import Linear, RMSNorm, apply_rope
 from trace_jax.model.precision import Precision
@@ -45,14 +46,30 @@ class Attention(nnx.Module):
 
     decode=False: attend within x (cache, if given, is filled and returned).
     decode=True: attend over the whole cache after writing this call's K/V into it.
-    quantized: the rollout engine's FP8 projection weights by name (`expert_weights.prepare`),
-    used instead of the params' kernels.
+    quantized: this layer of the rollout engine's weights (`expert_weights.LayerOf`; the
+    projections in the compute dtype or FP8), used instead of the params' kernels.
     """
     b, s, _ = x.shape
     n, g, h = self.num_heads, self.num_kv_heads, self.head_dim
     names = ("q_proj", "k_proj", "v_proj")
-    q, k, v = prec.linears(x, [getattr(self, p).kernel[...].astype(x.dtype) for p in names]
-                           if quantized is None else [quantized[p] for p in names])
+    if quantized is None:
+      q, k, v = prec.linears(x, [getattr(self, p).kernel[...].astype(x.dtype) for p in names])
+      o_proj = lambda a: self.o_proj(a, prec.linear)
+    elif decode and s == 1 and prec.config.decode_impl == "kernel" and not quantized.fp8:
+      # One-token decode: each projection as one "expert" of the decode kernel, which reads
+      # the layer's weights in place in the run's stack (no per-step copy of a slice).
+      def proj(a, name):
+        stack = quantized.run.attention[name][:, None]  # [L, 1, out, in]
+        rows = a.reshape(b, a.shape[-1])
+        out = fp4_moe.grouped_matmul_decode(rows, stack, jnp.full((1,), b, jnp.int32),
+                                            layer=quantized.index)
+        return out.reshape(b, s, -1)
+      q, k, v = (proj(x, p) for p in names)
+      o_proj = lambda a: proj(a, "o_proj")
+    else:
+      w = quantized.attention
+      q, k, v = prec.linears(x, [w[p] for p in names])
+      o_proj = lambda a: prec.linear(a, w["o_proj"])
     q, k, v = q.reshape(b, s, n, h), k.reshape(b, s, g, h), v.reshape(b, s, g, h)
     q = apply_rope(self.q_norm(q), cos, sin)
     k = apply_rope(self.k_norm(k), cos, sin)
@@ -72,10 +89,7 @@ class Attention(nnx.Module):
     else:
       keys, values, key_pos = k, v, positions
     out = attend(q, keys, values, positions, key_pos)
-    out = out.reshape(b, s, n * h)
-    out = (self.o_proj(out, prec.linear) if quantized is None else
-           prec.linear(out, quantized["o_proj"]))
-    return out, new_cache
+    return o_proj(out.reshape(b, s, n * h)), new_cache
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
@@ -94,9 +108,3 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
   probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
   out = jnp.einsum("bgrst,btgh->bsgrh", probs, v)
   return out.reshape(b, s, n, h)
-
-
-def init_layer_cache(batch: int, max_len: int, config: ModelConfig,
-                     dtype: jnp.dtype) -> LayerCache:
-  shape = (batch, max_len, config.num_key_value_heads, config.head_dim)
-  return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

@@ -52,6 +52,8 @@ class ModelConfig:
     operands) or "kernel" (Pallas on the FP8 tensor cores); the same sums up to order.
   fp8_backward: those forwards' DGrad/WGrad GEMMs on FP8 operands too (Jet-RL's full flow);
     False: BF16 backward GEMMs. Gradients between operators are BF16 either way.
+  scan_layers: run layers the forward treats alike as one `lax.scan` (compile time flat in
+    depth; `transformer.layer_runs`); False unrolls every layer (the reference).
   """
   vocab_size: int
   hidden_size: int
@@ -76,6 +78,7 @@ class ModelConfig:
   decode_impl: str = "xla"
   fp8_gemm: str = "xla"
   fp8_backward: bool = False
+  scan_layers: bool = True
 
   def __post_init__(self):
     if self.guided_layers is None:
@@ -123,6 +126,8 @@ class ModelConfig:
       errors.append(f"fp8_gemm must be one of {FP8_GEMMS}, got {self.fp8_gemm!r}")
     if not isinstance(self.fp8_backward, bool):
       errors.append(f"fp8_backward must be a bool, got {self.fp8_backward!r}")
+    if not isinstance(self.scan_layers, bool):
+      errors.append(f"scan_layers must be a bool, got {self.scan_layers!r}")
     bad = [i for i in self.guided_layers if not 0 <= i < self.num_hidden_layers]
     if bad:
       errors.append(f"guided_layers {bad} outside [0, {self.num_hidden_layers})")

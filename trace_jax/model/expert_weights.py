@@ -9,7 +9,13 @@ at every decode step. Gate and up are stacked into one [E, 2F, D] matmul (in NVF
 share one second-level scale per expert, as `Precision.expert_weights` quantizes them). The
 values are bit for bit those of the reference forward's quantized weights, so a forward
 given these weights computes what it computes without them, up to the matmuls' float32
-summation order (FP8: exactly, the GEMM is the same).
+summation order (FP8: exactly, the GEMM is the same). The attention projections are held
+here too (compute dtype, or FP8): one-token decode steps run them through the same decode
+kernel as one "expert" each, reading them in place in the run's stack.
+
+Held per run of layers (`layer_runs`), stacked [n, ...]; a scan over the run's layers gives
+each layer a `LayerOf` (the stack and the layer's index), so the kernel reads the layer's
+weights where they lie instead of a per-step copy of a slice.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from flax import struct
 
 from trace_jax.kernels import fp4_moe
 from trace_jax.model.config import ModelConfig
+from trace_jax.model.layer_runs import layer_runs, stack
 from trace_jax.quant import formats
 
 DenseOrPacked = jax.Array | fp4_moe.PackedNVFP4Weights | formats.FP8Tensor
@@ -30,11 +37,12 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 @struct.dataclass
 class ExpertWeights:
-  """One layer's routed experts: gate and up stacked [E, 2F, D], down [E, D, F]; under FP8
-  linears also the attention projections [out, in] by name (`ATTENTION`), else None."""
+  """One layer's routed experts: gate and up stacked [E, 2F, D], down [E, D, F]; and its
+  attention projections [out, in] by name (`ATTENTION`): FP8 under FP8 linears, else in the
+  compute dtype (the decode kernel reads them in place, as the experts)."""
   gate_up: DenseOrPacked
   down: DenseOrPacked
-  attention: dict[str, formats.FP8Tensor] | None = None
+  attention: dict[str, jax.Array | formats.FP8Tensor] | None = None
 
   @property
   def packed(self) -> bool:
@@ -45,6 +53,31 @@ class ExpertWeights:
     return isinstance(self.down, formats.FP8Tensor)
 
 
+@struct.dataclass
+class LayerOf:
+  """Layer `index` (int32 scalar, traced inside a scan) of a run's stacked ExpertWeights: the
+  decode kernel reads it in place from the stack (`fp4_moe.grouped_matmul_decode(layer=)`);
+  `layer()` slices it out (a copy) for the other paths."""
+  run: ExpertWeights
+  index: jax.Array
+
+  def layer(self) -> ExpertWeights:
+    return jax.tree.map(
+        lambda a: jax.lax.dynamic_index_in_dim(a, self.index, keepdims=False), self.run)
+
+  @property
+  def attention(self) -> dict[str, jax.Array | formats.FP8Tensor] | None:
+    return None if self.run.attention is None else self.layer().attention
+
+  @property
+  def packed(self) -> bool:
+    return self.run.packed
+
+  @property
+  def fp8(self) -> bool:
+    return self.run.fp8
+
+
 def supported(config: ModelConfig) -> bool:
   """Forwards whose weights the engine prepares: BF16, NVFP4 experts and FP8 linears; MXFP4
   experts take the reference path."""
@@ -52,40 +85,44 @@ def supported(config: ModelConfig) -> bool:
 
 
 def prepare(params: Any, config: ModelConfig) -> list[ExpertWeights]:
-  """Every layer's ExpertWeights from the model's params (jit it: one program per shape)."""
+  """Each layer run's ExpertWeights (`layer_runs`), stacked [n, ...] as the
+  forward's `experts` takes them, from the model's params (jit it: one program per shape)."""
   if not supported(config):
     raise ValueError(f"policy {config.policy!r}: the engine prepares BF16, NVFP4 and FP8 "
                      "weights only")
+  layers = [_prepare_layer(params["layers"][i], config)
+            for i in range(config.num_hidden_layers)]
+  return [stack(layers[a:b]) for a, b in layer_runs(config)]
+
+
+def _prepare_layer(layer: Any, config: ModelConfig) -> ExpertWeights:
   dtype = jnp.dtype(config.dtype)
-  out = []
-  for i in range(config.num_hidden_layers):
-    moe = params["layers"][i]["moe"]
-    gate, up, down = (moe[n][...].astype(dtype) for n in ("gate_proj", "up_proj", "down_proj"))
-    gate_up = jnp.concatenate([gate, up], axis=1)
-    if config.forward.fp8_linears:  # as Precision.grouped / Precision.linear quantize them
-      attn = params["layers"][i]["attn"]
-      out.append(ExpertWeights(
-          gate_up=formats.fp8_quantize_weight(gate_up), down=formats.fp8_quantize_weight(down),
-          attention={n: formats.fp8_quantize_weight(attn[n]["kernel"][...].astype(dtype))
-                     for n in ATTENTION}))
-    elif config.forward.fp4 == "nvfp4":
-      out.append(ExpertWeights(gate_up=fp4_moe.pack_nvfp4(gate_up),
-                               down=fp4_moe.pack_nvfp4(down)))
-    else:
-      out.append(ExpertWeights(gate_up=gate_up, down=down))
-  return out
+  moe = layer["moe"]
+  gate, up, down = (moe[n][...].astype(dtype) for n in ("gate_proj", "up_proj", "down_proj"))
+  gate_up = jnp.concatenate([gate, up], axis=1)
+  if config.forward.fp8_linears:  # as Precision.grouped / Precision.linear quantize them
+    attn = layer["attn"]
+    return ExpertWeights(
+        gate_up=formats.fp8_quantize_weight(gate_up), down=formats.fp8_quantize_weight(down),
+        attention={n: formats.fp8_quantize_weight(attn[n]["kernel"][...].astype(dtype))
+                   for n in ATTENTION})
+  attention = {n: layer["attn"][n]["kernel"][...].astype(dtype) for n in ATTENTION}
+  if config.forward.fp4 == "nvfp4":
+    return ExpertWeights(gate_up=fp4_moe.pack_nvfp4(gate_up), down=fp4_moe.pack_nvfp4(down),
+                         attention=attention)
+  return ExpertWeights(gate_up=gate_up, down=down, attention=attention)
 
 
 def drop_prepared(params: Any, config: ModelConfig) -> Any:
   """params with the weights `prepare` holds in another form replaced by empty arrays (the
-  routed experts; under FP8 linears also the attention projections), so an engine that runs
+  routed experts and the attention projections), so an engine that runs
   on prepared weights keeps one copy of them. A forward given the prepared weights never reads
   these (`MoE` takes the expert count from the config)."""
   def is_prepared(path: tuple[Any, ...]) -> bool:
     keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
     if "moe" in keys:
       return any(k in keys for k in ("gate_proj", "up_proj", "down_proj"))
-    return config.forward.fp8_linears and "attn" in keys and any(k in keys for k in ATTENTION)
+    return "attn" in keys and any(k in keys for k in ATTENTION)
 
   return jax.tree_util.tree_map_with_path(
       lambda path, a: jnp.zeros((0,), a.dtype) if is_prepared(path) else a, params)

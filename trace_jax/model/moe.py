@@ -88,9 +88,9 @@ class MoE(nnx.Module):
 
     rollout_ids [B, S, K]: the experts the rollout routed each token to. They match
     expert_mid guidance to experts, and with `replay` they replace the router's top-k.
-    experts: this layer's `expert_weights.ExpertWeights` (the rollout engine's, made once per
-    weight update) instead of the params' expert weights; one-token decode steps then run the
-    decode kernel (`trace_jax.kernels.fp4_moe`) when `config.decode_impl` is "kernel".
+    experts: this layer of the rollout engine's weights (`expert_weights.LayerOf`, made once
+    per weight update) instead of the params' expert weights; one-token decode steps then run
+    the decode kernel (`trace_jax.kernels.fp4_moe`) when `config.decode_impl` is "kernel".
     """
     b, s, d = x.shape
     e, k = self.num_experts, self.k
@@ -119,14 +119,16 @@ class MoE(nnx.Module):
         gate_up = jnp.concatenate([gate, up], axis=1)
       else:  # two matmuls, as the recorded BF16 and FP4 results ran them
         h = jax.nn.silu(mm(rows, gate)) * mm(rows, up)
-    elif experts.fp8:  # the engine's FP8 weights, quantized once per update
-      gate_up, down = experts.gate_up, experts.down
-    else:
-      gate_up, down = experts.gate_up, experts.down
-      kernel = decode and s == 1 and self.decode_impl == "kernel"
-      mm = lambda a, w: (fp4_moe.grouped_matmul_decode(a, w, group_sizes) if kernel else
-                         grouped_matmul(a, expert_weights.dense(w, a.dtype), group_sizes,
-                                        self.impl))
+    elif decode and s == 1 and self.decode_impl == "kernel" and not experts.fp8:
+      # The decode kernel reads this layer's weights in place in the run's stack.
+      gate_up, down = experts.run.gate_up, experts.run.down
+      mm = lambda a, w: fp4_moe.grouped_matmul_decode(a, w, group_sizes, layer=experts.index)
+    else:  # the engine's weights sliced out: FP8 (quantized once per update), or XLA paths
+      w = experts.layer()
+      gate_up, down = w.gate_up, w.down
+      if not experts.fp8:
+        mm = lambda a, w: grouped_matmul(a, expert_weights.dense(w, a.dtype), group_sizes,
+                                         self.impl)
     if h is None:
       gu = mm(rows, gate_up)
       h = jax.nn.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]

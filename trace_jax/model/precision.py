@@ -18,6 +18,7 @@ and lm_head stay in the compute dtype in every policy.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,6 +70,21 @@ class Precision:
     self.tap_routing = bool(tap_layers) if tap_routing is None else tap_routing
     self.record = record
     self.taps: dict[int, dict[str, Any]] = {}
+
+  def guided_sites(self, layer: int) -> tuple[str, ...]:
+    """The sites of `layer` that round under guidance in this forward (sorted)."""
+    if layer in self.config.guided_layers:
+      return tuple(sorted(self.guidance.get(layer, {})))
+    return ()
+
+  def view(self, layer: int, guidance: Mapping[str, Guidance] | None) -> Precision:
+    """This context for one layer inside a scan over layers alike: `layer` stands for each of
+    them, `guidance` is the current layer's (a slice of the stacked records), and the taps
+    start empty (the scan stacks them)."""
+    v = copy.copy(self)
+    v.guidance = {} if guidance is None else {layer: guidance}
+    v.taps = {}
+    return v
 
   # --------------------------------------------------------------------------- activations
 

@@ -3,6 +3,14 @@
 Every layer is an MoE layer (as SGLang assumes) and lm_head is untied. Parameters are in
 torch layout; compute happens in `config.dtype` (weights are cast at use, so master weights can
 be float32 while the forward runs in bfloat16).
+
+The decoder layers run in "runs" (`layer_runs`): contiguous layers the forward treats alike
+(with `config.scan_layers`, all layers of a policy without guidance, else the unguided prefix
+and the guided suffix) run as one `jax.lax.scan` over their stacked parameters, so a program
+compiles each run's body once however deep the model is. The KV cache and the rollout
+engine's prepared weights are held stacked per run; the params stay one subtree per layer
+(checkpoints, HF export and sharding rules see the same tree), stacked inside the forward
+unless the caller passes them stacked (`stack_layers`, once per weight update).
 """
 
 from __future__ import annotations
@@ -14,8 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trace_jax.model import expert_weights
 from trace_jax.model.attention import Attention, LayerCache
 from trace_jax.model.config import ModelConfig
+from trace_jax.model.layer_runs import layer_runs, stack
 from trace_jax.model.layers import Embed, Linear, RMSNorm, rope_cos_sin
 from trace_jax.model.moe import MoE
 from trace_jax.model.precision import Precision
@@ -34,7 +44,7 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x, cos, sin, positions, prec, layer, cache=None, decode=False,
                rollout_ids=None, replay=False, experts=None):
     a, cache = self.attn(self.input_norm(x), cos, sin, positions, prec, layer, cache, decode,
-                         None if experts is None else experts.attention)
+                         experts)
     x = x + a
     m, router_logits = self.moe(self.post_attn_norm(x), prec, layer, rollout_ids, replay,
                                 experts, decode)
@@ -55,6 +65,11 @@ jax.tree_util.register_dataclass(
     ForwardOut, data_fields=["logits", "cache", "router_logits", "taps"], meta_fields=[])
 
 
+def _take(tree: Any, lo: int, hi: int, n: int) -> Any:
+  """Layers lo..hi of a run's stacked tree of n layers (the tree itself when that is all)."""
+  return tree if (lo, hi) == (0, n) else jax.tree.map(lambda a: a[lo:hi], tree)
+
+
 class Transformer(nnx.Module):
   """Qwen3MoeForCausalLM."""
 
@@ -71,22 +86,65 @@ class Transformer(nnx.Module):
   def __call__(self, tokens: jax.Array, positions: jax.Array, prec: Precision,
                cache: list[LayerCache] | None = None, decode: bool = False,
                routing: dict[int, jax.Array] | None = None, replay: bool = False,
-               experts: list[Any] | None = None) -> ForwardOut:
-    """tokens/positions [B, S]; see `trace_jax.model.forward`."""
+               experts: list[Any] | None = None,
+               layers: list[Any] | None = None) -> ForwardOut:
+    """tokens/positions [B, S]; see `trace_jax.model.forward` (cache, experts and layers:
+    one entry per `layer_runs` run, stacked along a leading layer axis)."""
     c = self.config
     dtype = jnp.dtype(c.dtype)
     x = self.embed(tokens, dtype)
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
+    gdef = nnx.graphdef(self.layers[0])
     new_cache = [] if cache is not None else None
     router_logits = []
-    for i, layer in enumerate(self.layers):
-      x, lc, rl = layer(x, cos, sin, positions, prec, i,
-                        None if cache is None else cache[i], decode,
-                        None if routing is None else routing.get(i), replay,
-                        None if experts is None else experts[i])
-      router_logits.append(rl)
+    for r, (a, b) in enumerate(layer_runs(c)):
+      state = (stack([nnx.state(self.layers[i]) for i in range(a, b)]) if layers is None
+               else layers[r])
+      run_cache = []
+      # Within a run, the layers this call treats alike (taps, guidance, routing given).
+      key = lambda i: (i in prec.tap_layers, prec.guided_sites(i),
+                       routing is not None and i in routing)
+      cuts = [a] + [i for i in range(a + 1, b) if key(i) != key(i - 1)] + [b]
+      for lo, hi in zip(cuts[:-1], cuts[1:]):
+        xs = dict(
+            state=_take(state, lo - a, hi - a, b - a),
+            cache=None if cache is None else _take(cache[r], lo - a, hi - a, b - a),
+            routing=None if routing is None or lo not in routing else stack(
+                [routing[i] for i in range(lo, hi)]),
+            guidance=stack([prec.guidance[i] for i in range(lo, hi)])
+            if prec.guided_sites(lo) else None)
+        run_experts = None if experts is None else _take(experts[r], lo - a, hi - a, b - a)
+        x, (lc, rl, taps) = self._scan(gdef, x, xs, run_experts, lo, hi - lo, cos, sin,
+                                       positions, prec, decode, replay)
+        router_logits += [rl[j] for j in range(hi - lo)]
+        for j in range(hi - lo):
+          if taps:
+            prec.taps[lo + j] = jax.tree.map(lambda t, j=j: t[j], taps)
+        run_cache.append(lc)
       if new_cache is not None:
-        new_cache.append(lc)
+        new_cache.append(run_cache[0] if len(run_cache) == 1 else jax.tree.map(
+            lambda *t: jnp.concatenate(t), *run_cache))
     logits = self.lm_head(self.final_norm(x))
     return ForwardOut(logits=logits, cache=new_cache, router_logits=router_logits,
                       taps=prec.taps)
+
+  @staticmethod
+  def _scan(gdef: nnx.GraphDef, x: jax.Array, xs: dict[str, Any], experts: Any, first: int,
+            n: int, cos, sin, positions, prec: Precision, decode: bool, replay: bool):
+    """Layers first..first+n (alike) over x: one scan body, or one call when n is 1. xs: the
+    per-layer inputs, stacked; experts: the run's prepared weights, stacked, which the body
+    indexes (the decode kernel reads them in place) rather than scan slicing them. Returns
+    (x, per-layer stacked (cache, router logits, taps))."""
+    def body(x, xs):
+      layer = nnx.merge(gdef, xs["state"])
+      sub = prec.view(first, xs["guidance"])
+      ew = None if experts is None else expert_weights.LayerOf(experts, xs["index"])
+      x, lc, rl = layer(x, cos, sin, positions, sub, first, xs["cache"], decode,
+                        xs["routing"], replay, ew)
+      return x, (lc, rl, sub.taps.get(first, {}))
+
+    xs = dict(xs, index=jnp.arange(n, dtype=jnp.int32))
+    if n > 1:
+      return jax.lax.scan(body, x, xs)
+    x, ys = body(x, jax.tree.map(lambda a: a[0], xs))
+    return x, jax.tree.map(lambda a: a[None], ys)

@@ -157,7 +157,6 @@ class InProcessEngine:
     as the decode kernel reads them (packed NVFP4 under an NVFP4 forward) and, under FP8
     linears, every FP8 GEMM's weights quantized (`expert_weights.prepare`), made once here."""
     self._param_shapes = jax.tree.map(lambda a: (a.shape, jnp.asarray(a).dtype), params)
-    self.params = params
     self.experts = None
     if self.config.decode_impl == "kernel":
       if not expert_weights.supported(self.config):
@@ -166,7 +165,11 @@ class InProcessEngine:
       self.experts = _prepare_experts(params, self.config)
       # One copy of each weight: the prepared ones replace the params' (freed unless the
       # caller still holds them, as the in-process learner does its master weights).
-      self.params = expert_weights.drop_prepared(params, self.config)
+      params = expert_weights.drop_prepared(params, self.config)
+    # The layers' params stacked per run once here, not by every decode step's forward; the
+    # params keep empty arrays in their place.
+    self.layers = _stack_layers(params, self.config)
+    self.params = _drop_layers(params)
 
   def _generate_batch(self, prompts: list[list[int]],
                       sampling: list[SamplingParams]) -> list[Sample]:
@@ -183,7 +186,8 @@ class InProcessEngine:
     gen, logps, n_gen, taps = decode.generate(
         self.params, self.config, jnp.asarray(tokens), jnp.asarray(lens),
         *self._sampling_arrays(sampling, b), max_new=max_new, tap_layers=tap_layers,
-        tap_mode=tap_mode, tap_routing=self.record_routing, experts=self.experts)
+        tap_mode=tap_mode, tap_routing=self.record_routing, experts=self.experts,
+        layers=self.layers)
     samples = self._samples(prompts, sampling, gen, logps, n_gen)
     if tap_layers or self.record_routing:
       for s, h in zip(samples, self._emit([s.num_rows for s in samples], taps)):
@@ -230,7 +234,7 @@ class InProcessEngine:
     tap_layers, tap_mode = self._tap_plan()
     taps = (decode.tap_buffers(self.params, self.config, b, total, tap_layers=tap_layers,
                                tap_mode=tap_mode, tap_routing=self.record_routing,
-                               experts=self.experts)
+                               experts=self.experts, layers=self.layers)
             if tap_layers or self.record_routing else {})
     return Session(n=n, batch=b, total=total, cache=model_lib.init_cache(self.config, b, total),
                    taps=taps, lens=np.zeros(b, np.int32), pending=[None] * b)
@@ -258,7 +262,7 @@ class InProcessEngine:
           self.params, self.config, session.cache, session.taps, jnp.asarray(session.lens),
           chunk, chunk_lens, *self._sampling_arrays(sp, session.batch), max_new=max_new,
           tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=self.record_routing,
-          experts=self.experts)
+          experts=self.experts, layers=self.layers)
     n_gen = np.asarray(n_gen)
     gen_np = np.asarray(gen)
     for r in rows:
@@ -285,7 +289,7 @@ class InProcessEngine:
       session.cache, session.taps = decode.feed(
           self.params, self.config, session.cache, session.taps, jnp.asarray(session.lens),
           chunk, chunk_lens, tap_layers=tap_layers, tap_mode=tap_mode,
-          tap_routing=self.record_routing, experts=self.experts)
+          tap_routing=self.record_routing, experts=self.experts, layers=self.layers)
     for r in rows:
       session.lens[r] += len(fed[r])
       session.pending[r] = None
@@ -376,3 +380,11 @@ class Session:
 
 
 _prepare_experts = jax.jit(expert_weights.prepare, static_argnums=1)
+_stack_layers = jax.jit(model_lib.stack_layers, static_argnums=1)
+
+
+def _drop_layers(params: Any) -> Any:
+  """params with every decoder layer's arrays empty (the engine holds them stacked)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, a: jnp.zeros((0,), a.dtype)
+      if getattr(path[0], "key", None) == "layers" else a, params)
