@@ -262,3 +262,26 @@ def test_wgrad_bad_input_raises(case):
     kw = dict(block_k=1024)
   with pytest.raises((TypeError, ValueError)):
     fp8_gemm.grouped_wgrad(dyt, xt, gs, **kw)
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["grouped", "dense"])
+def test_stacked_layer_is_read_in_place(dense):
+  """`layer=` on a stack of 2 layers' weights (a traced index, as inside a scan over layers):
+  bit for bit the call on that layer's weights alone."""
+  rng = np.random.default_rng(7)
+  e = 1 if dense else 2
+  ws = [formats.fp8_quantize_weight(jnp.asarray(rng.standard_normal((e, 128, 256)),
+                                                jnp.bfloat16)) for _ in range(2)]
+  if dense:
+    ws = [jax.tree.map(lambda v: v[0], w) for w in ws]
+  stack = jax.tree.map(lambda *v: jnp.stack(v), *ws)
+  a = formats.fp8_quantize_act(jnp.asarray(rng.standard_normal((24, 256)), jnp.bfloat16))
+  gs = jnp.asarray([10, 14] if not dense else [24], jnp.int32)
+  call = ((lambda w, i: fp8_gemm.matmul(a, w, layer=i)) if dense else
+          (lambda w, i: fp8_gemm.grouped_matmul(a, w, gs, layer=i)))
+  alone = ((lambda w: fp8_gemm.matmul(a, w)) if dense else
+           (lambda w: fp8_gemm.grouped_matmul(a, w, gs)))
+  outs = [np.asarray(jax.jit(call)(stack, jnp.int32(i))) for i in range(2)]
+  for i, w in enumerate(ws):
+    np.testing.assert_array_equal(outs[i], np.asarray(alone(w)))
+  assert not np.array_equal(outs[0], outs[1])

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import parameterized
+from cases import count_eqns
 
 from trace_jax import model as M
 
@@ -38,7 +39,7 @@ class LayerRunsTest(parameterized.TestCase):
       c = _config("fp4_trace", layers, scan_layers=scan, guided_layers=(layers - 1,))
       p = M.abstract_params(c)
       jaxpr = jax.make_jaxpr(lambda p: M.forward(p, c, jnp.zeros((1, 4), jnp.int32)).logits)(p)
-      return _count(jaxpr.jaxpr)
+      return count_eqns(jaxpr.jaxpr)
     self.assertLess(abs(size(6, True) - size(2, True)), 0.05 * size(2, True))
     self.assertGreater(size(6, False), 2.5 * size(2, False))
 
@@ -48,20 +49,6 @@ class LayerRunsTest(parameterized.TestCase):
     cache = M.init_cache(c.replace(scan_layers=False), 1, 8)  # one entry per layer: 3 runs
     with pytest.raises(ValueError, match="cache for 3 runs of layers, config has 1"):
       M.forward(p, c, jnp.zeros((1, 4), jnp.int32), cache=cache)
-
-
-def _count(jaxpr) -> int:
-  """Equations of a jaxpr and of every jaxpr nested in it (scan, cond and custom-rule bodies)."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    n += 1
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, (tuple, list)) else (v,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          n += _count(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          n += _count(sub)
-  return n
 
 
 def _close(a, b, atol):

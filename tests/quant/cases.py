@@ -592,3 +592,18 @@ def jnp_input(x: np.ndarray, dtype: str) -> jax.Array:
 def input_as_f32(x: np.ndarray, dtype: str) -> np.ndarray:
   """The exact float32 values a quantizer sees for `x` given in `dtype`."""
   return to_bf16(x).astype(F32) if dtype == "bfloat16" else np.asarray(x, F32)
+
+
+def count_eqns(jaxpr, primitive: str | None = None) -> int:
+  """Equations of a jaxpr (only those of `primitive`, if given), every jaxpr nested in it
+  (scan, jit, custom-rule bodies) counted at each of its calls."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += primitive is None or eqn.primitive.name == primitive
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          n += count_eqns(sub.jaxpr, primitive)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          n += count_eqns(sub, primitive)
+  return n

@@ -4,6 +4,7 @@ interpreter on CPU) against the reference decode (fake-quantized weights, XLA ma
 import jax
 import numpy as np
 import pytest
+from cases import count_eqns
 
 from trace_jax import model as M
 from trace_jax.model import expert_weights
@@ -83,22 +84,9 @@ def test_decode_steps_run_the_kernel_and_prefill_does_not():
   prefill = jax.make_jaxpr(lambda p, e: M.prefill(p, config, np.zeros((2, 4), np.int32), 8,
                                                   experts=e).logits)(params, experts)
   # q, k, v, o and the experts' gate/up and down of the one layer; none in prefill.
-  assert _kernel_calls(step.jaxpr) == 6
-  assert _kernel_calls(prefill.jaxpr) == 0
+  assert count_eqns(step.jaxpr, "pallas_call") == 6
+  assert count_eqns(prefill.jaxpr, "pallas_call") == 0
 
-
-def _kernel_calls(jaxpr) -> int:
-  """pallas_call equations run by a jaxpr, nested jaxprs counted at every call."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    n += eqn.primitive.name == "pallas_call"
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, (tuple, list)) else (v,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          n += _kernel_calls(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          n += _kernel_calls(sub)
-  return n
 
 
 def test_fp8_kernel_rollout_matches_the_reference():

@@ -93,10 +93,12 @@ def reference(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.Array
 
 # ----------------------------------------------------------------------------- kernel
 
-def _kernel(offs_ref, sizes_ref, a_ref, sa_ref, b_ref, sb_ref, o_ref, *, m: int, k: int,
-            num_experts: int, bm: int, bn: int, b_block: bool, swap_ab: bool, reps: int,
+def _kernel(offs_ref, sizes_ref, layer_ref, a_ref, sa_ref, b_ref, sb_ref, o_ref, *, m: int,
+            k: int, num_experts: int, bm: int, bn: int, b_block: bool, swap_ab: bool, reps: int,
             group_k: int, interpret: bool):
+  # b carries a leading layer axis; layer_ref [1] names the layer read, in place.
   e = pl.program_id(0)
+  lyr = layer_ref[0]
   n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
   r = pl.program_id(2)
   start = offs_ref[e]
@@ -121,11 +123,11 @@ def _kernel(offs_ref, sizes_ref, a_ref, sa_ref, b_ref, sb_ref, o_ref, *, m: int,
         k0 = pl.multiple_of(g * GROUP, GROUP)
         a = cast(a_ref[pl.ds(row0, bm), pl.ds(k0, GROUP)])
         sa = sa_ref[pl.ds(row0, bm), pl.ds(g, 1)]                          # [bm, 1]
-        b = cast(b_ref[e, pl.ds(n0, bn), pl.ds(k0, GROUP)])
+        b = cast(b_ref[lyr, e, pl.ds(n0, bn), pl.ds(k0, GROUP)])
         if b_block:  # one 128x128 block row covers the tile (bn <= 128)
-          sb = sb_ref[e, pl.ds(jax.lax.div(n0, GROUP), 1), pl.ds(g, 1)]    # [1, 1]
+          sb = sb_ref[lyr, e, pl.ds(jax.lax.div(n0, GROUP), 1), pl.ds(g, 1)]  # [1, 1]
         else:
-          sb = sb_ref[e, pl.ds(n0, bn), pl.ds(g, 1)]                       # [bn, 1]
+          sb = sb_ref[lyr, e, pl.ds(n0, bn), pl.ds(g, 1)]                  # [bn, 1]
         if swap_ab:
           part = jax.lax.dot_general(b, a, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32)  # [bn, bm]
@@ -167,10 +169,12 @@ _STATIC = ("b_block", "out_dtype", "interpret", "block_m", "block_n", "reps", "s
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _call(a_values, a_scale, b_values, b_scale, group_sizes, *, b_block, out_dtype, interpret,
-          block_m, block_n, reps, swap_ab, group_k, num_warps, num_stages):
+def _call(a_values, a_scale, b_values, b_scale, group_sizes, layer, *, b_block, out_dtype,
+          interpret, block_m, block_n, reps, swap_ab, group_k, num_warps, num_stages):
   m, k = a_values.shape
-  e, n, _ = b_values.shape
+  if layer is None:  # one layer: a leading axis of 1 (a free reshape)
+    b_values, b_scale, layer = b_values[None], b_scale[None], jnp.zeros((), jnp.int32)
+  e, n, _ = b_values.shape[1:]
   if m == 0:
     return jnp.zeros((0, n), out_dtype)
   gs = group_sizes.astype(jnp.int32)
@@ -188,7 +192,7 @@ def _call(a_values, a_scale, b_values, b_scale, group_sizes, *, b_block, out_dty
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(e, n // block_n, reps),
       interpret=interpret, name="fp8_grouped_gemm" if e > 1 else "fp8_gemm",
       compiler_params=None if interpret else fp4_moe._compiler_params(num_warps, num_stages),
-  )(offs, gs, a_values, a_scale, b_values, b_scale)
+  )(offs, gs, jnp.reshape(layer, (1,)).astype(jnp.int32), a_values, a_scale, b_values, b_scale)
 
 
 def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.Array, *,
@@ -196,9 +200,11 @@ def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.
                    block_m: int | None = None, block_n: int | None = None,
                    reps: int | None = None, swap_ab: bool | None = None,
                    group_k: int | None = None, num_warps: int | None = None,
-                   num_stages: int = 4) -> jax.Array:
+                   num_stages: int = 4, layer: jax.Array | None = None) -> jax.Array:
   """FP8 rows a [M, K] (1x128 groups, sorted by expert) times b [E, N, K] -> [M, N].
 
+  layer: with it, b is a stack of layers [L, E, N, K] and the kernel reads layer `layer`
+  (int32 scalar, may be traced) in place (slicing it out first would copy it per call).
   b: 128x128 blocks (weights) or 1x128 groups. group_sizes [E] sums to at most M.
   interpret: None runs the Triton kernel on GPU and the Pallas interpreter elsewhere.
   block_m / block_n: tile rows / columns (powers of two; block_n <= 128 with 128x128 blocks).
@@ -208,9 +214,9 @@ def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.
     (2 and 4 ran no faster on the H200, docs/benchmarks.md).
   """
   _check("grouped_matmul a", a, 2, (1,))
-  _check("grouped_matmul b", b, 3, (1, GROUP))
+  _check("grouped_matmul b", b, 3 + (layer is not None), (1, GROUP))
   m, k = a.values.shape
-  e, n, kb = b.values.shape
+  e, n, kb = b.values.shape[-3:]
   if kb != k:
     raise ValueError(f"grouped_matmul: a {a.values.shape} and b {b.values.shape} disagree on K")
   if group_sizes.shape != (e,):
@@ -240,24 +246,28 @@ def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.
     num_warps = 8 if block_m * block_n > 128 * 64 else 4
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
-  return _call(a.values, a.scale, b.values, b.scale, group_sizes, b_block=b.block_rows == GROUP,
+  return _call(a.values, a.scale, b.values, b.scale, group_sizes, layer,
+               b_block=b.block_rows == GROUP,
                out_dtype=jnp.dtype(out_dtype), interpret=bool(interpret), block_m=block_m,
                block_n=block_n, reps=int(reps), swap_ab=bool(swap_ab), group_k=group_k,
                num_warps=num_warps, num_stages=num_stages)
 
 
 def matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, *, out_dtype: Any = jnp.bfloat16,
-           block_m: int | None = None, **kw) -> jax.Array:
-  """FP8 a [M, K] (1x128 groups) times b [N, K] (128x128 blocks or 1x128 groups) -> [M, N]."""
+           block_m: int | None = None, layer: jax.Array | None = None, **kw) -> jax.Array:
+  """FP8 a [M, K] (1x128 groups) times b [N, K] (128x128 blocks or 1x128 groups) -> [M, N];
+  with `layer`, b is a stack [L, N, K] read at that layer in place (`grouped_matmul`)."""
   _check("matmul a", a, 2, (1,))
-  _check("matmul b", b, 2, (1, GROUP))
+  _check("matmul b", b, 2 + (layer is not None), (1, GROUP))
   m = a.values.shape[0]
   if block_m is None:
     block_m = min(128, max(16, fp4_moe._next_pow2(m)))
-  stacked = formats.FP8Tensor(values=b.values[None], scale=b.scale[None],
-                              block_rows=b.block_rows)
+  axis = 0 if layer is None else 1  # one "expert"
+  stacked = formats.FP8Tensor(values=jnp.expand_dims(b.values, axis),
+                              scale=jnp.expand_dims(b.scale, axis), block_rows=b.block_rows)
   return grouped_matmul(a, stacked, jnp.full((1,), m, jnp.int32), out_dtype=out_dtype,
-                        block_m=block_m, reps=kw.pop("reps", max(1, -(-m // block_m))), **kw)
+                        block_m=block_m, reps=kw.pop("reps", max(1, -(-m // block_m))),
+                        layer=layer, **kw)
 
 
 # ----------------------------------------------------------------------------- WGrad (experts)

@@ -55,7 +55,11 @@ class Attention(nnx.Module):
     if quantized is None:
       q, k, v = prec.linears(x, [getattr(self, p).kernel[...].astype(x.dtype) for p in names])
       o_proj = lambda a: self.o_proj(a, prec.linear)
-    elif decode and s == 1 and prec.config.decode_impl == "kernel" and not quantized.fp8:
+    elif quantized.fp8:  # the engine's FP8 weights, read in place at this layer
+      lin = lambda a, name: prec.linear(a, quantized.run.attention[name], layer=quantized.index)
+      q, k, v = (lin(x, p) for p in names)
+      o_proj = lambda a: lin(a, "o_proj")
+    elif decode and s == 1 and prec.config.decode_impl == "kernel":
       # One-token decode: each projection as one "expert" of the decode kernel, which reads
       # the layer's weights in place in the run's stack (no per-step copy of a slice).
       def proj(a, name):
@@ -66,7 +70,7 @@ class Attention(nnx.Module):
         return out.reshape(b, s, -1)
       q, k, v = (proj(x, p) for p in names)
       o_proj = lambda a: proj(a, "o_proj")
-    else:
+    else:  # prefill: the layer's projections sliced out of the stack
       w = quantized.attention
       q, k, v = prec.linears(x, [w[p] for p in names])
       o_proj = lambda a: prec.linear(a, w["o_proj"])

@@ -45,11 +45,16 @@ def _check(impl: str, backward: str) -> None:
 
 
 def _gemm(a: formats.FP8Tensor, b: formats.FP8Tensor, impl: str, dtype: Any,
-          group_sizes: jax.Array | None = None, moe_impl: str = "tiled") -> jax.Array:
+          group_sizes: jax.Array | None = None, moe_impl: str = "tiled",
+          layer: jax.Array | None = None) -> jax.Array:
+  """layer: b is a stack of layers; the kernel reads that layer in place, the reference
+  slices it out."""
   if impl == "kernel":
     if group_sizes is None:
-      return fp8_gemm.matmul(a, b, out_dtype=dtype)
-    return fp8_gemm.grouped_matmul(a, b, group_sizes, out_dtype=dtype)
+      return fp8_gemm.matmul(a, b, out_dtype=dtype, layer=layer)
+    return fp8_gemm.grouped_matmul(a, b, group_sizes, out_dtype=dtype, layer=layer)
+  if layer is not None:
+    b = jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, layer, keepdims=False), b)
   if group_sizes is None:
     return fp8_gemm.reference(a, b, out_dtype=dtype)
   av, bv = formats.fp8_dequantize(a), formats.fp8_dequantize(b)
@@ -70,20 +75,23 @@ def _wgrad_fp8(dy: jax.Array, xq: jax.Array, impl: str) -> jax.Array:
 
 
 def _forward(x: jax.Array, qw: formats.FP8Tensor, impl: str, group_sizes: jax.Array | None,
-             moe_impl: str) -> tuple[jax.Array, formats.FP8Tensor]:
+             moe_impl: str, layer: jax.Array | None = None
+             ) -> tuple[jax.Array, formats.FP8Tensor]:
   """x [..., K] quantized in 1x128 groups times the quantized weight -> (y [..., N], x's codes)."""
   qx = formats.fp8_quantize_act(x.reshape(-1, x.shape[-1]))
-  y = _gemm(qx, qw, impl, x.dtype, group_sizes, moe_impl)
+  y = _gemm(qx, qw, impl, x.dtype, group_sizes, moe_impl, layer)
   return y.reshape(x.shape[:-1] + (y.shape[-1],)), qx
 
 
 def apply(x: jax.Array, qw: formats.FP8Tensor, impl: str = "xla",
-          group_sizes: jax.Array | None = None, moe_impl: str = "tiled") -> jax.Array:
+          group_sizes: jax.Array | None = None, moe_impl: str = "tiled",
+          layer: jax.Array | None = None) -> jax.Array:
   """The forward of `linear` (group_sizes None; x [..., K], qw [N, K]) or `grouped` (rows
   [M, K], qw [E, N, K]) with the weight already quantized (the rollout engine's weights, made
-  once per update; `expert_weights.prepare`). No gradient: rollout only."""
+  once per update; `expert_weights.prepare`). layer: qw is the stack of a run's layers, read
+  at that layer (in place by the kernel). No gradient: rollout only."""
   _check(impl, "bf16")
-  return _forward(x, qw, impl, group_sizes, moe_impl)[0]
+  return _forward(x, qw, impl, group_sizes, moe_impl, layer)[0]
 
 
 def _wgrad_fp8_grouped(dy: jax.Array, xq: jax.Array, gs: jax.Array, impl: str) -> jax.Array:

@@ -119,16 +119,18 @@ class MoE(nnx.Module):
         gate_up = jnp.concatenate([gate, up], axis=1)
       else:  # two matmuls, as the recorded BF16 and FP4 results ran them
         h = jax.nn.silu(mm(rows, gate)) * mm(rows, up)
-    elif decode and s == 1 and self.decode_impl == "kernel" and not experts.fp8:
+    elif experts.fp8:  # the engine's FP8 weights (quantized once per update), read in place
+      gate_up, down = experts.run.gate_up, experts.run.down
+      mm = lambda a, w: prec.grouped(a, w, group_sizes, layer=experts.index)
+    elif decode and s == 1 and self.decode_impl == "kernel":
       # The decode kernel reads this layer's weights in place in the run's stack.
       gate_up, down = experts.run.gate_up, experts.run.down
       mm = lambda a, w: fp4_moe.grouped_matmul_decode(a, w, group_sizes, layer=experts.index)
-    else:  # the engine's weights sliced out: FP8 (quantized once per update), or XLA paths
+    else:  # the XLA paths (prefill): the layer's weights sliced out of the stack
       w = experts.layer()
       gate_up, down = w.gate_up, w.down
-      if not experts.fp8:
-        mm = lambda a, w: grouped_matmul(a, expert_weights.dense(w, a.dtype), group_sizes,
-                                         self.impl)
+      mm = lambda a, w: grouped_matmul(a, expert_weights.dense(w, a.dtype), group_sizes,
+                                       self.impl)
     if h is None:
       gu = mm(rows, gate_up)
       h = jax.nn.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]

@@ -189,13 +189,17 @@ class Precision:
       return gate_up[:, :f], gate_up[:, f:], qat.fake_quant_weight(down, self.fmt)
     return gate, up, down
 
-  def linear(self, x: jax.Array, w: jax.Array | formats.FP8Tensor) -> jax.Array:
+  def linear(self, x: jax.Array, w: jax.Array | formats.FP8Tensor,
+             layer: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ w [out, in]^T of an attention projection: an FP8 GEMM (1x128 input groups,
     128x128 weight blocks) in forwards with FP8 linears, else the compute dtype's matmul.
-    w may be the rollout engine's already quantized weight (`expert_weights.prepare`)."""
+    w may be the rollout engine's already quantized weight (`expert_weights.prepare`); with
+    `layer`, the stack of its run's layers [L, out, in], read at that layer."""
     c = self.config
     if isinstance(w, formats.FP8Tensor):
-      return fp8_linear.apply(x, w, c.fp8_gemm)
+      return fp8_linear.apply(x, w, c.fp8_gemm, layer=layer)
+    if layer is not None:
+      raise ValueError("Precision.linear: layer= is for the engine's FP8 weights")
     if not self.fp8:
       return jnp.einsum("...i,oi->...o", x, w)
     return fp8_linear.linear(x, w, c.fp8_gemm, "fp8" if c.fp8_backward else "bf16")
@@ -212,13 +216,15 @@ class Precision:
     return jnp.split(self.linear(x, jnp.concatenate(ws, axis=0)), ends, axis=-1)
 
   def grouped(self, rows: jax.Array, w: jax.Array | formats.FP8Tensor,
-              group_sizes: jax.Array) -> jax.Array:
+              group_sizes: jax.Array, layer: jax.Array | None = None) -> jax.Array:
     """Expert rows [M, in] sorted by expert times w [E, out, in]: FP8 in forwards with FP8
-    linears (w possibly already quantized, as `linear`), else the compute dtype's grouped
-    matmul (`ModelConfig.moe_impl`)."""
+    linears (w possibly already quantized, as `linear`, also with `layer`), else the compute
+    dtype's grouped matmul (`ModelConfig.moe_impl`)."""
     c = self.config
     if isinstance(w, formats.FP8Tensor):
-      return fp8_linear.apply(rows, w, c.fp8_gemm, group_sizes, c.moe_impl)
+      return fp8_linear.apply(rows, w, c.fp8_gemm, group_sizes, c.moe_impl, layer)
+    if layer is not None:
+      raise ValueError("Precision.grouped: layer= is for the engine's FP8 weights")
     if not self.fp8:
       return grouped_matmul(rows, w, group_sizes, c.moe_impl)
     return fp8_linear.grouped(rows, w, group_sizes, c.fp8_gemm,
