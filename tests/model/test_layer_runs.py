@@ -3,6 +3,8 @@ unrolled forward (`scan_layers=False`, every layer compiled apart): the same log
 cache and gradients up to float32 summation order, and a program whose size does not grow
 with depth."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,11 @@ class LayerRunsTest(parameterized.TestCase):
       M.forward(p, c, jnp.zeros((1, 4), jnp.int32), cache=cache)
 
 
+def _both(c: M.ModelConfig, f, p):
+  """f(config, params), jitted, under scan and unrolled."""
+  return [jax.jit(functools.partial(f, c.replace(scan_layers=s)))(p) for s in (True, False)]
+
+
 def _close(a, b, atol):
   np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=atol)
 
@@ -62,19 +69,14 @@ def test_scan_matches_unrolled_bf16_with_cache_taps_and_grads():
   p = M.init_params(c, 0)
   toks = jax.random.randint(jax.random.key(1), (2, 6), 0, c.vocab_size)
 
-  def run(scan):
-    cc = c.replace(scan_layers=scan)
+  def f(cc, p):
+    out = M.prefill(p, cc, toks, 8, tap_layers=(1,), tap_mode="full")
+    step = M.decode_step(p, cc, out.cache, toks[:, -1], jnp.full((2,), 6), tap_routing=True)
+    grad = jax.grad(lambda p: jnp.sum(M.forward(p, cc, toks).logits ** 2) * 1e-3)(p)
+    k = jnp.concatenate([k for k, _ in step.cache])  # [L, B, T, G, H] either way
+    return out.logits, out.taps, step.logits, k, step.taps, grad
 
-    @jax.jit
-    def f(p):
-      out = M.prefill(p, cc, toks, 8, tap_layers=(1,), tap_mode="full")
-      step = M.decode_step(p, cc, out.cache, toks[:, -1], jnp.full((2,), 6), tap_routing=True)
-      grad = jax.grad(lambda p: jnp.sum(M.forward(p, cc, toks).logits ** 2) * 1e-3)(p)
-      k = jnp.concatenate([k for k, _ in step.cache])  # [L, B, T, G, H] either way
-      return out.logits, out.taps, step.logits, k, step.taps, grad
-    return f(p)
-
-  a, b = run(True), run(False)
+  a, b = _both(c, f, p)
   _close(a[0], b[0], 1e-5)
   assert sorted(a[1]) == sorted(b[1]) == [0, 1, 2]  # routing of every layer (bf16: no sites)
   assert set(a[1][1]) == {"routing"}
@@ -95,20 +97,15 @@ def test_scan_matches_unrolled_fp4_trace_guided():
   p = M.init_params(c, 0)
   toks = jax.random.randint(jax.random.key(2), (2, 6), 0, c.vocab_size)
 
-  def run(scan):
-    cc = c.replace(scan_layers=scan)
+  def f(cc, p):
+    roll = M.forward(p, cc, toks, tap_layers=(2,), tap_mode="full", record=True)
+    g = {2: {s: roll.taps[2][s] for s in M.SITES}}
+    routing = {i: roll.taps[i]["routing"] for i in roll.taps}
+    train = M.forward(p, cc, toks, guidance=g, routing=routing, tap_layers=(2,),
+                      tap_mode="full")
+    return roll.logits, roll.taps, train.logits, train.taps
 
-    @jax.jit
-    def f(p):
-      roll = M.forward(p, cc, toks, tap_layers=(2,), tap_mode="full", record=True)
-      g = {2: {s: roll.taps[2][s] for s in M.SITES}}
-      routing = {i: roll.taps[i]["routing"] for i in roll.taps}
-      train = M.forward(p, cc, toks, guidance=g, routing=routing, tap_layers=(2,),
-                        tap_mode="full")
-      return roll.logits, roll.taps, train.logits, train.taps
-    return f(p)
-
-  a, b = run(True), run(False)
+  a, b = _both(c, f, p)
   for i in (0, 2):
     _close(a[i], b[i], 1e-5)
   for x, y in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1])):
