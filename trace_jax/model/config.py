@@ -53,7 +53,7 @@ class ModelConfig:
   fp8_backward: those forwards' DGrad/WGrad GEMMs on FP8 operands too (Jet-RL's full flow);
     False: BF16 backward GEMMs. Gradients between operators are BF16 either way.
   scan_layers: run layers the forward treats alike as one `lax.scan` (compile time flat in
-    depth; `transformer.layer_runs`); False unrolls every layer (the reference).
+    depth; `layer_runs.layer_runs`); False unrolls every layer (the reference).
   """
   vocab_size: int
   hidden_size: int

@@ -28,7 +28,7 @@ from flax import struct
 
 from trace_jax.kernels import fp4_moe
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.layer_runs import layer_runs, stack
+from trace_jax.model.layer_runs import at_layer, layer_runs, stack
 from trace_jax.quant import formats
 
 DenseOrPacked = jax.Array | fp4_moe.PackedNVFP4Weights | formats.FP8Tensor
@@ -62,12 +62,11 @@ class LayerOf:
   index: jax.Array
 
   def layer(self) -> ExpertWeights:
-    return jax.tree.map(
-        lambda a: jax.lax.dynamic_index_in_dim(a, self.index, keepdims=False), self.run)
+    return at_layer(self.run, self.index)
 
   @property
   def attention(self) -> dict[str, jax.Array | formats.FP8Tensor] | None:
-    return None if self.run.attention is None else self.layer().attention
+    return None if self.run.attention is None else at_layer(self.run.attention, self.index)
 
   @property
   def packed(self) -> bool:

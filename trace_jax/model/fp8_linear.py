@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from trace_jax.kernels import fp8_gemm
 from trace_jax.model import grouped as grouped_mm
+from trace_jax.model.layer_runs import at_layer
 from trace_jax.quant import formats
 
 IMPLS = ("xla", "kernel")
@@ -54,7 +55,7 @@ def _gemm(a: formats.FP8Tensor, b: formats.FP8Tensor, impl: str, dtype: Any,
       return fp8_gemm.matmul(a, b, out_dtype=dtype, layer=layer)
     return fp8_gemm.grouped_matmul(a, b, group_sizes, out_dtype=dtype, layer=layer)
   if layer is not None:
-    b = jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, layer, keepdims=False), b)
+    b = at_layer(b, layer)
   if group_sizes is None:
     return fp8_gemm.reference(a, b, out_dtype=dtype)
   av, bv = formats.fp8_dequantize(a), formats.fp8_dequantize(b)

@@ -33,6 +33,11 @@ def stack(trees: Sequence[Any]) -> Any:
   return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
+def at_layer(tree: Any, index: jax.Array) -> Any:
+  """Layer `index` (int32 scalar, may be traced) of a tree stacked along its leading axis."""
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
+
+
 def stack_layers(params: Any, config: ModelConfig) -> list[Any]:
   """Each run's layer params (`params["layers"][i]`) stacked [n, ...], as the forward's
   `layers` argument takes them (made once per weight update by the rollout engine)."""

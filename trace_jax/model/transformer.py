@@ -117,8 +117,8 @@ class Transformer(nnx.Module):
         x, (lc, rl, taps) = self._scan(gdef, x, xs, run_experts, lo, hi - lo, cos, sin,
                                        positions, prec, decode, replay)
         router_logits += [rl[j] for j in range(hi - lo)]
-        for j in range(hi - lo):
-          if taps:
+        if taps:
+          for j in range(hi - lo):
             prec.taps[lo + j] = jax.tree.map(lambda t, j=j: t[j], taps)
         run_cache.append(lc)
       if new_cache is not None:
