@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 from absl import flags
 
-from experiments import common
+from experiments import common, profiling
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_enum("preset", "h200", ["h200", "cpu"], "Model and batch sizes.", flag_values=FLAGS)
@@ -98,6 +98,9 @@ flags.DEFINE_list("transformers_batches", [], "Batches of the transformers refer
 flags.DEFINE_float("budget_s", 0, "Skip the remaining cases after this many seconds (0: none).",
                    flag_values=FLAGS)
 flags.DEFINE_string("json_out", "", "JSON output path ('' = none).", flag_values=FLAGS)
+flags.DEFINE_string("profile_dir", "", "Profile one more call of every fixed-batch case into "
+                    "<dir>/<case> and print where its device time goes, per generated token "
+                    "('' = no profile).", flag_values=FLAGS)
 
 PRESETS = {
     "h200": dict(model=dict(vocab_size=32768, hidden_size=2048, num_hidden_layers=8,
@@ -274,6 +277,14 @@ def run_case(params: Any, config: Any, batch: int, reps: int) -> tuple[dict[str,
                        f"{FLAGS.new_tokens}")
   r.update(engine_init_s=init_s, tokens=tokens, tokens_per_s=tokens / r["median_s"],
            tokens_per_seq=tokens / batch)
+  if FLAGS.profile_dir:
+    name = f"{config.policy}_{config.decode_impl}_{batch}"
+    log_dir = os.path.join(FLAGS.profile_dir, name)
+    with profiling.trace(log_dir):
+      call()
+    r["profile"] = profiling.summarize(log_dir, steps=FLAGS.new_tokens)
+    print(profiling.format_summary(r["profile"], f"{name}, per generated token (prefill "
+                                   "amortized)"), flush=True)
   return r, [s.tokens[0] for s in out]
 
 

@@ -13,6 +13,7 @@ recorded by a rollout-side (record=True) forward of the same batch.
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import jax
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments import common
+from experiments import common, profiling
 from trace_jax import model as M
 
 _PRESET = flags.DEFINE_enum("preset", "tiny", ["tiny", "small_h200", "bench_gpu", "qwen3_layers"],
@@ -37,6 +38,9 @@ _EXPERTS = flags.DEFINE_integer("experts", None, "number of experts (default per
                                 "real Qwen3-30B-A3B has 128)")
 _STEPS = flags.DEFINE_integer("steps", 5, "timed steps per policy (0: compile and report "
                                "XLA's temporary-buffer plan only)")
+_PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "profile 2 more steps of every policy into "
+                                   "<dir>/<impl>_<policy> and print where the device time goes "
+                                   "('' = no profile)")
 _MOE_IMPLS = flags.DEFINE_list("moe_impls", ["tiled"],
                                f"grouped-matmul implementations to time, of {M.MOE_IMPLS}")
 
@@ -145,6 +149,14 @@ def main(argv):
       print(f"  {impl:10s} {policy:26s} {t * 1e3:9.2f} ms/step  {rel:24s} temp {gib:7.2f} GiB"
             f"  compile {compile_s:.1f} s  (linear GEMMs at the BF16 rate: {100 * share:.0f}% of "
             "it)", flush=True)
+      if _PROFILE_DIR.value:
+        log_dir = os.path.join(_PROFILE_DIR.value, f"{impl}_{policy}".replace("@", "_"))
+        with profiling.trace(log_dir):
+          for _ in range(2):
+            jax.block_until_ready(compiled(params, tokens=tokens, guidance=guidance,
+                                           routing=routing))
+        print(profiling.format_summary(profiling.summarize(log_dir, steps=2),
+                                       f"{impl} {policy}"), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,25 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from trace_jax.kernels import fp4_moe
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import Linear, RMSNorm, apply_rope
 from trace_jax.model.precision import Precision
 
-# A layer's cache: (k, v), each [B, T, G, H] in the compute dtype.
+# A run's cache: (k, v), each [L, B, T, G, H] (the run's L layers) in the compute dtype.
 LayerCache = tuple[jax.Array, jax.Array]
+
+
+@struct.dataclass
+class CacheSlot:
+  """Layer `index` (int32, may be traced) of a run's cache stack `run` ((k, v) [L, B, T, G,
+  H]). Attention writes its K/V into the stack and reads its layer where they lie, so a scan
+  over layers carries the stack and updates one token per layer in place, instead of slicing
+  each layer's cache out and writing every layer's whole cache back each step."""
+  run: LayerCache
+  index: jax.Array
 
 
 class Attention(nnx.Module):
@@ -39,13 +49,13 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = n, g, h
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
-               prec: Precision, layer: int, cache: LayerCache | None = None,
+               prec: Precision, layer: int, cache: CacheSlot | None = None,
                decode: bool = False, quantized: dict[str, Any] | None = None
                ) -> tuple[jax.Array, LayerCache | None]:
-    """x [B, S, D], positions [B, S] -> (out [B, S, D], updated cache or None).
+    """x [B, S, D], positions [B, S] -> (out [B, S, D], the run's updated cache stack or None).
 
     decode=False: attend within x (cache, if given, is filled and returned).
-    decode=True: attend over the whole cache after writing this call's K/V into it.
+    decode=True: attend over the layer's whole cache after writing this call's K/V into it.
     quantized: this layer of the rollout engine's weights (`expert_weights.LayerOf`; the
     projections in the compute dtype or FP8), used instead of the params' kernels.
     """
@@ -81,14 +91,14 @@ class Attention(nnx.Module):
 
     new_cache = None
     if cache is not None:
-      ck, cv = cache
+      (ck, cv), i = cache.run, cache.index
       bidx = jnp.arange(b)[:, None]
-      new_cache = (ck.at[bidx, positions].set(k.astype(ck.dtype)),
-                   cv.at[bidx, positions].set(v.astype(cv.dtype)))
+      new_cache = (ck.at[i, bidx, positions].set(k.astype(ck.dtype)),
+                   cv.at[i, bidx, positions].set(v.astype(cv.dtype)))
     if decode:
       if new_cache is None:
         raise ValueError("decode=True needs a KV cache")
-      keys, values = (a.astype(x.dtype) for a in new_cache)
+      keys, values = (a[i].astype(x.dtype) for a in new_cache)
       key_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
     else:
       keys, values, key_pos = k, v, positions

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax.model import expert_weights
-from trace_jax.model.attention import Attention, LayerCache
+from trace_jax.model.attention import Attention, CacheSlot, LayerCache
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layer_runs import layer_runs, stack
 from trace_jax.model.layers import Embed, Linear, RMSNorm, rope_cos_sin
@@ -53,8 +53,9 @@ class DecoderLayer(nnx.Module):
 
 @dataclasses.dataclass
 class ForwardOut:
-  """logits [B, S, V] (compute dtype); cache: per-layer (k, v) or None; router_logits: per
-  layer [B*S, E]; taps: {layer: {site: Guidance, "routing": ids [B, S, K]}}."""
+  """logits [B, S, V] (compute dtype); cache: per run, stacked (k, v) [L, B, T, G, H], or
+  None; router_logits: per layer [B*S, E]; taps: {layer: {site: Guidance, "routing": ids
+  [B, S, K]}}."""
   logits: jax.Array
   cache: list[LayerCache] | None
   router_logits: list[jax.Array]
@@ -100,7 +101,7 @@ class Transformer(nnx.Module):
     for r, (a, b) in enumerate(layer_runs(c)):
       state = (stack([nnx.state(self.layers[i]) for i in range(a, b)]) if layers is None
                else layers[r])
-      run_cache = []
+      run_cache = None if cache is None else cache[r]
       # Within a run, the layers this call treats alike (taps, guidance, routing given).
       key = lambda i: (i in prec.tap_layers, prec.guided_sites(i),
                        routing is not None and i in routing)
@@ -108,43 +109,46 @@ class Transformer(nnx.Module):
       for lo, hi in zip(cuts[:-1], cuts[1:]):
         xs = dict(
             state=_take(state, lo - a, hi - a, b - a),
-            cache=None if cache is None else _take(cache[r], lo - a, hi - a, b - a),
             routing=None if routing is None or lo not in routing else stack(
                 [routing[i] for i in range(lo, hi)]),
             guidance=stack([prec.guidance[i] for i in range(lo, hi)])
             if prec.guided_sites(lo) else None)
         run_experts = None if experts is None else _take(experts[r], lo - a, hi - a, b - a)
-        x, (lc, rl, taps) = self._scan(gdef, x, xs, run_experts, lo, hi - lo, cos, sin,
-                                       positions, prec, decode, replay)
+        (x, run_cache), (rl, taps) = self._scan(
+            gdef, (x, run_cache), xs, run_experts, lo, lo - a, hi - lo, cos, sin, positions,
+            prec, decode, replay)
         router_logits += [rl[j] for j in range(hi - lo)]
         if taps:
           for j in range(hi - lo):
             prec.taps[lo + j] = jax.tree.map(lambda t, j=j: t[j], taps)
-        run_cache.append(lc)
       if new_cache is not None:
-        new_cache.append(run_cache[0] if len(run_cache) == 1 else jax.tree.map(
-            lambda *t: jnp.concatenate(t), *run_cache))
+        new_cache.append(run_cache)
     logits = self.lm_head(self.final_norm(x))
     return ForwardOut(logits=logits, cache=new_cache, router_logits=router_logits,
                       taps=prec.taps)
 
   @staticmethod
-  def _scan(gdef: nnx.GraphDef, x: jax.Array, xs: dict[str, Any], experts: Any, first: int,
-            n: int, cos, sin, positions, prec: Precision, decode: bool, replay: bool):
-    """Layers first..first+n (alike) over x: one scan body, or one call when n is 1. xs: the
+  def _scan(gdef: nnx.GraphDef, carry: tuple[jax.Array, LayerCache | None], xs: dict[str, Any],
+            experts: Any, first: int, offset: int, n: int, cos, sin, positions,
+            prec: Precision, decode: bool, replay: bool):
+    """Layers first..first+n (alike) over carry (x, the run's cache stack or None; these
+    layers sit at offset.. in the run): one scan body, or one call when n is 1. xs: the
     per-layer inputs, stacked; experts: the run's prepared weights, stacked, which the body
-    indexes (the decode kernel reads them in place) rather than scan slicing them. Returns
-    (x, per-layer stacked (cache, router logits, taps))."""
-    def body(x, xs):
+    indexes (the decode kernel reads them in place) rather than scan slicing them; likewise
+    the cache is carried and written in place (`CacheSlot`). Returns ((x, cache), per-layer
+    stacked (router logits, taps))."""
+    def body(carry, xs):
+      x, cache = carry
       layer = nnx.merge(gdef, xs["state"])
       sub = prec.view(first, xs["guidance"])
       ew = None if experts is None else expert_weights.LayerOf(experts, xs["index"])
-      x, lc, rl = layer(x, cos, sin, positions, sub, first, xs["cache"], decode,
-                        xs["routing"], replay, ew)
-      return x, (lc, rl, sub.taps.get(first, {}))
+      slot = None if cache is None else CacheSlot(cache, offset + xs["index"])
+      x, cache, rl = layer(x, cos, sin, positions, sub, first, slot, decode, xs["routing"],
+                           replay, ew)
+      return (x, cache), (rl, sub.taps.get(first, {}))
 
     xs = dict(xs, index=jnp.arange(n, dtype=jnp.int32))
     if n > 1:
-      return jax.lax.scan(body, x, xs)
-    x, ys = body(x, jax.tree.map(lambda a: a[0], xs))
-    return x, jax.tree.map(lambda a: a[None], ys)
+      return jax.lax.scan(body, carry, xs)
+    carry, ys = body(carry, jax.tree.map(lambda a: a[0], xs))
+    return carry, jax.tree.map(lambda a: a[None], ys)

@@ -1,0 +1,145 @@
+"""Where a program's device time goes: a `jax.profiler` trace, summarized per kernel.
+
+`trace(log_dir)` records; `summarize(log_dir, steps)` reads the newest `.xplane.pb` under it
+with `jax.profiler.ProfileData` (no TensorBoard needed) and sums the duration of every device
+kernel (GPU: the events on the device plane's stream lines; CPU: the XLA thunks on the host
+threads) per HLO op and per category, per step. The busy time is the union of the kernels'
+intervals; wall minus busy is the time the device waited for the host (launch gaps, syncs),
+which is what a launch-bound program loses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import re
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+
+# Kernel categories, first match wins (lower-cased kernel name or HLO op name).
+_CATEGORIES = (
+    ("pallas", re.compile(r"grouped_matmul|fp8_|decode_attention|kv_cache|pallas|wgrad")),
+    ("gemm", re.compile(r"gemm|cublas|cutlass|xmma|\bdot\b|^dot|wgmma|matmul")),
+    ("collective", re.compile(r"all-reduce|all-gather|all-to-all|reduce-scatter|nccl|"
+                              r"collective-permute")),
+    ("memcpy", re.compile(r"memcpy|memset")),
+    ("copy/update", re.compile(r"copy|dynamic-update-slice|dynamic_update_slice|"
+                               r"scatter|concatenate|transpose")),
+    ("sort/top-k", re.compile(r"sort|topk|top-k|top_k")),
+)
+# Host-side bookkeeping events on CPU lines, not kernels.
+_SKIP = re.compile(r"^ThreadpoolListener|^\$")
+_CONTAINER = re.compile(r"^(while|conditional|call)(\.|$)")
+
+
+def category(name: str) -> str:
+  """The category of a kernel or HLO op name (see `_CATEGORIES`); 'fusion/other' else."""
+  low = name.lower()
+  for cat, pattern in _CATEGORIES:
+    if pattern.search(low):
+      return cat
+  return "fusion/other"
+
+
+@contextlib.contextmanager
+def trace(log_dir: str) -> Iterator[None]:
+  """Records a profile of the block into log_dir (call `summarize(log_dir)` after it)."""
+  os.makedirs(log_dir, exist_ok=True)
+  with jax.profiler.trace(log_dir):
+    yield
+
+
+def _newest_xspace(log_dir: str) -> str:
+  paths = glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True)
+  if not paths:
+    raise FileNotFoundError(f"no .xplane.pb under {log_dir}: was it recorded with `trace`?")
+  return max(paths, key=os.path.getmtime)
+
+
+def _kernel_events(planes: Sequence[Any]) -> list[tuple[str, str, float, float]]:
+  """(kernel name, op, start ns, duration ns) of every device kernel in the profile; op is the
+  kernel name on the GPU and the thunk's HLO op on the CPU."""
+  out = []
+  planes = list(planes)  # ProfileData.planes is an iterator
+  devices = [p for p in planes if p.name.startswith("/device:")]
+  if devices:  # GPU: kernels sit on the stream lines (the others, e.g. "XLA Ops", aggregate)
+    for plane in devices:
+      lines = [ln for ln in plane.lines if ln.name.startswith("Stream")]
+      if not lines:
+        raise ValueError(f"profile plane {plane.name} has no 'Stream' lines: "
+                         f"{[ln.name for ln in plane.lines]}")
+      for line in lines:
+        for ev in line.events:
+          # Keyed by the kernel's name: XLA's command buffers (CUDA graphs) give every
+          # kernel they launch the buffer's hlo_op.
+          out.append((ev.name, ev.name, ev.start_ns, ev.duration_ns))
+    return out
+  for plane in planes:  # CPU: XLA thunks carry an hlo_op stat on the host threads
+    if plane.name != "/host:CPU":
+      continue
+    for line in plane.lines:
+      for ev in line.events:
+        if _SKIP.match(ev.name) or ev.duration_ns <= 0:
+          continue
+        stats = dict(ev.stats)
+        # while/conditional/call thunks contain the thunks they run: count those only
+        if "hlo_op" in stats and not _CONTAINER.match(str(stats["hlo_op"])):
+          out.append((ev.name, str(stats["hlo_op"]), ev.start_ns, ev.duration_ns))
+  return out
+
+
+def _union_ns(intervals: list[tuple[float, float]]) -> float:
+  total, end = 0.0, float("-inf")
+  for start, stop in sorted(intervals):
+    if stop > end:
+      total += stop - max(start, end)
+      end = stop
+  return total
+
+
+def summarize(log_dir: str, steps: int = 1, top: int = 25) -> dict[str, Any]:
+  """Per-step device time of the newest trace under log_dir.
+
+  Returns {"steps", "kernels" (launches per step), "wall_ms" (first kernel start to last
+  kernel end, per step), "busy_ms" (union of kernel intervals, per step), "idle_fraction"
+  (1 - busy / wall), "categories" {name: ms per step}, "top" [(kernel (GPU) or HLO op (CPU),
+  category, ms per step, launches per step)]}.
+  """
+  if steps < 1:
+    raise ValueError(f"summarize: steps must be >= 1, got {steps}")
+  events = _kernel_events(jax.profiler.ProfileData.from_file(_newest_xspace(log_dir)).planes)
+  if not events:
+    raise ValueError(f"summarize: the trace under {log_dir} holds no device kernels")
+  per_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+  cats: dict[str, float] = defaultdict(float)
+  for name, op, _, dur in events:
+    cat = category(name) if category(name) != "fusion/other" else category(op)
+    per_op[op][0] += dur
+    per_op[op][1] += 1
+    cats[cat] += dur
+  wall = max(s + d for _, _, s, d in events) - min(s for _, _, s, _ in events)
+  busy = _union_ns([(s, s + d) for _, _, s, d in events])
+  ms = lambda ns: ns / 1e6 / steps
+  ranked = sorted(per_op.items(), key=lambda kv: -kv[1][0])[:top]
+  return {
+      "steps": steps, "kernels": len(events) / steps, "wall_ms": ms(wall), "busy_ms": ms(busy),
+      "idle_fraction": 1.0 - busy / wall if wall > 0 else 0.0,
+      "categories": {c: ms(v) for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+      "top": [(op, category(op), ms(v[0]), v[1] / steps) for op, v in ranked],
+  }
+
+
+def format_summary(s: dict[str, Any], title: str) -> str:
+  """A few lines for a log: totals, categories, the top ops."""
+  lines = [f"profile {title}: per step {s['wall_ms']:.3f} ms wall (first to last kernel), "
+           f"{s['busy_ms']:.3f} ms busy, idle {100 * s['idle_fraction']:.1f}%, "
+           f"{s['kernels']:.0f} kernels",
+           "  by category (ms/step): " + ", ".join(f"{c} {v:.3f}"
+                                                   for c, v in s["categories"].items())]
+  for op, cat, v, n in s["top"]:
+    lines.append(f"  {v:9.3f} ms  x{n:6.1f}  {cat:12s} {op[:110]}")
+  return "\n".join(lines)
