@@ -380,3 +380,16 @@ def test_stacked_layer_is_read_in_place(kind):
   assert not np.array_equal(outs[0], outs[1])  # the index does select another layer
   with pytest.raises((ValueError, TypeError), match=r"\[L, E, N, K"):
     fp4_moe.grouped_matmul_decode(x, per_layer[0], gs, layer=jnp.int32(0))
+
+
+
+@pytest.mark.parametrize("n, experts, want", [
+    pytest.param(4096, 1, 16, id="q_proj_one_expert"),    # 64 programs at 64 rows -> 256
+    pytest.param(2048, 1, 16, id="o_proj_one_expert"),    # stops at the floor: 128 programs
+    pytest.param(1536, 64, 64, id="gate_up_64_experts"),  # 1536 programs: unchanged
+    pytest.param(48, 1, 16, id="odd_width"),              # largest power of two dividing 48
+])
+def test_default_block_n_fills_the_gpu_for_few_experts(n, experts, want):
+  bn = fp4_moe.default_block_n(n, experts)
+  assert bn == want and n % bn == 0
+  assert experts * (n // bn) >= fp4_moe.MIN_PROGRAMS or bn == 16 or n % (bn // 2)

@@ -219,6 +219,21 @@ def _next_pow2(n: int) -> int:
   return 1 << max(0, n - 1).bit_length()
 
 
+# Programs a decode launch should have at least (two per SM of an H100/H200, 132 SMs): with
+# fewer, a few SMs stream the weights and the rest idle (one 4096-row projection in 64-row
+# tiles is 64 programs).
+MIN_PROGRAMS = 256
+
+
+def default_block_n(n: int, num_experts: int, cap: int = 64, floor: int = 16) -> int:
+  """Output tile rows: the largest power of two <= cap dividing n, halved (not below floor)
+  while the grid (num_experts x n / block_n) has fewer than `MIN_PROGRAMS` programs."""
+  bn = _pow2_divisor(n, cap)
+  while bn > floor and num_experts * (n // bn) < MIN_PROGRAMS and n % (bn // 2) == 0:
+    bn //= 2
+  return bn
+
+
 def default_block_m(m: int, num_experts: int) -> int:
   """Rows per block: about twice the mean group size, a power of two in [16, 64]."""
   return min(64, max(16, _next_pow2(2 * -(-m // num_experts))))
@@ -422,7 +437,8 @@ def _decode(x, w, group_sizes, layer, *, interpret, block_m, block_n, block_k, n
 def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
                           group_sizes: jax.Array, *, layer: jax.Array | None = None,
                           interpret: bool | None = None,
-                          block_m: int | None = None, block_n: int = 64, block_k: int = 256,
+                          block_m: int | None = None, block_n: int | None = None,
+                          block_k: int = 256,
                           num_warps: int = 4, num_stages: int = 3, split: bool | None = None,
                           swap_ab: bool | None = None, debug: bool = False,
                           decoder: str | None = None, table: str | None = None) -> jax.Array:
@@ -435,7 +451,8 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
   interpret: None runs the Triton kernel on GPU and the Pallas interpreter elsewhere.
   block_m: rows per block (None: `default_block_m`); block_n / block_k: output / contraction
   tile caps, each reduced to the largest power of two dividing N / K (N and K must be
-  multiples of 16). num_warps / num_stages: Triton launch parameters.
+  multiples of 16); block_n None: 64, on the GPU `default_block_n` (smaller for few
+  experts). num_warps / num_stages: Triton launch parameters.
   split: packed weights only: contract even and odd columns as two dots (x split outside the
   kernel) instead of interleaving the two nibbles of each byte in registers. None: True for
   the table decoder (its natural output; K tiles of >= 32), False otherwise.
@@ -467,11 +484,13 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
   if n % 16 or k % 16:
     raise ValueError(f"grouped_matmul_decode: N={n} and K={k} must be multiples of 16")
   block_m = default_block_m(x.shape[0], e) if block_m is None else block_m
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  if block_n is None:  # the interpreter runs programs one by one: fewer, larger tiles there
+    block_n = 64 if interpret else default_block_n(n, e)
   _check_block("block_m", block_m, 16)
   _check_block("block_n", block_n, 16)
   _check_block("block_k", block_k, 16)
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
   packed = isinstance(w, PackedNVFP4Weights)
   if swap_ab is None:
     swap_ab = packed

@@ -207,7 +207,8 @@ def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.
   (int32 scalar, may be traced) in place (slicing it out first would copy it per call).
   b: 128x128 blocks (weights) or 1x128 groups. group_sizes [E] sums to at most M.
   interpret: None runs the Triton kernel on GPU and the Pallas interpreter elsewhere.
-  block_m / block_n: tile rows / columns (powers of two; block_n <= 128 with 128x128 blocks).
+  block_m / block_n: tile rows / columns (powers of two; block_n <= 128 with 128x128 blocks;
+    None: 64, on the GPU halved down to 16 while the grid has < `fp4_moe.MIN_PROGRAMS`).
   reps: programs per (expert, N tile); None: enough for M / E rows per expert in 2 blocks.
   swap_ab: tiles computed transposed (b the MMA's M side); None: when block_m < 64.
   group_k: 128-wide K groups per loop step (their dots issued before any is scaled); None: 1
@@ -226,8 +227,16 @@ def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.
   fp4_moe._check_block("block_m", block_m, 16)
   if block_m > 256:
     raise ValueError(f"grouped_matmul: block_m={block_m} > 256")
-  if block_n is None:  # 64 (with block_m 128, 4 warps): the H200 sweep's best at M 8192
+  if reps is None:
+    reps = max(1, -(-m // (e * block_m * 2)))
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  if block_n is None:  # 64 (with block_m 128, 4 warps): the H200 sweep's best at M 8192;
+    # smaller where the grid would be too small to spread the weights' reads (decode)
     block_n = fp4_moe._pow2_divisor(n, 64)
+    while (not interpret and block_n > 16 and e * reps * (n // block_n) < fp4_moe.MIN_PROGRAMS
+           and n % (block_n // 2) == 0):
+      block_n //= 2
   fp4_moe._check_block("block_m", block_m, 16)
   fp4_moe._check_block("block_n", block_n, 16)
   if n % block_n or (b.block_rows == GROUP and block_n > GROUP):
@@ -238,14 +247,10 @@ def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.
   if group_k not in (1, 2, 4) or (k // GROUP) % group_k:
     raise ValueError(f"grouped_matmul: group_k={group_k} must be 1, 2 or 4 and divide "
                      f"K / 128 = {k // GROUP}")
-  if reps is None:
-    reps = max(1, -(-m // (e * block_m * 2)))
   if swap_ab is None:
     swap_ab = block_m < 64
   if num_warps is None:
     num_warps = 8 if block_m * block_n > 128 * 64 else 4
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
   return _call(a.values, a.scale, b.values, b.scale, group_sizes, layer,
                b_block=b.block_rows == GROUP,
                out_dtype=jnp.dtype(out_dtype), interpret=bool(interpret), block_m=block_m,

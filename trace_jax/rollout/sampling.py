@@ -15,7 +15,10 @@ import jax.numpy as jnp
 
 def filter_logits(logits: jax.Array, temps: jax.Array, top_ps: jax.Array,
                   top_ks: jax.Array) -> jax.Array:
-  """Temperature-scaled logits with everything outside top-k / the top-p nucleus at -inf."""
+  """Temperature-scaled logits with everything outside top-k / the top-p nucleus at -inf.
+
+  top_ps >= 1 keeps the whole vocabulary (also where float32 rounding of the cumulative
+  mass would reach 1 before the last token), as `sample` does without sorting."""
   v = logits.shape[-1]
   scaled = logits / jnp.maximum(temps, 1e-6)[:, None]
   order = jnp.argsort(-scaled, axis=-1)
@@ -25,7 +28,7 @@ def filter_logits(logits: jax.Array, temps: jax.Array, top_ps: jax.Array,
   keep_sorted = rank < k
   probs = jax.nn.softmax(jnp.where(keep_sorted, sorted_logits, -jnp.inf), axis=-1)
   before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
-  keep_sorted &= before < top_ps[:, None]
+  keep_sorted &= (before < top_ps[:, None]) | (top_ps[:, None] >= 1)
   keep_sorted = keep_sorted.at[:, 0].set(True)
   keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
       keep_sorted)
@@ -38,7 +41,13 @@ def sample(logits: jax.Array, keys: jax.Array, temps: jax.Array, top_ps: jax.Arr
 
   keys: one typed PRNG key per row (so a row's draw never depends on the other rows).
   """
-  filtered = filter_logits(logits, temps, top_ps, top_ks)
+  # The sort over the vocabulary only when some sampled row has a top-k or top-p below the
+  # whole vocabulary (greedy rows and plain temperature sampling need none).
+  v = logits.shape[-1]
+  truncates = (temps > 0) & (((top_ks > 0) & (top_ks < v)) | (top_ps < 1))
+  filtered = jax.lax.cond(
+      jnp.any(truncates), filter_logits,
+      lambda x, t, p, k: x / jnp.maximum(t, 1e-6)[:, None], logits, temps, top_ps, top_ks)
   drawn = jax.vmap(jax.random.categorical)(keys, filtered)
   tokens = jnp.where(temps <= 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
   logp = jax.nn.log_softmax(logits, axis=-1)
