@@ -83,8 +83,9 @@ def test_decode_steps_run_the_kernel_and_prefill_does_not():
           params, experts, cache)
   prefill = jax.make_jaxpr(lambda p, e: M.prefill(p, config, np.zeros((2, 4), np.int32), 8,
                                                   experts=e).logits)(params, experts)
-  # q, k, v, o and the experts' gate/up and down of the one layer; none in prefill.
-  assert count_eqns(step.jaxpr, "pallas_call") == 6
+  # q, k, v, o and the experts' gate/up and down of the one layer, and lm_head; none in
+  # prefill.
+  assert count_eqns(step.jaxpr, "pallas_call") == 7
   assert count_eqns(prefill.jaxpr, "pallas_call") == 0
 
 
