@@ -116,3 +116,22 @@ def test_scan_matches_unrolled_fp4_trace_guided():
   # Under scan the guided training forward rounds as its rollout did, site by site.
   for s in M.SITES:
     np.testing.assert_array_equal(np.asarray(a[3][2][s].codes), np.asarray(a[1][2][s].codes))
+
+
+def test_decode_carries_the_cache_through_the_scan():
+  """A decode step's scan carries each run's cache stack (written one token in place) and
+  stacks no per-layer cache as an output: the old form (cache sliced in as xs, every layer's
+  whole cache written back as ys) fails this."""
+  c = _config("bf16", layers=3)
+  params = M.init_params(c, 0)
+  cache = M.init_cache(c, 2, 8)
+  jaxpr = jax.make_jaxpr(lambda p, k: M.decode_step(
+      p, c, k, jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32)).logits)(params, cache)
+  scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+  assert scans, "no scan over layers"
+  cache_shapes = {a.shape for a in jax.tree.leaves(cache)}
+  for e in scans:
+    carried = {v.aval.shape for v in e.outvars[:e.params["num_carry"]]}
+    stacked = {v.aval.shape for v in e.outvars[e.params["num_carry"]:]}
+    assert cache_shapes <= carried, (cache_shapes, carried)
+    assert not cache_shapes & stacked, stacked

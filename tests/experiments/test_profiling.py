@@ -1,0 +1,44 @@
+"""experiments.profiling: a trace of a known program, summarized per kernel."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from experiments import profiling
+
+
+@pytest.mark.parametrize("name, want", [
+    pytest.param("grouped_matmul_decode_fp4__1", "pallas", id="pallas_kernel"),
+    pytest.param("nvjet_sm90_tst_256x64_64x5_1x2_h_bz_TNT", "fusion/other", id="cublas_nvjet"),
+    pytest.param("gemm_fusion_dot_21", "gemm", id="xla_gemm_fusion"),
+    pytest.param("memcpy32_post", "memcpy", id="memcpy"),
+    pytest.param("loop_dynamic_update_slice_fusion_8", "copy/update", id="update_slice"),
+    pytest.param("sort_30_1", "sort/top-k", id="sort"),
+    pytest.param("loop_multiply_fusion", "fusion/other", id="elementwise"),
+])
+def test_categories(name, want):
+  assert profiling.category(name) == want
+
+
+def test_a_sort_heavy_program_is_attributed_to_its_sort(tmp_path):
+  f = jax.jit(lambda x: jnp.sort(x * 2.0, axis=-1))
+  x = jax.random.normal(jax.random.key(0), (256, 4096))
+  f(x).block_until_ready()
+  with profiling.trace(str(tmp_path)):
+    for _ in range(2):
+      f(x).block_until_ready()
+  one = profiling.summarize(str(tmp_path), steps=1)
+  two = profiling.summarize(str(tmp_path), steps=2)
+  assert one["top"][0][1] == "sort/top-k", one["top"]
+  assert one["categories"]["sort/top-k"] > 0.5 * one["busy_ms"]
+  assert 0 < one["busy_ms"] <= one["wall_ms"] + 1e-9
+  assert two["busy_ms"] == pytest.approx(one["busy_ms"] / 2)
+  assert two["kernels"] == pytest.approx(one["kernels"] / 2)
+  assert "sort" in profiling.format_summary(one, "t")
+
+
+def test_missing_traces_are_reported(tmp_path):
+  with pytest.raises(FileNotFoundError, match="no .xplane.pb"):
+    profiling.summarize(str(tmp_path))
+  with pytest.raises(ValueError, match="steps"):
+    profiling.summarize(str(tmp_path), steps=0)
