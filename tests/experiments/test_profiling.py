@@ -9,7 +9,7 @@ from experiments import profiling
 
 @pytest.mark.parametrize("name, want", [
     pytest.param("grouped_matmul_decode_fp4__1", "pallas", id="pallas_kernel"),
-    pytest.param("nvjet_sm90_tst_256x64_64x5_1x2_h_bz_TNT", "fusion/other", id="cublas_nvjet"),
+    pytest.param("nvjet_sm90_tst_256x64_64x5_1x2_h_bz_TNT", "gemm", id="cublas_nvjet"),
     pytest.param("gemm_fusion_dot_21", "gemm", id="xla_gemm_fusion"),
     pytest.param("memcpy32_post", "memcpy", id="memcpy"),
     pytest.param("loop_dynamic_update_slice_fusion_8", "copy/update", id="update_slice"),
