@@ -8,6 +8,8 @@ import pytest
 from trace_jax.rollout import sampling
 
 V = 64
+_sample = jax.jit(sampling.sample)  # one compile per shape instead of op-by-op dispatch
+_filter = jax.jit(sampling.filter_logits)
 
 
 def _logits(rows: int, seed: int = 0) -> jax.Array:
@@ -25,7 +27,7 @@ def _settings(rows, temp, top_p, top_k):
 
 def test_greedy_rows_take_the_argmax_and_its_log_prob():
   x = _logits(8)
-  tok, lp = sampling.sample(x, _keys(8), *_settings(8, 0.0, 1.0, 0))
+  tok, lp = _sample(x, _keys(8), *_settings(8, 0.0, 1.0, 0))
   np.testing.assert_array_equal(tok, np.argmax(np.asarray(x), axis=-1))
   ref = jax.nn.log_softmax(np.asarray(x, np.float64), axis=-1)
   np.testing.assert_allclose(lp, np.take_along_axis(np.asarray(ref), np.asarray(tok)[:, None],
@@ -35,7 +37,7 @@ def test_greedy_rows_take_the_argmax_and_its_log_prob():
 @pytest.mark.parametrize("top_k", [1, 2, 5], ids=lambda k: f"k{k}")
 def test_top_k_keeps_exactly_k_tokens(top_k):
   x = _logits(6)
-  f = sampling.filter_logits(x, *_settings(6, 1.0, 1.0, top_k))
+  f = _filter(x, *_settings(6, 1.0, 1.0, top_k))
   kept = np.isfinite(np.asarray(f))
   np.testing.assert_array_equal(kept.sum(-1), top_k)
   best = np.argsort(-np.asarray(x), axis=-1)[:, :top_k]
@@ -44,16 +46,16 @@ def test_top_k_keeps_exactly_k_tokens(top_k):
 
 def test_a_small_top_p_keeps_only_the_best_token():
   x = _logits(6)
-  f = np.asarray(sampling.filter_logits(x, *_settings(6, 1.0, 1e-6, 0)))
+  f = np.asarray(_filter(x, *_settings(6, 1.0, 1e-6, 0)))
   np.testing.assert_array_equal(np.isfinite(f).sum(-1), 1)
-  tok, _ = sampling.sample(x, _keys(6), *_settings(6, 1.0, 1e-6, 0))
+  tok, _ = _sample(x, _keys(6), *_settings(6, 1.0, 1e-6, 0))
   np.testing.assert_array_equal(tok, np.argmax(np.asarray(x), axis=-1))
 
 
 def test_top_p_one_keeps_the_whole_vocabulary_even_with_rounding_in_the_cumulative_mass():
   # One dominant token: float32 cumsum of the tail's tiny masses reaches 1 before the end.
   x = jnp.concatenate([jnp.full((2, 1), 30.0), jnp.zeros((2, V - 1))], axis=-1)
-  f = np.asarray(sampling.filter_logits(x, *_settings(2, 1.0, 1.0, 0)))
+  f = np.asarray(_filter(x, *_settings(2, 1.0, 1.0, 0)))
   assert np.isfinite(f).all()
 
 
@@ -62,17 +64,17 @@ def test_the_sort_free_path_draws_what_the_filtering_path_draws():
   filter, draw for draw; a mixed batch takes the filter and must leave such rows unchanged."""
   x, keys = _logits(32), _keys(32)
   t, p, k = _settings(32, 0.7, 1.0, 0)
-  plain, _ = sampling.sample(x, keys, t, p, k)
-  filtered = sampling.filter_logits(x, t, p, k)
+  plain, _ = _sample(x, keys, t, p, k)
+  filtered = _filter(x, t, p, k)
   np.testing.assert_array_equal(filtered, x / 0.7)
   np.testing.assert_array_equal(plain, jax.vmap(jax.random.categorical)(keys, filtered))
-  mixed, _ = sampling.sample(x, keys, t, p, k.at[0].set(2))  # row 0 truncates: filter path
+  mixed, _ = _sample(x, keys, t, p, k.at[0].set(2))  # row 0 truncates: filter path
   np.testing.assert_array_equal(mixed[1:], plain[1:])
 
 
 def test_temperature_one_draws_follow_the_softmax():
   x = jnp.tile(jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]])), (4000, 1))
-  tok, _ = sampling.sample(x, _keys(4000, 7), *_settings(4000, 1.0, 1.0, 0))
+  tok, _ = _sample(x, _keys(4000, 7), *_settings(4000, 1.0, 1.0, 0))
   freq = np.bincount(np.asarray(tok), minlength=4) / 4000
   np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)  # ~4 sd at n=4000
 
