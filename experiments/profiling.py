@@ -114,13 +114,15 @@ def summarize(log_dir: str, steps: int = 1, top: int = 25) -> dict[str, Any]:
   events = _kernel_events(jax.profiler.ProfileData.from_file(_newest_xspace(log_dir)).planes)
   if not events:
     raise ValueError(f"summarize: the trace under {log_dir} holds no device kernels")
-  per_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+  per_op: dict[str, list[Any]] = {}  # op -> [ns, launches, category]
   cats: dict[str, float] = defaultdict(float)
   for name, op, _, dur in events:
-    cat = category(name) if category(name) != "fusion/other" else category(op)
+    if op not in per_op:  # the kernel's name first (CPU thunk names say less), then the op's
+      cat = category(name)
+      per_op[op] = [0.0, 0, cat if cat != "fusion/other" else category(op)]
     per_op[op][0] += dur
     per_op[op][1] += 1
-    cats[cat] += dur
+    cats[per_op[op][2]] += dur
   wall = max(s + d for _, _, s, d in events) - min(s for _, _, s, _ in events)
   busy = _union_ns([(s, s + d) for _, _, s, d in events])
   ms = lambda ns: ns / 1e6 / steps
@@ -129,7 +131,7 @@ def summarize(log_dir: str, steps: int = 1, top: int = 25) -> dict[str, Any]:
       "steps": steps, "kernels": len(events) / steps, "wall_ms": ms(wall), "busy_ms": ms(busy),
       "idle_fraction": 1.0 - busy / wall if wall > 0 else 0.0,
       "categories": {c: ms(v) for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-      "top": [(op, category(op), ms(v[0]), v[1] / steps) for op, v in ranked],
+      "top": [(op, v[2], ms(v[0]), v[1] / steps) for op, v in ranked],
   }
 
 

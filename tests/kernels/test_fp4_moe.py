@@ -382,7 +382,6 @@ def test_stacked_layer_is_read_in_place(kind):
     fp4_moe.grouped_matmul_decode(x, per_layer[0], gs, layer=jnp.int32(0))
 
 
-
 @pytest.mark.parametrize("n, experts, want", [
     pytest.param(4096, 1, 16, id="q_proj_one_expert"),    # 64 programs at 64 rows -> 256
     pytest.param(2048, 1, 16, id="o_proj_one_expert"),    # stops at the floor: 128 programs

@@ -434,6 +434,16 @@ def _decode(x, w, group_sizes, layer, *, interpret, block_m, block_n, block_k, n
   )(offs, gs, jnp.reshape(layer, (1,)).astype(jnp.int32), *xs, *weights)
 
 
+def matmul_decode(x: jax.Array, w: jax.Array, *, layer: jax.Array | None = None,
+                  **kw) -> jax.Array:
+  """x [M, K] times one dense weight w [N, K] -> [M, N], as one "expert" of
+  `grouped_matmul_decode` (its grid spreads N over the GPU); with `layer`, w is a stack
+  [L, N, K] read at that layer in place."""
+  stacked = jnp.expand_dims(w, 0 if layer is None else 1)
+  return grouped_matmul_decode(x, stacked, jnp.full((1,), x.shape[0], jnp.int32), layer=layer,
+                               **kw)
+
+
 def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
                           group_sizes: jax.Array, *, layer: jax.Array | None = None,
                           interpret: bool | None = None,

@@ -232,11 +232,9 @@ def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   if block_n is None:  # 64 (with block_m 128, 4 warps): the H200 sweep's best at M 8192;
-    # smaller where the grid would be too small to spread the weights' reads (decode)
-    block_n = fp4_moe._pow2_divisor(n, 64)
-    while (not interpret and block_n > 16 and e * reps * (n // block_n) < fp4_moe.MIN_PROGRAMS
-           and n % (block_n // 2) == 0):
-      block_n //= 2
+    # on the GPU smaller where the grid (E x reps x N / block_n) is too small (decode)
+    block_n = (fp4_moe._pow2_divisor(n, 64) if interpret
+               else fp4_moe.default_block_n(n, e * reps))
   fp4_moe._check_block("block_m", block_m, 16)
   fp4_moe._check_block("block_n", block_n, 16)
   if n % block_n or (b.block_rows == GROUP and block_n > GROUP):

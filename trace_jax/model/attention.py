@@ -73,10 +73,8 @@ class Attention(nnx.Module):
       # One-token decode: each projection as one "expert" of the decode kernel, which reads
       # the layer's weights in place in the run's stack (no per-step copy of a slice).
       def proj(a, name):
-        stack = quantized.run.attention[name][:, None]  # [L, 1, out, in]
-        rows = a.reshape(b, a.shape[-1])
-        out = fp4_moe.grouped_matmul_decode(rows, stack, jnp.full((1,), b, jnp.int32),
-                                            layer=quantized.index)
+        out = fp4_moe.matmul_decode(a.reshape(b, a.shape[-1]), quantized.run.attention[name],
+                                    layer=quantized.index)
         return out.reshape(b, s, -1)
       q, k, v = (proj(x, p) for p in names)
       o_proj = lambda a: proj(a, "o_proj")

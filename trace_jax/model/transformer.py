@@ -130,9 +130,7 @@ class Transformer(nnx.Module):
       # One-token decode: lm_head as one "expert" of the decode kernel, whose grid spreads
       # the vocabulary over every SM (XLA's GEMM read it at ~1.4 TB/s on the H200).
       b = h.shape[0]
-      logits = fp4_moe.grouped_matmul_decode(
-          h.reshape(b, -1), self.lm_head.kernel[...][None], jnp.full((1,), b, jnp.int32)
-      ).reshape(b, 1, -1)
+      logits = fp4_moe.matmul_decode(h.reshape(b, -1), self.lm_head.kernel[...]).reshape(b, 1, -1)
     else:
       logits = self.lm_head(h)
     return ForwardOut(logits=logits, cache=new_cache, router_logits=router_logits,

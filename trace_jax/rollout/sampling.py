@@ -13,6 +13,10 @@ import jax
 import jax.numpy as jnp
 
 
+def _scaled(logits: jax.Array, temps: jax.Array) -> jax.Array:
+  return logits / jnp.maximum(temps, 1e-6)[:, None]
+
+
 def filter_logits(logits: jax.Array, temps: jax.Array, top_ps: jax.Array,
                   top_ks: jax.Array) -> jax.Array:
   """Temperature-scaled logits with everything outside top-k / the top-p nucleus at -inf.
@@ -20,7 +24,7 @@ def filter_logits(logits: jax.Array, temps: jax.Array, top_ps: jax.Array,
   top_ps >= 1 keeps the whole vocabulary (also where float32 rounding of the cumulative
   mass would reach 1 before the last token), as `sample` does without sorting."""
   v = logits.shape[-1]
-  scaled = logits / jnp.maximum(temps, 1e-6)[:, None]
+  scaled = _scaled(logits, temps)
   order = jnp.argsort(-scaled, axis=-1)
   sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
   rank = jnp.arange(v)[None, :]
@@ -45,9 +49,8 @@ def sample(logits: jax.Array, keys: jax.Array, temps: jax.Array, top_ps: jax.Arr
   # whole vocabulary (greedy rows and plain temperature sampling need none).
   v = logits.shape[-1]
   truncates = (temps > 0) & (((top_ks > 0) & (top_ks < v)) | (top_ps < 1))
-  filtered = jax.lax.cond(
-      jnp.any(truncates), filter_logits,
-      lambda x, t, p, k: x / jnp.maximum(t, 1e-6)[:, None], logits, temps, top_ps, top_ks)
+  filtered = jax.lax.cond(jnp.any(truncates), filter_logits,
+                          lambda x, t, p, k: _scaled(x, t), logits, temps, top_ps, top_ks)
   drawn = jax.vmap(jax.random.categorical)(keys, filtered)
   tokens = jnp.where(temps <= 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
   logp = jax.nn.log_softmax(logits, axis=-1)
