@@ -17,7 +17,7 @@ def get_config() -> ml_collections.ConfigDict:
       num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
       num_experts_per_tok=4, moe_intermediate_size=256, dtype="bfloat16",
       max_position_embeddings=1024, guidance_mode="compact",
-      moe_impl="tiled"))
+      moe_impl="kernel"))
   c.policies = ("bf16", "fp4_rollout", "fp4_rtn", "fp4_trace", "fp4_trace+r3")
   c.task.kwargs = dict(difficulty=1, sloppy_demos=0.6)
   c.max_prompt_len = 144  # the run's prompts are 60-134 tokens (checked at start)
@@ -26,8 +26,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.sft.batch_size = 64
   c.sft.lr = 1e-3
   # Steps are cheap on the H200 (~0.7 s for FP4; compiles take minutes). At 16 x 8 samples a
-  # policy process holds ~15 GB with moe_impl="tiled" (60-83 GB with ragged_dot, where 32 x 8
-  # ran out with three processes sharing the GPU); 32 x 8 under tiled is untried.
+  # policy process held ~15 GB with moe_impl="tiled" (60-83 GB with ragged_dot, where 32 x 8
+  # ran out with three processes sharing the GPU); "kernel" (the Pallas grouped GEMMs, since
+  # 2026-12-02: the Qwen3-width train step 1.61x faster than tiled, docs/benchmarks.md) holds
+  # no more temporaries than tiled. The RL results recorded before that date ran tiled.
   c.rl.steps = 30
   c.rl.prompts_per_step = 16
   c.rl.group_size = 8

@@ -38,6 +38,9 @@ def test_presets():
     pytest.param({"guidance_mode": "bits"}, "guidance_mode", id="guidance_mode"),
     pytest.param({"tie_word_embeddings": True}, "untied lm_head", id="tied"),
     pytest.param({"hidden_size": 0}, "hidden_size must be a positive int", id="positive"),
+    pytest.param({"moe_impl": "kernel", "moe_intermediate_size": 40},
+                 'moe_impl="kernel" needs', id="kernel_multiple_of_16"),
+    pytest.param({"moe_impl": "pallas"}, "moe_impl must be one of", id="moe_impl"),
 ])
 def test_validation_errors(overrides, pattern):
   with pytest.raises(ValueError, match=pattern):

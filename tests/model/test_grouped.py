@@ -105,3 +105,23 @@ def test_unknown_impl():
   x, w, gs = _inputs(None, jnp.float32)
   with pytest.raises(ValueError, match="impl"):
     grouped.grouped_matmul(x, w, gs, "dense")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_kernel_impl_and_its_gradients_match_ragged_dot(dtype):
+  """moe_impl="kernel" (Pallas grouped GEMMs; the interpreter here) through its custom VJP."""
+  rng = np.random.default_rng(3)
+  sizes = jnp.asarray((9, 0, 30, 1, 0, 17, 3, 4), jnp.int32)
+  x = jnp.asarray(rng.standard_normal((64, 32)), dtype)
+  w = jnp.asarray(rng.standard_normal((8, 48, 32)), dtype)
+  dy = jnp.asarray(rng.standard_normal((64, 48)), dtype)
+
+  def run(impl):
+    y, vjp = jax.vjp(lambda a, b: grouped.grouped_matmul(a, b, sizes, impl), x, w)
+    return (y, *vjp(dy))
+
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  for got, want in zip(run("kernel"), run("ragged_dot")):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=tol, atol=tol)

@@ -15,7 +15,7 @@ from trace_jax.model.policies import Forward, forward_of
 
 GUIDANCE_MODES = ("compact", "full")
 DTYPES = ("float32", "bfloat16")
-MOE_IMPLS = ("ragged_dot", "tiled")  # trace_jax.model.grouped
+MOE_IMPLS = ("ragged_dot", "tiled", "kernel")  # trace_jax.model.grouped
 DECODE_IMPLS = ("xla", "kernel")  # the rollout's one-token decode steps (trace_jax.kernels)
 FP8_GEMMS = ("xla", "kernel")  # fp8_unified's GEMMs (trace_jax.model.fp8_linear)
 # The activation sites an FP4 policy quantizes in each layer (docs/design.md §3), in the order
@@ -43,7 +43,10 @@ class ModelConfig:
   guided_layers: indices of the decoder layers whose quantization sites take rollout guidance
     in a guided policy (`fp4_trace`, `mxfp4_trace`); None means the deepest half
     (`num_hidden_layers // 2 ..`).
-  moe_impl: how the experts' grouped matmuls run (`trace_jax.model.grouped`); not a shape.
+  moe_impl: how the experts' grouped matmuls run (`trace_jax.model.grouped`); not a shape:
+    "tiled" (XLA, the default), "ragged_dot" (XLA), "kernel" (Pallas grouped GEMMs reading the
+    stacked weights in place: the fastest on the GPU, the Pallas interpreter elsewhere; N and
+    K multiples of 16).
   decode_impl: how the rollout engine's one-token decode steps run the experts given as
     `expert_weights.ExpertWeights`: "xla" (dequantize + moe_impl) or "kernel" (the Pallas
     grouped matmul reading packed NVFP4 / BF16 weights in place); training never uses it.
@@ -120,6 +123,9 @@ class ModelConfig:
       errors.append(f"guidance_mode must be one of {GUIDANCE_MODES}, got {self.guidance_mode!r}")
     if self.moe_impl not in MOE_IMPLS:
       errors.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+    elif self.moe_impl == "kernel" and (self.hidden_size % 16 or self.moe_intermediate_size % 16):
+      errors.append(f'moe_impl="kernel" needs hidden_size ({self.hidden_size}) and '
+                    f"moe_intermediate_size ({self.moe_intermediate_size}) multiples of 16")
     if self.decode_impl not in DECODE_IMPLS:
       errors.append(f"decode_impl must be one of {DECODE_IMPLS}, got {self.decode_impl!r}")
     if self.fp8_gemm not in FP8_GEMMS:

@@ -1,6 +1,6 @@
 """Grouped matmul for MoE experts: rows sorted by expert times that expert's weight matrix.
 
-Two implementations of one contract, x [M, in] (rows sorted by group, `group_sizes` [E]
+Three implementations of one contract, x [M, in] (rows sorted by group, `group_sizes` [E]
 summing to M) times w [E, out, in] -> [M, out]:
 
 - "ragged_dot": `jax.lax.ragged_dot_general`. XLA (CPU and, per the H200 runs, GPU) expands
@@ -13,6 +13,9 @@ summing to M) times w [E, out, in] -> [M, out]:
   (equal up to rounding); the weight gradient sums in float32 over a group's tiles and rounds
   once. The default (`ModelConfig.moe_impl`): on the H200 it ran the small_h200 train step
   3.0-3.2x faster than ragged_dot with 4.7x less temporary memory (docs/benchmarks.md).
+- "kernel": Pallas grouped GEMMs (`trace_jax.kernels.grouped_gemm`) for the forward, DGrad
+  and WGrad that index the stacked weights in place (no per-tile weight copies, no segment
+  sums); the Pallas interpreter off the GPU, so slow on CPU. Same sums up to float32 order.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from trace_jax.kernels import grouped_gemm
 from trace_jax.model.config import MOE_IMPLS
 
 # lhs [M, in] (ragged over M) x rhs [E, out, in] (group axis 0, contraction axis 2) -> [M, out].
@@ -38,6 +42,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str
                                       preferred_element_type=x.dtype)
   if impl == "tiled":
     return _tiled(x, w, group_sizes, tile_rows(x.shape[0], w.shape[0]))
+  if impl == "kernel":
+    return _kernel(x, w, group_sizes)
   raise ValueError(f"grouped matmul impl must be one of {MOE_IMPLS}, got {impl!r}")
 
 
@@ -121,3 +127,23 @@ def _tiled_bwd(tile, res, dy):
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+@jax.custom_vjp
+def _kernel(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  return grouped_gemm.grouped_matmul(x, w.astype(x.dtype), group_sizes)
+
+
+def _kernel_fwd(x, w, group_sizes):
+  return _kernel(x, w, group_sizes), (x, w, group_sizes)
+
+
+def _kernel_bwd(res, dy):
+  x, w, group_sizes = res
+  dy = dy.astype(x.dtype)
+  dx = grouped_gemm.grouped_matmul(dy, w.astype(x.dtype), group_sizes, transpose_w=True)
+  dw = grouped_gemm.grouped_wgrad(dy, x, group_sizes, out_dtype=w.dtype)
+  return dx, dw, None
+
+
+_kernel.defvjp(_kernel_fwd, _kernel_bwd)
