@@ -20,16 +20,16 @@ Fixed memory (`--budget_gb`, 0 skips it; `--budget_context`, `--budget_max_batch
 `--budget_policies` (CPU preset: bf16 and fp4_rtn), `--budget_impl`): per policy, how many
 sequences of `--budget_context` tokens fit in the budget next to the weights as the engine
 stores them (`weight_bytes`; with decode_impl "kernel": packed NVFP4 experts under FP4, E4M3
-experts and attention projections under FP8, the rest BF16), each sequence costing its BF16 KV
-cache and the records the engine keeps for it (fp4_trace's guidance and routing); then the
+experts and attention projections under FP8, the rest BF16), each sequence costing its KV
+cache (packed NVFP4 under the FP4 policies with decode_impl "kernel", `byte_layout`; else
+BF16) and the records the engine keeps for it (fp4_trace's guidance and routing); then the
 decode of `--new_tokens` tokens in one engine session turn (`InProcessEngine.extend`) at that
-batch (capped at `--budget_max_batch`) over caches of `--budget_context` tokens. The KV cache
-is BF16 under every policy today (the FP4 policies' "FP4 KV" is fake-quantized BF16): FP4 fits
-more sequences through its weights only. The caches hold zeros instead of a prefill's
-values: the XLA prefill materializes [batch, heads, S, S] float32 scores (8.3 GB per 8k
-sequence on the GPU preset), and a decode step's work does not depend on the cache's values
-(the XLA attention reads the whole cache every step). The benchmark's own BF16 params stay on
-the device beside the budget.
+batch (capped at `--budget_max_batch`) over caches of `--budget_context` tokens. The caches
+hold zeros instead of a prefill's values: the XLA prefill materializes [batch, heads, S, S]
+float32 scores (8.3 GB per 8k sequence on the GPU preset), and a decode step's work does not
+depend on the cache's values (the attention kernels read each sequence's keys up to its
+length, the XLA attention the whole cache). The benchmark's own BF16 params stay on the
+device beside the budget.
 
 Reference (`--transformers`, `--transformers_batches`): the same params exported with
 `trace_jax.io.hf.save_hf_checkpoint`, loaded into `transformers.Qwen3MoeForCausalLM` (BF16,
@@ -132,12 +132,16 @@ def byte_layout(config: Any) -> dict[str, float]:
   per 16 + one float32 scale per expert for gate/up and one for down), E4M3 + block scales
   under FP8 linears (the attention projections too), else the compute dtype. "xla": the params
   in the compute dtype (FP4 and FP8 are computed from them at every step). Embeddings, lm_head,
-  norms and router always in the compute dtype; the KV cache too (the FP4 "KV cache" is
-  fake-quantized BF16 today). Keys: expert (one routed expert), attention (one layer's q, k, v,
+  norms and router always in the compute dtype; the KV cache too, but packed NVFP4 (codes,
+  E4M3 block scales, a float32 row scale: 76 bytes per head row of 128 against 256) where
+  `ModelConfig.packed_kv_cache` (NVFP4 forwards with decode_impl "kernel"). Keys: expert (one
+  routed expert), attention (one layer's q, k, v,
   o), layer_rest (one layer's norms and router), embed, lm_head, final_norm, kv_token (one
   token's K and V in one layer).
   """
   import jax.numpy as jnp
+
+  from trace_jax.kernels import kv_cache
 
   c, fwd = config, config.forward
   item = jnp.dtype(c.dtype).itemsize
@@ -151,9 +155,13 @@ def byte_layout(config: Any) -> dict[str, float]:
     expert = 3 * f * d * item
   nq, nkv = c.num_attention_heads * h, c.num_key_value_heads * h
   attn = (2 * nq * d + 2 * nkv * d) * (FP8_BYTES if kernel and fwd.fp8_linears else item)
+  if c.packed_kv_cache:  # codes, block scales and a row scale per (token, kv head)
+    kv_token = 2 * c.num_key_value_heads * kv_cache.bytes_per_head_row(h)
+  else:
+    kv_token = 2 * nkv * item
   return {"expert": expert, "attention": attn, "layer_rest": (2 * d + 2 * h + e * d) * item,
           "embed": c.vocab_size * d * item, "lm_head": c.vocab_size * d * item,
-          "final_norm": d * item, "kv_token": 2 * nkv * item}
+          "final_norm": d * item, "kv_token": kv_token}
 
 
 def weight_bytes(config: Any) -> float:
@@ -483,9 +491,9 @@ def run_bench() -> dict[str, Any]:
     fm: dict[str, Any] = {"budget_gb": budget_gb, "context": context, "max_batch": cap,
                           "impl": FLAGS.budget_impl, "cases": {}}
     res["fixed_memory"] = fm
-    print(f"  fixed memory: {budget_gb:g} GB for weights + KV cache (BF16 in every policy: the "
-          f"FP4 KV cache is fake-quantized BF16) + records, {context}-token sequences, decode "
-          f"impl {FLAGS.budget_impl}, batch at most {cap}", flush=True)
+    print(f"  fixed memory: {budget_gb:g} GB for weights + KV cache (packed NVFP4 under FP4 "
+          f"policies with decode impl kernel, else BF16) + records, {context}-token sequences, "
+          f"decode impl {FLAGS.budget_impl}, batch at most {cap}", flush=True)
     for policy in _preset("budget_policies") or FLAGS.policies:
       if over_budget():
         fm["cases"][policy] = {"skipped": "budget"}

@@ -60,10 +60,15 @@ def test_bf16_weight_bytes_are_the_params():
   assert br.weight_bytes(config) == sum(a.nbytes for a in jax.tree.leaves(params))
 
 
-@pytest.mark.parametrize("preset", ["cpu", "h200"])
-def test_kv_and_step_bytes(preset):
-  config = preset_config(preset)
+@pytest.mark.parametrize("preset,policy,impl", [("cpu", "bf16", "xla"), ("h200", "bf16", "xla"),
+                                                ("h200", "fp4_rtn", "kernel")],
+                         ids=["cpu", "h200", "h200_packed_kv"])
+def test_kv_and_step_bytes(preset, policy, impl):
+  config = preset_config(preset).replace(policy=policy, decode_impl=impl)
   cache = jax.eval_shape(lambda: model_lib.init_cache(config, 3, 40))
+  if impl == "kernel":  # packed NVFP4: 76 of 256 bytes per head row of 128
+    assert br.kv_bytes_per_token(config) * 256 == br.kv_bytes_per_token(
+        config.replace(decode_impl="xla")) * 76
   assert br.kv_bytes_per_token(config) * 3 * 40 == nbytes(cache)
   # Every expert touched, no sequence: a step reads all weights but the embedding table.
   layout = br.byte_layout(config)

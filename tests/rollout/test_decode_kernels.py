@@ -2,11 +2,13 @@
 interpreter on CPU) against the reference decode (fake-quantized weights, XLA matmuls)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases import count_eqns
 
 from trace_jax import model as M
+from trace_jax.kernels import kv_cache
 from trace_jax.model import expert_weights
 from trace_jax.quant import qat
 from trace_jax.rollout.engine import InProcessEngine
@@ -83,18 +85,18 @@ def test_decode_steps_run_the_kernel_and_prefill_does_not():
           params, experts, cache)
   prefill = jax.make_jaxpr(lambda p, e: M.prefill(p, config, np.zeros((2, 4), np.int32), 8,
                                                   experts=e).logits)(params, experts)
-  # q, k, v, o and the experts' gate/up and down of the one layer, and lm_head; none in
-  # prefill.
-  assert count_eqns(step.jaxpr, "pallas_call") == 7
+  # q, k, v, o, attention's scores and PV, the experts' gate/up and down of the one layer,
+  # and lm_head; none in prefill.
+  assert count_eqns(step.jaxpr, "pallas_call") == 9
   assert count_eqns(prefill.jaxpr, "pallas_call") == 0
 
 
 
 def test_fp8_kernel_rollout_matches_the_reference():
   """fp8_unified rollout with the FP8 GEMM kernel (`fp8_gemm="kernel"`) against its float32
-  reference ("xla"): the same greedy tokens for 32 steps and close log-probs; with the weights
-  quantized once (`decode_impl="kernel"`, `expert_weights.prepare`) the same tokens and
-  log-probs as quantizing them in every step, exactly (the same GEMMs). Looser than BF16
+  reference ("xla"): the same greedy tokens for at least 16 steps and close log-probs; with
+  the weights quantized once (`decode_impl="kernel"`, `expert_weights.prepare`) the same
+  tokens and log-probs as quantizing them in every step, exactly (the same GEMMs). Looser than BF16
   rounding: the two sum in different orders, and an output one BF16 ulp apart can round to the
   neighbouring E4M3 code when the next layer quantizes it (1/16 of the value), so differences
   grow layer by layer."""
@@ -111,7 +113,53 @@ def test_fp8_kernel_rollout_matches_the_reference():
   sp = SamplingParams(max_new_tokens=NEW, temperature=0.0)
   for x, y, z in zip(ref.generate(prompts, sp), fast.generate(prompts, sp),
                      packed.generate(prompts, sp)):
-    assert x.tokens == y.tokens == z.tokens and len(x.tokens) == NEW
-    d = np.abs(np.asarray(x.logprobs) - np.asarray(y.logprobs))
+    assert len(x.tokens) == len(y.tokens) == NEW
+    # Greedy paths part only at a near tie of the tiny random model's flat distribution (seen:
+    # step 27 of one prompt, log-probs -3.39 and -3.38): compare up to and including the first
+    # step that picks differently (both saw the same tokens before it).
+    n = next((i for i, (u, w) in enumerate(zip(x.tokens, y.tokens)) if u != w), NEW - 1)
+    assert n >= NEW // 2, f"the FP8 kernel's greedy tokens leave the reference's at step {n}"
+    d = np.abs(np.asarray(x.logprobs[:n + 1]) - np.asarray(y.logprobs[:n + 1]))
     assert d.max() < 0.15 and d.mean() < 0.04, (d.max(), d.mean())
+    # Weights quantized once or per step: the same GEMMs; the decode-attention kernel gives
+    # attend's outputs bit for bit on CPU.
+    assert y.tokens == z.tokens
     np.testing.assert_array_equal(y.logprobs, z.logprobs)
+
+
+def test_packed_kv_cache_holds_the_codes_and_sessions_match_the_reference():
+  """decode_impl="kernel" under an NVFP4 forward keeps the KV cache packed (codes + scales,
+  22 of 64 bytes per head row at head_dim 32), whose values are the dense cache's bit for bit;
+  a two-turn session (the second turn fed as several tokens: the XLA path over the packed
+  cache) gives the reference engine's greedy tokens."""
+  config = M.tiny(policy="fp4_trace", dtype="bfloat16", num_hidden_layers=2, vocab_size=128)
+  assert config.replace(decode_impl="kernel").packed_kv_cache
+  assert not config.packed_kv_cache and not config.replace(policy="bf16",
+                                                           decode_impl="kernel").packed_kv_cache
+  dense, packed = (M.init_cache(config.replace(decode_impl=d), 2, 16) for d in ("xla", "kernel"))
+  assert all(isinstance(c, kv_cache.PackedKVCache) for c in packed)
+  nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+  assert nbytes(packed) * 64 == nbytes(dense) * 22
+  # The values a decode step writes and reads back equal the dense cache's.
+  params = jax.tree.map(lambda a: a if a.ndim == 1 else a * 4.0, M.init_params(config, 3))
+  tok = np.array([5, 9], np.int32)
+  outs = [jax.jit(lambda p, c, cfg=cfg: M.decode_step(p, cfg, c, tok, np.array([0, 3], np.int32),
+                                                     record=True))(params, c)
+          for cfg, c in ((config, dense), (config.replace(decode_impl="kernel"), packed))]
+  for (dk, dv), pc in zip(outs[0].cache, outs[1].cache):
+    pk, pv = kv_cache.dequantize(pc, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(pk).view(np.uint16), np.asarray(dk).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(pv).view(np.uint16), np.asarray(dv).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(outs[0].logits, np.float32),
+                                np.asarray(outs[1].logits, np.float32))
+  engines = [InProcessEngine(params, config.replace(decode_impl=d), max_batch=2)
+             for d in ("xla", "kernel")]
+  sp = [SamplingParams(max_new_tokens=6, temperature=0.0)] * 2
+  turns = []
+  for eng in engines:
+    s = eng.open_session(2, 40)
+    first = eng.extend(s, [0, 1], [[3, 4, 5], [7, 8]], sp)
+    second = eng.extend(s, [0, 1], [[11, 12, 13, 14], [15]], sp)
+    eng.close_session(s, [[1], [2]])
+    turns.append([x.tokens for x in first + second])
+  assert turns[0] == turns[1]

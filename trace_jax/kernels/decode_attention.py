@@ -1,12 +1,22 @@
 """Decode attention (one query token per sequence) over a BF16 or packed NVFP4 KV cache.
 
-`decode_attention` is a Pallas kernel for the Triton GPU lowering (`interpret=True` on CPU):
-split-K flash decoding. Grid (B, G, S): program (b, g, s) takes the R = N // G query heads that
-read kv head g (padded to 16 rows, the smallest Triton dot), and loops over its share of the
-key blocks [0, ceil(length / block_t)) with a dynamic trip count, holding the online-softmax
-state (row max, row sum, [16, H] accumulator) in float32. S = 1 writes the normalized output;
-S > 1 writes each split's state and a small XLA pass merges them (split-K pays off when B * G
-is small next to the GPU's SM count).
+`decode_attention` runs two Pallas kernels (Triton GPU lowering; `interpret=True` on CPU)
+around `attention.attention_probs`, so that its probabilities are `attention.attend`'s:
+1. scores: grid (B, G, key blocks). Program (b, g, j) takes the R = N // G query heads that
+   read kv head g (padded to 16 rows, the smallest Triton dot) and key block j of the
+   sequence (skipped at or beyond its length), and writes the float32 scores [R, block_t]
+   (float32 dot times float32 H**-0.5, as `attend`) into [B, G, R, T].
+2. XLA: `attention.attention_probs` on those scores, the very function `attend` calls
+   (masked beyond each length, float32 softmax, one rounding to q.dtype).
+3. PV: grid (B, G, S). Program (b, g, s) sums its share of the key blocks below the length of
+   probabilities x V in float32; S = 1 writes the output in q.dtype, S > 1 each split's sums,
+   added in float32 by XLA (split-K pays off when B * G is small next to the GPU's SM count).
+With `layer`, the cache is a stack of layers ([L, B, T, G, ...], the engine's per-run cache)
+and both kernels read that layer where it lies: no per-step copy of a layer's cache. The
+scores [B, N, T] (4 bytes per key and query head) are small next to the keys (256 bytes per
+key and kv head at H = 128, 8 query heads per kv head: 1/8), so the split costs little
+traffic; what it buys is `attend`'s normalization order exactly (online softmax would round
+unnormalized probabilities: tokens of the tiny model left the reference at step 28 that way).
 
 Packed cache (`kv_cache.PackedKVCache`): each block loads the E2M1 codes (two per byte), E4M3
 block scales and FP32 row scales and decodes them in registers (no float8 `astype`, which XLA
@@ -23,21 +33,17 @@ bit, with one of two decoders (`decoder`):
   (the first product exact, the second rounding once), then a cast to q.dtype.
 So the kernel's K/V are the trainer's fake-quantized values bit for bit (tests check this
 through `dequantize_pallas`, which runs the same decoders, and through the exact output at
-length 1). SASS of the key loop (Triton 3.6, sm_90, offline from the kernel's Triton IR after
-`make_ttir`; H=128, 32 query / 4 KV heads, block_t 64, 4 warps, 2 stages): "table" 1092
-instructions per thread per key block on the fast path (1338 with the exact tables), 144
-registers; "bits" 1915, 152 registers; the BF16 kernel 591; no spills.
+length 1). SASS of the key loop of the earlier one-kernel version (online softmax; Triton 3.6,
+sm_90, offline; H=128, block_t 64, 4 warps): "table" 1092 instructions per thread per key
+block (1338 with the exact tables), "bits" 1915, BF16 591: the decode dominates.
 
 Numerics against `attention.attend` (the model's decode path, `decode_attention_reference`):
-the scores are rounded as `attend` rounds them (float32 dot, cast to q.dtype, times
-q.dtype(H**-0.5) in q.dtype, then float32), keys at or beyond `lengths` are masked, softmax
-runs in float32, and probabilities are cast to q.dtype before the PV dot. Differences that
-remain, so outputs match within a tolerance and not bit for bit: (1) dot accumulation order
-(a score whose float32 sum lands across a bf16 rounding boundary differs by one bf16 ulp);
-(2) online softmax casts the *unnormalized* exp(s - running max) to bf16 and divides at the
-end, `attend` casts the normalized probabilities; (3) the final division. Stated tolerance
-(`output_tolerance`): |out - ref| <= 2**-7 * (max|v| + |ref|) elementwise, max|v| over the
-valid V rows of that sequence and kv head (the budget is in its docstring).
+the same float32 scores up to the dot's float32 accumulation order, the same probabilities
+from them (same function), and the PV sum in float32 in another order, rounded once. On CPU
+the outputs are bit-equal to `attend`'s in nearly every element (tests). The GPU's exp and
+division differ from XLA's CPU ones; the stated tolerance (`output_tolerance`):
+|out - ref| <= 2**-7 * (max|v| + |ref|) elementwise, max|v| over the valid V rows of that
+sequence and kv head (the budget is in its docstring).
 Keys at or beyond `lengths` are ignored entirely (even NaN ones); `attend` lets NaN in any
 cache row (also unwritten ones) reach every output through 0 * NaN in its PV einsum.
 """
@@ -53,7 +59,6 @@ from jax.experimental import pallas as pl
 
 from trace_jax.kernels import fp4_decode
 from trace_jax.kernels.kv_cache import PackedKVCache, dequantize
-from trace_jax.model import attention
 from trace_jax.quant import formats
 
 try:  # Triton-specific APIs (jax >= 0.4.31); masked loads/stores moved here from `pl`.
@@ -171,9 +176,6 @@ def _block_bits(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype != jnp.uint8 else x
 
 
-KEYS_FIRST = False
-
-
 def resolve_decoder(decoder: str | None, dtype: jnp.dtype, rows: int, head_dim: int,
                     num_warps: int, interpret: bool) -> str:
   """The packed-cache decoder. None: "table" (per-block byte tables and `prmt` lookups;
@@ -201,108 +203,89 @@ def decode_nvfp4_split(codes: jax.Array, block_bits: jax.Array, row: jax.Array,
                                   table=table)
 
 
-# ----------------------------------------------------------------------------- the kernel
+# ----------------------------------------------------------------------------- the kernels
 
-def _attention_kernel(len_ref, *refs, packed: bool, lut: bool, asm: bool, table: str | None,
-                      keys_first: bool, r: int, block_t: int, blocks_per_split: int,
-                      splits: int, scale: float):
-  """One (b, g, split): online softmax over this split's key blocks.
+def _kv_tiles(refs, lyr, b, g, t0: int, ok: jax.Array, block_t: int, dtype, *, packed: bool,
+              lut: bool, asm: bool, table: str | None) -> list[jax.Array]:
+  """K or V rows t0 .. t0 + block_t of (layer lyr, sequence b, kv head g) in dtype: [bt, H],
+  or its even and odd columns (table decoder). Rows outside `ok` come out zero (masked loads
+  leave them undefined, and 0 * NaN would reach the PV sum)."""
+  rows = pl.ds(t0, block_t)
+  if packed:
+    c_ref, b_ref, r_ref = refs
+    m2 = jnp.broadcast_to(ok[:, None], (block_t, c_ref.shape[-1]))
+    mb = jnp.broadcast_to(ok[:, None], (block_t, b_ref.shape[-1]))
+    codes = _load(c_ref, (lyr, b, rows, g, slice(None)), m2)
+    bits = _load(b_ref, (lyr, b, rows, g, slice(None)), mb)
+    row = _load(r_ref, (lyr, b, rows, g), ok)
+    if lut:
+      return list(decode_nvfp4_split(codes, bits, row, dtype, asm=asm, valid=ok, table=table))
+    return [decode_nvfp4_rows(codes, bits, row, dtype, valid=ok)]
+  (ref,) = refs
+  mask = jnp.broadcast_to(ok[:, None], (block_t, ref.shape[-1]))
+  x = _load(ref, (lyr, b, rows, g, slice(None)), mask).astype(dtype)
+  return [jnp.where(mask, x, jnp.zeros((), dtype))]
 
-  lut (table decoder): K and V decode as even and odd head_dim halves; q comes as its even
-  and odd columns, the scores are the sum of the two half dots, and the output (or split
-  state) is written as the even and odd halves of the accumulator."""
-  n_q = 2 if lut else 1
-  n_kv = 6 if packed else 2
-  q_refs, kv_refs, out_refs = refs[:n_q], refs[n_q:n_q + n_kv], refs[n_q + n_kv:]
-  qs = [q_ref[...] for q_ref in q_refs]  # [Rp, H] (or two [Rp, H/2]), rows >= r zero padding
-  qts = [q.T for q in qs] if keys_first else None
-  rp, hq = qs[0].shape
-  dtype = qs[0].dtype
-  length = len_ref[...]
-  first = pl.program_id(2) * blocks_per_split
-  last = jnp.minimum(first + blocks_per_split, (length + block_t - 1) // block_t)
-  sc = jnp.asarray(scale, dtype)
 
-  def load_kv(t0, ok):
-    """(ks, vs): lists of [block_t, hq] tiles (the whole head_dim, or its two halves)."""
-    rows = pl.ds(t0, block_t)
-    if packed:
-      kc, vc, kb, vb, kr, vr = kv_refs
-      h2 = kc.shape[-1]
-      m2 = jnp.broadcast_to(ok[:, None], (block_t, h2))
-      mb = jnp.broadcast_to(ok[:, None], (block_t, kb.shape[-1]))
-      args = lambda c, b, rr: (_load(c, (rows, slice(None)), m2),
-                               _block_bits(_load(b, (rows, slice(None)), mb)),
-                               _load(rr, (rows,), ok))
-      if lut:  # invalid rows decode to zeros (K's scores are masked anyway). One table
-        # branch per tile: a joint one for K and V kept both tables live (spills, measured).
-        k = decode_nvfp4_split(*args(kc, kb, kr), dtype, asm=asm, valid=ok, table=table)
-        v = decode_nvfp4_split(*args(vc, vb, vr), dtype, asm=asm, valid=ok, table=table)
-        return list(k), list(v)
-      k = decode_nvfp4_rows(*args(kc, kb, kr), dtype)  # invalid rows: scores masked
-      v = decode_nvfp4_rows(*args(vc, vb, vr), dtype, valid=ok)
-      return [k], [v]
-    else:
-      k_ref, v_ref = kv_refs
-      h = k_ref.shape[-1]
-      mk = jnp.broadcast_to(ok[:, None], (block_t, h))
-      k = _load(k_ref, (rows, slice(None)), mk).astype(dtype)
-      v = _load(v_ref, (rows, slice(None)), mk).astype(dtype)
-      # Masked lanes are undefined: zero V there (K's scores are masked below).
-      return [k], [jnp.where(mk, v, jnp.zeros((), dtype))]
+def _scores_kernel(layer_ref, len_ref, *refs, n_q: int, packed: bool, lut: bool, asm: bool,
+                   table: str | None, r: int, block_t: int, scale: float):
+  """Program (b, g, j): float32 scores of key block j for the R query heads of kv head g, as
+  `attention.attend` computes them (float32 dot times float32 H**-0.5); blocks at or beyond
+  the sequence's length are skipped (left unwritten)."""
+  q_refs, k_refs, s_ref = refs[:n_q], refs[n_q:-1], refs[-1]
+  b, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  length = len_ref[b]
+  t0 = pl.multiple_of(j * block_t, block_t)
 
-  def body(i, carry):
-    m, l, accs = carry
-    t0 = i * block_t
+  @pl.when(t0 < length)
+  def _():
+    dtype = q_refs[0].dtype
     ok = t0 + jnp.arange(block_t) < length
-    ks, vs = load_kv(t0, ok)
+    ks = _kv_tiles(k_refs, layer_ref[0], b, g, t0, ok, block_t, dtype, packed=packed, lut=lut,
+                   asm=asm, table=table)
     s = None
-    if keys_first:  # scores transposed, [block_t, Rp]: K is the MMA's first operand
-      for qt, k in zip(qts, ks):
-        d = jax.lax.dot_general(k, qt, (((1,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32)
-        s = d if s is None else s + d
-      s = (s.astype(dtype) * sc).astype(jnp.float32)  # attend's rounding of the scores
-      s = jnp.where(ok[:, None], s, -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(s, axis=0))
-      alpha = jnp.exp(m - m_new)
-      p = jnp.exp(s - m_new[None, :])
-      l = alpha * l + jnp.sum(p, axis=0)
-      pd = p.astype(dtype).T
-    else:
-      for q, k in zip(qs, ks):
-        d = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)  # [Rp, block_t]
-        s = d if s is None else s + d
-      s = (s.astype(dtype) * sc).astype(jnp.float32)  # attend's rounding of the scores
-      s = jnp.where(ok[None, :], s, -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(s, axis=1))
-      alpha = jnp.exp(m - m_new)
-      p = jnp.exp(s - m_new[:, None])
-      l = alpha * l + jnp.sum(p, axis=1)
-      pd = p.astype(dtype)
-    accs = tuple(acc * alpha[:, None] + jax.lax.dot_general(
-        pd, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        for acc, v in zip(accs, vs))  # [Rp, hq] each
-    return m_new, l, accs
+    for q_ref, k in zip(q_refs, ks):
+      d = jax.lax.dot_general(q_ref[b, g], k, (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.float32)      # [Rp, block_t]
+      s = d if s is None else s + d
+    s = s * np.float32(scale)
+    rp = s.shape[0]
+    mask = (jnp.arange(rp) < r)[:, None] & ok[None, :]
+    _store(s_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), s, mask)
 
-  init = (jnp.full((rp,), _F32_MIN, jnp.float32), jnp.zeros((rp,), jnp.float32),
-          tuple(jnp.zeros((rp, hq), jnp.float32) for _ in qs))
-  m, l, accs = jax.lax.fori_loop(first, last, body, init)
 
-  row_ok = jnp.arange(rp) < r
-  mask2 = None if r == rp else jnp.broadcast_to(row_ok[:, None], (rp, hq))
-  mask1 = None if r == rp else row_ok
-  if splits == 1:
-    for o_ref, acc in zip(out_refs, accs):
-      out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-      _store(o_ref, (slice(None), slice(None)), out.astype(o_ref.dtype), mask2)
-  else:
-    *o_refs, m_ref, l_ref = out_refs
-    for o_ref, acc in zip(o_refs, accs):
-      _store(o_ref, (slice(None), slice(None)), acc, mask2)
-    _store(m_ref, (slice(None),), m, mask1)
-    _store(l_ref, (slice(None),), l, mask1)
+def _pv_kernel(layer_ref, len_ref, p_ref, *refs, n_out: int, packed: bool, lut: bool,
+               asm: bool, table: str | None, r: int, block_t: int, blocks_per_split: int,
+               splits: int):
+  """Program (b, g, split): sum over this split's key blocks of probabilities x V in float32;
+  the output (one split) or the split's partial sums."""
+  v_refs, out_refs = refs[:-n_out], refs[-n_out:]
+  b, g, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  length = len_ref[b]
+  first = si * blocks_per_split
+  last = jnp.minimum(first + blocks_per_split, (length + block_t - 1) // block_t)
+  dtype = p_ref.dtype
+  rp = out_refs[0].shape[-2]
+  row_ok = (jnp.arange(rp) < r)[:, None]
+
+  def body(i, accs):
+    t0 = pl.multiple_of(i * block_t, block_t)
+    ok = t0 + jnp.arange(block_t) < length
+    p = _load(p_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), row_ok & ok[None, :])
+    p = jnp.where(row_ok & ok[None, :], p, jnp.zeros((), dtype))
+    vs = _kv_tiles(v_refs, layer_ref[0], b, g, t0, ok, block_t, dtype, packed=packed, lut=lut,
+                   asm=asm, table=table)
+    return tuple(acc + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())),
+                                           preferred_element_type=jnp.float32)
+                 for acc, v in zip(accs, vs))
+
+  width = out_refs[0].shape[-1]
+  accs = jax.lax.fori_loop(first, last, body,
+                           tuple(jnp.zeros((rp, width), jnp.float32) for _ in out_refs))
+  mask = jnp.broadcast_to(row_ok, (rp, width))
+  for o_ref, acc in zip(out_refs, accs):
+    idx = (b, g) if splits == 1 else (b, g, si)
+    _store(o_ref, idx + (slice(None), slice(None)), acc.astype(o_ref.dtype), mask)
 
 
 def _interleave(even: jax.Array, odd: jax.Array) -> jax.Array:
@@ -315,8 +298,8 @@ def _next_pow2(x: int) -> int:
 
 
 def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int) -> int:
-  """Key splits so that about 2 programs per SM run (132 SMs assumed off-GPU), with at least
-  4 key blocks per split."""
+  """Key splits of the PV kernel so that about 2 programs per SM run (132 SMs assumed
+  off-GPU), with at least 4 key blocks per split."""
   try:
     sms = int(getattr(jax.devices()[0], "core_count", 0)) or 132
   except Exception:  # pragma: no cover
@@ -325,20 +308,31 @@ def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int) -> int:
   return int(max(1, min(want, num_blocks // 4)))
 
 
+def _cache_arrays(cache, packed: bool) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+  """(K arrays, V arrays) as the kernels read them, each with a leading layer axis; the
+  block scales as their bytes (a free bitcast)."""
+  if not packed:
+    return (cache[0],), (cache[1],)
+  bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8)
+  return ((cache.k_codes, bits(cache.k_block), cache.k_row),
+          (cache.v_codes, bits(cache.v_block), cache.v_row))
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "block_t", "num_splits", "num_warps",
                                              "num_stages", "decoder", "table"))
-def _decode_attention(q, cache, lengths, *, interpret: bool, block_t: int, num_splits: int,
-                      num_warps: int, num_stages: int, decoder: str = "bits",
+def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int,
+                      num_splits: int, num_warps: int, num_stages: int, decoder: str = "bits",
                       table: str | None = None):
+  from trace_jax.model import attention  # here: trace_jax.model imports this module
+
   packed = isinstance(cache, PackedKVCache)
   lut = packed and decoder == "table"
+  if layer is None:  # one layer: a leading axis of 1 (a free reshape)
+    cache = jax.tree.map(lambda a: a[None], cache)
+    layer = jnp.zeros((), jnp.int32)
+  ks, vs = _cache_arrays(cache, packed)
   b, n, h = q.shape
-  if packed:
-    _, t, g, _ = cache.shape
-    kv = (cache.k_codes, cache.v_codes, cache.k_block, cache.v_block, cache.k_row, cache.v_row)
-  else:
-    kv = tuple(cache)
-    t, g = kv[0].shape[1], kv[0].shape[2]
+  t, g = ks[0].shape[2], ks[0].shape[3]
   r = n // g
   rp = max(MIN_ROWS, _next_pow2(r))
   nblk = -(-t // block_t)
@@ -349,62 +343,64 @@ def _decode_attention(q, cache, lengths, *, interpret: bool, block_t: int, num_s
   if rp != r:
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rp - r), (0, 0)))
   qs = (qg[..., 0::2], qg[..., 1::2]) if lut else (qg,)  # lut: even and odd columns
-  hq = qs[0].shape[-1]
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
-
-  def kv_spec(a):  # program (b, g, s) sees cache[b, :, g] ([T] or [T, last])
-    zeros = (0,) * (a.ndim - 3)
-    return pl.BlockSpec((_SQ, t, _SQ) + a.shape[3:], lambda bi, gi, si: (bi, 0, gi) + zeros)
-
-  q_spec = pl.BlockSpec((_SQ, _SQ, rp, hq), lambda bi, gi, si: (bi, gi, 0, 0))
-  in_specs = [pl.BlockSpec((_SQ,), lambda bi, gi, si: (bi,))] + [q_spec] * len(qs)
-  in_specs += [kv_spec(a) for a in kv]
+  lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
+  params = None if interpret else _compiler_params(num_warps, num_stages)
+  scores = pl.pallas_call(
+      functools.partial(_scores_kernel, n_q=len(qs), packed=packed, lut=lut,
+                        asm=not interpret, table=table, r=r, block_t=block_t,
+                        scale=attention.score_scale(h)),
+      grid=(b, g, nblk), out_shape=jax.ShapeDtypeStruct((b, g, r, t), jnp.float32),
+      interpret=interpret, compiler_params=params,
+      name="decode_attention_scores_nvfp4" if packed else "decode_attention_scores",
+  )(lyr, lengths, *qs, *ks)
+  # `attend`'s probabilities from the same scores: masked beyond each length (blocks the
+  # kernel skipped hold no data and are masked), float32 softmax, one rounding.
+  mask = (jnp.arange(t)[None, :] < lengths[:, None])[:, None, None, None, :]
+  probs = attention.attention_probs(scores[:, :, :, None, :], mask, q.dtype)[:, :, :, 0, :]
+  hq = h // 2 if lut else h
   if splits == 1:
-    out_shape = [jax.ShapeDtypeStruct((b, g, r, hq), q.dtype)] * len(qs)
-    out_specs = [q_spec] * len(qs)
+    out_shape = [jax.ShapeDtypeStruct((b, g, rp, hq), q.dtype)] * len(qs)
   else:
-    acc_spec = pl.BlockSpec((_SQ, _SQ, _SQ, rp, hq), lambda bi, gi, si: (bi, gi, si, 0, 0))
-    out_shape = [jax.ShapeDtypeStruct((b, g, splits, r, hq), jnp.float32)] * len(qs) + [
-        jax.ShapeDtypeStruct((b, g, splits, r), jnp.float32),
-        jax.ShapeDtypeStruct((b, g, splits, r), jnp.float32)]
-    out_specs = [acc_spec] * len(qs) + [
-        pl.BlockSpec((_SQ, _SQ, _SQ, rp), lambda bi, gi, si: (bi, gi, si, 0)),
-        pl.BlockSpec((_SQ, _SQ, _SQ, rp), lambda bi, gi, si: (bi, gi, si, 0))]
-  kernel = functools.partial(_attention_kernel, packed=packed, lut=lut, asm=not interpret,
-                             table=table, keys_first=KEYS_FIRST, r=r, block_t=block_t,
-                             blocks_per_split=bps,
-                             splits=splits, scale=h ** -0.5)
+    out_shape = [jax.ShapeDtypeStruct((b, g, splits, rp, hq), jnp.float32)] * len(qs)
   outs = pl.pallas_call(
-      kernel, grid=(b, g, splits), in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, interpret=interpret,
-      compiler_params=_compiler_params(num_warps, num_stages),
-      name="decode_attention_nvfp4" if packed else "decode_attention_bf16",
-  )(lengths, *qs, *kv)
-  if splits == 1:
-    out = _interleave(*outs) if lut else outs[0]
-    return out.reshape(b, n, h)
-  *acc, m, l = outs
-  acc = _interleave(*acc) if lut else acc[0]
-  mx = jnp.max(m, axis=2, keepdims=True)
-  w = jnp.exp(m - mx)  # empty splits: m = float32.min, weight 0
-  lt = jnp.sum(w * l, axis=2)
-  out = jnp.sum(w[..., None] * acc, axis=2) / jnp.where(lt > 0, lt, 1.0)[..., None]
-  return out.astype(q.dtype).reshape(b, n, h)
+      functools.partial(_pv_kernel, n_out=len(qs), packed=packed, lut=lut, asm=not interpret,
+                        table=table, r=r, block_t=block_t, blocks_per_split=bps,
+                        splits=splits),
+      grid=(b, g, splits), out_shape=out_shape, interpret=interpret, compiler_params=params,
+      name="decode_attention_pv_nvfp4" if packed else "decode_attention_pv",
+  )(lyr, lengths, probs, *vs)
+  out = _interleave(*outs) if lut else outs[0]
+  if splits > 1:
+    out = jnp.sum(out, axis=2).astype(q.dtype)
+  return out[:, :, :r].reshape(b, n, h)
 
 
-def _check(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: jax.Array,
-           block_t: int) -> None:
+def _check(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: jax.Array, block_t: int,
+           layer: jax.Array | None) -> None:
   if q.ndim != 3:
     raise ValueError(f"q must be [B, N, H] (one query token per sequence), got {q.shape}")
   b, n, h = q.shape
-  shape = cache.shape if isinstance(cache, PackedKVCache) else tuple(cache[0].shape)
-  if not isinstance(cache, PackedKVCache) and tuple(cache[1].shape) != shape:
-    raise ValueError(f"k {shape} and v {cache[1].shape} differ")
+  lead = 0 if layer is None else 1
+  if isinstance(cache, PackedKVCache):
+    shape = tuple(cache.k_codes.shape[lead:-1]) + (2 * cache.k_codes.shape[-1],)
+    ranks = {a.ndim - lead for a in (cache.k_codes, cache.v_codes, cache.k_block,
+                                     cache.v_block)} | {cache.k_row.ndim - lead + 1}
+  else:
+    shape = tuple(cache[0].shape[lead:])
+    ranks = {cache[0].ndim - lead, cache[1].ndim - lead}
+    if tuple(cache[1].shape) != tuple(cache[0].shape):
+      raise ValueError(f"k {cache[0].shape} and v {cache[1].shape} differ")
+  if ranks != {4}:
+    raise ValueError(f"cache arrays must be [{'L, ' * lead}B, T, G, ...] "
+                     f"({'with' if lead else 'without'} a layer axis, as `layer` says)")
   if len(shape) != 4 or shape[0] != b or shape[3] != h or n % shape[2]:
     raise ValueError(f"cache [B, T, G, H] = {shape} does not fit q [B, N, H] = {q.shape} "
                      "(N must be a multiple of G)")
   if lengths.shape != (b,):
     raise ValueError(f"lengths must be [B] = ({b},), got {lengths.shape}")
+  if layer is not None and jnp.shape(layer) != ():
+    raise ValueError(f"layer must be a scalar, got {jnp.shape(layer)}")
   if block_t < MIN_ROWS or block_t & (block_t - 1):
     raise ValueError(f"block_t must be a power of two >= {MIN_ROWS}, got {block_t}")
   if h < MIN_ROWS or h & (h - 1):
@@ -412,32 +408,36 @@ def _check(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: jax.Array,
 
 
 def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: jax.Array, *,
-                     interpret: bool | None = None, block_t: int = DEFAULT_BLOCK_T,
-                     num_splits: int | None = None, num_warps: int = 4,
-                     num_stages: int = 2, decoder: str | None = None,
+                     layer: jax.Array | None = None, interpret: bool | None = None,
+                     block_t: int = DEFAULT_BLOCK_T, num_splits: int | None = None,
+                     num_warps: int = 4, num_stages: int = 2, decoder: str | None = None,
                      table: str | None = None) -> jax.Array:
   """Attention of one query token per sequence over its cache: q [B, N, H] -> [B, N, H].
 
-  cache: a `PackedKVCache` (NVFP4) or BF16 (k, v), each [B, T, G, H]; lengths [B]: keys
-  0..lengths-1 are valid (the cache already holds the current token; lengths >= 1; 0 gives
-  zeros). Query head n reads kv head n // (N // G). interpret=None: interpret off-GPU.
-  num_splits=None: `default_num_splits`. decoder (packed cache): "table", "bits" or None
-  (`resolve_decoder`); table (decoder "table"): None picks the bf16 fast table per key block
-  where its row scales allow it, "exact" always takes the exact one (for tests), "fast"
-  always the fast one (only exact for row scales in `fp4_decode.tensor_scale_factors`' fast
-  range; for instruction counts). Output in q.dtype; the numerics are the module's.
+  cache: a `PackedKVCache` (NVFP4) or BF16 (k, v), each [B, T, G, H]; with `layer` (int32
+  scalar, may be traced: a scan over layers) every array has a leading layer axis [L, ...]
+  and layer `layer` is read in place (slicing it out first would copy it at every step).
+  lengths [B]: keys 0..lengths-1 are valid (the cache already holds the current token;
+  lengths >= 1; 0 gives zeros). Query head n reads kv head n // (N // G). interpret=None:
+  interpret off-GPU. num_splits=None: `default_num_splits` (PV kernel). decoder (packed
+  cache): "table", "bits" or None (`resolve_decoder`); table (decoder "table"): None picks the
+  bf16 fast table per key block where its row scales allow it, "exact" always takes the exact
+  one (for tests), "fast" always the fast one (only exact for row scales in
+  `fp4_decode.tensor_scale_factors`' fast range). Output in q.dtype; numerics: the module's.
   """
-  _check(q, cache, lengths, block_t)
+  _check(q, cache, lengths, block_t, layer)
   if interpret is None:
     interpret = _default_interpret()
   packed = isinstance(cache, PackedKVCache)
-  b, t, g, h = cache.shape if packed else cache[0].shape
+  lead = 0 if layer is None else 1
+  b, t, g = (cache.k_codes if packed else cache[0]).shape[lead:lead + 3]
+  h = q.shape[-1]
   if num_splits is None:
     num_splits = default_num_splits(b, g, -(-t // block_t))
   decoder = resolve_decoder(decoder, q.dtype, block_t, h, num_warps, bool(interpret)) \
       if packed else "bits"
-  return _decode_attention(q, cache, lengths, interpret=bool(interpret), block_t=block_t,
-                           num_splits=int(num_splits), num_warps=num_warps,
+  return _decode_attention(q, cache, lengths, layer, interpret=bool(interpret),
+                           block_t=block_t, num_splits=int(num_splits), num_warps=num_warps,
                            num_stages=num_stages, decoder=decoder, table=table)
 
 
@@ -447,6 +447,8 @@ def decode_attention_reference(q: jax.Array, cache: PackedKVCache | BF16Cache,
                                lengths: jax.Array) -> jax.Array:
   """The same contract in plain JAX: dequantize (packed) or cast the cache to q.dtype, then
   `attention.attend` with query position lengths - 1 (the model's decode path)."""
+  from trace_jax.model import attention  # here: trace_jax.model imports this module
+
   if isinstance(cache, PackedKVCache):
     k, v = dequantize(cache, q.dtype)
   else:
@@ -462,12 +464,12 @@ def output_tolerance(v: jax.Array, lengths: jax.Array, ref: jax.Array,
   """Elementwise bound on |kernel - reference| [B, N, H]: 2**-7 * (max|v| + |ref|).
 
   max|v| is over the valid V rows (t < length) of the kv head the query head reads. Budget
-  (bf16 compute dtype): both round the probabilities to bf16 (relative 2**-9 each, after
-  different normalizations), <= 2**-8 * max|v| together; both round the output once to bf16,
-  <= 2**-8 * |ref| together; the other 2**-8 * (max|v| + |ref|) is left for scores whose
-  float32 dots (different accumulation orders) round to neighbouring bf16 values (one ulp,
-  <= 2**-7 |score|, moves that key's probability by that factor: rare, small) and for the
-  GPU's float32 exp/division. Measured on CPU (scores of std 1..16): at most 0.37 of it.
+  (bf16 compute dtype): both round the probabilities to bf16 (relative 2**-9 each) from float32
+  softmaxes that may differ in the last bits (the GPU's exp and division against XLA's CPU
+  ones), <= 2**-8 * max|v| together; both round the output once to bf16 after float32 sums in
+  different orders, <= 2**-8 * |ref| together; the other 2**-8 * (max|v| + |ref|) is left for
+  scores whose float32 dots differ in their last bits. Measured on CPU: 0 in most cases (the
+  kernel and `attend` agree bit for bit but for rare last-ulp differences).
   """
   b, t, g, h = v.shape
   ok = jnp.arange(t)[None, :] < lengths[:, None]

@@ -81,17 +81,23 @@ def quantize_rows(x: jax.Array) -> formats.NVFP4Tensor:
   return formats.nvfp4_quantize(x, formats.nvfp4_row_scale(x))
 
 
-def _scatter(a: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-  """a [B, T, ...] with new [B, S, ...] written at positions [B, S] (as attention.py does)."""
-  bidx = jnp.arange(a.shape[0])[:, None]
-  return a.at[bidx, positions].set(new.astype(a.dtype))
+def _scatter(a: jax.Array, new: jax.Array, positions: jax.Array,
+             layer: jax.Array | None = None) -> jax.Array:
+  """a [B, T, ...] (or [L, B, T, ...] written at `layer`) with new [B, S, ...] written at
+  positions [B, S] (as attention.py does)."""
+  bidx = jnp.arange(positions.shape[0])[:, None]
+  if layer is None:
+    return a.at[bidx, positions].set(new.astype(a.dtype))
+  return a.at[layer, bidx, positions].set(new.astype(a.dtype))
 
 
-@jax.jit
 def write_quantized(cache: PackedKVCache, qk: formats.NVFP4Tensor, qv: formats.NVFP4Tensor,
-                    positions: jax.Array) -> PackedKVCache:
-  """Writes NVFP4 K/V rows (codes [B, S, G, H], two-level) at per-sequence positions [B, S]."""
-  b, t, g, h = cache.shape
+                    positions: jax.Array, layer: jax.Array | None = None) -> PackedKVCache:
+  """Writes NVFP4 K/V rows (codes [B, S, G, H], two-level) at per-sequence positions [B, S];
+  with `layer` (int32 scalar, may be traced), the cache is a stack of layers [L, B, T, ...]
+  and the rows go into that layer in place (the engine's per-run cache)."""
+  b, t, g, h2 = cache.k_codes.shape[0 if layer is None else 1:]
+  h = 2 * h2
   for name, q in (("k", qk), ("v", qv)):
     if q.codes.shape[0] != b or q.codes.shape[2:] != (g, h) or q.tensor_scale is None:
       raise ValueError(f"write_quantized: {name} codes of shape {q.codes.shape} (two-level "
@@ -99,16 +105,20 @@ def write_quantized(cache: PackedKVCache, qk: formats.NVFP4Tensor, qv: formats.N
   if positions.shape != qk.codes.shape[:2]:
     raise ValueError(f"write_quantized: positions of shape {positions.shape}, expected "
                      f"{qk.codes.shape[:2]}")
+  return _write(cache, qk, qv, positions, layer)
+
+
+@jax.jit
+def _write(cache, qk, qv, positions, layer):
   lead = qk.codes.shape[:3]
+  row = lambda q: jnp.broadcast_to(q.tensor_scale, lead + (1,))[..., 0]
   return PackedKVCache(
-      k_codes=_scatter(cache.k_codes, formats.pack_fp4(qk.codes), positions),
-      v_codes=_scatter(cache.v_codes, formats.pack_fp4(qv.codes), positions),
-      k_block=_scatter(cache.k_block, qk.block_scale, positions),
-      v_block=_scatter(cache.v_block, qv.block_scale, positions),
-      k_row=_scatter(cache.k_row, jnp.broadcast_to(qk.tensor_scale, lead + (1,))[..., 0],
-                     positions),
-      v_row=_scatter(cache.v_row, jnp.broadcast_to(qv.tensor_scale, lead + (1,))[..., 0],
-                     positions))
+      k_codes=_scatter(cache.k_codes, formats.pack_fp4(qk.codes), positions, layer),
+      v_codes=_scatter(cache.v_codes, formats.pack_fp4(qv.codes), positions, layer),
+      k_block=_scatter(cache.k_block, qk.block_scale, positions, layer),
+      v_block=_scatter(cache.v_block, qv.block_scale, positions, layer),
+      k_row=_scatter(cache.k_row, row(qk), positions, layer),
+      v_row=_scatter(cache.v_row, row(qv), positions, layer))
 
 
 @jax.jit

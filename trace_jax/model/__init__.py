@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trace_jax.kernels import kv_cache
+from trace_jax.kernels.kv_cache import PackedKVCache
 from trace_jax.model import sharding
 from trace_jax.model.attention import LayerCache
 from trace_jax.model.config import MOE_IMPLS, ModelConfig, qwen3_30b_a3b, tiny
@@ -127,11 +129,18 @@ def logits(params: nnx.State, config: ModelConfig, tokens: jax.Array) -> jax.Arr
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int,
-               dtype: str | jnp.dtype | None = None) -> list[LayerCache]:
+               dtype: str | jnp.dtype | None = None) -> list[LayerCache | PackedKVCache]:
   """Zero KV cache: per run of `layer_runs` (k, v) [n, batch, max_len, G, H] in `dtype`
-  (default config.dtype)."""
+  (default config.dtype), or, where `config.packed_kv_cache`, a `PackedKVCache` whose arrays
+  carry the run's n layers first (NVFP4 codes, block and row scales; all zero bytes decode
+  to +0, as a zero cache holds)."""
+  g, h = config.num_key_value_heads, config.head_dim
+  if config.packed_kv_cache:
+    one = jax.eval_shape(lambda: kv_cache.init_packed_cache(batch, max_len, g, h))
+    return [jax.tree.map(lambda a, n=b - a: jnp.zeros((n,) + a.shape, a.dtype), one)
+            for a, b in layer_runs(config)]
   dt = jnp.dtype(config.dtype if dtype is None else dtype)
-  shape = (batch, max_len, config.num_key_value_heads, config.head_dim)
+  shape = (batch, max_len, g, h)
   return [(jnp.zeros((b - a,) + shape, dt), jnp.zeros((b - a,) + shape, dt))
           for a, b in layer_runs(config)]
 

@@ -13,14 +13,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
-from trace_jax.kernels import fp4_moe
+from trace_jax.kernels import decode_attention, fp4_moe, kv_cache
+from trace_jax.kernels.kv_cache import PackedKVCache
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import Linear, RMSNorm, apply_rope
 from trace_jax.model.precision import Precision
 
-# A run's cache: (k, v), each [L, B, T, G, H] (the run's L layers) in the compute dtype.
+# A run's cache: (k, v), each [L, B, T, G, H] (the run's L layers) in the compute dtype, or a
+# `PackedKVCache` whose arrays carry the L layers first (`ModelConfig.packed_kv_cache`).
 LayerCache = tuple[jax.Array, jax.Array]
 
 
@@ -85,22 +88,36 @@ class Attention(nnx.Module):
     q, k, v = q.reshape(b, s, n, h), k.reshape(b, s, g, h), v.reshape(b, s, g, h)
     q = apply_rope(self.q_norm(q), cos, sin)
     k = apply_rope(self.k_norm(k), cos, sin)
-    k, v = prec.kv_site(layer, k, v)
-
+    packed = cache is not None and isinstance(cache.run, PackedKVCache)
     new_cache = None
-    if cache is not None:
-      (ck, cv), i = cache.run, cache.index
+    if packed:  # the cache takes the NVFP4 codes and scales; attention uses their values
+      k, v, qk, qv = prec.kv_site(layer, k, v, codes=True)
+      new_cache = kv_cache.write_quantized(cache.run, qk, qv, positions, layer=cache.index)
+    else:
+      k, v = prec.kv_site(layer, k, v)
+    i = None if cache is None else cache.index
+    if cache is not None and not packed:
+      ck, cv = cache.run
       bidx = jnp.arange(b)[:, None]
       new_cache = (ck.at[i, bidx, positions].set(k.astype(ck.dtype)),
                    cv.at[i, bidx, positions].set(v.astype(cv.dtype)))
-    if decode:
-      if new_cache is None:
-        raise ValueError("decode=True needs a KV cache")
-      keys, values = (a[i].astype(x.dtype) for a in new_cache)
-      key_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
+    if decode and new_cache is None:
+      raise ValueError("decode=True needs a KV cache")
+    if decode and s == 1 and prec.config.decode_impl == "kernel":
+      # One-token decode: the decode-attention kernels read this layer's cache in place in
+      # the run's stack, with `attend`'s scores and probabilities.
+      out = decode_attention.decode_attention(q[:, 0], new_cache, positions[:, 0] + 1,
+                                              layer=i)[:, None]
     else:
-      keys, values, key_pos = k, v, positions
-    out = attend(q, keys, values, positions, key_pos)
+      if decode:
+        if packed:  # the XLA path: the layer's cache dequantized (at every call)
+          keys, values = kv_cache.dequantize(jax.tree.map(lambda a: a[i], new_cache), x.dtype)
+        else:
+          keys, values = (a[i].astype(x.dtype) for a in new_cache)
+        key_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
+      else:
+        keys, values, key_pos = k, v, positions
+      out = attend(q, keys, values, positions, key_pos)
     return o_proj(out.reshape(b, s, n * h)), new_cache
 
 
@@ -108,15 +125,31 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
            k_pos: jax.Array) -> jax.Array:
   """Causal GQA: q [B, S, N, H], k/v [B, T, G, H], positions [B, S] / [B, T] -> [B, S, N, H].
 
-  Scores are computed in the compute dtype and soft-maxed in float32 (as HF does); query
-  head n reads kv head n // (N / G).
+  Scores are float32 (the dot's float32 sum times float32 H**-0.5, never rounded to the
+  compute dtype: a rounding XLA may or may not elide under jit, differently on CPU and GPU),
+  soft-maxed in float32, and the probabilities rounded once to the compute dtype for the PV
+  product; query head n reads kv head n // (N / G). The decode-attention kernel
+  (`trace_jax.kernels.decode_attention`) computes the same scores and takes its probabilities
+  from `attention_probs`, so both normalize and round alike.
   """
   b, s, n, h = q.shape
   g = k.shape[2]
   qg = q.reshape(b, s, g, n // g, h)
-  scores = jnp.einsum("bsgrh,btgh->bgrst", qg, k) * jnp.asarray(h ** -0.5, q.dtype)
+  scores = jnp.einsum("bsgrh,btgh->bgrst", qg, k, preferred_element_type=jnp.float32)
+  scores = scores * score_scale(h)
   mask = k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]
-  scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  probs = attention_probs(scores, mask, q.dtype)
   out = jnp.einsum("bgrst,btgh->bsgrh", probs, v)
   return out.reshape(b, s, n, h)
+
+
+def score_scale(head_dim: int) -> np.float32:
+  """The float32 factor of the attention scores, head_dim**-0.5."""
+  return np.float32(head_dim ** -0.5)
+
+
+def attention_probs(scores: jax.Array, mask: jax.Array, dtype: Any) -> jax.Array:
+  """Probabilities in `dtype` of float32 scores [B, G, R, S, T] over T: masked (mask
+  broadcast to scores; False -> excluded), soft-maxed in float32, rounded once."""
+  masked = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+  return jax.nn.softmax(masked, axis=-1).astype(dtype)

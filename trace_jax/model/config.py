@@ -49,7 +49,9 @@ class ModelConfig:
     K multiples of 16).
   decode_impl: how the rollout engine's one-token decode steps run the experts given as
     `expert_weights.ExpertWeights`: "xla" (dequantize + moe_impl) or "kernel" (the Pallas
-    grouped matmul reading packed NVFP4 / BF16 weights in place); training never uses it.
+    grouped matmul reading packed NVFP4 / BF16 weights in place, and the decode-attention
+    kernels reading the layer's cache in place, packed NVFP4 under NVFP4 forwards:
+    `packed_kv_cache`); training never uses it.
   fp8_gemm: how forwards with FP8 linears (`fp8_unified`) run their block-scaled FP8 GEMMs
     (`trace_jax.model.fp8_linear`): "xla" (the plain-JAX reference: dequantized float32
     operands) or "kernel" (Pallas on the FP8 tensor cores); the same sums up to order.
@@ -162,6 +164,13 @@ class ModelConfig:
   def forward(self) -> Forward:
     """The precision policy of this forward, as data (`trace_jax.model.policies`)."""
     return forward_of(self.policy)
+
+  @property
+  def packed_kv_cache(self) -> bool:
+    """Whether a KV cache of this forward holds packed NVFP4 (`kernels.kv_cache`, 4.5 bits per
+    element) rather than the fake-quantized values: with the rollout's kernels
+    (decode_impl="kernel") under a forward that quantizes K/V in NVFP4."""
+    return self.decode_impl == "kernel" and self.forward.fp4 == "nvfp4"
 
   def replace(self, **changes: Any) -> ModelConfig:
     return dataclasses.replace(self, **changes)

@@ -158,18 +158,35 @@ class Precision:
       self.taps.setdefault(layer, {})[name] = rec
     return y
 
-  def kv_site(self, layer: int, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Sites `k` and `v` ([B, S, G, H], rows per (token, kv head)) quantized in one call."""
+  def kv_site(self, layer: int, k: jax.Array, v: jax.Array, codes: bool = False
+              ) -> tuple[jax.Array, ...]:
+    """Sites `k` and `v` ([B, S, G, H], rows per (token, kv head)) quantized in one call.
+
+    codes: also return their NVFP4 quantization (qk, qv), what a packed KV cache stores
+    (`kernels.kv_cache`); NVFP4 forwards without guidance only. The values returned are its
+    dequantization either way, bit for bit."""
     if not self.fp4:
       return k, v
     gk, gv = self._guidance(layer, "k"), self._guidance(layer, "v")
     if (gk is None) != (gv is None):
       raise ValueError(f"layer {layer}: guidance for one of k/v only; give both or neither")
     g = None if gk is None else jax.tree.map(lambda a, b: jnp.stack([a, b]), gk, gv)
-    y, rec = self._quantize(jnp.stack([k, v]), g, layer in self.tap_layers)
+    x = jnp.stack([k, v])
+    if codes:
+      if self.fmt != "nvfp4" or g is not None:
+        raise ValueError("kv_site(codes=True): NVFP4 forwards without guidance only")
+      q = formats.fp4_quantize_act(jax.lax.stop_gradient(x), self.fmt)
+      y = formats.fp4_dequantize(q).astype(x.dtype)  # `_quantize`'s values, bit for bit
+      y = y if self.record else qat.straight_through(x, y)
+      rec = guided.record(q, self.tap_mode) if layer in self.tap_layers else None
+    else:
+      y, rec = self._quantize(x, g, layer in self.tap_layers)
     if rec is not None:
       taps = self.taps.setdefault(layer, {})
       taps["k"], taps["v"] = (jax.tree.map(lambda a, i=i: a[i], rec) for i in (0, 1))
+    if codes:
+      qk, qv = (jax.tree.map(lambda a, i=i: a[i], q) for i in (0, 1))
+      return y[0], y[1], qk, qv
     return y[0], y[1]
 
   def tap_route(self, layer: int, ids: jax.Array) -> None:
