@@ -46,7 +46,9 @@ Top-level plain numbers (issue 14/15; `--key_batch`, default 64 on the GPU prese
 `fp4_over_transformers`, `compile_s_max` and `compile_s_{L}_layers` (slowest program).
 
 Model (GPU preset): a random Qwen3-MoE of hidden 2048, 32 query / 4 KV heads of 128, 64
-experts top-8 of width 768, vocab 32768, `--layers` decoder layers (8: 2.70B parameters).
+experts top-8 of width 768, vocab 32768, `--layers` decoder layers (8: 2.70B parameters);
+prefill's grouped matmuls on the Pallas grouped GEMMs (`moe_impl="kernel"`, since 2026-12-02;
+the earlier records ran "tiled").
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ PRESETS = {
     "h200": dict(model=dict(vocab_size=32768, hidden_size=2048, num_hidden_layers=8,
                             num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                             num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768,
-                            max_position_embeddings=4096), batches=(8, 64, 256), key_batch=64,
+                            max_position_embeddings=4096, moe_impl="kernel"),
+                 batches=(8, 64, 256), key_batch=64,
                  budget_gb=60.0, budget_context=8192, budget_max_batch=512, budget_policies=None,
                  transformers=True),
     # Budget: 1.6 MB holds the BF16 weights (1.12 MB) and 3 sequences of 256 tokens, FP4 7;

@@ -252,8 +252,11 @@ class InProcessEngine:
     sp = [SamplingParams(max_new_tokens=1)] * session.batch
     for r, s in zip(rows, sampling):
       sp[r] = s
-    c = prompt_bucket(max(map(len, fed.values())), self.min_prompt_len
-                      if not session.lens.any() else 0)
+    longest = max(map(len, fed.values()))
+    if longest == 1 and session.lens.any():
+      c = 1  # only the pending tokens: a one-token decode step (the decode kernels)
+    else:
+      c = prompt_bucket(longest, self.min_prompt_len if not session.lens.any() else 0)
     chunk, chunk_lens = self._pack(session, fed, c)
     max_new = bucket(max(s.max_new_tokens for s in sampling), _MIN_LEN_BUCKET)
     tap_layers, tap_mode = self._tap_plan()
