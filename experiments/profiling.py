@@ -22,7 +22,8 @@ import jax
 
 # Kernel categories, first match wins (lower-cased kernel name or HLO op name).
 _CATEGORIES = (
-    ("pallas", re.compile(r"grouped_matmul|fp8_|decode_attention|kv_cache|pallas|wgrad")),
+    ("pallas", re.compile(r"grouped_matmul|grouped_fprop|grouped_dgrad|fp8_|decode_attention|"
+                          r"kv_cache|pallas|wgrad")),
     ("gemm", re.compile(r"gemm|cublas|cutlass|xmma|nvjet|\bdot\b|^dot|wgmma|matmul")),
     ("collective", re.compile(r"all-reduce|all-gather|all-to-all|reduce-scatter|nccl|"
                               r"collective-permute")),
