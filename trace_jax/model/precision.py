@@ -152,9 +152,9 @@ class Precision:
         guided_rows = guided_rows.reshape(-1)[row_order]
     y, rec = self._quantize(x, g, layer in self.tap_layers, guided_rows)
     if rec is not None:
-      if row_order is not None:
-        inv = jnp.argsort(row_order)
-        rec = jax.tree.map(lambda a: a[inv].reshape(tap_shape + a.shape[1:]), rec)
+      if row_order is not None:  # back to token/slot order: a scatter (row_order permutes)
+        rec = jax.tree.map(lambda a: jnp.zeros_like(a).at[row_order].set(
+            a, unique_indices=True).reshape(tap_shape + a.shape[1:]), rec)
       self.taps.setdefault(layer, {})[name] = rec
     return y
 
