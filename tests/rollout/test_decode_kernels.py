@@ -85,9 +85,9 @@ def test_decode_steps_run_the_kernel_and_prefill_does_not():
           params, experts, cache)
   prefill = jax.make_jaxpr(lambda p, e: M.prefill(p, config, np.zeros((2, 4), np.int32), 8,
                                                   experts=e).logits)(params, experts)
-  # q, k, v, o, attention's scores and PV, the experts' gate/up and down of the one layer,
-  # and lm_head; none in prefill.
-  assert count_eqns(step.jaxpr, "pallas_call") == 9
+  # q, k and v as one call, o, attention's scores and PV, the experts' gate/up and down of the
+  # one layer, and lm_head; none in prefill.
+  assert count_eqns(step.jaxpr, "pallas_call") == 7
   assert count_eqns(prefill.jaxpr, "pallas_call") == 0
 
 
@@ -107,7 +107,7 @@ def test_fp8_kernel_rollout_matches_the_reference():
                                        max_batch=2)
                        for g, d in (("xla", "xla"), ("kernel", "xla"), ("kernel", "kernel")))
   assert packed.experts[0].fp8 and set(packed.experts[0].attention) == {
-      "q_proj", "k_proj", "v_proj", "o_proj"}
+      "qkv", "o_proj"}
   assert packed.layers[0]["attn"]["q_proj"]["kernel"][...].size == 0  # one copy: the FP8 one
   prompts = np.random.default_rng(1).integers(1, 128, (2, 9)).tolist()
   sp = SamplingParams(max_new_tokens=NEW, temperature=0.0)

@@ -65,26 +65,29 @@ class Attention(nnx.Module):
     b, s, _ = x.shape
     n, g, h = self.num_heads, self.num_kv_heads, self.head_dim
     names = ("q_proj", "k_proj", "v_proj")
+    qkv = None  # the engine's q, k and v stacked: one projection, split below
     if quantized is None:
       q, k, v = prec.linears(x, [getattr(self, p).kernel[...].astype(x.dtype) for p in names])
       o_proj = lambda a: self.o_proj(a, prec.linear)
     elif quantized.fp8:  # the engine's FP8 weights, read in place at this layer
       lin = lambda a, name: prec.linear(a, quantized.run.attention[name], layer=quantized.index)
-      q, k, v = (lin(x, p) for p in names)
+      qkv = lin(x, "qkv")
       o_proj = lambda a: lin(a, "o_proj")
     elif decode and s == 1 and prec.config.decode_impl == "kernel":
-      # One-token decode: each projection as one "expert" of the decode kernel, which reads
+      # One-token decode: qkv and o each as one "expert" of the decode kernel, which reads
       # the layer's weights in place in the run's stack (no per-step copy of a slice).
       def proj(a, name):
         out = fp4_moe.matmul_decode(a.reshape(b, a.shape[-1]), quantized.run.attention[name],
                                     layer=quantized.index)
         return out.reshape(b, s, -1)
-      q, k, v = (proj(x, p) for p in names)
+      qkv = proj(x, "qkv")
       o_proj = lambda a: proj(a, "o_proj")
     else:  # prefill: the layer's projections sliced out of the stack
       w = quantized.attention
-      q, k, v = prec.linears(x, [w[p] for p in names])
+      qkv = prec.linear(x, w["qkv"])
       o_proj = lambda a: prec.linear(a, w["o_proj"])
+    if qkv is not None:
+      q, k, v = jnp.split(qkv, [n * h, (n + g) * h], axis=-1)
     q, k, v = q.reshape(b, s, n, h), k.reshape(b, s, g, h), v.reshape(b, s, g, h)
     q = apply_rope(self.q_norm(q), cos, sin)
     k = apply_rope(self.k_norm(k), cos, sin)

@@ -10,8 +10,10 @@ share one second-level scale per expert, as `Precision.expert_weights` quantizes
 values are bit for bit those of the reference forward's quantized weights, so a forward
 given these weights computes what it computes without them, up to the matmuls' float32
 summation order (FP8: exactly, the GEMM is the same). The attention projections are held
-here too (compute dtype, or FP8): one-token decode steps run them through the same decode
-kernel as one "expert" each, reading them in place in the run's stack.
+here too (compute dtype, or FP8), q, k and v stacked into one [(N + 2G) H, D] matrix ("qkv"):
+one-token decode steps run qkv and o through the same decode kernel as one "expert" each,
+reading them in place in the run's stack, one call for the three input projections (FP8: the
+128 x 128 blocks of the stack are those of q, k and v apart, as `Precision.linears` uses).
 
 Held per run of layers (`layer_runs`), stacked [n, ...]; a scan over the run's layers gives
 each layer a `LayerOf` (the stack and the layer's index), so the kernel reads the layer's
@@ -32,14 +34,16 @@ from trace_jax.model.layer_runs import at_layer, layer_runs, stack
 from trace_jax.quant import formats
 
 DenseOrPacked = jax.Array | fp4_moe.PackedNVFP4Weights | formats.FP8Tensor
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the params' attention projections
+PREPARED_ATTENTION = ("qkv", "o_proj")  # as `ExpertWeights.attention` holds them
 
 
 @struct.dataclass
 class ExpertWeights:
   """One layer's routed experts: gate and up stacked [E, 2F, D], down [E, D, F]; and its
-  attention projections [out, in] by name (`ATTENTION`): FP8 under FP8 linears, else in the
-  compute dtype (the decode kernel reads them in place, as the experts)."""
+  attention projections [out, in] by name (`PREPARED_ATTENTION`: q, k, v stacked as "qkv",
+  and "o_proj"): FP8 under FP8 linears, else in the compute dtype (the decode kernel reads
+  them in place, as the experts)."""
   gate_up: DenseOrPacked
   down: DenseOrPacked
   attention: dict[str, jax.Array | formats.FP8Tensor] | None = None
@@ -99,13 +103,13 @@ def _prepare_layer(layer: Any, config: ModelConfig) -> ExpertWeights:
   moe = layer["moe"]
   gate, up, down = (moe[n][...].astype(dtype) for n in ("gate_proj", "up_proj", "down_proj"))
   gate_up = jnp.concatenate([gate, up], axis=1)
-  if config.forward.fp8_linears:  # as Precision.grouped / Precision.linear quantize them
-    attn = layer["attn"]
+  w = {n: layer["attn"][n]["kernel"][...].astype(dtype) for n in ATTENTION}
+  attention = {"qkv": jnp.concatenate([w["q_proj"], w["k_proj"], w["v_proj"]], axis=0),
+               "o_proj": w["o_proj"]}
+  if config.forward.fp8_linears:  # as Precision.grouped / Precision.linear(s) quantize them
     return ExpertWeights(
         gate_up=formats.fp8_quantize_weight(gate_up), down=formats.fp8_quantize_weight(down),
-        attention={n: formats.fp8_quantize_weight(attn[n]["kernel"][...].astype(dtype))
-                   for n in ATTENTION})
-  attention = {n: layer["attn"][n]["kernel"][...].astype(dtype) for n in ATTENTION}
+        attention={n: formats.fp8_quantize_weight(a) for n, a in attention.items()})
   if config.forward.fp4 == "nvfp4":
     return ExpertWeights(gate_up=fp4_moe.pack_nvfp4(gate_up), down=fp4_moe.pack_nvfp4(down),
                          attention=attention)
