@@ -199,6 +199,22 @@ def _masked_store(ref: Any, idx: tuple[Any, ...], val: jax.Array, mask: jax.Arra
     pl.store(ref, idx, val, mask=mask)
 
 
+def zero_rows_past(o_ref: Any, total: jax.Array, m: int, bm: int, n0: jax.Array,
+                   bn: int) -> None:
+  """Zeros output rows total..m of columns n0..n0+bn (rows no group holds, as ragged_dot
+  gives them), in masked blocks of bm rows: for one program per output tile to call."""
+  rows = jnp.arange(bm, dtype=jnp.int32)[:, None]
+
+  def zero_block(i, carry):
+    row0 = total + i * bm
+    valid = jnp.broadcast_to((row0 + rows) < m, (bm, bn))
+    _masked_store(o_ref, (pl.ds(row0, bm), pl.ds(n0, bn)), jnp.zeros((bm, bn), o_ref.dtype),
+                  valid)
+    return carry
+
+  jax.lax.fori_loop(0, jax.lax.div(m - total + (bm - 1), bm), zero_block, 0)
+
+
 def _compiler_params(num_warps: int, num_stages: int) -> Any:
   cls = (getattr(_plgpu, "CompilerParams", None) or getattr(_plgpu, "TritonCompilerParams", None)
          if _plgpu is not None else None)
@@ -371,15 +387,8 @@ def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_
 
   total = offs_ref[num_experts - 1] + sizes_ref[num_experts - 1]
 
-  @pl.when((e == num_experts - 1) & (total < m))
-  def _zero_tail():  # rows no group holds: zeros, as ragged_dot gives
-    def zero_block(r, carry):
-      row0 = total + r * bm
-      valid = jnp.broadcast_to((row0 + row_iota) < m, (bm, bn))
-      _masked_store(o_ref, (pl.ds(row0, bm), pl.ds(n0, bn)), jnp.zeros((bm, bn), dt), valid)
-      return carry
-
-    jax.lax.fori_loop(0, jax.lax.div(m - total + (bm - 1), bm), zero_block, 0)
+  pl.when((e == num_experts - 1) & (total < m))(lambda: zero_rows_past(o_ref, total, m, bm,
+                                                                        n0, bn))
 
 
 _STATIC = ("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages", "split",

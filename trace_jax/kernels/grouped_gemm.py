@@ -117,16 +117,9 @@ def _mm_kernel(offs_ref, sizes_ref, x_ref, w_ref, o_ref, *, transpose_w: bool, m
 
   total = offs_ref[num_experts - 1] + sizes_ref[num_experts - 1]
 
-  @pl.when((e == num_experts - 1) & (r == 0) & (total < m))
-  def _zero_tail():  # rows no group holds: zeros, as ragged_dot gives
-    def zero_block(i, carry):
-      row0 = total + i * bm
-      valid = jnp.broadcast_to((row0 + rows) < m, (bm, bn))
-      fp4_moe._masked_store(o_ref, (pl.ds(row0, bm), pl.ds(n0, bn)),
-                            jnp.zeros((bm, bn), o_ref.dtype), valid)
-      return carry
-
-    jax.lax.fori_loop(0, jax.lax.div(m - total + (bm - 1), bm), zero_block, 0)
+  # rows no group holds: zeros, as ragged_dot gives
+  pl.when((e == num_experts - 1) & (r == 0) & (total < m))(
+      lambda: fp4_moe.zero_rows_past(o_ref, total, m, bm, n0, bn))
 
 
 _MM_STATIC = ("transpose_w", "interpret", "block_m", "block_n", "block_k", "reps", "num_warps",
