@@ -84,7 +84,10 @@ def test_flip_metrics_see_an_unrelated_rollout(policy, start_params, tmp_path):
   cfg = tiny_cfg()
   cfg.rl.steps = 1
   other = model_lib.init_params(rl_loop.model_config(cfg), 7, param_dtype="float32")
-  other = jax.tree.map(lambda a: a if a.ndim == 1 else a * 8.0, other)
+  # Committed to the device as the learner's own state is: the engine then runs the programs
+  # test_one_rl_step compiled for the policy (uncommitted params compile other ones).
+  other = jax.device_put(jax.tree.map(lambda a: a if a.ndim == 1 else a * 8.0, other),
+                         jax.devices()[0])
   factory = lambda p, c, w: InProcessEngine(
       other, c, guidance_store=w, record_guidance=policy == "fp4_trace", record_routing=True,
       audit_fraction=1.0, max_batch=4, min_prompt_len=cfg.max_prompt_len)
