@@ -14,8 +14,7 @@ needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices: ru
 
 
 def mesh_cfg():
-  c = tiny_cfg()
-  c.sft.steps = 3
+  c = tiny_cfg()  # sft.steps 2: the single-device SFT below is the one other tests compile
   c.rl.steps = 2
   c.mesh = dict(data=1, fsdp=2, expert=2, tensor=2)
   return c
@@ -26,16 +25,14 @@ def test_sft_and_rl_on_a_mesh_compile_each_step_once(tmp_path):
   cfg = mesh_cfg()
   sft_before = step_lib.sft_step._cache_size()
   params, hist = rl_loop.run_sft(cfg, "unused", progress=False)
-  # 3 steps, one program: the state's shardings are the step's declared in/out shardings.
+  # 2 steps, one program: the state's shardings are the step's declared in/out shardings.
   assert step_lib.sft_step._cache_size() - sft_before == 1
   leaves = jax.tree.leaves(params)
   assert all(isinstance(a.sharding, NamedSharding) for a in leaves)
   assert any(len(a.sharding.device_set) == 8 and not a.sharding.is_fully_replicated
              for a in leaves), "nothing is sharded"
   # The same SFT on one device: the mesh changes the partitioning, not the maths.
-  single = tiny_cfg()
-  single.sft.steps = 3
-  _, hist1 = rl_loop.run_sft(single, "unused", progress=False)
+  _, hist1 = rl_loop.run_sft(tiny_cfg(), "unused", progress=False)
   np.testing.assert_allclose([h["loss"] for h in hist], [h["loss"] for h in hist1], rtol=2e-3)
 
   grpo_before = step_lib.grpo_step._cache_size()
