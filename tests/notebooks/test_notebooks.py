@@ -26,10 +26,12 @@ _NUM = r"([0-9.]+(?:e[-+]?\d+)?)"
 
 def kernel_env() -> dict[str, str]:
   """The test process's environment with TRACE_TINY=1, this checkout first on PYTHONPATH, the
-  suite's compilation cache, and XLA_FLAGS without the simulated device count."""
+  suite's compilation cache (every program kept), and XLA_FLAGS without the simulated device
+  count."""
   env = dict(os.environ, TRACE_TINY="1")
   env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
   env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".pytest_cache" / "jax"))
+  env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # as tests/conftest.py
   flags = [f for f in env.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_force_host_platform_device_count")]
   if flags:
