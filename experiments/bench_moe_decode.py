@@ -12,6 +12,11 @@ side by side in one process:
 - dq_ragged_fp4: XLA dequantization of the packed weights, then ragged_dot;
 - kernel_fp4: `fp4_moe.grouped_matmul_decode` on the packed weights (`PackedNVFP4Weights`),
   decoder `--decoder` (auto: the table decoder, `fp4_decode`);
+- kernel_fp4_words: the same kernel on the codes held as words per block
+  (`PackedNVFP4Weights.as_words`, prepared once), decoder "words": one table per block;
+- kernel_fp4_words_natural: the same with the decoded tile's columns in natural order
+  (`words_order="natural"`) instead of the MMA operand order;
+- kernel_fp4_words_noprefetch: the words case without loading the next K tile ahead;
 - kernel_fp4_float16: the same kernel with the previous decoder (`decoder="float16"`, the
   float16 bit trick), for the before/after ratio in one process.
 
@@ -83,7 +88,7 @@ flags.DEFINE_list("sweep_configs",
                    "64:128:16:4:3:auto", "64:256:32:4:2:auto", "64:256:16:4:3:auto:float16",
                    "32:256:16:4:4:auto:float16"],
                   "block_n:block_k:block_m:num_warps:num_stages:swap_ab[:decoder] entries "
-                  "(decoder: auto, table or float16; packed weights only).",
+                  "(decoder: auto, table, words or float16; packed weights only).",
                   flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "PRNG seed.", flag_values=FLAGS)
 flags.DEFINE_integer("copy_mib", 0, "Bandwidth-reference array size in MiB (0: "
@@ -97,10 +102,14 @@ PRESETS = {
     "cpu": dict(experts=(8,), batches=(4,), hidden=128, width=64, top_k=2),
 }
 CASES = ("ragged_bf16", "tiled_bf16", "kernel_bf16", "fq_ragged_fp4", "dq_ragged_fp4",
-         "kernel_fp4", "kernel_fp4_float16")
+         "kernel_fp4", "kernel_fp4_words", "kernel_fp4_words_natural",
+         "kernel_fp4_words_noprefetch", "kernel_fp4_float16")
 BASELINE = "ragged_bf16"
 # kernel case -> the cases whose outputs it must match (same weights, float32 sums).
 VERIFY = {"kernel_bf16": ("ragged_bf16",), "kernel_fp4": ("dq_ragged_fp4", "fq_ragged_fp4"),
+          "kernel_fp4_words": ("dq_ragged_fp4", "kernel_fp4"),
+          "kernel_fp4_words_natural": ("dq_ragged_fp4",),
+          "kernel_fp4_words_noprefetch": ("dq_ragged_fp4",),
           "kernel_fp4_float16": ("dq_ragged_fp4",)}
 _TRI = {"auto": None, "true": True, "false": False}
 
@@ -126,7 +135,7 @@ def _dense_opts(opts: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fns(opts: dict[str, Any]) -> dict[str, Callable[..., Any]]:
-  """case -> jitted fn(x, weights, group_sizes); weights is (bf16, packed)."""
+  """case -> jitted fn(x, weights, group_sizes); weights is (bf16, packed, packed as words)."""
   import jax
 
   from trace_jax.kernels import fp4_moe
@@ -143,6 +152,12 @@ def _fns(opts: dict[str, Any]) -> dict[str, Callable[..., Any]]:
       "dq_ragged_fp4": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_reference(x, w[1], gs)),
       "kernel_fp4": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(x, w[1], gs,
                                                                            **opts)),
+      "kernel_fp4_words": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
+          x, w[2], gs, **{**opts, "decoder": None, "split": None})),
+      "kernel_fp4_words_natural": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
+          x, w[2], gs, **{**opts, "decoder": None, "split": None, "words_order": "natural"})),
+      "kernel_fp4_words_noprefetch": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
+          x, w[2], gs, **{**opts, "decoder": None, "split": None, "prefetch": False})),
       "kernel_fp4_float16": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
           x, w[1], gs, **{**opts, "decoder": "float16"})),
   }
@@ -158,7 +173,8 @@ def _time(fn: Callable[[], Any], warmup: int, reps: int, inner: int) -> tuple[fl
 
 
 def _layer(e: int, d: int, f: int, seed: int) -> dict[str, Any]:
-  """BF16 weights of one layer (gate/up fused [E, 2F, D], down [E, D, F]) and their packing."""
+  """BF16 weights of one layer (gate/up fused [E, 2F, D], down [E, D, F]) and their packing
+  (codes as bytes, and as words for the "words" decoder)."""
   import jax
   import jax.numpy as jnp
 
@@ -168,8 +184,12 @@ def _layer(e: int, d: int, f: int, seed: int) -> dict[str, Any]:
   gate_up = (jax.random.normal(k1, (e, 2 * f, d), jnp.float32) * 0.02).astype(jnp.bfloat16)
   down = (jax.random.normal(k2, (e, d, f), jnp.float32) * 0.02).astype(jnp.bfloat16)
   pack = jax.jit(fp4_moe.pack_nvfp4)
-  return {"gate_up": (gate_up, jax.block_until_ready(pack(gate_up))),
-          "down": (down, jax.block_until_ready(pack(down)))}
+  words = jax.jit(lambda p: p.as_words())
+  out = {}
+  for name, w in (("gate_up", gate_up), ("down", down)):
+    p = jax.block_until_ready(pack(w))
+    out[name] = (w, p, jax.block_until_ready(words(p)))
+  return out
 
 
 def _routing(b: int, e: int, top_k: int, seed: int) -> Any:
@@ -315,6 +335,10 @@ def _sweep(x: Any, w: tuple[Any, Any], gs: Any, reps: int, inner: int,
         if opts["decoder"] is not None:
           continue  # a packed-only entry
         opts = _dense_opts(opts)
+      elif opts["decoder"] == "words":  # the codes held as words (w[2])
+        wk, opts = w[2], {**opts, "split": None}
+      else:
+        wk = w[1]
       try:
         fn = jax.jit(lambda x, wk, gs, o=opts: fp4_moe.grouped_matmul_decode(x, wk, gs, **o))
         med, _ = _time(lambda fn=fn, wk=wk: fn(x, wk, gs), FLAGS.warmup, reps, inner)
@@ -348,11 +372,13 @@ def format_shape(shape: dict[str, Any]) -> str:
            f"{shape.get('dispatch_floor_ms', float('nan')):.4f} ms",
            common.format_table(head, rows)]
   cs = shape["cases"]
-  for num in ("kernel_fp4", "kernel_fp4_float16", "kernel_bf16"):
+  for num in ("kernel_fp4", "kernel_fp4_words", "kernel_fp4_words_natural", "kernel_fp4_float16",
+              "kernel_bf16"):
     if num in cs and BASELINE in cs:
       r = cs[num]["median_ms"] / cs[BASELINE]["median_ms"]
       lines.append(f"  {num} / {BASELINE} time: {r:.3f} (speed-up {1 / r:.2f}x)")
-  for num in ("kernel_fp4", "kernel_fp4_float16"):
+  for num in ("kernel_fp4", "kernel_fp4_words", "kernel_fp4_words_natural",
+              "kernel_fp4_words_noprefetch", "kernel_fp4_float16"):
     if num in cs and "kernel_bf16" in cs:
       r = cs[num]["median_ms"] / cs["kernel_bf16"]["median_ms"]
       lines.append(f"  {num} / kernel_bf16 time: {r:.3f} (FP4 kernel {1 / r:.2f}x the BF16 "

@@ -53,6 +53,7 @@ the earlier records ran "tiled").
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -71,7 +72,10 @@ flags.DEFINE_enum("preset", "h200", ["h200", "cpu"], "Model and batch sizes.", f
 flags.DEFINE_list("policies", ["bf16", "fp4_rtn", "fp4_trace"], "Forwards of the rollout.",
                   flag_values=FLAGS)
 flags.DEFINE_list("impls", ["xla", "kernel"],
-                  "decode_impl values (and fp8_gemm's, for fp8_unified).", flag_values=FLAGS)
+                  "decode_impl values (and fp8_gemm's, for fp8_unified); \"kernel_bytes\": "
+                  "decode_impl kernel with packed NVFP4 codes held as bytes instead of words "
+                  "(`fp4_moe.WORDS_BY_DEFAULT` off for the case), for the side-by-side ratio.",
+                  flag_values=FLAGS)
 flags.DEFINE_list("batches", [], "Batch sizes (default per preset).", flag_values=FLAGS)
 flags.DEFINE_list("cases", [], "Only these policy:impl:batch cases (default: all).",
                   flag_values=FLAGS)
@@ -467,8 +471,10 @@ def run_bench() -> dict[str, Any]:
           continue
         # "kernel": the decode kernels, and FP8 GEMMs on the Pallas kernel with FP8 weights
         # made once per update; "xla": the references.
-        config = base.replace(policy=policy, decode_impl=impl, fp8_gemm=impl)
-        r, first_tokens[name] = run_case(params, config, batch, FLAGS.reps)
+        decode_impl = "kernel" if impl == "kernel_bytes" else impl
+        config = base.replace(policy=policy, decode_impl=decode_impl, fp8_gemm=decode_impl)
+        with _codes_as_words(impl != "kernel_bytes"):
+          r, first_tokens[name] = run_case(params, config, batch, FLAGS.reps)
         ctx = FLAGS.prompt_len + r["tokens_per_seq"] / 2
         touched = expected_touched(base.num_experts, base.num_experts_per_tok, batch)
         nbytes = step_bytes(config, batch, ctx, touched)
@@ -524,6 +530,27 @@ def run_bench() -> dict[str, Any]:
   return res
 
 
+@contextlib.contextmanager
+def _codes_as_words(words: bool):
+  """Packed NVFP4 codes as words (the default) or bytes for the cases run inside; the jit
+  caches are cleared around a change (the engine's prepare traces the choice in)."""
+  import jax
+
+  from trace_jax.kernels import fp4_moe
+
+  old = fp4_moe.WORDS_BY_DEFAULT
+  if words == old:
+    yield
+    return
+  fp4_moe.WORDS_BY_DEFAULT = words
+  jax.clear_caches()
+  try:
+    yield
+  finally:
+    fp4_moe.WORDS_BY_DEFAULT = old
+    jax.clear_caches()
+
+
 def ratios(cases: dict[str, Any]) -> dict[str, float]:
   """tokens/s ratios side by side: each FP4 case over BF16 (same impl, batch), kernel over
   XLA (same policy, batch)."""
@@ -534,6 +561,8 @@ def ratios(cases: dict[str, Any]) -> dict[str, float]:
     bf16 = tps.get(f"bf16:{impl}:{batch}")
     if policy != "bf16" and bf16:
       out[f"{policy}_over_bf16_{impl}_b{batch}"] = v / bf16
+    if impl == "kernel_bytes" and f"{policy}:kernel:{batch}" in tps:
+      out[f"kernel_words_over_bytes_{policy}_b{batch}"] = tps[f"{policy}:kernel:{batch}"] / v
     xla = tps.get(f"{policy}:xla:{batch}")
     if impl == "kernel" and xla:
       out[f"kernel_over_xla_{policy}_b{batch}"] = v / xla

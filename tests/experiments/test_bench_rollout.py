@@ -132,6 +132,8 @@ def test_summary_keys():
   assert br.ratios({"bf16:xla:8": case(10.0), "bf16:kernel:8": case(30.0),
                     "fp4_rtn:kernel:8": case(15.0)}) == {
                         "kernel_over_xla_bf16_b8": 3.0, "fp4_rtn_over_bf16_kernel_b8": 0.5}
+  assert br.ratios({"fp4_rtn:kernel:8": case(15.0), "fp4_rtn:kernel_bytes:8": case(12.0)}) == {
+      "kernel_words_over_bytes_fp4_rtn_b8": 1.25}
 
 
 def test_cpu_run(tmp_path):

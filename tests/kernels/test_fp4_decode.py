@@ -181,6 +181,54 @@ def test_bad_table_name():
                              jnp.float32(1), jnp.bfloat16, asm=False, table="quick")
 
 
+@functools.partial(jax.jit, static_argnames=("dtype", "table"))
+def _decode_words_jit(codes, bits, ts, *, dtype, table=None):
+  w = fp4_decode.to_words(codes)
+  return fp4_decode.decode_words(w[..., 0], w[..., 1], bits, dtype, asm=False, table=table,
+                                 factors=fp4_decode.tensor_scale_factors(ts))
+
+
+@pytest.mark.parametrize("table", [None, "exact"])
+@pytest.mark.parametrize("name", ["one", "random_mantissa", "below_fast", "tiny_c24", "negative",
+                                  "nan"])
+def test_words_decoder_every_code_and_scale_byte(name, table):
+  """The word-layout decoder (one table per block, 16 results per block in natural order):
+  every code byte under every scale byte, bit for bit the reference's interleaved elements."""
+  ts = jnp.float32(TENSOR_SCALES[name])
+  got = _decode_words_jit(CODES, SCALE_BITS, ts, dtype=jnp.dtype(jnp.bfloat16), table=table)
+  lo, hi = _reference(CODES, SCALE_BITS, ts, dtype=jnp.dtype(jnp.bfloat16))
+  _assert_same(got, jnp.stack([lo, hi], axis=-1).reshape(got.shape), f"{name}/{table}")
+
+
+def test_mma_order_permutes_tile_and_rows_alike():
+  """`mma_order` (decoded blocks) and `mma_order_columns` (the rows they meet) apply one
+  permutation of each 64 columns: block b's 16 elements land on columns 2b, 2b+1 (+8, +16 s),
+  the columns lane b of a quad holds in the MMA fragments."""
+  cols = jnp.arange(128, dtype=jnp.int32)[None]
+  tiled = fp4_decode.mma_order(cols.reshape(1, 8, 16))
+  np.testing.assert_array_equal(np.asarray(tiled), np.asarray(fp4_decode.mma_order_columns(cols)))
+  pos = np.argsort(np.asarray(tiled)[0])  # where natural column c went
+  for b in range(4):
+    lanes = {(p % 8) // 2 for p in pos[16 * b:16 * b + 16]}
+    assert lanes == {b}, (b, sorted(pos[16 * b:16 * b + 16]))
+  with pytest.raises(ValueError, match="multiple of 64"):
+    fp4_decode.mma_order_columns(jnp.zeros((2, 96)))
+
+
+def test_words_round_trip_and_order():
+  """to_words packs each block's 8 bytes little-endian into 2 words; from_words inverts it;
+  the stack tree's leaf order is the 4-bit reversal (an involution)."""
+  codes = jnp.asarray(CODES[:3])
+  w = fp4_decode.to_words(codes)
+  assert w.shape == (3, 32, 2) and w.dtype == jnp.uint32
+  assert int(w[0, 0, 0]) == 0x03020100 and int(w[0, 0, 1]) == 0x07060504
+  np.testing.assert_array_equal(np.asarray(fp4_decode.from_words(w)), CODES[:3])
+  assert sorted(fp4_decode.bitrev4(i) for i in range(16)) == list(range(16))
+  assert all(fp4_decode.bitrev4(fp4_decode.bitrev4(i)) == i for i in range(16))
+  with pytest.raises(ValueError, match="blocks"):
+    fp4_decode.to_words(codes[:, :12])
+
+
 # ----------------------------------------------------------------------------- PTX text
 
 def _operands(text: str) -> set[int]:
@@ -201,5 +249,8 @@ def test_ptx_programs_use_their_operands():
     for which in range(4):
       text = fp4_decode._asm_table_text(fp4_decode._exact_table_program, 8, dtype, which)
       assert _operands(text) == set(range(9)) and text.count(cvt) == 4
+  for j in range(16):  # words: result $0 (16 bits), the block's word, 4 tables
+    text = fp4_decode._asm_word_text(j)
+    assert _operands(text) == {0, 1 + j // 8, 3, 4, 5, 6} and text.count("mov.b16 $0,") == 1
   text = fp4_decode._asm_table_text(fp4_decode._fast_table_program, 2, jnp.bfloat16, 0)
   assert _operands(text) == {0, 1, 2} and text.count("mul.rn.bf16x2") == 3

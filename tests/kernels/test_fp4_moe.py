@@ -54,6 +54,10 @@ VARIANTS = [
     ("fp4_table_exact", "fp4", {"decoder": "table", "table": "exact"}),
     ("fp4_float16", "fp4", {"decoder": "float16"}),
     ("fp4_float16_split", "fp4", {"decoder": "float16", "split": True}),
+    ("fp4_words", "fp4_words", {}),  # codes held as words: one table per block
+    ("fp4_words_exact", "fp4_words", {"table": "exact"}),
+    ("fp4_words_natural", "fp4_words", {"words_order": "natural"}),
+    ("fp4_words_no_prefetch", "fp4_words", {"prefetch": False}),
 ]
 
 
@@ -97,8 +101,12 @@ def _check_close(y, x, wd, sizes, what: str) -> None:
                          f"{np.argwhere(bad)[0]}: got {y[bad][0]!r}, want {r[bad][0]!r}")
 
 
+def _weights_of(kind: str):
+  return {"fp4": _packed, "fp4_words": lambda: _packed().as_words(), "bf16": _weights}[kind]()
+
+
 def _run(kind: str, sizes, opts: dict, x=None):
-  w = _packed() if kind == "fp4" else _weights()
+  w = _weights_of(kind)
   x = _x(M) if x is None else x
   gs = jnp.asarray(sizes, jnp.int32)
   return x, w, gs, fp4_moe.grouped_matmul_decode(x, w, gs, **BLOCKS, **opts)
@@ -241,6 +249,8 @@ DEQUANT_CASES = [
     ("float16", {"decoder": "float16"}, 16, 32),
     ("table", {"decoder": "table"}, 32, 64),
     ("table_exact", {"decoder": "table", "table": "exact"}, 32, 64),
+    ("words", {}, 32, 64),  # codes held as words (the name's prefix)
+    ("words_exact", {"table": "exact"}, 32, 64),
 ]
 
 
@@ -264,6 +274,8 @@ def test_kernel_dequantizes_bit_exactly(name, opts, block_n, block_k):
       block_scale=jax.lax.bitcast_convert_type(jnp.asarray(scale_bytes, jnp.uint8),
                                                jnp.float8_e4m3fn),
       tensor_scale=jnp.asarray(ts, jnp.float32))
+  if name.startswith("words"):
+    p = p.as_words()
   x = jnp.tile(jnp.eye(k, dtype=jnp.bfloat16), (e, 1))  # expert i gets the k one-hot rows
   y = fp4_moe.grouped_matmul_decode(x, p, jnp.full((e,), k, jnp.int32), block_m=16,
                                     block_n=block_n, block_k=block_k, **opts)
@@ -325,6 +337,27 @@ def test_float32_rows_and_weights():
     _check_close(y, x, wd, sizes, f"float32 {_kind(w)}")
 
 
+def test_words_hold_the_same_bytes():
+  """`as_words` keeps every code byte (little-endian words per block) and the logical shape;
+  `as_bytes` inverts it; the words decoder refuses byte codes and other decoders words."""
+  p = _packed()
+  w = p.as_words()
+  assert w.words and not p.words and w.shape == p.shape and w.codes.shape == (E, N, K // 16, 2)
+  assert_bits_equal(w.as_bytes().codes, p.codes, "as_bytes(as_words)")
+  assert w.as_words() is w and p.as_bytes() is p
+  first = int(np.asarray(p.codes[0, 0, :4]).view("<u4")[0])
+  assert int(w.codes[0, 0, 0, 0]) == first
+  assert_bits_equal(fp4_moe.dequantize(w, jnp.bfloat16), fp4_moe.dequantize(p, jnp.bfloat16),
+                    "dequantize(words)")
+  x, gs = _x(M), jnp.asarray(GROUPS[0][1], jnp.int32)
+  with pytest.raises(ValueError, match="as_words"):
+    fp4_moe.grouped_matmul_decode(x, p, gs, decoder="words", **BLOCKS)
+  with pytest.raises(ValueError, match="words"):
+    fp4_moe.grouped_matmul_decode(x, w, gs, decoder="table", **BLOCKS)
+  with pytest.raises(ValueError, match="bf16"):
+    fp4_moe.grouped_matmul_decode(x.astype(jnp.float32), w, gs, **BLOCKS)
+
+
 def test_wrong_weights_fail_the_comparison():
   """The matmul check can fail: the kernel on nibble-swapped codes is far from the truth."""
   sizes = GROUPS[0][1]
@@ -355,21 +388,22 @@ def test_bad_arguments():
 def test_lowers_to_triton(variant, kind, opts):
   """The kernel passes Pallas' Triton lowering (power-of-two values, supported primitives)
   for the CUDA platform, on any host; Triton's own compilation needs the GPU run."""
-  w = _packed() if kind == "fp4" else _weights()
+  w = _weights_of(kind)
   f = functools.partial(fp4_moe.grouped_matmul_decode, interpret=False, **opts)
   text = jax.jit(f).trace(_x(M), w, jnp.zeros((E,), jnp.int32)).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "triton" in text
 
 
-@pytest.mark.parametrize("kind", ["bf16", "fp4"])
+@pytest.mark.parametrize("kind", ["bf16", "fp4", "fp4_words"])
 def test_stacked_layer_is_read_in_place(kind):
   """`layer=` on a stack of 3 layers' weights (a traced index, as inside a scan over layers):
   bit for bit the call on that layer's weights alone, for every layer; a wrong stack shape is
   refused."""
   per_layer = [_weights(seed=s) for s in (0, 5, 6)]
-  if kind == "fp4":
+  if kind != "bf16":
     per_layer = [_pack(w) for w in per_layer]
+    per_layer = [p.as_words() for p in per_layer] if kind == "fp4_words" else per_layer
   stack = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
   x, gs = _x(M), jnp.asarray(GROUPS[0][1], jnp.int32)
   run = jax.jit(lambda x, w, gs, i: fp4_moe.grouped_matmul_decode(x, w, gs, layer=i, **BLOCKS))

@@ -8,7 +8,7 @@ import pytest
 from cases import count_eqns
 
 from trace_jax import model as M
-from trace_jax.kernels import kv_cache
+from trace_jax.kernels import fp4_moe, kv_cache
 from trace_jax.model import expert_weights
 from trace_jax.quant import qat
 from trace_jax.rollout.engine import InProcessEngine
@@ -51,12 +51,16 @@ def test_kernel_decode_matches_the_reference(policy):
         assert same > 0.99, (layer, site, same)
 
 
-def test_packed_experts_are_the_fake_quantized_weights():
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
+def test_packed_experts_are_the_fake_quantized_weights(words, monkeypatch):
+  """The engine's packed experts dequantize to the fake-quantized weights, with the codes as
+  bytes (CPU default) or as words per block (the GPU's layout, `fp4_moe.pack_for_kernel`)."""
+  monkeypatch.setattr(fp4_moe, "words_by_default", lambda: words)
   config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=1)
   params = M.init_params(config, 0)
-  (run,) = jax.jit(expert_weights.prepare, static_argnums=1)(params, config)
+  (run,) = jax.jit(lambda p: expert_weights.prepare(p, config))(params)
   ew = jax.tree.map(lambda a: a[0], run)  # the run's one layer
-  assert ew.packed
+  assert ew.packed and ew.gate_up.words == words and ew.down.words == words
   moe = params["layers"][0]["moe"]
   gate, up, down = (moe[n][...].astype("bfloat16") for n in ("gate_proj", "up_proj",
                                                               "down_proj"))

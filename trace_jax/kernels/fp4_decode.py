@@ -489,3 +489,124 @@ def reference_pairs(codes: jax.Array, block_bits: jax.Array, ts: jax.Array,
   v = formats.nvfp4_dequantize(q).astype(dtype).reshape(r, c, 2)
   return v[..., 0], v[..., 1]
 
+
+
+# ----------------------------------------------------------------------------- word layout
+# One block's 16 codes are 8 bytes: two 32-bit words w0 (elements 0..7) and w1 (8..15). With
+# the codes held as words, a tile of words [R, kb] has exactly the block scales' shape [R, kb],
+# so whatever register layout Triton gives the tile, each block's table is built by the one
+# thread that decodes the block (in the byte layout, after the scales are broadcast over the
+# bytes, Triton moved the decode into the MMA operand's layout, where 4 threads share a block
+# and each rebuilt its table: docs/benchmarks.md, 2026-12-02 fourth session).
+
+
+def _word_element(j: int) -> tuple[int, int, int]:
+  """Element j (0..15) of a block -> (word, result of `_lookup_program`, 16-bit half)."""
+  word, e = divmod(j, 8)
+  # _lookup_program's results: (lo01, lo23, hi01, hi23) = pairs [e0 e2], [e4 e6], [e1 e3],
+  # [e5 e7] of the word's 8 elements.
+  return word, 2 * (e % 2) + e // 4, (e // 2) % 2
+
+
+def _asm_word_text(j: int) -> str:
+  """PTX of element j of each block: operands $0 (the 16-bit result), $1 w0, $2 w1, then
+  TL0, TL1, TH0, TH1 ($3..$6)."""
+  o = _PtxOps()
+  word, res, half = _word_element(j)
+  tabs = ("$3", "$4", "$5", "$6")
+  pair = _lookup_program(o, f"${1 + word}", tabs, tabs)[res]
+  return o.render([], []).replace(
+      "\n}", f"\n{{\n.reg .b16 %lo, %hi;\nmov.b32 {{%lo, %hi}}, {pair};\n"
+      f"mov.b16 $0, {'%hi' if half else '%lo'};\n}}\n}}")
+
+
+def bitrev4(j: int) -> int:
+  """The 4-bit bit reversal (the order in which a tree of 2-way stacks lays out 16 leaves)."""
+  return int(f"{j:04b}"[::-1], 2)
+
+
+def words_lookup(w0: jax.Array, w1: jax.Array, tabs: Sequence[jax.Array], dtype: Any, *,
+                 asm: bool) -> jax.Array:
+  """[R, kb, 16] in dtype: the decoded elements of blocks whose codes are the words w0, w1
+  (uint32 [R, kb]), tables (TL0, TL1, TH0, TH1) of the same shape."""
+  if not asm:
+    o = _JnpOps(dtype)
+    outs = [_lookup_program(o, w, tuple(tabs), tuple(tabs)) for w in (w0, w1)]
+    els = []
+    for j in range(16):
+      word, res, half = _word_element(j)
+      els.append(((outs[word][res] >> _u32(16 * half)) & _u32(0xFFFF)).astype(jnp.uint16))
+    return jax.lax.bitcast_convert_type(jnp.stack(els, axis=-1), dtype)
+  args = [w0.astype(jnp.int32), w1.astype(jnp.int32), *(t.astype(jnp.int32) for t in tabs)]
+  shape = jax.ShapeDtypeStruct(w0.shape, jnp.int16)
+  els = [jax.lax.bitcast_convert_type(_plgpu.elementwise_inline_asm(
+      _asm_word_text(j), args=args, constraints="=h," + ",".join(["r"] * 6), pack=1,
+      result_shape_dtypes=[shape])[0], dtype) for j in range(16)]
+  # A tree of 2-way stacks (Triton `join`: each adds a trailing axis of 2) puts leaf i at
+  # position bitrev4(i) of the last 16 after the reshape: leaf i = element bitrev4(i).
+  level = [els[bitrev4(i)] for i in range(16)]
+  while len(level) > 1:
+    level = [jnp.stack([level[2 * i], level[2 * i + 1]], axis=-1)
+             for i in range(len(level) // 2)]
+  return level[0].reshape(w0.shape + (16,))
+
+
+def decode_words(w0: jax.Array, w1: jax.Array, block_bits: jax.Array, dtype: Any, *,
+                 asm: bool, factors: Sequence[jax.Array], table: str | None = None,
+                 order: str = "natural") -> jax.Array:
+  """[R, 16 * kb] in dtype, natural element order (order="mma": `mma_order`'s, kb a multiple of
+  4): `formats.nvfp4_dequantize(...)` bit for bit
+  of blocks held as code words w0, w1 (uint32 [R, kb]: elements 0..7 and 8..15, element 2i in
+  the low nibble of byte i) with block-scale bytes [R, kb] (E4M3 bits) and the tensor scale's
+  `tensor_scale_factors`. table: as in `block_tables` (None: one fast/exact branch)."""
+  bs = e4m3_to_f32(block_bits, asm=asm)
+  tabs = block_tables(bs, factors, dtype, asm=asm, table=table)
+  r, kb = w0.shape
+  out = words_lookup(w0, w1, tabs, dtype, asm=asm)
+  return mma_order(out) if order == "mma" else out.reshape(r, 16 * kb)
+
+
+# The MMA operand order of a words tile. On sm_90 (wgmma A and mma.sync A/B fragments of 16-bit
+# operands) lane t = lane % 4 of a quad holds, in every 16 columns of the contraction, columns
+# 2t, 2t + 1, 2t + 8 and 2t + 9. Within each 64 columns, natural column 16 b + 4 s + 2 h + j
+# (block b = 0..3, element 4 s + 2 h + j) goes to tile column 16 s + 8 h + 2 b + j: the 16
+# elements of block b all land on lane b's columns, so the lane that decodes a block (one
+# table) is the lane whose MMA fragment holds it, and no element moves between threads. The
+# rows x the tile meets take the same permutation (`mma_order_columns`).
+MMA_ORDER_SPAN = 64
+
+
+def mma_order(tile: jax.Array) -> jax.Array:
+  """[R, kb, 16] decoded blocks (natural element order) -> [R, 16 kb] in the MMA order."""
+  r, kb, _ = tile.shape
+  return tile.reshape(r, kb // 4, 4, 4, 2, 2).transpose(0, 1, 3, 4, 2, 5).reshape(r, 16 * kb)
+
+
+def mma_order_columns(x: jax.Array) -> jax.Array:
+  """x [..., K] (K a multiple of 64) with its columns in `mma_order`'s order."""
+  *lead, k = x.shape
+  if k % MMA_ORDER_SPAN:
+    raise ValueError(f"mma_order_columns: K={k} is not a multiple of {MMA_ORDER_SPAN}")
+  n = len(lead)
+  perm = (*range(n + 1), n + 2, n + 3, n + 1, n + 4)
+  return x.reshape(*lead, k // 64, 4, 4, 2, 2).transpose(perm).reshape(*lead, k)
+
+
+def to_words(codes: jax.Array) -> jax.Array:
+  """Packed code bytes [..., K // 2] (uint8) -> uint32 words [..., K // 16, 2] (little-endian:
+  byte 4i + b is byte b of word i, as the GPU reads them)."""
+  *lead, half = codes.shape
+  if half % (BLOCK // 2):
+    raise ValueError(f"to_words: {half} code bytes per row is not a whole number of blocks")
+  b = codes.astype(jnp.uint32).reshape(*lead, half // 8, 2, 4)
+  return (b[..., 0] | (b[..., 1] << _u32(8)) | (b[..., 2] << _u32(16))
+          | (b[..., 3] << _u32(24)))
+
+
+def from_words(words: jax.Array) -> jax.Array:
+  """The inverse of `to_words`: uint32 [..., kb, 2] -> uint8 [..., 8 * kb]."""
+  *lead, kb, two = words.shape
+  if two != 2:
+    raise ValueError(f"from_words: expected [..., kb, 2] words, got {words.shape}")
+  b = jnp.stack([(words >> _u32(8 * i)) & _u32(0xFF) for i in range(4)], axis=-1)
+  return b.astype(jnp.uint8).reshape(*lead, 8 * kb)

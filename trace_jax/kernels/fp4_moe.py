@@ -29,7 +29,7 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
   `block_m` defaults to about twice the mean group size (16..64), so at decode nearly every
   expert fits one row block and its weights cross HBM once per step.
 - Decoding never uses float8/float4 conversions in jnp (which XLA or Triton may rewrite). The
-  codes tile is loaded as whole contiguous rows [block_n, block_k // 2] (coalesced). Two
+  codes tile is loaded as whole contiguous rows [block_n, block_k // 2] (coalesced). Three
   decoders (`decoder`):
   - "table" (default on the GPU for bf16/f16 rows): `fp4_decode`, per-block tables of the 8
     results dtype(RN(v * bs * ts)) and byte-permute (`prmt`) lookups, 4 codes per
@@ -45,7 +45,16 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
     float16 is the code's value times 2**-14, folded back exactly into the block scale),
     then the two float32 products per weight; the nibbles re-interleaved with a 2-way stack
     + reshape (Triton `join` + `reshape`) or, with split=True, two dots.
-  Both give `formats.nvfp4_dequantize`'s bits (`fp4_decode`'s docstring proves the table's).
+  - "words" (codes held as words, `PackedNVFP4Weights.as_words`; the engine's layout on the
+    GPU, `pack_for_kernel`): the same tables and byte permutes, but the codes tile is [bn, kb,
+    2] uint32, the block scales' shape, so each block's tables are built once, by the thread
+    that decodes it (in the byte layout Triton decoded in the MMA fragment's layout, where 4
+    threads share a block and each rebuilt its tables). The 16 results of a block are laid out
+    in the MMA operand order (`fp4_decode.mma_order`, x's columns permuted alike outside the
+    kernel) so no element changes thread on its way to the MMA, and the next K tile's codes
+    and scales are loaded before the current one is decoded (`prefetch`). H200, gate/up at
+    batch 64: 1.13x faster than "table" (docs/benchmarks.md, 2026-12-03).
+  All give `formats.nvfp4_dequantize`'s bits (`fp4_decode`'s docstring proves the table's).
 - `swap_ab` (default for packed weights) computes each tile transposed, weights as the MMA's
   first operand: at decode the weight tile is the large side. SASS of the K loop (Triton 3.6,
   sm_90, compiled offline from this kernel's Triton IR after Triton's `make_ttir` passes, as
@@ -76,6 +85,10 @@ except ImportError:  # pragma: no cover - every jax with Pallas ships it
   _plgpu = None
 
 NVFP4_BLOCK = formats.NVFP4_BLOCK
+# Whether weights packed for the GPU kernel hold their codes as words per block (`as_words`,
+# decoder "words": one table per block). Off the GPU the bytes' float16 decoder is the faster
+# interpreter path, so `words_by_default` is False there.
+WORDS_BY_DEFAULT = True
 _BYTES_PER_BLOCK = NVFP4_BLOCK // 2  # packed code bytes under one block scale
 
 
@@ -85,7 +98,9 @@ _BYTES_PER_BLOCK = NVFP4_BLOCK // 2  # packed code bytes under one block scale
 class PackedNVFP4Weights:
   """Two-level NVFP4 stacked expert weights [E, N, K] as the decode kernel reads them.
 
-  codes: uint8 [E, N, K // 2], two E2M1 codes per byte, element 2i in the low nibble.
+  codes: uint8 [E, N, K // 2], two E2M1 codes per byte, element 2i in the low nibble; or
+    the same bytes as uint32 words [E, N, K // 16, 2] (`as_words`: each block's 8 bytes as two
+    little-endian words), the layout the GPU kernel's "words" decoder reads.
   block_scale: float8_e4m3fn [E, N, K // 16].
   tensor_scale: float32 [E], one second-level scale per expert.
   """
@@ -94,10 +109,28 @@ class PackedNVFP4Weights:
   tensor_scale: jax.Array
 
   @property
+  def words(self) -> bool:
+    """Whether the codes are held as uint32 words per block (`as_words`)."""
+    return self.codes.dtype == jnp.uint32
+
+  @property
   def shape(self) -> tuple[int, ...]:
     """The logical weight shape (E, N, K), or (L, E, N, K) for a stack of layers."""
+    if self.words:
+      *lead, kb, _ = self.codes.shape
+      return (*lead, NVFP4_BLOCK * kb)
     *lead, half = self.codes.shape
     return (*lead, 2 * half)
+
+  def as_words(self) -> PackedNVFP4Weights:
+    """The same weights with the codes as uint32 words per block (no-op if they are)."""
+    if self.words:
+      return self
+    return self.replace(codes=fp4_decode.to_words(self.codes))
+
+  def as_bytes(self) -> PackedNVFP4Weights:
+    """The same weights with the codes as bytes (the ModelOpt layout; no-op if they are)."""
+    return self.replace(codes=fp4_decode.from_words(self.codes)) if self.words else self
 
   def slice_n(self, start: int, stop: int | None = None) -> PackedNVFP4Weights:
     """Output rows [start:stop] of every expert (the tensor scales are shared, not copied)."""
@@ -110,9 +143,13 @@ def check_packed(p: PackedNVFP4Weights, stacked: bool = False) -> None:
   """Raises ValueError/TypeError if the fields' shapes or dtypes disagree (works on tracers).
   stacked: every field has a leading layer axis L."""
   lead = ("L, " if stacked else "")
-  if p.codes.ndim != 3 + stacked or p.codes.dtype != jnp.uint8:
-    raise TypeError(f"PackedNVFP4Weights.codes must be uint8 [{lead}E, N, K // 2], got "
-                    f"{p.codes.dtype} {p.codes.shape}")
+  if p.words:
+    if p.codes.ndim != 4 + stacked or p.codes.shape[-1] != 2:
+      raise TypeError(f"PackedNVFP4Weights.codes as words must be uint32 [{lead}E, N, K // 16, "
+                      f"2], got {p.codes.shape}")
+  elif p.codes.ndim != 3 + stacked or p.codes.dtype != jnp.uint8:
+    raise TypeError(f"PackedNVFP4Weights.codes must be uint8 [{lead}E, N, K // 2] (or uint32 "
+                    f"words), got {p.codes.dtype} {p.codes.shape}")
   *layers, e, n, k = p.shape
   if k % NVFP4_BLOCK:
     raise ValueError(f"PackedNVFP4Weights: K={k} is not a multiple of {NVFP4_BLOCK}")
@@ -140,6 +177,19 @@ def pack_nvfp4(w: jax.Array) -> PackedNVFP4Weights:
                             tensor_scale=ts.reshape(w.shape[0]))
 
 
+def words_by_default() -> bool:
+  """Whether `pack_for_kernel` holds the codes as words: `WORDS_BY_DEFAULT`, on the GPU with
+  Pallas' inline assembly."""
+  return WORDS_BY_DEFAULT and jax.default_backend() == "gpu" and fp4_decode.ASM_AVAILABLE
+
+
+def pack_for_kernel(w: jax.Array) -> PackedNVFP4Weights:
+  """`pack_nvfp4` in the codes layout the decode kernel reads fastest here (words on the GPU:
+  `words_by_default`): the same values either way."""
+  p = pack_nvfp4(w)
+  return p.as_words() if words_by_default() else p
+
+
 def pack_nvfp4_gate_up(gate: jax.Array, up: jax.Array
                        ) -> tuple[PackedNVFP4Weights, PackedNVFP4Weights]:
   """Gate and up [E, F, D] packed with one shared tensor scale per expert, as
@@ -159,7 +209,7 @@ def dequantize(p: PackedNVFP4Weights, dtype: Any = jnp.float32) -> jax.Array:
   """[E, N, K] values in `dtype`; equals `qat.fake_quant_weight(w, "nvfp4")` bit for bit
   when dtype is w's dtype (the same `formats.nvfp4_dequantize`, then one rounding)."""
   check_packed(p)
-  q = formats.NVFP4Tensor(codes=formats.unpack_fp4(p.codes), block_scale=p.block_scale,
+  q = formats.NVFP4Tensor(codes=formats.unpack_fp4(p.as_bytes().codes), block_scale=p.block_scale,
                           tensor_scale=p.tensor_scale.reshape(-1, 1, 1))
   return formats.nvfp4_dequantize(q).astype(dtype)
 
@@ -295,8 +345,9 @@ def e4m3_value_scaled(scale: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- kernel
 
 def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_ab: bool,
-            lut: bool, asm: bool, table: str | None, m: int, k: int, num_experts: int, bm: int,
-            bn: int, bk: int):
+            lut: bool, words: bool, order: str, prefetch: bool, asm: bool, table: str | None,
+            m: int, k: int,
+            num_experts: int, bm: int, bn: int, bk: int):
   """One (expert, N tile) program: see the module docstring. The weights carry a leading
   layer axis; layer_ref [1] names the layer read (in place: no copy of a layer's slice)."""
   if split:  # x's even and odd columns as two inputs, each [M, K // 2]
@@ -317,12 +368,25 @@ def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_
     codes_ref, bs_ref, ts_ref = w_refs
     kb = bk // NVFP4_BLOCK  # scale blocks per K tile
 
+    def load_raw(t):  # words: K tile t's codes [bn, kb, 2] and scale bytes [bn, kb]
+      kb0 = t * kb if isinstance(t, int) else pl.multiple_of(t * kb, kb)
+      return (codes_ref[lyr, e, pl.ds(n0, bn), pl.ds(kb0, kb), :],
+              jax.lax.bitcast_convert_type(bs_ref[lyr, e, pl.ds(n0, bn), pl.ds(kb0, kb)],
+                                           jnp.uint8))
+
+    def decode_raw(raw, ts, table):
+      w0, w1 = jnp.unstack(raw[0], axis=-1)
+      return (fp4_decode.decode_words(w0, w1, raw[1], dt, asm=asm, factors=ts, table=table,
+                                      order=order),)
+
     def load_w(t, ts, table=None):
       kb0 = pl.multiple_of(t * kb, kb)
+      scale = bs_ref[lyr, e, pl.ds(n0, bn), pl.ds(kb0, kb)]
+      if words:  # [bn, kb, 2] words: each block's 8 bytes, in the scales' [bn, kb] shape
+        return decode_raw(load_raw(t), ts, table)
       # A 2-D tile of whole contiguous rows (coalesced loads).
       p = codes_ref[lyr, e, pl.ds(n0, bn),
                     pl.ds(pl.multiple_of(t * (bk // 2), bk // 2), bk // 2)]
-      scale = bs_ref[lyr, e, pl.ds(n0, bn), pl.ds(kb0, kb)]
       if lut:  # per-block byte tables + prmt lookups (fp4_decode); ts: tensor_scale_factors
         bits = jax.lax.bitcast_convert_type(scale, jnp.uint8)
         lo, hi = fp4_decode.decode_blocks(p, bits, None, dt, asm=asm, factors=ts, table=table)
@@ -353,17 +417,26 @@ def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_
       valid = (row0 + row_iota) < end                                       # [bm, 1]
       x_mask = jnp.broadcast_to(valid, (bm, xk))
 
-      def k_step(t, acc):
+      def k_step(t, acc, wts=None):
         k0 = pl.multiple_of(t * xk, xk)
-        for x_ref, wt in zip(x_refs, load_w(t, ts, table)):
+        for x_ref, wt in zip(x_refs, load_w(t, ts, table) if wts is None else wts):
           xt = _masked_load(x_ref, (pl.ds(row0, bm), pl.ds(k0, xk)), x_mask, 0).astype(dt)
           a, b = (wt, xt) if swap_ab else (xt, wt)
           acc = acc + jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
                                           preferred_element_type=jnp.float32)
         return acc
 
-      acc = jax.lax.fori_loop(0, k // bk, k_step,
-                              jnp.zeros((bn, bm) if swap_ab else (bm, bn), jnp.float32))
+      zeros = jnp.zeros((bn, bm) if swap_ab else (bm, bn), jnp.float32)
+      nk = k // bk
+      if words and prefetch:  # tile t + 1's loads issued before tile t's decode and dot
+        def k_step_prefetch(t, carry):
+          acc, raw = carry
+          nxt = load_raw(jnp.minimum(t + 1, nk - 1))
+          return k_step(t, acc, decode_raw(raw, ts, table)), nxt
+
+        acc, _ = jax.lax.fori_loop(0, nk, k_step_prefetch, (zeros, load_raw(0)))
+      else:
+        acc = jax.lax.fori_loop(0, nk, k_step, zeros)
       acc = acc.T if swap_ab else acc
       _masked_store(o_ref, (pl.ds(row0, bm), pl.ds(n0, bn)), acc.astype(dt),
                     jnp.broadcast_to(valid, (bm, bn)))
@@ -375,7 +448,7 @@ def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_
   def _matmul():
     if not fp4:
       matmul(None, None)
-    elif not lut:
+    elif not (lut or words):
       matmul(ts_ref[lyr, e], None)
     else:  # the tensor scale's exact factors, once per program
       factors = fp4_decode.tensor_scale_factors(ts_ref[lyr, e])
@@ -392,7 +465,7 @@ def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_
 
 
 _STATIC = ("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages", "split",
-           "swap_ab", "decoder", "table", "debug")
+           "swap_ab", "decoder", "table", "words_order", "prefetch", "debug")
 
 
 def _tiles(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:
@@ -410,9 +483,27 @@ def resolve_decoder(decoder: str | None, dtype: Any, n: int, k: int, block_n: in
   return fp4_decode.choose(decoder, "float16", dtype, bn, bk // 2, num_warps, interpret)
 
 
+def _resolve_packed_decoder(w: PackedNVFP4Weights, decoder: str | None, dtype: Any, n: int,
+                            k: int, block_n: int, block_k: int, num_warps: int,
+                            interpret: bool) -> str:
+  """Codes held as words take the "words" decoder (one table per block, `fp4_decode`); bytes
+  take `resolve_decoder`'s."""
+  if not w.words:
+    if decoder == "words":
+      raise ValueError("decoder='words' needs the codes as words (PackedNVFP4Weights.as_words)")
+    return resolve_decoder(decoder, dtype, n, k, block_n, block_k, num_warps, interpret)
+  if decoder not in (None, "words"):
+    raise ValueError(f"codes held as words take decoder 'words' (or None), got {decoder!r}")
+  if not fp4_decode.supported_dtype(dtype):
+    raise ValueError(f"the words decoder produces bf16/f16 rows, got {jnp.dtype(dtype)}")
+  if not interpret and not fp4_decode.ASM_AVAILABLE:
+    raise ValueError("the words decoder needs Pallas' Triton inline assembly on the GPU")
+  return "words"
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _decode(x, w, group_sizes, layer, *, interpret, block_m, block_n, block_k, num_warps,
-            num_stages, split, swap_ab, decoder, table, debug):
+            num_stages, split, swap_ab, decoder, table, words_order, prefetch, debug):
   m, k = x.shape
   fp4 = isinstance(w, PackedNVFP4Weights)
   if layer is None:  # one layer: a leading axis of 1 (a free reshape)
@@ -424,16 +515,28 @@ def _decode(x, w, group_sizes, layer, *, interpret, block_m, block_n, block_k, n
   gs = group_sizes.astype(jnp.int32)
   offs = jnp.cumsum(gs) - gs
   bn, bk = _tiles(n, k, block_n, block_k)
-  split = split and fp4  # dense weights: one dot per tile (a strided split does not lower)
+  words = fp4 and w.words
+  # dense weights: one dot per tile (a strided split does not lower); words: natural order
+  split = split and fp4 and not words
   if split and bk < 32:
     raise ValueError(f"split=True needs K tiles of >= 32 columns; K={k} allows {bk}")
-  xs = (x[:, 0::2], x[:, 1::2]) if split else (x,)  # split: one small XLA copy of x per call
+  # words: the tile's columns in the MMA operand order (`fp4_decode.mma_order`) where the K
+  # tile allows it, x's columns permuted alike; split: x's even and odd columns. Either is one
+  # small XLA copy of x per call.
+  order = "mma" if words and bk % fp4_decode.MMA_ORDER_SPAN == 0 and words_order == "mma" \
+      else "natural"
+  if order == "mma":
+    xs = (fp4_decode.mma_order_columns(x),)
+  else:
+    xs = (x[:, 0::2], x[:, 1::2]) if split else (x,)
   if fp4:
     weights = (w.codes, w.block_scale, w.tensor_scale)
   else:
     weights = (w,)
   kernel = functools.partial(_kernel, fp4=fp4, split=split, swap_ab=swap_ab,
-                             lut=fp4 and decoder == "table", asm=not interpret, table=table,
+                             lut=fp4 and decoder == "table", words=words, order=order,
+                             prefetch=prefetch,
+                             asm=not interpret, table=table,
                              m=m, k=k, num_experts=e, bm=block_m, bn=bn, bk=bk)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(e, n // bn),
@@ -460,7 +563,8 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
                           block_k: int = 256,
                           num_warps: int = 4, num_stages: int = 3, split: bool | None = None,
                           swap_ab: bool | None = None, debug: bool = False,
-                          decoder: str | None = None, table: str | None = None) -> jax.Array:
+                          decoder: str | None = None, table: str | None = None,
+                          words_order: str = "mma", prefetch: bool = True) -> jax.Array:
   """Rows x [M, K] sorted by expert times w [E, N, K] (dense or packed NVFP4) -> [M, N].
 
   layer: with it, w holds a stack of layers ([L, E, N, K]; packed: every field with a leading
@@ -478,11 +582,19 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
   swap_ab: compute each output tile transposed, weights as the MMA's first operand (M = the
   weight tile's rows) and x rows as its N; the same products. None: True for packed weights
   (fewer instructions per weight in Triton 3.6's sm_90 code), False for dense ones.
-  decoder: packed weights only: "table", "float16" or None (`resolve_decoder`).
+  decoder: packed weights only: "table", "float16" or None (`resolve_decoder`); codes held as
+  words take "words" (None picks it).
   table: decoder "table" only: None picks the fast or exact table per expert from its tensor
   scale; "exact" always takes the exact one (any scale; for tests); "fast" always the fast
   one (exact only for tensor scales in `fp4_decode.tensor_scale_factors`' fast range).
+  words_order: codes held as words: "mma" (K tiles of >= 64 columns) lays each decoded tile
+  out in the MMA operand order (`fp4_decode.mma_order`, x's columns permuted alike) so each
+  block stays in the thread that decodes it; "natural" keeps the columns in order.
+  prefetch: codes held as words: load K tile t + 1's codes and scales (into registers) before
+  decoding tile t, so their latency overlaps the decode.
   """
+  if words_order not in ("mma", "natural"):
+    raise ValueError(f"words_order must be 'mma' or 'natural', got {words_order!r}")
   if x.ndim != 2:
     raise ValueError(f"grouped_matmul_decode: x must be [M, K], got {x.shape}")
   if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
@@ -513,11 +625,12 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
   packed = isinstance(w, PackedNVFP4Weights)
   if swap_ab is None:
     swap_ab = packed
-  decoder = resolve_decoder(decoder, x.dtype, n, k, block_n, block_k, num_warps,
-                            bool(interpret)) if packed else "float16"
+  decoder = _resolve_packed_decoder(w, decoder, x.dtype, n, k, block_n, block_k, num_warps,
+                                    bool(interpret)) if packed else "float16"
   if split is None:  # the table decoder's natural output: even and odd elements apart
     split = packed and decoder == "table" and _tiles(n, k, block_n, block_k)[1] >= 32
   return _decode(x, w, group_sizes, layer, interpret=bool(interpret), block_m=block_m,
                  block_n=block_n, block_k=block_k, num_warps=num_warps,
                  num_stages=num_stages, split=bool(split), swap_ab=bool(swap_ab),
-                 decoder=decoder, table=table, debug=debug)
+                 decoder=decoder, table=table, words_order=words_order, prefetch=prefetch,
+                 debug=debug)

@@ -111,7 +111,8 @@ def _prepare_layer(layer: Any, config: ModelConfig) -> ExpertWeights:
         gate_up=formats.fp8_quantize_weight(gate_up), down=formats.fp8_quantize_weight(down),
         attention={n: formats.fp8_quantize_weight(a) for n, a in attention.items()})
   if config.forward.fp4 == "nvfp4":
-    return ExpertWeights(gate_up=fp4_moe.pack_nvfp4(gate_up), down=fp4_moe.pack_nvfp4(down),
+    return ExpertWeights(gate_up=fp4_moe.pack_for_kernel(gate_up),
+                         down=fp4_moe.pack_for_kernel(down),
                          attention=attention)
   return ExpertWeights(gate_up=gate_up, down=down, attention=attention)
 
