@@ -34,6 +34,17 @@ _NO_PROGRESS = flags.DEFINE_bool("no_progress", False, "Disable progress bars.")
 _SFT_ONLY = flags.DEFINE_bool(
     "sft_only", False, "Run (or load) the SFT warm start into workdir/sft and stop, so that "
     "policies can then run as separate processes with --policies on the same workdir.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Multi-host: call jax.distributed.initialize() first (one process "
+    "per host; the coordinator, process count and id come from the cluster's environment, "
+    "e.g. SLURM, or from the --coordinator_address/--num_processes/--process_id flags). "
+    "docs/multi_host.md says what has and has not run.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "--distributed: host:port of process 0 (default: detected).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
+                                      "--distributed: number of processes (default: detected).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None,
+                                   "--distributed: this process's id (default: detected).")
 _ALLOW_CHANGE = flags.DEFINE_bool(
     "allow_config_change", False, "Continue a workdir started with another config (its "
     "run_config.json records the change) instead of refusing.")
@@ -43,6 +54,10 @@ def main(argv: Sequence[str]) -> None:
   del argv
   if not flags.FLAGS["verbosity"].present:  # progress bars and the table; -v 0 for INFO logs
     logging.set_verbosity(logging.WARNING)
+  if _DISTRIBUTED.value:  # before anything touches the devices
+    import jax
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                               num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
   # Imported here: flag and config-file errors are reported before JAX loads (~4 s).
   from trace_jax.train import compare
   cfg = _CONFIG.value

@@ -6,6 +6,7 @@ import pytest
 from jax.sharding import NamedSharding
 from test_rl_loop import tiny_cfg  # tests/train is on sys.path (pytest's prepend mode)
 
+from trace_jax.model import expert_parallel
 from trace_jax.train import rl_loop
 from trace_jax.train import step as step_lib
 
@@ -21,10 +22,14 @@ def mesh_cfg():
 
 
 @needs_8
-def test_sft_and_rl_on_a_mesh_compile_each_step_once(tmp_path):
+def test_sft_and_rl_on_a_mesh_compile_each_step_once(tmp_path, monkeypatch):
   cfg = mesh_cfg()
+  traced = []  # the MoE blocks the steps trace expert-parallel (the mesh's expert axis is 2)
+  ep_moe = expert_parallel.moe
+  monkeypatch.setattr(expert_parallel, "moe", lambda *a, **k: traced.append(1) or ep_moe(*a, **k))
   sft_before = step_lib.sft_step._cache_size()
   params, hist = rl_loop.run_sft(cfg, "unused", progress=False)
+  assert traced, "the SFT step did not run its MoE blocks expert-parallel"
   # 2 steps, one program: the state's shardings are the step's declared in/out shardings.
   assert step_lib.sft_step._cache_size() - sft_before == 1
   leaves = jax.tree.leaves(params)

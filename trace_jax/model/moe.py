@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax.kernels import fp4_moe
-from trace_jax.model import expert_weights
+from trace_jax.model import expert_parallel, expert_weights
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.grouped import grouped_matmul
 from trace_jax.model.layers import Linear, _normal
@@ -103,6 +103,13 @@ class MoE(nnx.Module):
     prec.tap_route(layer, ids.reshape(b, s, k))
 
     xq = prec.site(layer, "moe_in", x).reshape(b * s, d)
+    mesh = expert_parallel.active_mesh(e) if experts is None else None
+    if mesh is not None:  # experts sharded over the mesh's `expert` axis, tokens sent to them
+      out = expert_parallel.moe(
+          prec, layer, xq, ids, weights,
+          *(w[...].astype(x.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj)),
+          None if rollout_ids is None else rollout_ids.reshape(b * s, k), mesh, (b, s, k))
+      return out.reshape(b, s, d), router_logits
     # Dispatch: (token, slot) rows sorted by expert id (stable, so token order within a group).
     flat_ids = ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)

@@ -21,6 +21,7 @@ import optax
 from flax import struct
 
 from trace_jax import model as model_lib
+from trace_jax.model import expert_parallel
 from trace_jax.model.config import ModelConfig
 from trace_jax.rl import losses
 from trace_jax.train.batch import RLBatch
@@ -104,7 +105,11 @@ class ShardedStep:
       self._jits[key] = jax.jit(
           functools.partial(self._fn, **static), in_shardings=(shardings, None),
           out_shardings=(shardings,) + (None,) * (self._n - 1), donate_argnums=0)
-    return self._jits[key](state, batch)
+    # On a mesh with an `expert` axis the MoE blocks run expert-parallel (traced here).
+    mesh = next((s.mesh for s in jax.tree.leaves(shardings)
+                 if isinstance(s, jax.sharding.NamedSharding)), None)
+    with expert_parallel.use_mesh(mesh):
+      return self._jits[key](state, batch)
 
   def _cache_size(self) -> int:
     return sum(j._cache_size() for j in self._jits.values())

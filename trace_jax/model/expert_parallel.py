@@ -1,0 +1,175 @@
+"""Expert parallelism for the MoE block: experts sharded over the mesh's `expert` axis.
+
+Without it, XLA partitions the MoE's grouped matmuls as it sees fit: with the expert weights
+sharded over `expert` it gathers them (every device then holds every expert for the layer),
+which defeats the point of sharding experts. Here the block runs under `jax.shard_map` and the
+weights never move along `expert`: each device of an expert group (the devices along
+`expert`, for one position on the other axes)
+
+1. gathers the group's tokens (their MoE inputs, routed ids and combine weights; the tokens
+   are sharded over the batch axes, `expert` among them) with one all-gather along `expert`;
+2. runs its own E / ep experts on the rows routed to them: all rows sorted by expert as on one
+   device, the local experts' rows are one contiguous range of them, rolled to the front, so
+   the grouped matmuls (`Precision.grouped`, the config's `moe_impl`) see local group sizes;
+   weights sharded over `fsdp` / `tensor` are gathered along those axes first (FSDP);
+3. puts each row's output back in (token, slot) order (zeros for rows of other devices'
+   experts), weights and sums the slots, and reduce-scatters the sums along `expert` back to
+   the token shards (the sum over devices adds each slot's one nonzero contribution: the same
+   terms as on one device, summed in another order).
+
+The TRACE expert_mid site runs per row on the device that owns the row's expert, so its
+quantization, guidance matching and record are those of the single-device forward; the
+record is put in (token, slot) order with zeros elsewhere and reduce-scattered as raw bits
+(integers of the same width, so adding zeros is exact, signed zeros and NaN payloads
+included): the gathered record equals the one-device record bit for bit.
+
+Enabled by `use_mesh(mesh)` around the tracing of a forward (the training steps enter it for
+their state's mesh, `train.step.ShardedStep`) when the mesh's `expert` axis is > 1 and divides
+the expert count. The engine's decode does not use it yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from trace_jax.model import sharding
+from trace_jax.model.precision import Precision
+
+AXIS = "expert"
+_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("expert_mesh", default=None)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh | None) -> Iterator[None]:
+  """Forwards traced inside run their MoE blocks expert-parallel over `mesh` (None: off)."""
+  token = _MESH.set(mesh)
+  try:
+    yield
+  finally:
+    _MESH.reset(token)
+
+
+def active_mesh(num_experts: int) -> Mesh | None:
+  """The mesh to run an MoE block of `num_experts` over, or None (no mesh entered, `expert`
+  axis of size 1, or one that does not divide the experts)."""
+  mesh = _MESH.get()
+  if mesh is None or AXIS not in mesh.shape or mesh.shape[AXIS] == 1:
+    return None
+  if num_experts % mesh.shape[AXIS]:
+    raise ValueError(f"expert parallelism: {num_experts} experts do not split over the mesh's "
+                     f"expert axis of {mesh.shape[AXIS]}")
+  return mesh
+
+
+def _axes_of(spec_entry: Any) -> tuple[str, ...]:
+  if spec_entry is None:
+    return ()
+  return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
+
+
+def _gather_weight(w: jax.Array, spec: PartitionSpec) -> jax.Array:
+  """The local block of a weight with every non-`expert` axis gathered (FSDP / tensor)."""
+  for dim, entry in enumerate(spec):
+    for ax in reversed(_axes_of(entry)):
+      if ax != AXIS:
+        w = jax.lax.all_gather(w, ax, axis=dim, tiled=True)
+  return w
+
+
+def _as_bits(a: jax.Array) -> jax.Array:
+  """Same-width unsigned integers of a record field (reductions over them are exact)."""
+  if jnp.issubdtype(a.dtype, jnp.unsignedinteger):
+    return a
+  return jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{8 * a.dtype.itemsize}"))
+
+
+def moe(prec: Precision, layer: int, xq: jax.Array, ids: jax.Array, weights: jax.Array,
+        gate: jax.Array, up: jax.Array, down: jax.Array, rollout_ids: jax.Array | None,
+        mesh: Mesh, tap_shape: tuple[int, int, int]) -> jax.Array:
+  """The routed experts of one MoE block, expert-parallel (module docstring).
+
+  xq [T, D]: the block's (moe_in-quantized) token inputs; ids, weights [T, K]: routed experts
+  and combine weights; gate, up [E, F, D], down [E, D, F] in the compute dtype (quantized here,
+  per expert, as `Precision.expert_weights` / `grouped` do); rollout_ids [T, K] or None (the
+  rollout's experts, for expert_mid guidance); tap_shape (B, S, K) with B * S = T: the
+  layout of the expert_mid record. Returns [T, D]; records expert_mid in `prec`.
+  """
+  t, d = xq.shape
+  k = ids.shape[1]
+  e = gate.shape[0]
+  ep = mesh.shape[AXIS]
+  e_local = e // ep
+  tok_spec = sharding.logical_to_spec(("batch", None), (t, d), mesh)
+  tok_axes = _axes_of(tok_spec[0])
+  gathered = AXIS in tok_axes
+  w_specs = [sharding.logical_to_spec(sharding.PARAM_AXES[("moe", n)], w.shape, mesh)
+             for n, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down))]
+  g = prec._guidance(layer, "expert_mid")
+  row_spec = PartitionSpec(tok_spec[0])
+  rec_dtypes: list[Any] = []  # the record's field dtypes, found while tracing the body
+
+  def body(xq, ids, wts, gate, up, down, rids, g):
+    gate, up, down = (_gather_weight(w, s) for w, s in zip((gate, up, down), w_specs))
+    if gathered:  # this expert group's tokens
+      xq, ids, wts, rids, g = jax.tree.map(
+          lambda a: jax.lax.all_gather(a, AXIS, axis=0, tiled=True), (xq, ids, wts, rids, g))
+    tg = xq.shape[0]
+    me = jax.lax.axis_index(AXIS)
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    start = jnp.sum(jnp.where(jnp.arange(e) < me * e_local, sizes, 0))
+    local_sizes = jax.lax.dynamic_slice(sizes, (me * e_local,), (e_local,))
+    n_local = jnp.sum(local_sizes)
+    m = tg * k
+    local_order = jnp.roll(order, -start)          # this device's rows first, in expert order
+    live = jnp.arange(m) < n_local                 # [M]: rows of this device's experts
+    rows = xq[local_order // k]
+    lg, lu, ld = prec.expert_weights(gate, up, down)
+    mm = lambda a, w: prec.grouped(a, w, local_sizes)
+    if prec.fp8:  # one GEMM for gate and up, as `MoE` runs them
+      gu = mm(rows, jnp.concatenate([lg, lu], axis=1))
+      h = jax.nn.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]
+    else:
+      h = jax.nn.silu(mm(rows, lg)) * mm(rows, lu)
+    h = jnp.where(live[:, None], h, 0).astype(h.dtype)
+    if g is not None:  # the tap layout [tokens, 1, K, ...]
+      g = jax.tree.map(lambda a: a.reshape((tg, 1) + a.shape[1:]), g)
+    view = prec.view(layer, None if g is None else {"expert_mid": g})
+    h = view.site(layer, "expert_mid", h, row_order=local_order, tap_shape=(tg, 1, k),
+                  experts=ids.reshape(tg, 1, k),
+                  rollout_experts=None if rids is None else rids.reshape(tg, 1, k))
+    y = jnp.where(live[:, None], mm(h, ld), 0).astype(xq.dtype)            # [M, D]
+    y = jnp.zeros_like(y).at[local_order].set(y, unique_indices=True).reshape(tg, k, d)
+    out = jnp.sum(y * wts[..., None], axis=1)
+    rec = view.taps.get(layer, {}).get("expert_mid")
+    if rec is not None:  # (token, slot) rows of this device's experts; zeros elsewhere
+      rec_dtypes.append(jax.tree.map(lambda a: a.dtype, rec))
+      mine = jnp.zeros((m,), bool).at[local_order].set(live).reshape(tg, 1, k)
+      rec = jax.tree.map(lambda a: jnp.where(
+          mine.reshape(mine.shape + (1,) * (a.ndim - 3)), _as_bits(a), 0), rec)
+    if gathered:
+      out = jax.lax.psum_scatter(out, AXIS, scatter_dimension=0, tiled=True)
+      rec = jax.tree.map(lambda a: jax.lax.psum_scatter(a, AXIS, scatter_dimension=0,
+                                                        tiled=True), rec)
+    else:
+      out = jax.lax.psum(out, AXIS)
+      rec = jax.tree.map(lambda a: jax.lax.psum(a, AXIS), rec)
+    return out, rec
+
+  g_in = None if g is None else jax.tree.map(lambda a: a.reshape((t,) + a.shape[2:]), g)
+  in_specs = (row_spec, row_spec, row_spec, *w_specs, row_spec, row_spec)
+  out, rec = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(row_spec, row_spec),
+                           check_vma=False)(xq, ids, weights, gate, up, down, rollout_ids, g_in)
+  if rec is not None:  # back from raw bits; [T, 1, K, ...] -> the forward's tap layout
+    rec = jax.tree.map(lambda a, dt: jax.lax.bitcast_convert_type(a, dt).reshape(
+        tap_shape + a.shape[3:]), rec, rec_dtypes[0])
+    prec.taps.setdefault(layer, {})["expert_mid"] = rec
+  return out
