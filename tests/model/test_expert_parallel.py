@@ -82,11 +82,10 @@ def test_quantized_forwards_match_one_device(policy):
 @needs_8
 def test_records_match_one_device():
   """fp4_trace rollout-side forward with taps on ep4 x dp2 against one device: the records
-  have the one-device layout; layer 0's routing, moe_in, k and v records (computed before any
-  expert output) are bit for bit the same; its expert_mid records agree but where the row's
-  values differ (XLA on CPU rounds h = silu(gate) * up to bf16 in one program and fuses the
-  rounding away in the other, docs/numerics.md; the rows go through other matmul shapes); a
-  guided forward given the one-device records gives the same logits within summation order."""
+  have the one-device layout, and layer 0's (routing, moe_in, k, v and expert_mid, the
+  expert-parallel site) are bit for bit the same. Later layers' inputs differ in summation
+  order (layer 0's outputs are summed over devices). A guided forward given the one-device
+  records gives the same logits within summation order."""
   config, params, toks, mesh = _setup("fp4_trace", dict(data=2, expert=4))
   config = config.replace(dtype="bfloat16")
   layers = tuple(range(config.num_hidden_layers))
@@ -100,13 +99,8 @@ def test_records_match_one_device():
       assert jax.tree.structure(got) == jax.tree.structure(want), (layer, site)
       for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert a.shape == b.shape and a.dtype == b.dtype, (layer, site)
-        if layer == 0 and site != "expert_mid":
+        if layer == 0:
           assert_bits_equal(a, b, f"layer {layer} {site}")
-  mid, mid_ref = out.taps[0]["expert_mid"], ref.taps[0]["expert_mid"]
-  same = np.mean(np.asarray(mid.block_scale) == np.asarray(mid_ref.block_scale))
-  assert same > 0.95, same
-  rs, rs_ref = np.asarray(mid.row_scale), np.asarray(mid_ref.row_scale)
-  np.testing.assert_allclose(rs, rs_ref, rtol=2.0**-6)
   guidance = {l: {s: g for s, g in sites.items() if s != "routing"}
               for l, sites in ref.taps.items()}
   routing = {l: sites["routing"] for l, sites in ref.taps.items()}

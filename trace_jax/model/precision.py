@@ -33,6 +33,19 @@ from trace_jax.quant import formats, guided, qat
 from trace_jax.quant.guided import Guidance
 
 # guidance[layer][site] -> Guidance; routing[layer] -> int32 [B, S, K].
+
+
+def dtype_rounded(x: jax.Array) -> jax.Array:
+  """x rounded to its own dtype's precision (bf16 / f16) by an op XLA keeps.
+
+  With `--xla_allow_excess_precision` (XLA's default) a fusion may carry a bf16 value in
+  float32, so the same expression feeds a quantizer different bits in different programs
+  (docs/numerics.md: seen at expert_mid, h = silu(gate) * up, between a one-device and an
+  expert-parallel program). Every TRACE site quantizes what this returns: the dtype's value."""
+  if x.dtype not in (jnp.bfloat16, jnp.float16):
+    return x
+  info = jnp.finfo(x.dtype)
+  return jax.lax.reduce_precision(x.astype(jnp.float32), info.nexp, info.nmant).astype(x.dtype)
 GuidanceTree = Mapping[int, Mapping[str, Guidance]]
 
 
@@ -137,6 +150,7 @@ class Precision:
     """
     if not self.fp4:
       return x
+    x = dtype_rounded(x)
     g = self._guidance(layer, name)
     guided_rows = None
     if g is not None and experts is not None:
@@ -171,7 +185,7 @@ class Precision:
     if (gk is None) != (gv is None):
       raise ValueError(f"layer {layer}: guidance for one of k/v only; give both or neither")
     g = None if gk is None else jax.tree.map(lambda a, b: jnp.stack([a, b]), gk, gv)
-    x = jnp.stack([k, v])
+    x = dtype_rounded(jnp.stack([k, v]))
     if codes:
       if self.fmt != "nvfp4" or g is not None:
         raise ValueError("kv_site(codes=True): NVFP4 forwards without guidance only")
