@@ -490,7 +490,6 @@ def reference_pairs(codes: jax.Array, block_bits: jax.Array, ts: jax.Array,
   return v[..., 0], v[..., 1]
 
 
-
 # ----------------------------------------------------------------------------- word layout
 # One block's 16 codes are 8 bytes: two 32-bit words w0 (elements 0..7) and w1 (8..15). With
 # the codes held as words, a tile of words [R, kb] has exactly the block scales' shape [R, kb],
@@ -554,11 +553,11 @@ def words_lookup(w0: jax.Array, w1: jax.Array, tabs: Sequence[jax.Array], dtype:
 def decode_words(w0: jax.Array, w1: jax.Array, block_bits: jax.Array, dtype: Any, *,
                  asm: bool, factors: Sequence[jax.Array], table: str | None = None,
                  order: str = "natural") -> jax.Array:
-  """[R, 16 * kb] in dtype, natural element order (order="mma": `mma_order`'s, kb a multiple of
-  4): `formats.nvfp4_dequantize(...)` bit for bit
-  of blocks held as code words w0, w1 (uint32 [R, kb]: elements 0..7 and 8..15, element 2i in
-  the low nibble of byte i) with block-scale bytes [R, kb] (E4M3 bits) and the tensor scale's
-  `tensor_scale_factors`. table: as in `block_tables` (None: one fast/exact branch)."""
+  """[R, 16 * kb] in dtype: `formats.nvfp4_dequantize(...)` bit for bit of blocks held as code
+  words w0, w1 (uint32 [R, kb]: elements 0..7 and 8..15, element 2i in the low nibble of byte
+  i) with block-scale bytes [R, kb] (E4M3 bits) and the tensor scale's `tensor_scale_factors`.
+  order: "natural" element order, or "mma" (`mma_order`, kb a multiple of 4). table: as in
+  `block_tables` (None: one fast/exact branch)."""
   bs = e4m3_to_f32(block_bits, asm=asm)
   tabs = block_tables(bs, factors, dtype, asm=asm, table=table)
   r, kb = w0.shape

@@ -380,10 +380,10 @@ def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_
                                       order=order),)
 
     def load_w(t, ts, table=None):
-      kb0 = pl.multiple_of(t * kb, kb)
-      scale = bs_ref[lyr, e, pl.ds(n0, bn), pl.ds(kb0, kb)]
       if words:  # [bn, kb, 2] words: each block's 8 bytes, in the scales' [bn, kb] shape
         return decode_raw(load_raw(t), ts, table)
+      kb0 = pl.multiple_of(t * kb, kb)
+      scale = bs_ref[lyr, e, pl.ds(n0, bn), pl.ds(kb0, kb)]
       # A 2-D tile of whole contiguous rows (coalesced loads).
       p = codes_ref[lyr, e, pl.ds(n0, bn),
                     pl.ds(pl.multiple_of(t * (bk // 2), bk // 2), bk // 2)]
@@ -535,8 +535,7 @@ def _decode(x, w, group_sizes, layer, *, interpret, block_m, block_n, block_k, n
     weights = (w,)
   kernel = functools.partial(_kernel, fp4=fp4, split=split, swap_ab=swap_ab,
                              lut=fp4 and decoder == "table", words=words, order=order,
-                             prefetch=prefetch,
-                             asm=not interpret, table=table,
+                             prefetch=prefetch, asm=not interpret, table=table,
                              m=m, k=k, num_experts=e, bm=block_m, bn=bn, bk=bk)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(e, n // bn),

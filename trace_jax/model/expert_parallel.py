@@ -1,10 +1,9 @@
 """Expert parallelism for the MoE block: experts sharded over the mesh's `expert` axis.
 
-Without it, XLA partitions the MoE's grouped matmuls as it sees fit: with the expert weights
-sharded over `expert` it gathers them (every device then holds every expert for the layer),
-which defeats the point of sharding experts. Here the block runs under `jax.shard_map` and the
-weights never move along `expert`: each device of an expert group (the devices along
-`expert`, for one position on the other axes)
+Without it, XLA partitions the MoE's grouped matmuls as its SPMD partitioner sees fit (how it
+does so for the sorted, data-dependent dispatch was not worked out). Here the block runs under
+`jax.shard_map` with an explicit plan in which the weights never move along `expert`: each
+device of an expert group (the devices along `expert`, for one position on the other axes)
 
 1. gathers the group's tokens (their MoE inputs, routed ids and combine weights; the tokens
    are sharded over the batch axes, `expert` among them) with one all-gather along `expert`;
@@ -133,12 +132,7 @@ def moe(prec: Precision, layer: int, xq: jax.Array, ids: jax.Array, weights: jax
     live = jnp.arange(m) < n_local                 # [M]: rows of this device's experts
     rows = xq[local_order // k]
     lg, lu, ld = prec.expert_weights(gate, up, down)
-    mm = lambda a, w: prec.grouped(a, w, local_sizes)
-    if prec.fp8:  # one GEMM for gate and up, as `MoE` runs them
-      gu = mm(rows, jnp.concatenate([lg, lu], axis=1))
-      h = jax.nn.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]
-    else:
-      h = jax.nn.silu(mm(rows, lg)) * mm(rows, lu)
+    h = prec.expert_hidden(rows, lg, lu, local_sizes)
     h = jnp.where(live[:, None], h, 0).astype(h.dtype)
     if g is not None:  # the tap layout [tokens, 1, K, ...]
       g = jax.tree.map(lambda a: a.reshape((tg, 1) + a.shape[1:]), g)
@@ -146,7 +140,7 @@ def moe(prec: Precision, layer: int, xq: jax.Array, ids: jax.Array, weights: jax
     h = view.site(layer, "expert_mid", h, row_order=local_order, tap_shape=(tg, 1, k),
                   experts=ids.reshape(tg, 1, k),
                   rollout_experts=None if rids is None else rids.reshape(tg, 1, k))
-    y = jnp.where(live[:, None], mm(h, ld), 0).astype(xq.dtype)            # [M, D]
+    y = jnp.where(live[:, None], prec.grouped(h, ld, local_sizes), 0).astype(xq.dtype)  # [M, D]
     y = jnp.zeros_like(y).at[local_order].set(y, unique_indices=True).reshape(tg, k, d)
     out = jnp.sum(y * wts[..., None], axis=1)
     rec = view.taps.get(layer, {}).get("expert_mid")

@@ -22,7 +22,7 @@ from trace_jax.model import expert_parallel, expert_weights
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.grouped import grouped_matmul
 from trace_jax.model.layers import Linear, _normal
-from trace_jax.model.precision import Precision
+from trace_jax.model.precision import Precision, swiglu
 
 
 def route(router_logits: jax.Array, k: int, norm_topk_prob: bool, dtype: jnp.dtype,
@@ -122,10 +122,7 @@ class MoE(nnx.Module):
     if experts is None:
       gate, up, down = prec.expert_weights(*(w[...].astype(x.dtype) for w in
                                              (self.gate_proj, self.up_proj, self.down_proj)))
-      if prec.fp8:  # one GEMM for gate and up (the same 128x128 blocks as two)
-        gate_up = jnp.concatenate([gate, up], axis=1)
-      else:  # two matmuls, as the recorded BF16 and FP4 results ran them
-        h = jax.nn.silu(mm(rows, gate)) * mm(rows, up)
+      h = prec.expert_hidden(rows, gate, up, group_sizes)
     elif experts.fp8:  # the engine's FP8 weights (quantized once per update), read in place
       gate_up, down = experts.run.gate_up, experts.run.down
       mm = lambda a, w: prec.grouped(a, w, group_sizes, layer=experts.index)
@@ -139,8 +136,7 @@ class MoE(nnx.Module):
       mm = lambda a, w: grouped_matmul(a, expert_weights.dense(w, a.dtype), group_sizes,
                                        self.impl)
     if h is None:
-      gu = mm(rows, gate_up)
-      h = jax.nn.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]
+      h = swiglu(mm(rows, gate_up))
     mm_down = lambda h: mm(h, down)
     h = prec.site(layer, "expert_mid", h, row_order=order, tap_shape=(b, s, k),
                   experts=ids.reshape(b, s, k), rollout_experts=rollout_ids)

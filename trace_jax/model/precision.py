@@ -32,8 +32,6 @@ from trace_jax.model.grouped import grouped_matmul
 from trace_jax.quant import formats, guided, qat
 from trace_jax.quant.guided import Guidance
 
-# guidance[layer][site] -> Guidance; routing[layer] -> int32 [B, S, K].
-
 
 def dtype_rounded(x: jax.Array) -> jax.Array:
   """x rounded to its own dtype's precision (bf16 / f16) by an op XLA keeps.
@@ -46,6 +44,9 @@ def dtype_rounded(x: jax.Array) -> jax.Array:
     return x
   info = jnp.finfo(x.dtype)
   return jax.lax.reduce_precision(x.astype(jnp.float32), info.nexp, info.nmant).astype(x.dtype)
+
+
+# guidance[layer][site] -> Guidance; routing[layer] -> int32 [B, S, K].
 GuidanceTree = Mapping[int, Mapping[str, Guidance]]
 
 
@@ -220,6 +221,18 @@ class Precision:
       return gate_up[:, :f], gate_up[:, f:], qat.fake_quant_weight(down, self.fmt)
     return gate, up, down
 
+  def expert_hidden(self, rows: jax.Array, gate: jax.Array, up: jax.Array,
+                    group_sizes: jax.Array) -> jax.Array:
+    """silu(rows @ gate^T) * (rows @ up^T) of expert rows [M, D] sorted by expert, with the
+    (already `expert_weights`-quantized) gate, up [E, F, D]: under FP8 linears one grouped GEMM
+    of gate and up stacked (the same 128x128 blocks as two), else two, as the recorded BF16 and
+    FP4 results ran them."""
+    if self.fp8:
+      gu = self.grouped(rows, jnp.concatenate([gate, up], axis=1), group_sizes)
+      return swiglu(gu)
+    return jax.nn.silu(self.grouped(rows, gate, group_sizes)) * self.grouped(rows, up,
+                                                                            group_sizes)
+
   def linear(self, x: jax.Array, w: jax.Array | formats.FP8Tensor,
              layer: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ w [out, in]^T of an attention projection: an FP8 GEMM (1x128 input groups,
@@ -260,6 +273,12 @@ class Precision:
       return grouped_matmul(rows, w, group_sizes, c.moe_impl)
     return fp8_linear.grouped(rows, w, group_sizes, c.fp8_gemm,
                               "fp8" if c.fp8_backward else "bf16", c.moe_impl)
+
+
+def swiglu(gu: jax.Array) -> jax.Array:
+  """silu(gate) * up of gate and up stacked on the last axis [..., 2F]."""
+  f = gu.shape[-1] // 2
+  return jax.nn.silu(gu[..., :f]) * gu[..., f:]
 
 
 def match_experts(experts: jax.Array, rollout_experts: jax.Array
