@@ -107,6 +107,8 @@ flags.DEFINE_string("json_out", "", "JSON output path ('' = none).", flag_values
 flags.DEFINE_string("profile_dir", "", "Profile one more call of every fixed-batch case into "
                     "<dir>/<case> and print where its device time goes, per generated token "
                     "('' = no profile).", flag_values=FLAGS)
+flags.DEFINE_integer("profile_top", 25, "Kernels listed per profiled case (the JSON keeps "
+                     "them too).", flag_values=FLAGS)
 
 PRESETS = {
     "h200": dict(model=dict(vocab_size=32768, hidden_size=2048, num_hidden_layers=8,
@@ -297,7 +299,7 @@ def run_case(params: Any, config: Any, batch: int, reps: int) -> tuple[dict[str,
     log_dir = os.path.join(FLAGS.profile_dir, name)
     with profiling.trace(log_dir):
       call()
-    r["profile"] = profiling.summarize(log_dir, steps=FLAGS.new_tokens)
+    r["profile"] = profiling.summarize(log_dir, steps=FLAGS.new_tokens, top=FLAGS.profile_top)
     print(profiling.format_summary(r["profile"], f"{name}, per generated token (prefill "
                                    "amortized)"), flush=True)
   return r, [s.tokens[0] for s in out]

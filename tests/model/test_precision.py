@@ -190,3 +190,26 @@ def test_expert_mid_guidance_needs_the_rollout_ids():
                       mantissa=jnp.zeros((1, 4, k, i // 8), jnp.uint8))
   with pytest.raises(ValueError, match="expert ids"):
     jax.eval_shape(lambda p: M.forward(p, config, x, guidance={0: {"expert_mid": g}}), params)
+
+
+def _differing_bytes(a, b) -> list[float]:
+  return [float(np.mean(np.asarray(x).view(np.uint8) != np.asarray(y).view(np.uint8)))
+          for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+
+
+def test_site_input_is_rounded_to_the_compute_dtype_under_jit():
+  """A quantizer fused with the bf16 expression feeding it sees the bf16 value, as an eager
+  (materialized) input does: XLA's excess precision would otherwise hand it float32
+  (docs/numerics.md). Control: the same program without `dtype_rounded` records other bits
+  (on the CPU and, when run there, the GPU backend)."""
+  rng = np.random.default_rng(0)
+  g, u = (jnp.asarray(rng.normal(size=(64, 768)), jnp.bfloat16) for _ in range(2))
+
+  def record(h):
+    return guided.record(formats.fp4_quantize_act(h, "nvfp4"), "full")
+
+  ref = record(jax.nn.silu(g) * u)  # eager: h is stored as bf16 before the quantizer runs
+  rounded = jax.jit(lambda g, u: record(M.precision.dtype_rounded(jax.nn.silu(g) * u)))(g, u)
+  raw = jax.jit(lambda g, u: record(jax.nn.silu(g) * u))(g, u)
+  assert max(_differing_bytes(rounded, ref)) == 0.0
+  assert max(_differing_bytes(raw, ref)) > 0.0, "control: no excess precision to remove"

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax.model import fp8_linear
+from trace_jax.model import byte_rows, fp8_linear
 from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.model.grouped import grouped_matmul
 from trace_jax.quant import formats, guided, qat
@@ -167,9 +167,10 @@ class Precision:
         guided_rows = guided_rows.reshape(-1)[row_order]
     y, rec = self._quantize(x, g, layer in self.tap_layers, guided_rows)
     if rec is not None:
-      if row_order is not None:  # back to token/slot order: a scatter (row_order permutes)
-        rec = jax.tree.map(lambda a: jnp.zeros_like(a).at[row_order].set(
-            a, unique_indices=True).reshape(tap_shape + a.shape[1:]), rec)
+      if row_order is not None:  # back to token/slot order: one scatter (row_order permutes)
+        rows, layout = byte_rows.pack(rec, lead=1)
+        rows = jnp.zeros_like(rows).at[row_order].set(rows, unique_indices=True)
+        rec = byte_rows.unpack(rows.reshape(tap_shape + rows.shape[1:]), layout)
       self.taps.setdefault(layer, {})[name] = rec
     return y
 

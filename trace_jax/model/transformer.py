@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax.kernels import fp4_moe
-from trace_jax.model import expert_weights
+from trace_jax.model import byte_rows, expert_weights
 from trace_jax.model.attention import Attention, CacheSlot, LayerCache
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layer_runs import layer_runs, stack
@@ -146,6 +146,8 @@ class Transformer(nnx.Module):
     indexes (the decode kernel reads them in place) rather than scan slicing them; likewise
     the cache is carried and written in place (`CacheSlot`). Returns ((x, cache), per-layer
     stacked (router logits, taps))."""
+    layouts = []  # the taps' byte layout, seen while tracing the body
+
     def body(carry, xs):
       x, cache = carry
       layer = nnx.merge(gdef, xs["state"])
@@ -154,10 +156,17 @@ class Transformer(nnx.Module):
       slot = None if cache is None else CacheSlot(cache, offset + xs["index"])
       x, cache, rl = layer(x, cos, sin, positions, sub, first, slot, decode, xs["routing"],
                            replay, ew)
-      return (x, cache), (rl, sub.taps.get(first, {}))
+      taps = sub.taps.get(first, {})
+      if not taps:
+        return (x, cache), (rl, None)
+      rows, layout = byte_rows.pack(taps, lead=2)  # one stacking update per layer, not ~12
+      layouts[:] = [layout]
+      return (x, cache), (rl, rows)
 
     xs = dict(xs, index=jnp.arange(n, dtype=jnp.int32))
     if n > 1:
-      return jax.lax.scan(body, carry, xs)
-    carry, ys = body(carry, jax.tree.map(lambda a: a[0], xs))
-    return carry, jax.tree.map(lambda a: a[None], ys)
+      carry, (rl, rows) = jax.lax.scan(body, carry, xs)
+    else:
+      carry, ys = body(carry, jax.tree.map(lambda a: a[0], xs))
+      rl, rows = jax.tree.map(lambda a: a[None], ys)
+    return carry, (rl, {} if rows is None else byte_rows.unpack(rows, layouts[0]))

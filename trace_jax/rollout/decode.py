@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax import model as model_lib
+from trace_jax.model import byte_rows
 from trace_jax.model.config import ModelConfig
 from trace_jax.rollout import sampling as sampling_lib
 
@@ -52,17 +53,23 @@ def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, st
     step, _, _, _, _, done, _, _ = state
     return (step < max_new) & ~jnp.all(done)
 
+  # A step's records go to one byte row per sequence, at column `step` of `steps` (one
+  # update per step, whatever the number of tapped arrays); after the loop they are written
+  # to the taps buffers by position, once (`byte_rows`: one kernel per record and step cost
+  # the host more than the GPU's work).
+  layout = byte_rows.layout_of(jax.tree.map(lambda a: a[:, :1], taps), lead=2) if taps else None
+  steps = None if layout is None else jnp.zeros((b, max_new, layout.width), jnp.uint8)
+
   def body(state):
-    step, cache, tok, gen, logps, done, n_gen, taps = state
+    step, cache, tok, gen, logps, done, n_gen, steps = state
     pos = start + step - 1  # position of `tok`, the token fed in this step
     o = model_lib.decode_step(params, config, cache, tok, pos, tap_layers=tap_layers,
                               tap_mode=tap_mode, tap_routing=tap_routing, record=True,
                               experts=experts, layers=layers)
     live = ~done
-    taps = jax.tree.map(
-        lambda buf, a: buf.at[rows, pos].set(jnp.where(
-            live.reshape((b,) + (1,) * (a.ndim - 2)), a[:, 0], buf[rows, pos])),
-        taps, o.taps)
+    if steps is not None:
+      row, _ = byte_rows.pack(o.taps, lead=2)
+      steps = jax.lax.dynamic_update_slice_in_dim(steps, row, step, axis=1)
     step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.full(b, step, jnp.int32))
     nxt, lp = sampling_lib.sample(o.logits[:, 0].astype(jnp.float32), step_keys, temps, top_ps,
                                   top_ks)
@@ -72,10 +79,18 @@ def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, st
     n_gen = n_gen + live.astype(jnp.int32)
     hit = jnp.any(nxt[:, None] == stop_ids, axis=-1)
     done = done | (live & (hit | (step + 1 >= max_new_each)))
-    return step + 1, o.cache, nxt, gen, logps, done, n_gen, taps
+    return step + 1, o.cache, nxt, gen, logps, done, n_gen, steps
 
-  state = (jnp.int32(1), cache, tok, gen, logps, done, n_gen, taps)
-  _, cache, _, gen, logps, _, n_gen, taps = jax.lax.while_loop(cond, body, state)
+  state = (jnp.int32(1), cache, tok, gen, logps, done, n_gen, steps)
+  _, cache, _, gen, logps, _, n_gen, steps = jax.lax.while_loop(cond, body, state)
+  if steps is not None:
+    # Step s (1 <= s < n_gen) fed the token at start + s - 1; the other columns (never
+    # written, or written by a finished row) go out of bounds and are dropped.
+    s = jnp.arange(max_new)[None, :]
+    fed = live0[:, None] & (s >= 1) & (s < n_gen[:, None])
+    pos = jnp.where(fed, start[:, None] + s - 1, jax.tree.leaves(taps)[0].shape[1])
+    taps = jax.tree.map(lambda buf, a: buf.at[rows[:, None], pos].set(a, mode="drop"),
+                        taps, byte_rows.unpack(steps, layout))
   return gen, logps, n_gen, cache, taps
 
 
