@@ -200,8 +200,9 @@ def _differing_bytes(a, b) -> list[float]:
 def test_site_input_is_rounded_to_the_compute_dtype_under_jit():
   """A quantizer fused with the bf16 expression feeding it sees the bf16 value, as an eager
   (materialized) input does: XLA's excess precision would otherwise hand it float32
-  (docs/numerics.md). Control: the same program without `dtype_rounded` records other bits
-  (on the CPU and, when run there, the GPU backend)."""
+  (docs/numerics.md). Control, on the CPU: the same program without `dtype_rounded` records
+  other bits. (XLA's GPU backend rounded this small program's h on the H200, 2026-12-03, so
+  the control cannot show it there; the rounded program equalled the eager bits there too.)"""
   rng = np.random.default_rng(0)
   g, u = (jnp.asarray(rng.normal(size=(64, 768)), jnp.bfloat16) for _ in range(2))
 
@@ -212,4 +213,5 @@ def test_site_input_is_rounded_to_the_compute_dtype_under_jit():
   rounded = jax.jit(lambda g, u: record(M.precision.dtype_rounded(jax.nn.silu(g) * u)))(g, u)
   raw = jax.jit(lambda g, u: record(jax.nn.silu(g) * u))(g, u)
   assert max(_differing_bytes(rounded, ref)) == 0.0
-  assert max(_differing_bytes(raw, ref)) > 0.0, "control: no excess precision to remove"
+  if jax.default_backend() == "cpu":
+    assert max(_differing_bytes(raw, ref)) > 0.0, "control: no excess precision to remove"
