@@ -5,8 +5,6 @@ weights sharded (XLA's own partitioning, without the shard_map, gathers them).""
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +12,7 @@ import pytest
 from cases import assert_bits_equal
 
 from trace_jax import model as M
-from trace_jax.model import expert_parallel, sharding
+from trace_jax.model import expert_parallel, expert_weights, sharding
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices: run with "
                              "XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -114,10 +112,41 @@ def test_records_match_one_device():
   assert off.mean() <= 0.08, f"{int(off.sum())} of {off.size} tokens differ"
 
 
+@needs_8
+@pytest.mark.parametrize("policy", ["bf16", "fp8_unified"])
+def test_prepared_weights_match_one_device(policy):
+  """The rollout engine's prepared weights (`expert_weights.prepare`; FP8 under FP8 linears,
+  read in place by `Precision.grouped`) placed as the engine places them on a mesh (experts
+  split along E over `expert`, the rest replicated: `expert_weights.shardings`,
+  `sharding.ENGINE_RULES`), through the XLA path (a prefill-shaped forward): logits within
+  summation order of one device's (FP8: a few tokens a quantization step off, as above), layer
+  0's routing bit for bit. (NVFP4's packed experts: tests/rollout/test_engine_mesh.py.)"""
+  sizes = dict(moe_intermediate_size=128, head_dim=64) if policy == "fp8_unified" else {}
+  config, params, toks, mesh = _setup(policy, dict(data=2, expert=4), **sizes)
+  experts = jax.jit(expert_weights.prepare, static_argnums=1)(params, config)
+  run = lambda p, e, t: M.forward(p, config, t, tap_routing=True, experts=e)
+  ref = jax.jit(run)(params, experts, toks)
+  placed = jax.device_put(experts, expert_weights.shardings(experts, mesh))
+  assert all(not a.sharding.is_fully_replicated for r in placed for a in jax.tree.leaves(
+      (r.gate_up, r.down)))
+  params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  toks = jax.device_put(toks, sharding.activation_sharding(mesh, toks.shape))
+  with expert_parallel.use_mesh(mesh, sharding.ENGINE_RULES):
+    out = jax.jit(lambda *a: run(*a))(params, placed, toks)
+  assert_bits_equal(out.taps[0]["routing"], ref.taps[0]["routing"], "layer 0 routing")
+  want, got = np.asarray(ref.logits, np.float32), np.asarray(out.logits, np.float32)
+  if policy == "bf16":  # float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  else:
+    diff, scale = np.abs(got - want), np.abs(want).max()
+    assert diff.max() <= 2e-2 * scale, diff.max()
+    off = diff.max(axis=-1) > 1e-4 * scale
+    assert off.mean() <= 0.05, f"{int(off.sum())} of {off.size} tokens differ"
+
+
 def _collective_shapes(hlo: str) -> list[tuple[int, ...]]:
-  """Result shapes of the all-gathers / all-reduces / all-to-alls in compiled HLO text."""
-  pat = r"= \w+\[([\d,]*)\]\S* (?:all-gather|all-reduce|all-to-all)(?:-start)?\("
-  return [tuple(int(v) for v in m.group(1).split(",") if v) for m in re.finditer(pat, hlo)]
+  """Result shapes of the collectives in compiled HLO text."""
+  return [shape for _, shape in sharding.collectives(hlo)]
 
 
 @needs_8

@@ -1,5 +1,6 @@
 """Ragged <-> padded guidance rows and the full -> compact reduction, against references."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -31,3 +32,31 @@ def test_unpad_of_a_record_is_the_pad_inverse():
   back = guidance_layout.unpad(padded, counts)
   for f in ("block_scale", "row_scale", "mantissa"):
     np.testing.assert_array_equal(np.asarray(getattr(back, f)), np.asarray(getattr(rows, f)))
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 6], [6, 6, 6, 6], [0, 0, 0, 0], [1, 0, 0, 0]],
+                         ids=["mixed", "full", "empty", "one_row"])
+def test_ragged_rows_on_the_device_equal_unpad(counts):
+  """Every leaf's leading sum(counts) rows are `unpad`'s bits (scales of every byte, NaN
+  payloads included); a wrong order of the sequences would fail it (control below)."""
+  rng = np.random.default_rng(2)
+  b, s = 4, 6
+  f32 = rng.normal(size=(b, s, 1)).astype(np.float32)
+  f32[0, 0, 0] = np.array(0x7FC0_0001, np.uint32).view(np.float32)
+  tree = {3: {"moe_in": guided.Guidance(
+      block_scale=jnp.asarray(rng.integers(0, 256, (b, s, 2), np.uint8)).view(
+          jnp.float8_e4m3fn),
+      row_scale=jnp.asarray(f32),
+      mantissa=jnp.asarray(rng.integers(0, 256, (b, s, 4), np.uint8))),
+      "routing": jnp.asarray(rng.integers(0, 64, (b, s, 8)), jnp.int32)}}
+  got = guidance_layout.ragged_rows(tree, jnp.asarray(counts, jnp.int32))
+  want = guidance_layout.unpad(tree, counts)
+  n = sum(counts)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.shape[0] == b * s and g.dtype == w.dtype
+    np.testing.assert_array_equal(np.asarray(g)[:n].view(np.uint8), np.asarray(w).view(np.uint8))
+  if counts[0] and counts[2]:  # control: sequences 0 and 2 taken in the other order
+    perm = [2, 1, 0, 3]
+    swapped = guidance_layout.unpad(jax.tree.map(lambda a: np.asarray(a)[perm], tree),
+                                    [counts[i] for i in perm])
+    assert not np.array_equal(np.asarray(got[3]["routing"])[:n], swapped[3]["routing"])

@@ -7,6 +7,7 @@ from jax.sharding import NamedSharding
 from test_rl_loop import tiny_cfg  # tests/train is on sys.path (pytest's prepend mode)
 
 from trace_jax.model import expert_parallel
+from trace_jax.train import learner as learner_lib
 from trace_jax.train import rl_loop
 from trace_jax.train import step as step_lib
 
@@ -40,7 +41,12 @@ def test_sft_and_rl_on_a_mesh_compile_each_step_once(tmp_path, monkeypatch):
   _, hist1 = rl_loop.run_sft(tiny_cfg(), "unused", progress=False)
   np.testing.assert_allclose([h["loss"] for h in hist], [h["loss"] for h in hist1], rtol=2e-3)
 
+  meshes = []  # the learner's rollout engine runs on the config's mesh (expert-parallel)
+  engine_cls = learner_lib.InProcessEngine
+  monkeypatch.setattr(learner_lib, "InProcessEngine",
+                      lambda *a, **k: meshes.append(k.get("mesh")) or engine_cls(*a, **k))
   grpo_before = step_lib.grpo_step._cache_size()
   out = rl_loop.run_rl(cfg, str(tmp_path), "bf16", params, progress=False)
+  assert meshes and meshes[0] is not None and meshes[0].shape["expert"] == 2, meshes
   assert step_lib.grpo_step._cache_size() - grpo_before == 1
   assert len(out["history"]) == 2 and all(np.isfinite(r["loss"]) for r in out["history"])

@@ -9,12 +9,18 @@ device of an expert group (the devices along `expert`, for one position on the o
    are sharded over the batch axes, `expert` among them) with one all-gather along `expert`;
 2. runs its own E / ep experts on the rows routed to them: all rows sorted by expert as on one
    device, the local experts' rows are one contiguous range of them, rolled to the front, so
-   the grouped matmuls (`Precision.grouped`, the config's `moe_impl`) see local group sizes;
-   weights sharded over `fsdp` / `tensor` are gathered along those axes first (FSDP);
+   the grouped matmuls see local group sizes; weights sharded over `fsdp` / `tensor` are
+   gathered along those axes first (FSDP);
 3. puts each row's output back in (token, slot) order (zeros for rows of other devices'
    experts), weights and sums the slots, and reduce-scatters the sums along `expert` back to
    the token shards (the sum over devices adds each slot's one nonzero contribution: the same
    terms as on one device, summed in another order).
+
+The experts' computation is the caller's (`Experts.local`): the params' weights, quantized per
+expert as `Precision.expert_weights` / `grouped` do (training), or the rollout engine's
+prepared weights (`expert_weights`: BF16, FP8 or packed NVFP4, stacked per run of layers and
+split along E over `expert`; read by XLA or by the decode kernel), so the one-device block and
+this one run the same local code.
 
 The TRACE expert_mid site runs per row on the device that owns the row's expert, so its
 quantization, guidance matching and record are those of the single-device forward; the
@@ -23,15 +29,16 @@ record is put in (token, slot) order with zeros elsewhere and reduce-scattered a
 included): the gathered record equals the one-device record bit for bit.
 
 Enabled by `use_mesh(mesh)` around the tracing of a forward (the training steps enter it for
-their state's mesh, `train.step.ShardedStep`) when the mesh's `expert` axis is > 1 and divides
-the expert count. The engine's decode does not use it yet.
+their state's mesh, `train.step.ShardedStep`; the rollout engine for its mesh,
+`InProcessEngine(mesh=)`) when the mesh's `expert` axis is > 1 and divides the expert count.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -42,13 +49,37 @@ from trace_jax.model import sharding
 from trace_jax.model.precision import Precision
 
 AXIS = "expert"
-_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("expert_mesh", default=None)
+_MESH: contextvars.ContextVar[tuple[Mesh, Mapping[str, tuple[str, ...]]] | None] = (
+    contextvars.ContextVar("expert_mesh", default=None))
+
+Fn = Callable[[jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+  """An MoE block's routed experts as its dispatch runs them, on one device or here.
+
+  arrays: a pytree of the experts' arrays; count: the number of experts E; local(arrays,
+  group_sizes) -> (hidden, down): the experts' computation for rows sorted by expert, given
+  the arrays (on a mesh: a device's blocks of them) and the group sizes of the experts they
+  hold: hidden(rows [M, D]) -> h [M, F] (gate, up, SwiGLU), down(h) -> [M, D]; specs: on a
+  mesh, the arrays' PartitionSpecs (a matching tree; each splits its expert axis over
+  `expert`, other mesh axes are gathered in the block), else None.
+  """
+  arrays: Any
+  count: int
+  local: Callable[[Any, jax.Array], tuple[Fn, Fn]]
+  specs: Any = None
 
 
 @contextlib.contextmanager
-def use_mesh(mesh: Mesh | None) -> Iterator[None]:
-  """Forwards traced inside run their MoE blocks expert-parallel over `mesh` (None: off)."""
-  token = _MESH.set(mesh)
+def use_mesh(mesh: Mesh | None,
+             rules: Mapping[str, tuple[str, ...]] = sharding.DEFAULT_RULES) -> Iterator[None]:
+  """Forwards traced inside run their MoE blocks expert-parallel over `mesh` (None: off).
+
+  rules: the logical-axis rules the weights and tokens are laid out by (`sharding`): the
+  block's `shard_map` takes them in that layout, so nothing is resharded on the way in."""
+  token = _MESH.set(None if mesh is None else (mesh, rules))
   try:
     yield
   finally:
@@ -58,13 +89,28 @@ def use_mesh(mesh: Mesh | None) -> Iterator[None]:
 def active_mesh(num_experts: int) -> Mesh | None:
   """The mesh to run an MoE block of `num_experts` over, or None (no mesh entered, `expert`
   axis of size 1, or one that does not divide the experts)."""
-  mesh = _MESH.get()
+  entered = _MESH.get()
+  mesh = None if entered is None else entered[0]
   if mesh is None or AXIS not in mesh.shape or mesh.shape[AXIS] == 1:
     return None
   if num_experts % mesh.shape[AXIS]:
     raise ValueError(f"expert parallelism: {num_experts} experts do not split over the mesh's "
                      f"expert axis of {mesh.shape[AXIS]}")
   return mesh
+
+
+def active_rules() -> Mapping[str, tuple[str, ...]]:
+  """The sharding rules entered with the mesh (`sharding.DEFAULT_RULES` outside)."""
+  entered = _MESH.get()
+  return sharding.DEFAULT_RULES if entered is None else entered[1]
+
+
+def param_specs(gate: jax.Array, up: jax.Array, down: jax.Array,
+                mesh: Mesh) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
+  """The params' expert weights' PartitionSpecs on `mesh` by the entered rules."""
+  return tuple(sharding.logical_to_spec(sharding.PARAM_AXES[("moe", n)], w.shape, mesh,
+                                        active_rules())
+               for n, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)))
 
 
 def _axes_of(spec_entry: Any) -> tuple[str, ...]:
@@ -90,32 +136,31 @@ def _as_bits(a: jax.Array) -> jax.Array:
 
 
 def moe(prec: Precision, layer: int, xq: jax.Array, ids: jax.Array, weights: jax.Array,
-        gate: jax.Array, up: jax.Array, down: jax.Array, rollout_ids: jax.Array | None,
-        mesh: Mesh, tap_shape: tuple[int, int, int]) -> jax.Array:
+        experts: Experts, rollout_ids: jax.Array | None, mesh: Mesh,
+        tap_shape: tuple[int, int, int]) -> jax.Array:
   """The routed experts of one MoE block, expert-parallel (module docstring).
 
   xq [T, D]: the block's (moe_in-quantized) token inputs; ids, weights [T, K]: routed experts
-  and combine weights; gate, up [E, F, D], down [E, D, F] in the compute dtype (quantized here,
-  per expert, as `Precision.expert_weights` / `grouped` do); rollout_ids [T, K] or None (the
-  rollout's experts, for expert_mid guidance); tap_shape (B, S, K) with B * S = T: the
-  layout of the expert_mid record. Returns [T, D]; records expert_mid in `prec`.
+  and combine weights; experts: their arrays laid out on `mesh` by `experts.specs`, and their
+  computation; rollout_ids [T, K] or None (the rollout's experts, for expert_mid guidance);
+  tap_shape (B, S, K) with B * S = T: the layout of the expert_mid record. Returns [T, D];
+  records expert_mid in `prec`.
   """
   t, d = xq.shape
   k = ids.shape[1]
-  e = gate.shape[0]
+  e, specs = experts.count, experts.specs
   ep = mesh.shape[AXIS]
   e_local = e // ep
-  tok_spec = sharding.logical_to_spec(("batch", None), (t, d), mesh)
+  tok_spec = sharding.logical_to_spec(("batch", None), (t, d), mesh, active_rules())
   tok_axes = _axes_of(tok_spec[0])
   gathered = AXIS in tok_axes
-  w_specs = [sharding.logical_to_spec(sharding.PARAM_AXES[("moe", n)], w.shape, mesh)
-             for n, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down))]
   g = prec._guidance(layer, "expert_mid")
   row_spec = PartitionSpec(tok_spec[0])
+  is_spec = lambda s: isinstance(s, PartitionSpec)
   rec_dtypes: list[Any] = []  # the record's field dtypes, found while tracing the body
 
-  def body(xq, ids, wts, gate, up, down, rids, g):
-    gate, up, down = (_gather_weight(w, s) for w, s in zip((gate, up, down), w_specs))
+  def body(xq, ids, wts, arrays, rids, g):
+    arrays = jax.tree.map(lambda s, w: _gather_weight(w, s), specs, arrays, is_leaf=is_spec)
     if gathered:  # this expert group's tokens
       xq, ids, wts, rids, g = jax.tree.map(
           lambda a: jax.lax.all_gather(a, AXIS, axis=0, tiled=True), (xq, ids, wts, rids, g))
@@ -131,8 +176,8 @@ def moe(prec: Precision, layer: int, xq: jax.Array, ids: jax.Array, weights: jax
     local_order = jnp.roll(order, -start)          # this device's rows first, in expert order
     live = jnp.arange(m) < n_local                 # [M]: rows of this device's experts
     rows = xq[local_order // k]
-    lg, lu, ld = prec.expert_weights(gate, up, down)
-    h = prec.expert_hidden(rows, lg, lu, local_sizes)
+    hidden, down = experts.local(arrays, local_sizes)
+    h = hidden(rows)
     h = jnp.where(live[:, None], h, 0).astype(h.dtype)
     if g is not None:  # the tap layout [tokens, 1, K, ...]
       g = jax.tree.map(lambda a: a.reshape((tg, 1) + a.shape[1:]), g)
@@ -140,7 +185,7 @@ def moe(prec: Precision, layer: int, xq: jax.Array, ids: jax.Array, weights: jax
     h = view.site(layer, "expert_mid", h, row_order=local_order, tap_shape=(tg, 1, k),
                   experts=ids.reshape(tg, 1, k),
                   rollout_experts=None if rids is None else rids.reshape(tg, 1, k))
-    y = jnp.where(live[:, None], prec.grouped(h, ld, local_sizes), 0).astype(xq.dtype)  # [M, D]
+    y = jnp.where(live[:, None], down(h), 0).astype(xq.dtype)                    # [M, D]
     y = jnp.zeros_like(y).at[local_order].set(y, unique_indices=True).reshape(tg, k, d)
     out = jnp.sum(y * wts[..., None], axis=1)
     rec = view.taps.get(layer, {}).get("expert_mid")
@@ -159,9 +204,9 @@ def moe(prec: Precision, layer: int, xq: jax.Array, ids: jax.Array, weights: jax
     return out, rec
 
   g_in = None if g is None else jax.tree.map(lambda a: a.reshape((t,) + a.shape[2:]), g)
-  in_specs = (row_spec, row_spec, row_spec, *w_specs, row_spec, row_spec)
+  in_specs = (row_spec, row_spec, row_spec, specs, row_spec, row_spec)
   out, rec = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(row_spec, row_spec),
-                           check_vma=False)(xq, ids, weights, gate, up, down, rollout_ids, g_in)
+                           check_vma=False)(xq, ids, weights, experts.arrays, rollout_ids, g_in)
   if rec is not None:  # back from raw bits; [T, 1, K, ...] -> the forward's tap layout
     rec = jax.tree.map(lambda a, dt: jax.lax.bitcast_convert_type(a, dt).reshape(
         tap_shape + a.shape[3:]), rec, rec_dtypes[0])

@@ -17,7 +17,9 @@ reading them in place in the run's stack, one call for the three input projectio
 
 Held per run of layers (`layer_runs`), stacked [n, ...]; a scan over the run's layers gives
 each layer a `LayerOf` (the stack and the layer's index), so the kernel reads the layer's
-weights where they lie instead of a per-step copy of a slice.
+weights where they lie instead of a per-step copy of a slice. On a mesh (`shardings`) the
+experts' stacks are split along E over the mesh's `expert` axis, which the expert-parallel
+MoE block (`expert_parallel`) reads as they lie; the attention projections are replicated.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax.kernels import fp4_moe
 from trace_jax.model.config import ModelConfig
@@ -34,6 +37,8 @@ from trace_jax.model.layer_runs import at_layer, layer_runs, stack
 from trace_jax.quant import formats
 
 DenseOrPacked = jax.Array | fp4_moe.PackedNVFP4Weights | formats.FP8Tensor
+# Every field of a run's expert stacks is [L, E, ...]: E split over the mesh's `expert` axis.
+RUN_EXPERT_SPEC = PartitionSpec(None, "expert")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the params' attention projections
 PREPARED_ATTENTION = ("qkv", "o_proj")  # as `ExpertWeights.attention` holds them
 
@@ -96,6 +101,22 @@ def prepare(params: Any, config: ModelConfig) -> list[ExpertWeights]:
   layers = [_prepare_layer(params["layers"][i], config)
             for i in range(config.num_hidden_layers)]
   return [stack(layers[a:b]) for a, b in layer_runs(config)]
+
+
+def shardings(runs: Any, mesh: Mesh) -> Any:
+  """Where an engine on `mesh` holds `prepare`'s runs (arrays or `jax.eval_shape` structs):
+  the experts' fields split along E over `expert` (`RUN_EXPERT_SPEC`; replicated when the
+  axis does not divide E, a mesh the expert-parallel block refuses), the attention
+  projections replicated."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def expert(a: Any) -> NamedSharding:
+    ep = mesh.shape.get("expert", 1)
+    return NamedSharding(mesh, RUN_EXPERT_SPEC) if a.shape[1] % ep == 0 else replicated
+
+  return [r.replace(gate_up=jax.tree.map(expert, r.gate_up), down=jax.tree.map(expert, r.down),
+                    attention=jax.tree.map(lambda _: replicated, r.attention))
+          for r in runs]
 
 
 def _prepare_layer(layer: Any, config: ModelConfig) -> ExpertWeights:

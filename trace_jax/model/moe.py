@@ -16,13 +16,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
 from trace_jax.kernels import fp4_moe
 from trace_jax.model import expert_parallel, expert_weights
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.grouped import grouped_matmul
+from trace_jax.model.layer_runs import at_layer
 from trace_jax.model.layers import Linear, _normal
 from trace_jax.model.precision import Precision, swiglu
+from trace_jax.quant import formats
 
 
 def route(router_logits: jax.Array, k: int, norm_topk_prob: bool, dtype: jnp.dtype,
@@ -91,6 +94,8 @@ class MoE(nnx.Module):
     experts: this layer of the rollout engine's weights (`expert_weights.LayerOf`, made once
     per weight update) instead of the params' expert weights; one-token decode steps then run
     the decode kernel (`trace_jax.kernels.fp4_moe`) when `config.decode_impl` is "kernel".
+    Traced inside `expert_parallel.use_mesh` (a mesh with `expert` > 1), either kind of
+    weights runs expert-parallel, each device its own experts (the same local computation).
     """
     b, s, d = x.shape
     e, k = self.num_experts, self.k
@@ -103,45 +108,63 @@ class MoE(nnx.Module):
     prec.tap_route(layer, ids.reshape(b, s, k))
 
     xq = prec.site(layer, "moe_in", x).reshape(b * s, d)
-    mesh = expert_parallel.active_mesh(e) if experts is None else None
+    mesh = expert_parallel.active_mesh(e)
+    ex = self._experts(prec, x.dtype, experts, decode and s == 1, mesh)
     if mesh is not None:  # experts sharded over the mesh's `expert` axis, tokens sent to them
-      out = expert_parallel.moe(
-          prec, layer, xq, ids, weights,
-          *(w[...].astype(x.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj)),
-          None if rollout_ids is None else rollout_ids.reshape(b * s, k), mesh, (b, s, k))
+      out = expert_parallel.moe(prec, layer, xq, ids, weights, ex,
+                                None if rollout_ids is None else rollout_ids.reshape(b * s, k),
+                                mesh, (b, s, k))
       return out.reshape(b, s, d), router_logits
     # Dispatch: (token, slot) rows sorted by expert id (stable, so token order within a group).
     flat_ids = ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)
     group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
     rows = xq[order // k]                                                    # [M, D]
-    # gate and up stacked [E, 2F, D], down, and their grouped matmul (Precision's: FP8 or the
-    # compute dtype's, unless the engine's decode kernel runs them).
-    mm = lambda a, w: prec.grouped(a, w, group_sizes)
-    h = None
-    if experts is None:
-      gate, up, down = prec.expert_weights(*(w[...].astype(x.dtype) for w in
-                                             (self.gate_proj, self.up_proj, self.down_proj)))
-      h = prec.expert_hidden(rows, gate, up, group_sizes)
-    elif experts.fp8:  # the engine's FP8 weights (quantized once per update), read in place
-      gate_up, down = experts.run.gate_up, experts.run.down
-      mm = lambda a, w: prec.grouped(a, w, group_sizes, layer=experts.index)
-    elif decode and s == 1 and self.decode_impl == "kernel":
-      # The decode kernel reads this layer's weights in place in the run's stack.
-      gate_up, down = experts.run.gate_up, experts.run.down
-      mm = lambda a, w: fp4_moe.grouped_matmul_decode(a, w, group_sizes, layer=experts.index)
-    else:  # the XLA paths (prefill): the layer's weights sliced out of the stack
-      w = experts.layer()
-      gate_up, down = w.gate_up, w.down
-      mm = lambda a, w: grouped_matmul(a, expert_weights.dense(w, a.dtype), group_sizes,
-                                       self.impl)
-    if h is None:
-      h = swiglu(mm(rows, gate_up))
-    mm_down = lambda h: mm(h, down)
-    h = prec.site(layer, "expert_mid", h, row_order=order, tap_shape=(b, s, k),
+    hidden, down = ex.local(ex.arrays, group_sizes)
+    h = prec.site(layer, "expert_mid", hidden(rows), row_order=order, tap_shape=(b, s, k),
                   experts=ids.reshape(b, s, k), rollout_experts=rollout_ids)
-    y = mm_down(h)                                                           # [M, D]
+    y = down(h)                                                              # [M, D]
     # Combine: back to (token, slot) order, weight, sum over slots.
     y = jnp.zeros_like(y).at[order].set(y).reshape(b * s, k, d)
     out = jnp.sum(y * weights[..., None], axis=1)
     return out.reshape(b, s, d), router_logits
+
+  def _experts(self, prec: Precision, dtype: Any, experts: Any, one_token: bool,
+               mesh: Mesh | None) -> expert_parallel.Experts:
+    """The routed experts as the dispatch runs them, on one device or expert-parallel (the same
+    local computation): the params' weights, quantized as `Precision` does, or the engine's
+    prepared ones (`experts`, a `expert_weights.LayerOf`). Prepared FP8 weights run in
+    `Precision.grouped` read in place in the run's stack; one-token decode steps run the decode
+    kernel (`fp4_moe`, in place) when `config.decode_impl` is "kernel"; the other XLA paths
+    (prefill) slice the layer out of the stack and dequantize it. With `mesh`, the arrays'
+    PartitionSpecs: the params' by the entered rules, the prepared stacks' split along E."""
+    if experts is None:
+      arrays = tuple(w[...].astype(dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+
+      def local(ws: Any, sizes: jax.Array) -> Any:
+        gate, up, down = prec.expert_weights(*ws)
+        return (lambda rows: prec.expert_hidden(rows, gate, up, sizes),
+                lambda h: prec.grouped(h, down, sizes))
+
+      specs = None if mesh is None else expert_parallel.param_specs(*arrays, mesh)
+      return expert_parallel.Experts(arrays, self.num_experts, local, specs)
+    kernel = one_token and self.decode_impl == "kernel"
+    impl = self.impl
+
+    def local_prepared(ws: Any, sizes: jax.Array) -> Any:
+      gate_up, down, index = ws
+      if isinstance(down, formats.FP8Tensor):  # quantized once per update, read in place
+        mm = lambda a, w: prec.grouped(a, w, sizes, layer=index)
+      elif kernel:  # the decode kernel reads this layer's weights in place in the run's stack
+        mm = lambda a, w: fp4_moe.grouped_matmul_decode(a, w, sizes, layer=index)
+      else:  # the XLA paths (prefill): the layer's weights sliced out of the stack
+        gate_up, down = at_layer((gate_up, down), index)
+        mm = lambda a, w: grouped_matmul(a, expert_weights.dense(w, a.dtype), sizes, impl)
+      return lambda rows: swiglu(mm(rows, gate_up)), lambda h: mm(h, down)
+
+    arrays = (experts.run.gate_up, experts.run.down, experts.index)
+    specs = None
+    if mesh is not None:
+      specs = (*jax.tree.map(lambda _: expert_weights.RUN_EXPERT_SPEC, arrays[:2]),
+               PartitionSpec())
+    return expert_parallel.Experts(arrays, self.num_experts, local_prepared, specs)

@@ -16,6 +16,7 @@ is dropped for that dimension (replication), so one rule table serves every mode
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +41,14 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "norm": (),
     "router": (),
 }
+
+# The rollout engine's layout (`InProcessEngine(mesh=)`): the routed experts split over
+# `expert` (the expert-parallel MoE block runs each device's own, in place), every other
+# weight replicated (no weight moves at a decode step; the experts are what does not fit on
+# one device); the activations' batch as in DEFAULT_RULES.
+ENGINE_RULES: dict[str, tuple[str, ...]] = {
+    **{name: () for name in DEFAULT_RULES}, "exp": ("expert",),
+    "batch": DEFAULT_RULES["batch"]}
 
 # Parameter name (last path entries) -> logical axes, torch [out, in] layout everywhere.
 PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
@@ -119,6 +128,17 @@ def param_shardings(params: Any, mesh: Mesh,
   return jax.tree_util.tree_map_with_path(one, params)
 
 
+def stacked_param_shardings(layers: Any, mesh: Mesh,
+                            rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES) -> Any:
+  """A tree of NamedSharding for layer params stacked along a leading layer axis (the
+  rollout engine's `layers`, `layer_runs.stack_layers`): that axis replicated, the others by
+  the rules (an array the engine emptied, shape [0], replicated)."""
+  def one(path, x):
+    axes = (None,) + param_axes(_path_names(path))
+    return NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, rules))
+  return jax.tree_util.tree_map_with_path(one, layers)
+
+
 def activation_sharding(mesh: Mesh, shape: Sequence[int],
                         rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES) -> NamedSharding:
   """Sharding of a [B, ...] activation or token array: batch over the `batch` rule's axes
@@ -131,3 +151,18 @@ def shard_params(params: Any, mesh: Mesh,
                  rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES) -> Any:
   """Places `params` on `mesh` by the rules."""
   return jax.device_put(params, param_shardings(params, mesh, rules))
+
+
+_COLLECTIVE = re.compile(r"= (\([^=]*?\)|\w+\[[\d,]*\]\S*) (all-gather|all-reduce|all-to-all|"
+                         r"collective-permute|reduce-scatter)(?:-start)?\(")
+
+
+def collectives(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
+  """(op, result shape) of every collective in a compiled program's HLO text
+  (`jit(f).lower(...).compile().as_text()`), one entry per array of a tuple result: what the
+  program moves between devices (e.g. to check that expert weights never move)."""
+  out = []
+  for m in _COLLECTIVE.finditer(hlo_text):
+    for shape in re.finditer(r"\w+\[([\d,]*)\]", m.group(1)):
+      out.append((m.group(2), tuple(int(v) for v in shape.group(1).split(",") if v)))
+  return out

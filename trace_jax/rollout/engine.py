@@ -10,11 +10,17 @@ position the trainer will later run through its forward (prompt + completion[:-1
 Sessions (`open_session` / `extend` / `close_session`) serve multi-turn episodes: the KV cache
 and the records stay on the device between turns, each turn feeds only its new tokens, and the
 records hold exactly what the rollout computed for every token of the transcript.
+
+On a mesh (`InProcessEngine(mesh=)`) the routed experts are split over the mesh's `expert`
+axis and every program runs its MoE blocks expert-parallel (`model.expert_parallel`);
+everything else is replicated (`sharding.ENGINE_RULES`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -26,10 +32,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax import model as model_lib
 from trace_jax.io import guidance_store
-from trace_jax.model import expert_weights
+from trace_jax.model import expert_parallel, expert_weights, sharding
 from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.rollout import decode, guidance_layout
 from trace_jax.rollout.protocol import GuidanceHandle, Sample, SamplingParams, normalize_request
@@ -74,17 +81,23 @@ class InProcessEngine:
   (ragged rows, for notebooks and tests). `min_prompt_len` pads
   every batch's prompts to at least that length (see `prompt_bucket`): a trainer that knows
   its longest prompt passes it and compiles one program for the whole run.
+  `mesh` (axes as `model.sharding.make_mesh` builds them, one process): the weights placed on
+  it by `sharding.ENGINE_RULES` (the routed experts, params or prepared, split along E over
+  `expert`; the rest replicated), the programs jitted for this engine and traced with the
+  MoE blocks expert-parallel (`expert_parallel.use_mesh`; on when `expert` > 1).
   """
 
   def __init__(self, params: Any, config: ModelConfig, *, guidance_store: Any = None,
                record_guidance: bool | None = None, record_routing: bool | None = None,
                audit_fraction: float = 0.0, max_batch: int = 64, seed: int = 0,
-               min_prompt_len: int = 0):
+               min_prompt_len: int = 0, mesh: Mesh | None = None):
     if min_prompt_len < 0:
       raise ValueError(f"min_prompt_len must be >= 0, got {min_prompt_len}")
     if not 0.0 <= audit_fraction <= 1.0:
       raise ValueError(f"audit_fraction must be in [0, 1], got {audit_fraction}")
     self.config = config
+    self.mesh = mesh
+    self._programs = _Programs(config, mesh)
     self._set_params(params)
     self.store = guidance_store
     self.record = config.forward.guided if record_guidance is None else record_guidance
@@ -162,19 +175,28 @@ class InProcessEngine:
       if not expert_weights.supported(self.config):
         raise ValueError(f"decode_impl='kernel' runs BF16, NVFP4 and FP8 weights; policy "
                          f"{self.config.policy!r} is none of them")
-      self.experts = _prepare_experts(params, self.config)
+      self.experts = self._programs.prepare(params)
       # One copy of each weight: the prepared ones replace the params' (freed unless the
       # caller still holds them, as the in-process learner does its master weights).
       params = expert_weights.drop_prepared(params, self.config)
     # The layers' params stacked per run once here, not by every decode step's forward; the
     # params keep empty arrays in their place.
-    self.layers = _stack_layers(params, self.config)
-    self.params = _drop_layers(params)
+    self.layers = self._programs.stack(params)
+    self.params = self._programs.replicate(_drop_layers(params))
 
-  def _generate_batch(self, prompts: list[list[int]],
-                      sampling: list[SamplingParams]) -> list[Sample]:
-    n = len(prompts)
-    b = bucket(n)
+  def lower_generate(self, prompts: Sequence[Sequence[int]],
+                     sampling: SamplingParams | Sequence[SamplingParams]) -> Any:
+    """The generation program of one batch (at most `max_batch` requests) lowered as the
+    engine runs it (`jax.stages.Lowered`: `.compile().as_text()` is its HLO), to inspect."""
+    prompts, sampling = normalize_request(prompts, sampling)
+    args, kw = self._generate_args(prompts, sampling)
+    with self._programs.traced():
+      return self._programs.generate.lower(*args, **kw)
+
+  def _generate_args(self, prompts: list[list[int]], sampling: list[SamplingParams]
+                     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The generation program's positional and keyword arguments for one padded batch."""
+    b = bucket(len(prompts))
     p = prompt_bucket(max(map(len, prompts)), self.min_prompt_len)
     max_new = bucket(max(s.max_new_tokens for s in sampling), _MIN_LEN_BUCKET)
     tokens = np.zeros((b, p), np.int32)
@@ -183,13 +205,18 @@ class InProcessEngine:
       tokens[i, :len(pr)] = pr
       lens[i] = len(pr)
     tap_layers, tap_mode = self._tap_plan()
-    gen, logps, n_gen, taps = decode.generate(
-        self.params, self.config, jnp.asarray(tokens), jnp.asarray(lens),
-        *self._sampling_arrays(sampling, b), max_new=max_new, tap_layers=tap_layers,
-        tap_mode=tap_mode, tap_routing=self.record_routing, experts=self.experts,
-        layers=self.layers)
+    args = (self.params, self.config, jnp.asarray(tokens), jnp.asarray(lens),
+            *self._sampling_arrays(sampling, b))
+    return args, dict(max_new=max_new, tap_layers=tap_layers, tap_mode=tap_mode,
+                      tap_routing=self.record_routing, experts=self.experts, layers=self.layers)
+
+  def _generate_batch(self, prompts: list[list[int]],
+                      sampling: list[SamplingParams]) -> list[Sample]:
+    args, kw = self._generate_args(prompts, sampling)
+    with self._programs.traced():
+      gen, logps, n_gen, taps = self._programs.generate(*args, **kw)
     samples = self._samples(prompts, sampling, gen, logps, n_gen)
-    if tap_layers or self.record_routing:
+    if kw["tap_layers"] or self.record_routing:
       for s, h in zip(samples, self._emit([s.num_rows for s in samples], taps)):
         s.guidance = h
     return samples
@@ -232,12 +259,15 @@ class InProcessEngine:
       raise ValueError(f"session length {max_len} exceeds max_position_embeddings "
                        f"{self.config.max_position_embeddings}")
     tap_layers, tap_mode = self._tap_plan()
-    taps = (decode.tap_buffers(self.params, self.config, b, total, tap_layers=tap_layers,
-                               tap_mode=tap_mode, tap_routing=self.record_routing,
-                               experts=self.experts, layers=self.layers)
-            if tap_layers or self.record_routing else {})
-    return Session(n=n, batch=b, total=total, cache=model_lib.init_cache(self.config, b, total),
-                   taps=taps, lens=np.zeros(b, np.int32), pending=[None] * b)
+    with self._programs.traced():
+      taps = (decode.tap_buffers(self.params, self.config, b, total, tap_layers=tap_layers,
+                                 tap_mode=tap_mode, tap_routing=self.record_routing,
+                                 experts=self.experts, layers=self.layers)
+              if tap_layers or self.record_routing else {})
+    cache = model_lib.init_cache(self.config, b, total)
+    return Session(n=n, batch=b, total=total, cache=self._programs.replicate(cache),
+                   taps=self._programs.replicate(taps), lens=np.zeros(b, np.int32),
+                   pending=[None] * b)
 
   def extend(self, session: Session, rows: Sequence[int], chunks: Sequence[Sequence[int]],
              sampling: Sequence[SamplingParams]) -> list[Sample]:
@@ -260,8 +290,8 @@ class InProcessEngine:
     chunk, chunk_lens = self._pack(session, fed, c)
     max_new = bucket(max(s.max_new_tokens for s in sampling), _MIN_LEN_BUCKET)
     tap_layers, tap_mode = self._tap_plan()
-    with self._lock:
-      gen, logps, n_gen, session.cache, session.taps = decode.extend(
+    with self._lock, self._programs.traced():
+      gen, logps, n_gen, session.cache, session.taps = self._programs.extend(
           self.params, self.config, session.cache, session.taps, jnp.asarray(session.lens),
           chunk, chunk_lens, *self._sampling_arrays(sp, session.batch), max_new=max_new,
           tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=self.record_routing,
@@ -288,8 +318,8 @@ class InProcessEngine:
     fed = self._chunks(session, rows, chunks, [0] * session.n)
     chunk, chunk_lens = self._pack(session, fed, bucket(max(map(len, fed.values())),
                                                         _MIN_LEN_BUCKET))
-    with self._lock:
-      session.cache, session.taps = decode.feed(
+    with self._lock, self._programs.traced():
+      session.cache, session.taps = self._programs.feed(
           self.params, self.config, session.cache, session.taps, jnp.asarray(session.lens),
           chunk, chunk_lens, tap_layers=tap_layers, tap_mode=tap_mode,
           tap_routing=self.record_routing, experts=self.experts, layers=self.layers)
@@ -339,18 +369,23 @@ class InProcessEngine:
     """Ragged records (the first counts[i] rows of sequence i) to the store or memory; returns
     each sequence's guidance handle."""
     n_audit = math.ceil(self.audit_fraction * len(counts))
-    taps = jax.device_get(taps)  # one transfer; gathering on the host compiles nothing
-    routing = {int(layer): guidance_layout.unpad(sites["routing"], counts)
-               for layer, sites in taps.items() if "routing" in sites}
+    # The rows of every sequence in order, gathered on the device (one program per batch
+    # shape), then one transfer; the host takes each record's leading rows as they are.
+    b = jax.tree.leaves(taps)[0].shape[0]
+    rows = jax.device_get(guidance_layout.ragged_rows(
+        taps, jnp.asarray(list(counts) + [0] * (b - len(counts)), jnp.int32)))
+    first = lambda tree, n: jax.tree.map(lambda a: a[:n], tree)
+    taps = first(rows, sum(counts))
+    routing = {int(layer): sites["routing"] for layer, sites in taps.items() if "routing" in sites}
     guidance = {}
     if self.record:
       to_mode = (guidance_layout.to_compact if self.config.guidance_mode == "compact"
                  else lambda g: g)
-      guidance = {int(layer): {site: to_mode(guidance_layout.unpad(taps[layer][site], counts))
-                               for site in SITES} for layer in self.config.guided_layers}
+      guidance = {int(layer): {site: to_mode(taps[layer][site]) for site in SITES}
+                  for layer in self.config.guided_layers}
     audit = {}
     if n_audit:
-      audit = {int(layer): {site: guidance_layout.unpad(rec, counts[:n_audit])
+      audit = {int(layer): {site: first(rec, sum(counts[:n_audit]))
                             for site, rec in sites.items() if site != "routing"}
                for layer, sites in taps.items()}
     if self.store is not None:
@@ -384,6 +419,88 @@ class Session:
 
 _prepare_experts = jax.jit(expert_weights.prepare, static_argnums=1)
 _stack_layers = jax.jit(model_lib.stack_layers, static_argnums=1)
+
+
+class _Programs:
+  """An engine's jitted programs and how its weights are placed.
+
+  Without a mesh: `decode`'s programs (shared by every such engine) and the weights where the
+  jits put them. On a mesh: programs of this engine's own, traced inside
+  `expert_parallel.use_mesh` (`traced`), and the weights placed by `sharding.ENGINE_RULES` as
+  the programs' MoE blocks read them; a session's KV cache and records are held replicated.
+  Own programs because jit's trace cache does not see `use_mesh`: it is keyed by the function
+  (not the jit object) and the arguments' types, and reuses a trace made without it or for
+  another mesh on the same devices; a jit of a new function object (a `functools.partial`, a
+  wrapper) has a cache of its own.
+  """
+
+  def __init__(self, config: ModelConfig, mesh: Mesh | None):
+    self.config, self.mesh = config, mesh
+    if mesh is None:
+      self.generate, self.extend, self.feed = decode.generate, decode.extend, decode.feed
+      return
+    unknown = set(mesh.axis_names) - set(sharding.MESH_AXES)
+    if unknown:
+      raise ValueError(f"engine mesh: unknown axes {sorted(unknown)}; expected "
+                       f"{sharding.MESH_AXES}")
+    with self.traced():
+      expert_parallel.active_mesh(config.num_experts)  # raises if `expert` does not divide E
+    donated = ("cache", "taps")
+    self.generate = jax.jit(functools.partial(decode.generate.__wrapped__),
+                            static_argnames=decode._STATIC)
+    self.extend = jax.jit(self._pinned(decode.extend), static_argnames=decode._STATIC,
+                          donate_argnames=donated)
+    self.feed = jax.jit(self._pinned(decode.feed), static_argnames=(
+        "config", "tap_layers", "tap_mode", "tap_routing"), donate_argnames=donated)
+    self._prepare: Any = None
+    self._stack: Any = None
+
+  def _pinned(self, program: Any) -> Any:
+    """A session program's function (a new one: its own trace cache) with the cache and records
+    it carries (its last two outputs) replicated, as `open_session` places them: each turn's
+    inputs then have the previous turn's shardings and the program compiles once."""
+    fn = program.__wrapped__
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+
+    @functools.wraps(fn)
+    def pinned(*args: Any, **kw: Any) -> Any:
+      *out, cache, taps = fn(*args, **kw)
+      return (*out, *jax.lax.with_sharding_constraint((cache, taps), replicated))
+
+    return pinned
+
+  def traced(self) -> contextlib.AbstractContextManager[None]:
+    """The context the programs are called (and traced) in."""
+    if self.mesh is None:
+      return contextlib.nullcontext()
+    return expert_parallel.use_mesh(self.mesh, sharding.ENGINE_RULES)
+
+  def prepare(self, params: Any) -> list[expert_weights.ExpertWeights]:
+    """`expert_weights.prepare`'s runs, on a mesh made in place (experts split along E)."""
+    if self.mesh is None:
+      return _prepare_experts(params, self.config)
+    if self._prepare is None:
+      fn = functools.partial(expert_weights.prepare, config=self.config)
+      out = expert_weights.shardings(jax.eval_shape(fn, params), self.mesh)
+      self._prepare = jax.jit(fn, out_shardings=out)
+    return self._prepare(params)
+
+  def stack(self, params: Any) -> list[Any]:
+    """`model.stack_layers`'s runs, on a mesh placed by `sharding.ENGINE_RULES`."""
+    if self.mesh is None:
+      return _stack_layers(params, self.config)
+    if self._stack is None:
+      fn = functools.partial(model_lib.stack_layers, config=self.config)
+      out = sharding.stacked_param_shardings(jax.eval_shape(fn, params), self.mesh,
+                                             sharding.ENGINE_RULES)
+      self._stack = jax.jit(fn, out_shardings=out)
+    return self._stack(params)
+
+  def replicate(self, tree: Any) -> Any:
+    """`tree` replicated over the mesh (as it is without one)."""
+    if self.mesh is None:
+      return tree
+    return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
 
 def _drop_layers(params: Any) -> Any:

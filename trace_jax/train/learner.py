@@ -133,9 +133,13 @@ class GRPOLearner:
           options=guidance_store.StoreOptions(fsync=False), on_missing=r.on_missing_guidance,
           overwrite=True)
     batch_rows = max(r.prompts_per_step * r.group_size, cfg.eval.num_prompts)
+    # On a config mesh the engine runs on it too: its MoE blocks expert-parallel.
+    sh = jax.tree.leaves(placed)[0].sharding
+    mesh = sh.mesh if cfg.get("mesh") and isinstance(sh, jax.sharding.NamedSharding) else None
     factory = engine_factory or (lambda p, c, store: InProcessEngine(
         p, c, guidance_store=store, record_guidance=pol.guided, record_routing=pol.fp4_rollout,
-        audit_fraction=audit, max_batch=batch_rows, min_prompt_len=cfg.max_prompt_len))
+        audit_fraction=audit, max_batch=batch_rows, min_prompt_len=cfg.max_prompt_len,
+        mesh=mesh))
     self.engine = factory(self.state.params, self.rollout_cfg, self.store)
     # The logs keep exactly the rows the restored checkpoint holds (row k of metrics.csv is
     # step k; a row of evals.csv is the greedy eval after `step` steps).
