@@ -1,0 +1,217 @@
+"""Expert parallelism on 1 vs N devices of one host, side by side in one process (issue 16):
+the SFT training step's tokens/s and the rollout engine's decode tokens/s.
+
+  python -m experiments.bench_multi_gpu --preset=h200 --devices=1,2 --json_out=/tmp/mg.json
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.bench_multi_gpu \\
+      --preset=cpu                                                  # CPU smoke run
+
+For each device count n: a mesh of n devices along `expert` (`--mesh_axis=expert`; `data`
+splits the batch instead), or no mesh for n = 1. The training step is `train.step.sft_step`
+(forward, backward and AdamW; its MoE blocks expert-parallel on the mesh, `ShardedStep`) on
+`--train_batch` x `--seq` tokens with the params placed by `sharding.shard_params`; decode is
+`InProcessEngine(mesh=)` greedily generating `--new_tokens` after `--prompt_len`-token prompts
+at `--decode_batch` (prefill included, as `bench_rollout` counts it). Every timing is the
+median of `--reps` calls after one compiling call. Side-by-side checks: each n's first loss
+against n = 1's (relative difference) and its greedy tokens' agreement with n = 1's.
+
+Top-level plain numbers: `n_gpu_over_one` {n: train tokens/s over n = 1's},
+`n_gpu_decode_over_one`, and for n = 2 `two_gpu_over_one` and `two_gpu_decode_over_one`
+(issue 16's targets: >= 1.8x).
+
+Model (h200 preset): Qwen3-30B-A3B layer width (hidden 2048, 32 / 4 heads of 128, experts of
+width 768, top-8) with 128 experts, `--layers` layers (default 4), vocab 32768, BF16; decode
+through the kernels (`decode_impl="kernel"`), training's grouped GEMMs `moe_impl="kernel"`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from absl import flags
+
+from experiments import common
+
+FLAGS = flags.FlagValues()
+flags.DEFINE_enum("preset", "h200", ["h200", "cpu"], "Model and sizes.", flag_values=FLAGS)
+flags.DEFINE_list("devices", [], "Device counts to compare (default: 1 and all devices).",
+                  flag_values=FLAGS)
+flags.DEFINE_enum("mesh_axis", "expert", ["expert", "data"], "The mesh axis the n devices "
+                  "form.", flag_values=FLAGS)
+flags.DEFINE_integer("layers", 0, "Decoder layers (0: per preset).", flag_values=FLAGS)
+flags.DEFINE_integer("experts", 0, "Routed experts (0: per preset).", flag_values=FLAGS)
+flags.DEFINE_string("policy", "bf16", "Forward of both parts.", flag_values=FLAGS)
+flags.DEFINE_integer("train_batch", 0, "Training sequences per step (0: per preset).",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("seq", 0, "Training sequence length (0: per preset).", flag_values=FLAGS)
+flags.DEFINE_integer("decode_batch", 0, "Decode batch (0: per preset).", flag_values=FLAGS)
+flags.DEFINE_integer("prompt_len", 0, "Prompt tokens (0: per preset).", flag_values=FLAGS)
+flags.DEFINE_integer("new_tokens", 0, "Generated tokens per sequence (0: per preset).",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("reps", 3, "Timed calls per part.", flag_values=FLAGS)
+flags.DEFINE_boolean("train", True, "Time the training step.", flag_values=FLAGS)
+flags.DEFINE_boolean("decode", True, "Time the engine's decode.", flag_values=FLAGS)
+flags.DEFINE_string("json_out", "", "JSON output path ('' = none).", flag_values=FLAGS)
+
+PRESETS = {
+    "h200": dict(layers=4, experts=128, train_batch=8, seq=1024, decode_batch=64,
+                 prompt_len=128, new_tokens=64),
+    "cpu": dict(layers=2, experts=8, train_batch=4, seq=32, decode_batch=8, prompt_len=8,
+                new_tokens=8),
+}
+
+
+def _size(name: str) -> int:
+  return FLAGS[name].value or PRESETS[FLAGS.preset][name]
+
+
+def model_config() -> Any:
+  from trace_jax import model as M
+  layers, experts = _size("layers"), _size("experts")
+  if FLAGS.preset == "cpu":
+    return M.tiny(num_hidden_layers=layers, num_experts=experts, policy=FLAGS.policy,
+                  dtype="bfloat16")
+  return M.qwen3_30b_a3b(num_hidden_layers=layers, num_experts=experts, vocab_size=32768,
+                         dtype="bfloat16", policy=FLAGS.policy, moe_impl="kernel",
+                         decode_impl="kernel", max_position_embeddings=4096)
+
+
+def make_mesh(n: int) -> Any:
+  import jax
+
+  from trace_jax.model import sharding
+  return None if n == 1 else sharding.make_mesh({FLAGS.mesh_axis: n}, jax.devices()[:n])
+
+
+def time_train(config: Any, params: Any, mesh: Any) -> dict[str, Any]:
+  """Median seconds of `sft_step` (state donated, so each call feeds the last one's state)."""
+  import jax
+  import jax.numpy as jnp
+
+  from trace_jax.model import sharding
+  from trace_jax.train import step as step_lib
+  b, s = _size("train_batch"), _size("seq")
+  placed = (jax.device_put(params, jax.devices()[0]) if mesh is None
+            else sharding.shard_params(params, mesh))
+  tx = step_lib.make_optimizer(step_lib.OptimConfig(lr=1e-5, total_steps=100))
+  state = step_lib.init_state(placed, tx)
+  toks = jax.random.randint(jax.random.key(1), (b, s + 1), 0, config.vocab_size)
+  batch = dict(inputs=toks[:, :-1], targets=toks[:, 1:], loss_mask=jnp.ones((b, s), jnp.int32))
+  t0 = time.perf_counter()
+  state, out = step_lib.sft_step(state, batch, config=config, tx=tx)
+  first_loss = float(out["loss"])
+  first_s = time.perf_counter() - t0
+  times = []
+  for _ in range(FLAGS.reps):
+    t0 = time.perf_counter()
+    state, out = step_lib.sft_step(state, batch, config=config, tx=tx)
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - t0)
+  med = float(np.median(times))
+  return dict(first_loss=first_loss, first_call_s=first_s, median_s=med,
+              tokens_per_s=b * s / med)
+
+
+def time_decode(config: Any, params: Any, mesh: Any) -> tuple[dict[str, Any], list[list[int]]]:
+  """Median seconds of one greedy `generate` call of the whole batch, and its tokens."""
+  from trace_jax.rollout.engine import InProcessEngine
+  from trace_jax.rollout.protocol import SamplingParams
+  b, p, new = _size("decode_batch"), _size("prompt_len"), _size("new_tokens")
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(1, config.vocab_size, (b, p)).tolist()
+  sp = SamplingParams(max_new_tokens=new, temperature=0.0)
+  engine = InProcessEngine(params, config, max_batch=b, mesh=mesh)
+  t0 = time.perf_counter()
+  out = engine.generate(prompts, sp)
+  first_s = time.perf_counter() - t0
+  times = []
+  for _ in range(FLAGS.reps):
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, sp)
+    times.append(time.perf_counter() - t0)
+  tokens = sum(len(s.tokens) for s in out)
+  if tokens != b * new:  # greedy without stop ids: every row runs to the end
+    raise RuntimeError(f"generated {tokens} tokens, expected {b} x {new}")
+  med = float(np.median(times))
+  return (dict(first_call_s=first_s, median_s=med, tokens_per_s=tokens / med),
+          [s.tokens for s in out])
+
+
+def run_bench() -> dict[str, Any]:
+  import jax
+
+  from trace_jax import model as M
+  counts = [int(n) for n in FLAGS.devices] or sorted({1, len(jax.devices())})
+  if max(counts) > len(jax.devices()) or min(counts) < 1:
+    raise ValueError(f"--devices {counts}: this host has {len(jax.devices())} devices")
+  config = model_config()
+  if FLAGS.mesh_axis == "expert" and any(config.num_experts % n for n in counts):
+    raise ValueError(f"--devices {counts} must divide the {config.num_experts} experts")
+  res: dict[str, Any] = dict(common.device_description(), model=config.shape_fields(),
+                             sizes={k: _size(k) for k in PRESETS["cpu"]})
+  res.update(common.bandwidth_gbps(), **common.matmul_tflops())
+  params = M.init_params(config, 0, param_dtype="float32")
+  n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+  print(f"bench_multi_gpu: {res['device_kind']} x {len(jax.devices())}, copy "
+        f"{res['copy_gbps']:.0f} GB/s, BF16 matmul {res['bf16_tflops']:.0f} TFLOP/s (device 0); "
+        f"{config.num_hidden_layers} layers, {config.num_experts} experts, {n_params / 1e9:.2f}B "
+        f"params; mesh axis {FLAGS.mesh_axis}", flush=True)
+  cases: dict[str, Any] = {}
+  ref_tokens = None
+  for n in counts:
+    mesh = make_mesh(n)
+    case: dict[str, Any] = {}
+    if FLAGS.train:
+      case["train"] = time_train(config, params, mesh)
+      t = case["train"]
+      print(f"  {n} device(s) train : {t['tokens_per_s']:>12,.0f} tok/s  "
+            f"{t['median_s'] * 1e3:8.1f} ms/step  first call {t['first_call_s']:6.1f} s  "
+            f"loss {t['first_loss']:.6f}", flush=True)
+    if FLAGS.decode:
+      case["decode"], tokens = time_decode(config, params, mesh)
+      ref_tokens = ref_tokens or tokens
+      agree = float(np.mean([a == b for x, y in zip(tokens, ref_tokens) for a, b in zip(x, y)]))
+      case["decode"]["token_agreement_with_first"] = agree
+      d = case["decode"]
+      print(f"  {n} device(s) decode: {d['tokens_per_s']:>12,.0f} tok/s  first call "
+            f"{d['first_call_s']:6.1f} s  greedy tokens equal to {counts[0]} device(s)': "
+            f"{100 * agree:.1f}%", flush=True)
+    cases[str(n)] = case
+  res["cases"] = cases
+  res.update(summary(cases, counts))
+  for k, v in res.items():
+    if k.endswith("_over_one") and not isinstance(v, dict):
+      print(f"  {k}: {v:.3f}")
+  return res
+
+
+def summary(cases: dict[str, Any], counts: Sequence[int]) -> dict[str, Any]:
+  """Ratios of every device count's tokens/s to the first count's, and the loss check."""
+  out: dict[str, Any] = {}
+  base = cases[str(counts[0])]
+  for part, key in (("train", "n_gpu_over_one"), ("decode", "n_gpu_decode_over_one")):
+    if part not in base:
+      continue
+    out[key] = {str(n): cases[str(n)][part]["tokens_per_s"] / base[part]["tokens_per_s"]
+                for n in counts}
+    if counts[0] == 1 and "2" in out[key]:
+      out["two_gpu_over_one" if part == "train" else "two_gpu_decode_over_one"] = out[key]["2"]
+  if "train" in base:
+    ref = base["train"]["first_loss"]
+    out["first_loss_rel_diff"] = {str(n): abs(cases[str(n)]["train"]["first_loss"] - ref)
+                                  / abs(ref) for n in counts}
+  return out
+
+
+def main(argv: Sequence[str]) -> dict[str, Any] | None:
+  if not common.parse_flags(FLAGS, argv):
+    return None
+  common.set_gpu_memory_env()
+  return common.finish(run_bench(), FLAGS)
+
+
+if __name__ == "__main__":
+  main(sys.argv)
