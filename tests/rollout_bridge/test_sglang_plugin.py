@@ -22,10 +22,12 @@ SiLU is exact in float32, so every quantizer input and thus every record is bit-
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import importlib.util
 import os
 import pkgutil
+import signal
 import socket
 import sys
 import types
@@ -68,6 +70,16 @@ with warnings.catch_warnings():
   from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
   from sglang.srt.plugins import GENERAL_PLUGINS_GROUP
   from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+# SGLang loads tvm_ffi, whose libtvm_ffi.so installs a SIGSEGV handler that walks the stack with
+# libgcc's unwinder. A SIGSEGV raised inside that unwinder (seen while XLA's CPU compile threw
+# a C++ exception) then deadlocks on the unwinder's own lock: a pytest worker hung for 15+
+# minutes twice on 2026-12-03 (WORKSPACE.md). The default action again, with faulthandler's
+# traceback first: such a crash fails loudly instead. `make test` also runs this module in a
+# pytest process of its own.
+signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+if faulthandler.is_enabled():
+  faulthandler.enable(file=sys.__stderr__)
 
 from rollout_bridge import launch_sglang  # noqa: E402
 from rollout_bridge import torch_quant as tq  # noqa: E402
