@@ -11,17 +11,20 @@ from typing import Any
 import jax
 import pytest
 
-# Share compiled XLA programs between the pytest-xdist workers and test modules (and across
-# runs): several modules jit the same quantizers at the same shapes, and compiling them is most
-# of the suite's CPU time. Keyed by the program, flags and jax version, so never stale.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+# JAX's persistent compilation cache is off in the suite unless asked for
+# (TRACE_TEST_COMPILE_CACHE=1; or JAX_COMPILATION_CACHE_DIR set by hand). Writing an entry
+# serializes the executable, and on 2026-12-03 a serialization threw a C++ exception whose
+# unwinding crashed in libgcc's unwinder three times in a few `.ci/run`s (a worker hung in
+# tvm_ffi's SIGSEGV handler twice, aborted once; WORKSPACE.md). Shared between the xdist
+# workers it had made the suite ~10% faster.
+if os.environ.get("TRACE_TEST_COMPILE_CACHE") == "1" and \
+    "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   jax.config.update("jax_compilation_cache_dir",
                     str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"))
-# Every program, not only those compiling in over 1 s (JAX's default): eager code (interpret-mode
-# kernels, eager scans) compiles the same small programs dozens of times per module, each a new
-# trace, and reading them back is cheaper (the suite ran ~10% faster from an empty cache).
-if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  # Every program, not only those compiling in over 1 s (JAX's default): eager code
+  # (interpret-mode kernels, eager scans) compiles the same small programs dozens of times.
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 # Shared test helpers live next to the quantization tests (`tests/quant/cases.py`); make them
 # importable as `cases` from every test directory, whatever the import mode.
