@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,17 @@ if os.environ.get("TRACE_TEST_COMPILE_CACHE") == "1" and \
 _QUANT_TESTS = str(Path(__file__).resolve().parent / "quant")
 if _QUANT_TESTS not in sys.path:
   sys.path.insert(0, _QUANT_TESTS)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs() -> Iterator[None]:
+  """Drops every compiled program after each test module. A worker that kept them all held
+  ~7 GB by the end of the suite, and the three `.ci/run`s of 2026-12-03 (second session)
+  each lost a worker at 94-97% to a C++ abort or hang inside XLA on this 23 GB, swap-free
+  machine (WORKSPACE.md); a module's own programs stay cached while it runs."""
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 @pytest.fixture(scope="session")
