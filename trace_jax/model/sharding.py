@@ -120,23 +120,18 @@ def param_axes(path_names: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def param_shardings(params: Any, mesh: Mesh,
-                    rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES) -> Any:
-  """A tree of NamedSharding matching `params` (arrays or ShapeDtypeStructs)."""
+                    rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES,
+                    stacked: bool = False) -> Any:
+  """A tree of NamedSharding matching `params` (arrays or ShapeDtypeStructs). stacked: layer
+  params stacked along a leading layer axis (the rollout engine's `layers`,
+  `layer_runs.stack_layers`), that axis replicated (an array the engine emptied, shape [0],
+  replicated)."""
+  lead = (None,) if stacked else ()
+
   def one(path, x):
-    return NamedSharding(mesh, logical_to_spec(param_axes(_path_names(path)), x.shape, mesh,
-                                               rules))
+    return NamedSharding(mesh, logical_to_spec(lead + param_axes(_path_names(path)), x.shape,
+                                               mesh, rules))
   return jax.tree_util.tree_map_with_path(one, params)
-
-
-def stacked_param_shardings(layers: Any, mesh: Mesh,
-                            rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES) -> Any:
-  """A tree of NamedSharding for layer params stacked along a leading layer axis (the
-  rollout engine's `layers`, `layer_runs.stack_layers`): that axis replicated, the others by
-  the rules (an array the engine emptied, shape [0], replicated)."""
-  def one(path, x):
-    axes = (None,) + param_axes(_path_names(path))
-    return NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, rules))
-  return jax.tree_util.tree_map_with_path(one, layers)
 
 
 def activation_sharding(mesh: Mesh, shape: Sequence[int],

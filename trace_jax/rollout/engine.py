@@ -491,8 +491,8 @@ class _Programs:
       return _stack_layers(params, self.config)
     if self._stack is None:
       fn = functools.partial(model_lib.stack_layers, config=self.config)
-      out = sharding.stacked_param_shardings(jax.eval_shape(fn, params), self.mesh,
-                                             sharding.ENGINE_RULES)
+      out = sharding.param_shardings(jax.eval_shape(fn, params), self.mesh,
+                                     sharding.ENGINE_RULES, stacked=True)
       self._stack = jax.jit(fn, out_shardings=out)
     return self._stack(params)
 
