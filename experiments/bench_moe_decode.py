@@ -17,6 +17,7 @@ side by side in one process:
 - kernel_fp4_words_natural: the same with the decoded tile's columns in natural order
   (`words_order="natural"`) instead of the MMA operand order;
 - kernel_fp4_words_noprefetch: the words case without loading the next K tile ahead;
+- kernel_fp4_words_prefetch2: the words case loading two K tiles ahead (`prefetch=2`);
 - kernel_fp4_float16: the same kernel with the previous decoder (`decoder="float16"`, the
   float16 bit trick), for the before/after ratio in one process.
 
@@ -87,8 +88,9 @@ flags.DEFINE_list("sweep_configs",
                    "128:256:16:8:2:auto", "256:128:16:8:2:auto", "128:256:16:4:3:auto",
                    "64:128:16:4:3:auto", "64:256:32:4:2:auto", "64:256:16:4:3:auto:float16",
                    "32:256:16:4:4:auto:float16"],
-                  "block_n:block_k:block_m:num_warps:num_stages:swap_ab[:decoder] entries "
-                  "(decoder: auto, table, words or float16; packed weights only).",
+                  "block_n:block_k:block_m:num_warps:num_stages:swap_ab[:decoder[:prefetch]] "
+                  "entries (decoder: auto, table, words or float16; prefetch: K tiles loaded "
+                  "ahead by the words decoder; packed weights only).",
                   flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "PRNG seed.", flag_values=FLAGS)
 flags.DEFINE_integer("copy_mib", 0, "Bandwidth-reference array size in MiB (0: "
@@ -103,20 +105,23 @@ PRESETS = {
 }
 CASES = ("ragged_bf16", "tiled_bf16", "kernel_bf16", "fq_ragged_fp4", "dq_ragged_fp4",
          "kernel_fp4", "kernel_fp4_words", "kernel_fp4_words_natural",
-         "kernel_fp4_words_noprefetch", "kernel_fp4_float16")
+         "kernel_fp4_words_noprefetch", "kernel_fp4_words_prefetch2", "kernel_fp4_float16")
 BASELINE = "ragged_bf16"
 # kernel case -> the cases whose outputs it must match (same weights, float32 sums).
 VERIFY = {"kernel_bf16": ("ragged_bf16",), "kernel_fp4": ("dq_ragged_fp4", "fq_ragged_fp4"),
           "kernel_fp4_words": ("dq_ragged_fp4", "kernel_fp4"),
           "kernel_fp4_words_natural": ("dq_ragged_fp4",),
           "kernel_fp4_words_noprefetch": ("dq_ragged_fp4",),
+          "kernel_fp4_words_prefetch2": ("dq_ragged_fp4", "kernel_fp4_words"),
           "kernel_fp4_float16": ("dq_ragged_fp4",)}
 _TRI = {"auto": None, "true": True, "false": False}
 
 
 def _kernel_opts(spec: str | None = None) -> dict[str, Any]:
   """Kernel keyword arguments from the flags, or from a sweep entry
-  n:k:m:warps:stages:swap[:decoder]; "decoder" applies to packed weights only."""
+  n:k:m:warps:stages:swap[:decoder[:prefetch]]; "decoder" and "prefetch" (K tiles loaded
+  ahead, codes as words only) apply to packed weights only."""
+  pre = None
   if spec is None:
     n, k, m, warps, stages, swap, dec = (FLAGS.block_n, FLAGS.block_k, FLAGS.block_m,
                                          FLAGS.num_warps, FLAGS.num_stages, FLAGS.swap_ab,
@@ -124,14 +129,16 @@ def _kernel_opts(spec: str | None = None) -> dict[str, Any]:
   else:
     n, k, m, warps, stages, swap, *rest = spec.split(":")
     dec = rest[0] if rest else "auto"
-  return dict(block_n=int(n), block_k=int(k), block_m=int(m) or None, num_warps=int(warps),
+    pre = int(rest[1]) if len(rest) > 1 else None
+  opts = dict(block_n=int(n), block_k=int(k), block_m=int(m) or None, num_warps=int(warps),
               num_stages=int(stages), split=_TRI[FLAGS.split], swap_ab=_TRI[swap],
               decoder=None if dec == "auto" else dec)
+  return opts if pre is None else {**opts, "prefetch": pre}
 
 
 def _dense_opts(opts: dict[str, Any]) -> dict[str, Any]:
   """The options without the packed-weight ones (a BF16 call takes the float16 path)."""
-  return {k: v for k, v in opts.items() if k != "decoder"}
+  return {k: v for k, v in opts.items() if k not in ("decoder", "prefetch")}
 
 
 def _fns(opts: dict[str, Any]) -> dict[str, Callable[..., Any]]:
@@ -157,7 +164,9 @@ def _fns(opts: dict[str, Any]) -> dict[str, Callable[..., Any]]:
       "kernel_fp4_words_natural": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
           x, w[2], gs, **{**opts, "decoder": None, "split": None, "words_order": "natural"})),
       "kernel_fp4_words_noprefetch": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
-          x, w[2], gs, **{**opts, "decoder": None, "split": None, "prefetch": False})),
+          x, w[2], gs, **{**opts, "decoder": None, "split": None, "prefetch": 0})),
+      "kernel_fp4_words_prefetch2": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
+          x, w[2], gs, **{**opts, "decoder": None, "split": None, "prefetch": 2})),
       "kernel_fp4_float16": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
           x, w[1], gs, **{**opts, "decoder": "float16"})),
   }
@@ -378,7 +387,7 @@ def format_shape(shape: dict[str, Any]) -> str:
       r = cs[num]["median_ms"] / cs[BASELINE]["median_ms"]
       lines.append(f"  {num} / {BASELINE} time: {r:.3f} (speed-up {1 / r:.2f}x)")
   for num in ("kernel_fp4", "kernel_fp4_words", "kernel_fp4_words_natural",
-              "kernel_fp4_words_noprefetch", "kernel_fp4_float16"):
+              "kernel_fp4_words_noprefetch", "kernel_fp4_words_prefetch2", "kernel_fp4_float16"):
     if num in cs and "kernel_bf16" in cs:
       r = cs[num]["median_ms"] / cs["kernel_bf16"]["median_ms"]
       lines.append(f"  {num} / kernel_bf16 time: {r:.3f} (FP4 kernel {1 / r:.2f}x the BF16 "

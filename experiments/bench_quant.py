@@ -13,12 +13,22 @@ the first `--torch_max_elements` elements only (throughput is per element, so th
 
 Default size: 2**28 (256M) elements on GPU, 2**24 (16M) elsewhere. The GPU figures are recorded
 by the lead in docs/benchmarks.md; this script records nothing itself except `--json_out`.
+
+`--sites` runs a different comparison instead of the table: an NVFP4 activation site's
+quantize-dequantize at the decode site shapes (`--site_shapes`, rows in `--dtype`), XLA's path
+(`formats.fp4_quantize_act` + `fp4_dequantize(...).astype`) against the one-kernel
+`kernels.nvfp4_act.quantize_rows`, both jitted, in one process. Each timed program chains
+`--site_chain` site calls (each call's y is the next call's x) so that host dispatch does not
+hide the per-site device cost; the table gives the time per site call, one jitted call's time,
+XLA's time over the kernel's, the optimized HLO's entry ops (about the kernels launched on GPU),
+and whether both paths' outputs (y, codes, block scales, row scales) are bit-identical.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import platform
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,6 +59,13 @@ flags.DEFINE_list("ops", [], "Ops to run (default: all); the copy reference alwa
 flags.DEFINE_integer("seed", 0, "PRNG seed of the input.", flag_values=FLAGS)
 flags.DEFINE_string("json_out", "runs/bench_quant/bench.json", "JSON output path ('' = none).",
                     flag_values=FLAGS)
+flags.DEFINE_bool("sites", False, "Instead of the op table: time the decode sites' NVFP4 "
+                  "quantize-dequantize, XLA's path against the one-kernel nvfp4_act.quantize_rows, "
+                  "and check that their outputs are bit-identical.", flag_values=FLAGS)
+flags.DEFINE_list("site_shapes", ["64x2048", "512x768", "512x128"], "--sites: row shapes MxK "
+                  "(K a multiple of 16).", flag_values=FLAGS)
+flags.DEFINE_integer("site_chain", 8, "--sites: site calls chained in each timed jitted program "
+                     "(times are reported per site call).", flag_values=FLAGS)
 
 GPU_SIZE = 2**28
 CPU_SIZE = 2**24
@@ -350,11 +367,143 @@ def format_bench(res: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- --sites
+
+_NOT_KERNELS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
+
+
+def _parse_shape(text: str) -> tuple[int, int]:
+  try:
+    m, k = (int(v) for v in text.lower().split("x"))
+  except ValueError:
+    raise ValueError(f"--site_shapes: expected MxK, got {text!r}") from None
+  if m < 1 or k < 16 or k % 16:
+    raise ValueError(f"--site_shapes: M >= 1 and K a positive multiple of 16, got {text!r}")
+  return m, k
+
+
+def entry_ops(hlo_text: str) -> int:
+  """Instructions of an optimized HLO module's ENTRY computation other than parameters,
+  constants, tuples and bitcasts: about the kernels one call launches on the GPU."""
+  lines = hlo_text.splitlines()
+  start = next((i for i, ln in enumerate(lines) if ln.startswith("ENTRY")), None)
+  if start is None:
+    return 0
+  n = 0
+  for ln in lines[start + 1:]:
+    if ln.startswith("}"):
+      break
+    m = re.search(r"=\s.*?\s([a-z][a-z0-9\-]*)\(", ln)
+    if m and m.group(1) not in _NOT_KERNELS:
+      n += 1
+  return n
+
+
+def _site_fields(out: Any) -> list[Any]:
+  """(y, q) as a list of numpy arrays of raw bits (float NaNs made canonical)."""
+  import jax
+  import numpy as np
+
+  fields = []
+  for a in jax.tree.leaves(jax.device_get(out)):
+    a = np.asarray(a)
+    b = a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize]).copy()
+    if a.dtype.kind == "f":
+      b[np.isnan(a.astype(np.float32))] = 0x7F
+    fields.append(b)
+  return fields
+
+
+def run_sites(shapes: Sequence[str], dtype: str, chain: int, reps: int, warmup: int,
+              seed: int) -> dict[str, Any]:
+  """--sites: XLA's NVFP4 site path against `nvfp4_act.quantize_rows` per shape (see the module
+  docstring); returns the results dict."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from trace_jax.kernels import nvfp4_act
+
+  if chain < 1:
+    raise ValueError(f"--site_chain must be >= 1, got {chain}")
+  parsed = [_parse_shape(t) for t in shapes]
+  on_gpu = jax.default_backend() == "gpu"
+  reps = reps or (20 if on_gpu else 5)
+  dev = common.device_description()
+  res: dict[str, Any] = {**dev, "mode": "sites", "dtype": dtype, "chain": chain, "reps": reps,
+                         "warmup": warmup, "python": platform.python_version(), "sites": {}}
+  print(f"bench_quant --sites: backend {res['backend']}, device {dev['device_kind']}, jax "
+        f"{jax.__version__}; {dtype} rows, {chain} chained site calls per timed program",
+        flush=True)
+  paths = {"xla": nvfp4_act.reference, "kernel": nvfp4_act.quantize_rows}
+
+  def chained(site, n):
+    def f(x):
+      out = site(x)
+      for _ in range(n - 1):
+        out = site(out[0])
+      return out
+    return f
+
+  for m, k in parsed:
+    key = f"{m}x{k}"
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)) * np.exp2(rng.integers(-4, 5, (m, 1)))
+    x = jnp.asarray(x, dtype)
+    entry: dict[str, Any] = {"m": m, "k": k}
+    outs = {}
+    for path, site in paths.items():
+      one = jax.jit(chained(site, 1)).lower(x).compile()
+      many = jax.jit(chained(site, chain)).lower(x).compile()
+      outs[path] = (one(x), many(x))
+      entry[f"{path}_entry_ops"] = entry_ops(one.as_text())
+      med1, _ = common.median_seconds(lambda f=one, x=x: f(x), jax.block_until_ready, warmup, reps)
+      med, best = common.median_seconds(lambda f=many, x=x: f(x), jax.block_until_ready,
+                                        warmup, reps)
+      entry[f"{path}_call_ms"] = 1e3 * med1
+      entry[f"{path}_us"] = 1e6 * med / chain
+      entry[f"{path}_min_us"] = 1e6 * best / chain
+    entry["xla_over_kernel"] = entry["xla_us"] / entry["kernel_us"]
+    entry["bit_identical"] = all(
+        all(np.array_equal(a, b) for a, b in zip(_site_fields(outs["xla"][i]),
+                                                 _site_fields(outs["kernel"][i]), strict=True))
+        for i in range(2))
+    res["sites"][key] = entry
+    print(f"  {key:12s} xla {entry['xla_us']:9.1f} us  kernel {entry['kernel_us']:9.1f} us  "
+          f"xla/kernel {entry['xla_over_kernel']:.2f}x  bit-identical "
+          f"{'yes' if entry['bit_identical'] else 'NO'}", flush=True)
+  res["bit_identical"] = all(e["bit_identical"] for e in res["sites"].values())
+  return res
+
+
+def format_sites(res: dict[str, Any]) -> str:
+  """--sites results as an aligned table."""
+  head = ["M x K", "xla us/site", "kernel us/site", "xla/kernel", "xla call ms",
+          "kernel call ms", "entry ops xla/kernel", "bit-identical"]
+  rows = [[key, f"{e['xla_us']:.1f}", f"{e['kernel_us']:.1f}", f"{e['xla_over_kernel']:.2f}x",
+           f"{e['xla_call_ms']:.3f}", f"{e['kernel_call_ms']:.3f}",
+           f"{e['xla_entry_ops']}/{e['kernel_entry_ops']}", "yes" if e["bit_identical"] else "NO"]
+          for key, e in res["sites"].items()]
+  lines = [
+      f"bench_quant --sites on {res['backend']} ({res['device_kind']}): NVFP4 site "
+      f"quantize-dequantize of {res['dtype']} rows, XLA (formats) vs nvfp4_act.quantize_rows; "
+      f"us/site: median of {res['reps']} programs of {res['chain']} chained calls after "
+      f"{res['warmup']} warm-up",
+      common.format_table(head, rows),
+      f"all outputs bit-identical: {'yes' if res['bit_identical'] else 'NO'}",
+  ]
+  return "\n".join(lines)
+
+
 def main(argv: Sequence[str]) -> dict[str, Any] | None:
   """Parses argv (argv[0] is the program name), benchmarks, prints and writes the JSON."""
   if not common.parse_flags(FLAGS, argv):
     return None
   common.set_gpu_memory_env()
+  if FLAGS.sites:
+    res = run_sites(FLAGS.site_shapes, FLAGS.dtype, FLAGS.site_chain, FLAGS.reps, FLAGS.warmup,
+                    FLAGS.seed)
+    return common.finish(res, FLAGS, format_sites(res))
   res = run_bench(FLAGS.size, FLAGS.k, FLAGS.dtype, FLAGS.reps, FLAGS.warmup, FLAGS.torch,
                   FLAGS.torch_device, FLAGS.torch_reps, FLAGS.torch_max_elements, FLAGS.ops,
                   FLAGS.seed, FLAGS.json_out)

@@ -10,11 +10,14 @@ Fixed batch: for each (policy, decode_impl, batch), one `InProcessEngine.generat
 compiles (its wall time is the program's compile plus one run: `first_call_s`; `compile_s` =
 that minus the median call), then `--reps` timed calls of greedy decoding of `--new_tokens`
 tokens after `--prompt_len`-token prompts. Reported: decode tokens/s (batch * new tokens /
-median call time, prefill included), the bytes a decode step must read (`step_bytes`: the
-touched experts' weights as the engine stores them, attention, router, norms and lm_head
-weights, the KV cache at the mean length) and their rate against the device's read and copy
-bandwidths measured in the same process (`common.bandwidth_gbps`), and ratios side by side:
-FP4 over BF16 at each batch, the kernel decode over XLA's.
+median call time, prefill included; for engines that record, plus the records' transfer still
+in flight after the last timed call, read back as a consumer would, over `--reps`: the engine
+starts each batch's record copy to the host and returns, so the copy overlaps the next call;
+`emit_s_per_call`, `emit_bytes_per_call`, `records_drain_s`), the bytes a decode step must
+read (`step_bytes`: the touched experts' weights as the engine stores them, attention, router,
+norms and lm_head weights, the KV cache at the mean length) and their rate against the
+device's read and copy bandwidths measured in the same process (`common.bandwidth_gbps`), and
+ratios side by side: FP4 over BF16 at each batch, the kernel decode over XLA's.
 
 Fixed memory (`--budget_gb`, 0 skips it; `--budget_context`, `--budget_max_batch`,
 `--budget_policies` (CPU preset: bf16 and fp4_rtn), `--budget_impl`): per policy, how many
@@ -281,18 +284,34 @@ def run_case(params: Any, config: Any, batch: int, reps: int) -> tuple[dict[str,
   prompts = make_prompts(batch, FLAGS.prompt_len, config.vocab_size)
   sp = SamplingParams(max_new_tokens=FLAGS.new_tokens, temperature=0.0)
   out: list[Any] = []
+  emits: list[tuple[float, int]] = []  # per call: seconds and bytes of taking records off
 
   def call() -> float:
+    e0, b0 = engine.emit_seconds, engine.emit_bytes
     t0 = time.perf_counter()
     out[:] = engine.generate(prompts, sp)
-    return time.perf_counter() - t0
+    dt = time.perf_counter() - t0
+    emits.append((engine.emit_seconds - e0, engine.emit_bytes - b0))
+    return dt
 
   r = _timed(call, reps)
+  per_call = r["median_s"]
+  if emits[-1][1]:
+    # Records: the engine starts their copy to the host and returns; the copy overlaps the
+    # next call's decode. What is still in flight after the last timed call (read back here,
+    # as a consumer would) is shared over the timed calls.
+    t0 = time.perf_counter()
+    assert engine.last_guidance is not None
+    r["records_drain_s"] = time.perf_counter() - t0
+    per_call += r["records_drain_s"] / max(reps, 1)
+    r.update(emit_s_per_call=float(np.median([e for e, _ in emits[1:]])),
+             emit_bytes_per_call=emits[-1][1])
+    r["emit_fraction"] = r["emit_s_per_call"] / per_call
   tokens = sum(len(s.tokens) for s in out)
   if tokens != batch * FLAGS.new_tokens:  # greedy without stop ids: every row runs to the end
     raise RuntimeError(f"{config.policy}: generated {tokens} tokens, expected {batch} x "
                        f"{FLAGS.new_tokens}")
-  r.update(engine_init_s=init_s, tokens=tokens, tokens_per_s=tokens / r["median_s"],
+  r.update(engine_init_s=init_s, tokens=tokens, tokens_per_s=tokens / per_call,
            tokens_per_seq=tokens / batch)
   if FLAGS.profile_dir:
     name = f"{config.policy}_{config.decode_impl}_{batch}"
@@ -488,6 +507,11 @@ def run_bench() -> dict[str, Any]:
               f"{r['first_call_s']:6.1f} s (compile {r['compile_s']:6.1f} s)  "
               f"{_gb(nbytes)}/step -> {100 * r['read_fraction']:4.1f}% of read, "
               f"{100 * r['copy_fraction']:4.1f}% of copy bandwidth", flush=True)
+        if "emit_s_per_call" in r:
+          print(f"  {'':<22} records: {_gb(r['emit_bytes_per_call'])} per call, "
+                f"{1e3 * r['emit_s_per_call']:.1f} ms of each call to start their transfer "
+                f"({100 * r['emit_fraction']:.1f}%), {1e3 * r['records_drain_s']:.1f} ms to "
+                f"drain the last (counted in tok/s)", flush=True)
 
   if _preset("transformers"):
     hf_batches = [int(b) for b in FLAGS.transformers_batches] or [key_batch]

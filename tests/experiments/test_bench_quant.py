@@ -70,3 +70,48 @@ def test_unknown_op_is_an_error(tmp_path):
   with pytest.raises(ValueError, match="unknown ops"):
     bench_quant.main(["bench_quant", "--size=1024", "--k=1024", "--ops=nope",
                       f"--json_out={tmp_path / 'b.json'}"])
+
+
+def test_sites_smoke(tmp_path):
+  """--sites at one tiny shape (a padded block axis): both paths timed per site call and
+  bit-identical (the kernel runs in the Pallas interpreter here); no timing assertions."""
+  path = tmp_path / "sites.json"
+  bench_quant.main(["bench_quant", "--sites", "--site_shapes=3x48", "--site_chain=2",
+                    "--reps=1", "--warmup=1", f"--json_out={path}"])
+  with open(path) as f:
+    bench = json.load(f)
+  assert bench["mode"] == "sites" and bench["chain"] == 2
+  assert list(bench["sites"]) == ["3x48"]
+  for key, e in bench["sites"].items():
+    for field in ("xla_us", "kernel_us", "xla_call_ms", "kernel_call_ms", "xla_over_kernel",
+                  "xla_entry_ops", "kernel_entry_ops"):
+      assert field in e, (key, field)
+    assert e["bit_identical"] is True, key
+  assert bench["bit_identical"] is True
+
+
+def test_sites_bad_shape_is_an_error(tmp_path):
+  with pytest.raises(ValueError, match="multiple of 16"):
+    bench_quant.main(["bench_quant", "--sites", "--site_shapes=4x40",
+                      f"--json_out={tmp_path / 'b.json'}"])
+
+
+def test_entry_ops_counts_kernels_not_plumbing():
+  hlo = """HloModule m
+
+fused_computation {
+  p = f32[4]{0} parameter(0)
+  ROOT n = f32[4]{0} negate(p)
+}
+
+ENTRY main {
+  %p0 = f32[4]{0} parameter(0)
+  %c = f32[] constant(1)
+  %f = f32[4]{0} fusion(f32[4]{0} %p0), kind=kLoop, calls=fused_computation
+  %cc = (f32[4]{0}, u8[4]{0}) custom-call(f32[4]{0} %f), custom_call_target="x"
+  %g = f32[4]{0} get-tuple-element((f32[4]{0}, u8[4]{0}) %cc), index=0
+  %b = f32[2,2]{1,0} bitcast(f32[4]{0} %g)
+  ROOT %t = (f32[2,2]{1,0}) tuple(f32[2,2]{1,0} %b)
+}
+"""
+  assert bench_quant.entry_ops(hlo) == 2

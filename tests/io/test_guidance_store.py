@@ -165,6 +165,36 @@ def test_bytes_per_token_reported(stored, mode):
         f"{manifest['bytes']['stored_chunk_bytes_per_token']:.1f} B/token incl. routing")
 
 
+def test_device_arrays_with_padding_rows(tmp_path, stored):
+  """Device arrays may carry rows past the batch's tokens (the engine's padded ragged rows,
+  copied to the host on the writer thread): the padding is dropped, and the batch reads back,
+  with the same manifest shapes and byte stats, as the numpy write of the exact rows. A numpy
+  array with extra rows, and a device array with too few, stay errors."""
+  guidance, routing = records("compact")
+  pad = lambda a: jnp.concatenate([jnp.asarray(a), jnp.zeros((5,) + a.shape[1:], a.dtype)])
+  dev_g = jax.tree.map(pad, guidance)
+  dev_r = {layer: pad(ids) for layer, ids in routing.items()}
+  with gs.GuidanceWriter(tmp_path, HASH, OPTS) as w:
+    stats = w.write_batch("padded", IDS, LENS, dev_g, dev_r).result()["bytes"]
+  assert_batch_matches(gs.GuidanceReader(tmp_path, HASH).read("padded"), "compact",
+                       range(len(IDS)))
+  with open(stored[0] / "compact" / gs.MANIFEST) as f:
+    want = json.load(f)
+  with open(tmp_path / "padded" / gs.MANIFEST) as f:
+    got = json.load(f)
+  assert {p: e["shape"] for p, e in got["arrays"].items()} == {
+      p: e["shape"] for p, e in want["arrays"].items()}
+  assert {k: stats[k] for k in stats if "chunk" not in k} == {
+      k: v for k, v in want["bytes"].items() if "chunk" not in k}
+  one = next(iter(guidance))
+  with gs.GuidanceWriter(tmp_path, HASH, OPTS) as w:
+    with pytest.raises(ValueError, match="rows"):
+      w.write_batch("np_pad", IDS, LENS, jax.tree.map(lambda a: np.asarray(pad(a)), guidance))
+    short = jax.tree.map(lambda a: jnp.asarray(a)[:-1], {one: guidance[one]})
+    with pytest.raises(ValueError, match="rows"):
+      w.write_batch("short", IDS, LENS, short)
+
+
 def test_manifest_contents(stored):
   with open(stored[0] / "compact" / gs.MANIFEST) as f:
     manifest = json.load(f)

@@ -59,6 +59,8 @@ VARIANTS = [
     ("fp4_words_natural", "fp4_words", {"words_order": "natural"}),
     ("fp4_words_no_prefetch", "fp4_words", {"prefetch": False}),
 ]
+# Lowered only (test_lowers_to_triton): the deeper carry's loop must pass Triton's lowering.
+LOWERING_ONLY = [("fp4_words_prefetch2", "fp4_words", {"prefetch": 2})]
 
 
 _pack = jax.jit(fp4_moe.pack_nvfp4)
@@ -326,6 +328,22 @@ def test_matches_reference(group, sizes, variant, kind, opts):
   assert not np.asarray(y[rows:]).any(), "rows past sum(group_sizes) must be zero"
 
 
+def test_prefetch_depth_changes_no_bits():
+  """Loading 0-3 K tiles ahead (4 K steps: the depth-3 carry and its clamped tail loads)
+  only moves loads earlier: the same sums in the same order, so the same bits; a negative
+  depth is refused."""
+  sizes = GROUPS[0][1]
+  x, gs, p = _x(M), jnp.asarray(sizes, jnp.int32), _packed().as_words()
+  run = lambda d: np.asarray(fp4_moe.grouped_matmul_decode(
+      x, p, gs, block_m=16, block_n=32, block_k=32, prefetch=d), np.float32)
+  ys = {d: run(d) for d in (0, 1, 2, 3)}
+  for d in (0, 2, 3):
+    assert np.array_equal(ys[d], ys[1]), f"prefetch={d} differs from prefetch=1"
+  assert np.abs(ys[1]).sum() > 0
+  with pytest.raises(ValueError, match="prefetch"):
+    fp4_moe.grouped_matmul_decode(x, p, gs, prefetch=-1)
+
+
 def test_float32_rows_and_weights():
   sizes = GROUPS[0][1]
   x = _x(M, jnp.float32)
@@ -384,7 +402,8 @@ def test_bad_arguments():
 
 # ----------------------------------------------------------------------------- Triton IR
 
-@pytest.mark.parametrize("variant,kind,opts", VARIANTS, ids=[v[0] for v in VARIANTS])
+@pytest.mark.parametrize("variant,kind,opts", VARIANTS + LOWERING_ONLY,
+                         ids=[v[0] for v in VARIANTS + LOWERING_ONLY])
 def test_lowers_to_triton(variant, kind, opts):
   """The kernel passes Pallas' Triton lowering (power-of-two values, supported primitives)
   for the CUDA platform, on any host; Triton's own compilation needs the GPU run."""

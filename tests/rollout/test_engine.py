@@ -44,3 +44,40 @@ def test_floor_compiles_once_and_does_not_change_completions():
       assert s.tokens == ref.tokens
       # Longer padding changes XLA's reduction shapes: log-probs agree closely, not bitwise.
       np.testing.assert_allclose(s.logprobs, ref.logprobs, rtol=0, atol=1e-5)
+
+
+def test_records_reach_the_store_and_memory_alike(tmp_path):
+  """fp4_trace records of sequences of unequal lengths (padding rows past each batch's
+  tokens): the store's writer gets the device rows (their host copy started at generation)
+  and cuts the padding; the batch it reads back equals the in-memory engine's
+  `last_guidance` bit for bit, sequence for sequence; a shifted selection does not."""
+  from trace_jax.io import guidance_store as gs
+
+  cfg = model_lib.tiny(policy="fp4_trace", dtype="float32")
+  params = model_lib.init_params(cfg, 0, param_dtype="float32")
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(1, cfg.vocab_size, size=n).tolist() for n in (4, 11, 7)]
+  sp = [SamplingParams(max_new_tokens=m, temperature=0.0) for m in (3, 8, 5)]
+  store = gs.GuidanceStore(str(tmp_path), gs.config_hash(cfg))
+  kw = dict(max_batch=4, record_guidance=True, record_routing=True)
+  to_store = engine_lib.InProcessEngine(params, cfg, guidance_store=store, **kw)
+  in_memory = engine_lib.InProcessEngine(params, cfg, **kw)
+  handles = [s.guidance for s in to_store.generate(prompts, sp)]
+  in_memory.generate(prompts, sp)
+  mem = in_memory.last_guidance
+  assert to_store.emit_bytes > 0 and to_store.emit_seconds > 0
+  back = store.read(handles)
+  counts = mem["token_counts"]
+  assert counts == [len(p) + m - 1 for p, m in zip(prompts, (3, 8, 5))]
+  np.testing.assert_array_equal(np.diff(back.seq_offsets), counts)
+  bits = lambda a: np.ascontiguousarray(np.asarray(a)).view(np.uint8)
+  for layer, sites in mem["guidance"].items():
+    for site, g in sites.items():
+      for field in gs.MODE_FIELDS["compact"]:
+        want, got = getattr(g, field), getattr(back.guidance[layer][site], field)
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"{layer}/{site}/{field}")
+  for layer, ids in mem["routing"].items():
+    np.testing.assert_array_equal(back.routing[layer], ids)
+  shifted = store.read(handles[1:] + handles[:1])
+  assert not np.array_equal(shifted.routing[0], mem["routing"][0])

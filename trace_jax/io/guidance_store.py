@@ -338,6 +338,13 @@ def _to_host(a: Any) -> np.ndarray:
                                          ml_dtypes.float8_e8m0fnu) else h
 
 
+def _rows_of(a: Any, tokens: int) -> tuple[int]:
+  """a's leading (row) extent as the batch sees it: a device array's rows past `tokens` are
+  padding (`GuidanceWriter.write_batch`)."""
+  n = int(a.shape[0]) if a.ndim else 0
+  return (tokens,) if isinstance(a, jax.Array) and n >= tokens else (n,)
+
+
 def _per_token(n: float, tokens: int) -> float | None:
   return n / tokens if tokens else None
 
@@ -390,7 +397,9 @@ class GuidanceWriter:
     guidance[layer][site]: Guidance whose rows are the batch's tokens, sequence after sequence
     (`ragged_rows` builds that from padded [B, S, ...]); routing[layer]: int32 [T, top_k].
     NumPy inputs are copied here; jax arrays are copied to host on the writer thread, so do not
-    donate them to a jitted call before `result()`/`flush()`.
+    donate them to a jitted call before `result()`/`flush()`. A jax array may hold more rows
+    than the batch's tokens: the rows past them are padding, dropped after the copy (one
+    device program then makes every batch's rows, whatever its token count).
     """
     if self._closed:
       raise RuntimeError("GuidanceWriter is closed")
@@ -480,7 +489,7 @@ class GuidanceWriter:
           raise ValueError(f"{where}: unknown site; sites are {SITES}")
         if (g.mantissa is None) == (g.codes is None):
           raise ValueError(f"{where}: exactly one of mantissa or codes must be set")
-        lead = tuple(g.block_scale.shape[:-1])
+        lead = _rows_of(g.block_scale, tokens) + tuple(g.block_scale.shape[1:-1])
         k = g.k
         want = {"block_scale": lead + (k // FP4_BLOCKS[fmt],), "row_scale": lead + (1,),
                 "mantissa": lead + (k // 8,), "codes": lead + (k // 2,)}
@@ -492,7 +501,7 @@ class GuidanceWriter:
           a = getattr(g, field)
           if a is None:
             raise ValueError(f"{where}: {fmt} {mode} guidance needs {field}")
-          if tuple(a.shape) != want[field]:
+          if tuple(_rows_of(a, tokens) + a.shape[1:]) != want[field]:
             raise ValueError(f"{where}: {field} shape {tuple(a.shape)}, expected {want[field]}")
           if np.dtype(a.dtype).name != field_dtype(field, fmt):
             raise ValueError(f"{where}: {field} dtype {np.dtype(a.dtype).name}, expected "
@@ -500,19 +509,19 @@ class GuidanceWriter:
           path = array_path(int(layer), site, field)
           arrays[path] = a
           info[path] = {"dtype": field_dtype(field, fmt), "stored_dtype": STORED_DTYPES[field],
-                        "shape": list(a.shape)}
+                        "shape": list(want[field])}
         rows = int(np.prod(lead))
-        b["guidance_bytes"] += g.nbytes
+        b["guidance_bytes"] += g.nbytes * tokens // max(int(g.block_scale.shape[0]), 1)
         b["compact_bytes"] += int(rows * bytes_per_row(k, "compact", fmt))
         b["full_bytes"] += int(rows * bytes_per_row(k, "full", fmt))
     for layer, ids in routing.items():
       path = array_path(int(layer), ROUTING, "ids")
-      if ids.ndim != 2 or ids.shape[0] != tokens or np.dtype(ids.dtype) != np.int32:
+      if ids.ndim != 2 or _rows_of(ids, tokens)[0] != tokens or np.dtype(ids.dtype) != np.int32:
         raise ValueError(f"batch {bid!r} layer {layer} routing: ids must be int32 "
                          f"[{tokens}, top_k], got {np.dtype(ids.dtype).name} {tuple(ids.shape)}")
       arrays[path] = ids
-      info[path] = {"dtype": "int32", "stored_dtype": "int32", "shape": list(ids.shape)}
-      b["routing_bytes"] += int(np.prod(ids.shape)) * 4
+      info[path] = {"dtype": "int32", "stored_dtype": "int32", "shape": [tokens, ids.shape[1]]}
+      b["routing_bytes"] += tokens * int(ids.shape[1]) * 4
     stats: dict[str, Any] = {"mode": mode, "fp4_format": fmt, "num_tokens": tokens}
     for key in ("guidance_bytes", "compact_bytes", "full_bytes", "routing_bytes"):
       stats[key] = int(b[key])
@@ -533,7 +542,9 @@ class GuidanceWriter:
       if path.count("/") == 2:
         _write_group(os.path.join(bdir, os.path.dirname(path)))
     opts = self.options
-    host = {p: _to_host(a) for p, a in arrays.items()}
+    tokens = int(manifest["num_tokens"])  # device arrays' padding rows are cut here
+    host = {p: _to_host(a) if p == "seq_offsets" else _to_host(a)[:tokens]
+            for p, a in arrays.items()}
     opens = {}
     for path, h in host.items():
       if path == "seq_offsets":

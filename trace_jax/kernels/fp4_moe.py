@@ -345,7 +345,7 @@ def e4m3_value_scaled(scale: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- kernel
 
 def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_ab: bool,
-            lut: bool, words: bool, order: str, prefetch: bool, asm: bool, table: str | None,
+            lut: bool, words: bool, order: str, prefetch: int, asm: bool, table: str | None,
             m: int, k: int,
             num_experts: int, bm: int, bn: int, bk: int):
   """One (expert, N tile) program: see the module docstring. The weights carry a leading
@@ -428,13 +428,15 @@ def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_
 
       zeros = jnp.zeros((bn, bm) if swap_ab else (bm, bn), jnp.float32)
       nk = k // bk
-      if words and prefetch:  # tile t + 1's loads issued before tile t's decode and dot
+      depth = min(prefetch, nk) if words else 0
+      if depth:  # tiles t + 1 .. t + depth's loads issued before tile t's decode and dot
         def k_step_prefetch(t, carry):
-          acc, raw = carry
-          nxt = load_raw(jnp.minimum(t + 1, nk - 1))
-          return k_step(t, acc, decode_raw(raw, ts, table)), nxt
+          acc, raws = carry
+          nxt = load_raw(jnp.minimum(t + depth, nk - 1))
+          return k_step(t, acc, decode_raw(raws[0], ts, table)), (*raws[1:], nxt)
 
-        acc, _ = jax.lax.fori_loop(0, nk, k_step_prefetch, (zeros, load_raw(0)))
+        first = tuple(load_raw(i) for i in range(depth))
+        acc, _ = jax.lax.fori_loop(0, nk, k_step_prefetch, (zeros, first))
       else:
         acc = jax.lax.fori_loop(0, nk, k_step, zeros)
       acc = acc.T if swap_ab else acc
@@ -563,7 +565,7 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
                           num_warps: int = 4, num_stages: int = 3, split: bool | None = None,
                           swap_ab: bool | None = None, debug: bool = False,
                           decoder: str | None = None, table: str | None = None,
-                          words_order: str = "mma", prefetch: bool = True) -> jax.Array:
+                          words_order: str = "mma", prefetch: int = 1) -> jax.Array:
   """Rows x [M, K] sorted by expert times w [E, N, K] (dense or packed NVFP4) -> [M, N].
 
   layer: with it, w holds a stack of layers ([L, E, N, K]; packed: every field with a leading
@@ -589,9 +591,13 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
   words_order: codes held as words: "mma" (K tiles of >= 64 columns) lays each decoded tile
   out in the MMA operand order (`fp4_decode.mma_order`, x's columns permuted alike) so each
   block stays in the thread that decodes it; "natural" keeps the columns in order.
-  prefetch: codes held as words: load K tile t + 1's codes and scales (into registers) before
-  decoding tile t, so their latency overlaps the decode.
+  prefetch: codes held as words: how many K tiles ahead the codes and scales are loaded (into
+  registers) before tile t is decoded, so their latency overlaps the decode; 0 (or False)
+  loads each tile where it is decoded. True counts as 1.
   """
+  prefetch = int(prefetch)
+  if prefetch < 0:
+    raise ValueError(f"prefetch must be >= 0 K tiles, got {prefetch}")
   if words_order not in ("mma", "natural"):
     raise ValueError(f"words_order must be 'mma' or 'natural', got {words_order!r}")
   if x.ndim != 2:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trace_jax.kernels import nvfp4_act
 from trace_jax.model import byte_rows, fp8_linear
 from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.model.grouped import grouped_matmul
@@ -83,6 +84,9 @@ class Precision:
     self.tap_mode = tap_mode or config.guidance_mode
     self.tap_routing = bool(tap_layers) if tap_routing is None else tap_routing
     self.record = record
+    # The engine's rollout forwards (kernel decode) quantize NVFP4 sites without guidance in
+    # one Pallas kernel per site (`kernels.nvfp4_act`, the same bits as `formats`).
+    self.site_kernel = record and self.fmt == "nvfp4" and config.decode_impl == "kernel"
     self.taps: dict[int, dict[str, Any]] = {}
 
   def guided_sites(self, layer: int) -> tuple[str, ...]:
@@ -118,6 +122,9 @@ class Precision:
     `qat` operator's bit for bit and has the same straight-through BF16 gradient.
     """
     fmt = self.fmt
+    if g is None and self.site_kernel:
+      y, q = quantize_rows(x)
+      return y, guided.record(q, self.tap_mode) if tap else None
     if not tap:
       if g is None:
         return (qat.qdq_act(x, fmt).astype(x.dtype) if self.record
@@ -191,8 +198,11 @@ class Precision:
     if codes:
       if self.fmt != "nvfp4" or g is not None:
         raise ValueError("kv_site(codes=True): NVFP4 forwards without guidance only")
-      q = formats.fp4_quantize_act(jax.lax.stop_gradient(x), self.fmt)
-      y = formats.fp4_dequantize(q).astype(x.dtype)  # `_quantize`'s values, bit for bit
+      if self.site_kernel:
+        y, q = quantize_rows(jax.lax.stop_gradient(x))
+      else:
+        q = formats.fp4_quantize_act(jax.lax.stop_gradient(x), self.fmt)
+        y = formats.fp4_dequantize(q).astype(x.dtype)  # `_quantize`'s values, bit for bit
       y = y if self.record else qat.straight_through(x, y)
       rec = guided.record(q, self.tap_mode) if layer in self.tap_layers else None
     else:
@@ -274,6 +284,14 @@ class Precision:
       return grouped_matmul(rows, w, group_sizes, c.moe_impl)
     return fp8_linear.grouped(rows, w, group_sizes, c.fp8_gemm,
                               "fp8" if c.fp8_backward else "bf16", c.moe_impl)
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, formats.NVFP4Tensor]:
+  """`kernels.nvfp4_act.quantize_rows` of rows x [..., K] (the kernel takes [M, K]):
+  (y, q) with every field in x's leading shape."""
+  lead, k = x.shape[:-1], x.shape[-1]
+  y, q = nvfp4_act.quantize_rows(x.reshape(-1, k))
+  return y.reshape(x.shape), jax.tree.map(lambda a: a.reshape(lead + a.shape[-1:]), q)
 
 
 def swiglu(gu: jax.Array) -> jax.Array:

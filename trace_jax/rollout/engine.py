@@ -26,7 +26,8 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -109,7 +110,13 @@ class InProcessEngine:
     self._seed_counter = itertools.count((seed * 1_000_003) % _SEED_MOD)
     self._memory_batches = itertools.count()  # batch ids of records kept in memory
     self._lock = threading.Lock()
-    self.last_guidance: dict[str, Any] | None = None
+    self._last_guidance: dict[str, Any] | None = None  # see `last_guidance`
+    self._pending_guidance: Callable[[], dict[str, Any]] | None = None
+    # Wall seconds spent taking records off the device after generation (`_emit`: the
+    # device-side gather, the transfer, the store or memory write) and bytes transferred,
+    # summed over calls.
+    self.emit_seconds = 0.0
+    self.emit_bytes = 0
     self.weights_version = 0
 
   # ---------------------------------------------------------------------------- protocol
@@ -367,19 +374,62 @@ class InProcessEngine:
 
   def _emit(self, counts: list[int], taps: dict) -> list[GuidanceHandle]:
     """Ragged records (the first counts[i] rows of sequence i) to the store or memory; returns
-    each sequence's guidance handle."""
+    each sequence's guidance handle. Its wall time adds to `emit_seconds`."""
+    t0 = time.perf_counter()
+    try:
+      return self._emit_records(counts, taps)
+    finally:
+      self.emit_seconds += time.perf_counter() - t0
+
+  def _emit_records(self, counts: list[int], taps: dict) -> list[GuidanceHandle]:
     n_audit = math.ceil(self.audit_fraction * len(counts))
-    # The rows of every sequence in order, gathered on the device (one program per batch
-    # shape), then one transfer; the host takes each record's leading rows as they are.
+    # The rows of every sequence in order, gathered on the device by one program per batch
+    # shape (padded to b * S rows), and their copy to the host started at once: it runs on
+    # the device's copy engine while the next batch decodes. The rows past sum(counts) are
+    # padding, cut where the records land (the store's writer thread, or `last_guidance`).
     b = jax.tree.leaves(taps)[0].shape[0]
-    rows = jax.device_get(guidance_layout.ragged_rows(
-        taps, jnp.asarray(list(counts) + [0] * (b - len(counts)), jnp.int32)))
-    first = lambda tree, n: jax.tree.map(lambda a: a[:n], tree)
+    rows = guidance_layout.ragged_rows(
+        taps, jnp.asarray(list(counts) + [0] * (b - len(counts)), jnp.int32))
+    for a in jax.tree.leaves(rows):
+      a.copy_to_host_async()
+    self.emit_bytes += sum(a.nbytes for a in jax.tree.leaves(rows))
+    compact_on_host = self.record and self.config.guidance_mode == "compact" and any(
+        g.mantissa is None for layer in self.config.guided_layers
+        for g in (rows[layer][site] for site in SITES))
+    if self.store is not None and not compact_on_host:
+      # The store's writer takes device arrays with padding rows (cut after its copy).
+      return self.store.write_rollout(counts, *self._record_trees(rows, counts, n_audit),
+                                      n_audit)
+    if self.store is not None:  # audited rollouts record full codes: compacted on the host
+      host = self._record_trees(jax.device_get(rows), counts, n_audit, cut=True)
+      return self.store.write_rollout(counts, *host, n_audit)
+    handles = guidance_store.rollout_handles(
+        guidance_store.batch_name(next(self._memory_batches)), len(counts), n_audit)
+    seq_ids = [h.seq_id for h in handles]
+
+    def host_record() -> dict[str, Any]:
+      guidance, routing, audit = self._record_trees(jax.device_get(rows), counts, n_audit,
+                                                    cut=True)
+      return {"batch_id": handles[0].batch_id, "seq_ids": seq_ids, "token_counts": counts,
+              "guidance": guidance, "routing": routing,
+              "audit": {"batch_id": handles[0].audit_batch_id, "seq_ids": seq_ids[:n_audit],
+                        "token_counts": counts[:n_audit], "guidance": audit}
+              if n_audit else None}
+
+    self._last_guidance, self._pending_guidance = None, host_record
+    return handles
+
+  def _record_trees(self, rows: dict, counts: list[int], n_audit: int, cut: bool = False
+                    ) -> tuple[dict, dict, dict]:
+    """(guidance, routing, audit) trees of a batch's ragged rows; cut: host arrays, the
+    padding rows dropped (each record's leading rows) and full-mode guidance compacted."""
+    first = ((lambda tree, n: jax.tree.map(lambda a: a[:n], tree)) if cut
+             else (lambda tree, n: tree))
     taps = first(rows, sum(counts))
     routing = {int(layer): sites["routing"] for layer, sites in taps.items() if "routing" in sites}
     guidance = {}
     if self.record:
-      to_mode = (guidance_layout.to_compact if self.config.guidance_mode == "compact"
+      to_mode = (guidance_layout.to_compact if cut and self.config.guidance_mode == "compact"
                  else lambda g: g)
       guidance = {int(layer): {site: to_mode(taps[layer][site]) for site in SITES}
                   for layer in self.config.guided_layers}
@@ -388,17 +438,16 @@ class InProcessEngine:
       audit = {int(layer): {site: first(rec, sum(counts[:n_audit]))
                             for site, rec in sites.items() if site != "routing"}
                for layer, sites in taps.items()}
-    if self.store is not None:
-      return self.store.write_rollout(counts, guidance, routing, audit, n_audit)
-    handles = guidance_store.rollout_handles(
-        guidance_store.batch_name(next(self._memory_batches)), len(counts), n_audit)
-    seq_ids = [h.seq_id for h in handles]
-    self.last_guidance = {
-        "batch_id": handles[0].batch_id, "seq_ids": seq_ids, "token_counts": counts,
-        "guidance": guidance, "routing": routing,
-        "audit": {"batch_id": handles[0].audit_batch_id, "seq_ids": seq_ids[:n_audit],
-                  "token_counts": counts[:n_audit], "guidance": audit} if n_audit else None}
-    return handles
+    return guidance, routing, audit
+
+  @property
+  def last_guidance(self) -> dict[str, Any] | None:
+    """The last batch's records kept in memory (engines without a store), as host arrays:
+    {"batch_id", "seq_ids", "token_counts", "guidance", "routing", "audit"}. The first read
+    after a batch waits for its transfer."""
+    if self._pending_guidance is not None:
+      self._last_guidance, self._pending_guidance = self._pending_guidance(), None
+    return self._last_guidance
 
 
 @dataclasses.dataclass

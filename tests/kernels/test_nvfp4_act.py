@@ -1,0 +1,464 @@
+"""One-kernel NVFP4 activation quantize-dequantize (`trace_jax.kernels.nvfp4_act`).
+
+The kernel runs as `interpret=None` picks it: the Pallas interpreter on CPU, the Triton kernel
+itself on the GPU. Every field bit for bit against `formats` (jitted: eager `formats` raises on
+NaN/Inf) and against an independent numpy float32 / ml_dtypes reference (IEEE float32
+division, ml_dtypes' E4M3 and E2M1 rounding), on random rows and hand-built adversarial rows;
+controls that show the comparison can fail; the kernel-local helpers against `exact` and
+ml_dtypes; lowering to Triton IR for CUDA, traced as on the GPU. Shapes stay tiny and shared
+(one interpreter compile per shape and dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from cases import assert_bits_equal, to_numpy
+
+from trace_jax.kernels import fp4_moe, nvfp4_act
+from trace_jax.quant import exact, formats
+
+F32 = np.float32
+E4M3 = ml_dtypes.float8_e4m3fn
+E2M1 = ml_dtypes.float4_e2m1fn
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+# RNE E2M1 magnitude codes of the midpoints above: ties go to the even code.
+MIDPOINT_CODES = (0, 2, 2, 4, 4, 6, 6)
+ADV_ROWS, ADV_K, ADV_BLOCK_M = 5, 128, 2  # adversarial cases: 3 programs, the last one partial
+
+_reference = jax.jit(nvfp4_act.reference)
+
+
+# ----------------------------------------------------------------------------- references
+
+def _fields(y, q: formats.NVFP4Tensor) -> dict[str, np.ndarray]:
+  """The compared fields as numpy: scales first (they explain code mismatches)."""
+  return {"tensor_scale": to_numpy(q.tensor_scale), "block_scale": to_numpy(q.block_scale),
+          "codes": to_numpy(q.codes), "y": np.asarray(y).astype(F32)}  # y: exact widening
+
+
+def _numpy_reference(x: np.ndarray, block: int = formats.NVFP4_BLOCK) -> dict[str, np.ndarray]:
+  """Independent NVFP4 two-level reference for finite rows: numpy float32 arithmetic (IEEE
+  division) and ml_dtypes rounding. Returns `_fields`' keys; y in float32 after a round trip
+  through x's dtype."""
+  dt = np.asarray(x).dtype
+  xf = np.asarray(x).astype(F32)
+  xf = np.where(np.abs(xf) < F32(2.0**-126), np.copysign(F32(0.0), xf), xf).astype(F32)
+  m, k = xf.shape
+  xb = xf.reshape(m, k // block, block)
+  with np.errstate(all="ignore"):
+    amax = np.abs(xb).max(axis=-1)
+    ts = np.maximum(amax.max(axis=-1, keepdims=True), F32(2.0**-100)) / F32(2688.0)
+    bs = np.clip((amax / F32(6.0)) / ts, F32(2.0**-6), F32(448.0)).astype(E4M3)
+    bsf = bs.astype(F32)
+    inv = (F32(1.0) / ts) / bsf
+    codes = np.clip(xb * inv[..., None], F32(-6.0), F32(6.0)).astype(E2M1)
+    y = (codes.astype(F32) * bsf[..., None]) * ts[..., None]
+  return {"tensor_scale": ts.astype(F32), "block_scale": bs.view(np.uint8),
+          "codes": codes.view(np.uint8).reshape(m, k),
+          "y": y.reshape(m, k).astype(dt).astype(F32)}
+
+
+def _assert_fields(got: dict, want: dict, what: str, x: np.ndarray,
+                   rows: np.ndarray | None = None) -> None:
+  """Every field of `want` bit for bit (NaNs canonical), on `rows` only if given."""
+  xf = np.asarray(x).astype(F32)
+  for name, w in want.items():
+    g = got[name]
+    if rows is not None:
+      g, w = g[rows], w[rows]
+    ctx_x = xf[rows] if rows is not None else xf
+    ctx = {"x": ctx_x.reshape(g.shape + (-1,)) if name != "y" else ctx_x}
+    assert_bits_equal(g, w, f"{what}: {name}", ctx)
+
+
+def _run(x: jax.Array, **kw) -> dict[str, np.ndarray]:
+  y, q = nvfp4_act.quantize_rows(x, **kw)
+  assert y.dtype == x.dtype and y.shape == x.shape
+  m, k = x.shape
+  assert q.codes.dtype == jnp.uint8 and q.codes.shape == (m, k)
+  assert q.block_scale.dtype == jnp.float8_e4m3fn and q.block_scale.shape == (m, k // 16)
+  assert q.tensor_scale.dtype == jnp.float32 and q.tensor_scale.shape == (m, 1)
+  return _fields(y, q)
+
+
+def _check_both(x: jax.Array, what: str, **kw) -> dict[str, np.ndarray]:
+  """Kernel against formats (all rows) and the numpy reference (rows that are finite)."""
+  got = _run(x, **kw)
+  _assert_fields(got, _fields(*_reference(x)), f"{what} vs formats", x)
+  xn = np.asarray(x)
+  finite = np.isfinite(xn.astype(F32)).all(axis=1)
+  if finite.any():
+    _assert_fields(got, _numpy_reference(xn), f"{what} vs numpy", xn, rows=finite)
+  return got
+
+
+# ----------------------------------------------------------------------------- random rows
+
+def _random_rows(m: int, k: int, dtype, seed: int = 0) -> jax.Array:
+  """Gaussian rows with per-row (2**-6..2**6) and per-block (2**-17..2**0) magnitudes, so some
+  blocks' scales clamp at 2**-6 and others reach 448."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((m, k // 16, 16))
+  x *= np.exp2(rng.integers(-6, 7, (m, 1, 1))) * np.exp2(rng.integers(-17, 1, (m, k // 16, 1)))
+  return jnp.asarray(x.reshape(m, k), dtype)
+
+
+# (id, K, dtype, M, block_m): every K of the sites (128, 768, 2048), padded block axes (48, 80,
+# 768), one block per row (16), M not a multiple of block_m; the last one runs the defaults.
+RANDOM = [
+    ("k16_bf16", 16, "bfloat16", 5, 2),
+    ("k48_f32", 48, "float32", 7, 4),
+    ("k80_f16", 80, "float16", 3, 2),
+    ("k128_f16", 128, "float16", 9, 4),
+    ("k128_f32", ADV_K, "float32", ADV_ROWS, ADV_BLOCK_M),
+    ("k128_bf16", ADV_K, "bfloat16", ADV_ROWS, ADV_BLOCK_M),
+    ("k768_bf16", 768, "bfloat16", 5, 2),
+    ("k2048_f32", 2048, "float32", 3, 2),
+    ("k4096_bf16", 4096, "bfloat16", 3, 2),
+    ("k2048_bf16_defaults", 2048, "bfloat16", 3, None),
+]
+
+
+@pytest.mark.parametrize("name,k,dtype,m,block_m", RANDOM, ids=[c[0] for c in RANDOM])
+def test_random_rows_bit_exact(name, k, dtype, m, block_m):
+  x = _random_rows(m, k, DTYPES[dtype], seed=k)
+  _check_both(x, name, **({} if block_m is None else {"block_m": block_m}))
+
+
+# ----------------------------------------------------------------------------- adversarial rows
+
+def _empty() -> np.ndarray:
+  return np.zeros((ADV_ROWS, ADV_K // 16, 16))
+
+
+def _tie_rows(scales) -> np.ndarray:
+  """Row r: block 0 holds the row amax 2688 * 2**t (so ts = 2**t exactly); block j >= 1 holds
+  +-6 * s_j and +-(each E2M1 midpoint) * s_j, s_j = scales[j - 1], all times 2**t."""
+  x = _empty()
+  rng = np.random.default_rng(1)
+  for r, t in enumerate((0, -20, 10, -60, 3)):
+    x[r, 0] = rng.uniform(-1, 1, 16)
+    x[r, 0, 0] = 2688.0
+    for j, s in enumerate(scales, start=1):
+      x[r, j] = np.array([6.0, -6.0] + [v for mid in MIDPOINTS for v in (mid, -mid)]) * s
+    x[r] *= 2.0**t
+  return x
+
+
+def _ties_pow2():
+  return _tie_rows([2.0**e for e in range(-3, 4)])
+
+
+def _expect_ties_pow2(got: dict) -> None:
+  """The midpoints sit exactly on ties (block scale 2**e, inverse exact): RNE to even codes."""
+  want = np.array([7, 15] + [c | s for c in MIDPOINT_CODES for s in (0, 8)], np.uint8)
+  codes = got["codes"].reshape(ADV_ROWS, ADV_K // 16, 16)
+  np.testing.assert_array_equal(codes[:, 1:], np.broadcast_to(want, (ADV_ROWS, 7, 16)))
+  np.testing.assert_array_equal(got["block_scale"][:, 1:],  # 2**e: exponent field e + 7
+                                np.broadcast_to((np.arange(-3, 4) + 7) << 3, (ADV_ROWS, 7)))
+  np.testing.assert_array_equal(got["tensor_scale"][:, 0],
+                                np.exp2(np.array([0, -20, 10, -60, 3])).astype(F32))
+
+
+def _ties_other_scales():
+  """Midpoints times block scales that are not powers of two: the inverse scale is rounded, so
+  the product decides the side of each near-tie."""
+  return _tie_rows([1.5, 1.25, 0.875, 3.5, 0.5625, 1.125, 1.75])
+
+
+def _saturation():
+  """One huge element per block (every block's scale 448, codes +-6); blocks whose scale
+  rounds down (amax / 6 = 1.0625 * 2**e, a tie to 1.0) so x * inv > 6 is clamped to 6; scales
+  rounding up; values between 5 and 6."""
+  rng = np.random.default_rng(2)
+  x = rng.uniform(-1, 1, (ADV_ROWS, ADV_K // 16, 16))
+  x[0, :, 3] = 1e4 * np.where(np.arange(ADV_K // 16) % 2, 1.0, -1.0)
+  for r, up in ((1, False), (2, True)):
+    x[r, 0, 0] = 2688.0
+    for j in range(1, ADV_K // 16):
+      s = 2.0**(j - 4)
+      x[r, j] = rng.uniform(-5.9, 5.9, 16) * s
+      x[r, j, 5] = (1.1875 if up else 1.0625) * 6.0 * s
+      x[r, j, 6] = -5.5 * s
+  x[3] *= 1e30
+  x[4, :, 0] = -3e4
+  return x
+
+
+def _zeros():
+  """All-zero rows (+0 and -0), zero blocks among random ones, -0.0 scattered."""
+  rng = np.random.default_rng(3)
+  x = _empty()
+  x[1] = -0.0
+  x[2, :4] = np.where(np.arange(16) % 2, -0.0, 0.0)
+  x[2, 4:] = rng.standard_normal((4, 16))
+  x[3] = rng.standard_normal((ADV_K // 16, 16))
+  x[3, :, ::4] = -0.0
+  x[4, 5, 7] = 1e-20
+  return x
+
+
+def _expect_zeros(got: dict) -> None:
+  floor_ts = np.array([F32(2.0**-100) / F32(2688.0)] * 2, F32)
+  np.testing.assert_array_equal(got["tensor_scale"][:2, 0].view(np.uint32),
+                                floor_ts.view(np.uint32))
+  assert (got["codes"][0] == 0).all() and (got["codes"][1] == 8).all()  # -0 keeps its sign
+  assert (got["block_scale"][:2] == 0x08).all()  # clamped to 2**-6
+  assert (np.signbit(got["y"][1]) & (got["y"][1] == 0)).all()
+
+
+def _subnormals():
+  """float32 subnormals (flushed to signed zero first): alone, sprinkled among normals, one
+  block of them, next to the smallest normal 2**-126."""
+  rng = np.random.default_rng(4)
+  sub = lambda shape: rng.uniform(-1, 1, shape) * 2.0**-127
+  x = rng.standard_normal((ADV_ROWS, ADV_K // 16, 16))
+  x[0] = sub((ADV_K // 16, 16))
+  x[1, :, ::3] = sub((ADV_K // 16, 6))
+  x[2, 3] = sub(16)
+  x[3] = 2.0**-126 * np.where(rng.uniform(size=(ADV_K // 16, 16)) < 0.5, 1.0, -1.0)
+  x[3, :, ::2] = sub((ADV_K // 16, 8))
+  return x
+
+
+def _expect_subnormals(got: dict) -> None:
+  x = _subnormals().astype(F32).reshape(ADV_ROWS, ADV_K)
+  np.testing.assert_array_equal(got["codes"][0], np.where(np.signbit(x[0]), 8, 0))
+  assert (got["y"][0] == 0).all()
+
+
+def _tiny():
+  """Blocks far below the row amax (scales clamp at 2**-6); rows below the 2**-100 amax floor,
+  at it, near the smallest normal, and 2**-110 times Gaussian."""
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal((ADV_ROWS, ADV_K // 16, 16))
+  x[0, 1:] *= 1e-3
+  x[0, 0, 0] = 1e3
+  x[1] *= 1e-35
+  x[2] = 2.0**-100 * np.sign(x[2])
+  x[3] *= 2.0**-120
+  x[4] *= 2.0**-110
+  return x
+
+
+def _expect_tiny(got: dict) -> None:
+  assert (got["block_scale"][0, 1:] == 0x08).all()  # 2**-6
+
+
+def _non_finite():
+  """NaN, +Inf and -Inf in some blocks of rows 0-2 and 4 (all NaN); row 3 finite."""
+  rng = np.random.default_rng(6)
+  x = rng.standard_normal((ADV_ROWS, ADV_K // 16, 16))
+  x[0, 2, 5] = np.nan
+  x[1, 5, 0] = np.inf
+  x[2, 0, 15] = -np.inf
+  x[2, 7, 1] = np.nan
+  x[4] = np.nan
+  return x
+
+
+def _expect_non_finite(got: dict) -> None:
+  bad = [0, 1, 2, 4]  # the row scale is NaN, so every block of those rows is poisoned
+  assert np.isnan(got["tensor_scale"][bad]).all()
+  assert (got["block_scale"][bad] == 0x7F).all() and (got["codes"][bad] == 0).all()
+  assert np.isnan(got["y"][bad]).all()
+  assert np.isfinite(got["y"][3]).all() and (got["block_scale"][3] != 0x7F).all()
+
+
+def _huge():
+  """Values near float32's max (and bf16's), alone and next to tiny blocks."""
+  rng = np.random.default_rng(7)
+  flt_max = float(np.finfo(F32).max)
+  x = rng.uniform(-1, 1, (ADV_ROWS, ADV_K // 16, 16))
+  x[0] *= 1e38
+  x[0, 3, 3] = 3.4e38
+  x[1, 0, 0], x[1, 6, 9] = flt_max, -flt_max
+  x[2] *= 1e38 * np.exp2(-rng.integers(0, 30, (ADV_K // 16, 1)))
+  x[3, :4] *= 1e38
+  x[3, 4:] *= 1e-30
+  x[4] *= float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+  return x
+
+
+# (id, rows [5, 8, 16] in float64, extra checks on the float32 / bfloat16 input or None)
+ADVERSARIAL = [
+    ("e2m1_ties_pow2_scales", _ties_pow2, _expect_ties_pow2),
+    ("e2m1_ties_other_scales", _ties_other_scales, None),
+    ("saturation", _saturation, None),
+    ("zeros_and_signed_zeros", _zeros, _expect_zeros),
+    ("f32_subnormals", _subnormals, _expect_subnormals),
+    ("tiny_block_and_row_scales", _tiny, _expect_tiny),
+    ("nan_and_inf", _non_finite, _expect_non_finite),
+    ("huge_near_float32_max", _huge, None),
+]
+
+
+def _adversarial_input(make, dtype: str) -> jax.Array:
+  with np.errstate(all="ignore"):  # f16 overflows to inf: a non-finite row, still compared
+    return jnp.asarray(make().astype(F32).reshape(ADV_ROWS, ADV_K), DTYPES[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("name,make,expect", ADVERSARIAL, ids=[c[0] for c in ADVERSARIAL])
+def test_adversarial_rows_bit_exact(name, make, expect, dtype):
+  x = _adversarial_input(make, dtype)
+  got = _check_both(x, f"{name}/{dtype}", block_m=ADV_BLOCK_M)
+  if expect is not None and dtype != "float16":  # f16 cannot hold every case's values
+    expect(got)
+
+
+# ----------------------------------------------------------------------------- controls
+
+def test_control_one_ulp_moves_a_tie():
+  """The comparison can fail: one E2M1 tie nudged up by one float32 ulp rounds up, so the
+  kernel's codes (and y) on the nudged input differ from formats' on the original."""
+  x = _ties_pow2().astype(F32).reshape(ADV_ROWS, ADV_K)
+  pos = (0, 16 + 2)  # block 1, element 2: 0.25 * 2**-3, a tie that rounds down to code 0
+  nudged = x.copy()
+  nudged[pos] = np.nextafter(x[pos], F32(np.inf))
+  got = _run(jnp.asarray(nudged), block_m=ADV_BLOCK_M)
+  assert got["codes"][pos] == 1
+  with pytest.raises(AssertionError, match="codes: 1 of"):
+    _assert_fields(got, _fields(*_reference(jnp.asarray(x))), "nudged", x)
+
+
+def test_control_block_size_matters():
+  """The numpy reference with 32-element blocks (MXFP4's size) is not the kernel's result."""
+  x = _random_rows(ADV_ROWS, ADV_K, jnp.float32, seed=ADV_K)
+  got = _run(x, block_m=ADV_BLOCK_M)
+  wrong = _numpy_reference(np.asarray(x), block=32)
+  wrong["block_scale"] = np.repeat(wrong["block_scale"], 2, axis=1)  # same shape, other values
+  with pytest.raises(AssertionError, match="differ"):
+    _assert_fields(got, wrong, "block 32", np.asarray(x))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def test_ieee_div_matches_exact_and_numpy():
+  """The kernel's straight-line division gives `exact.ieee_div`'s bits over its domain (a >= 0
+  finite incl. zero/subnormal, b normal > 0), and numpy's float32 quotient where normal."""
+  rng = np.random.default_rng(8)
+  n = 1 << 14
+  a = rng.integers(0, 0x7F800000, n, dtype=np.int64).astype(np.uint32).view(F32)
+  b = rng.integers(0x00800000, 0x7F800000, n, dtype=np.int64).astype(np.uint32).view(F32)
+  # near-exact quotients and the constants the kernel divides by
+  c = rng.uniform(0.5, 2.0, n).astype(F32)
+  a2 = (c * F32(6.0)).astype(F32)
+  b2 = np.where(np.arange(n) % 2, F32(6.0), F32(2688.0)).astype(F32)
+  a, b = np.concatenate([a, a2, np.ones(4, F32)]), np.concatenate([b, b2, [F32(3.0)] * 4])
+  got = np.asarray(jax.jit(nvfp4_act.ieee_div)(a, b))
+  want = np.asarray(jax.jit(exact.ieee_div)(a, b))
+  assert_bits_equal(got, want, "ieee_div vs exact", {"a": a, "b": b})
+  with np.errstate(all="ignore"):
+    q = a / b
+  normal = np.isfinite(q) & (np.abs(q) >= F32(2.0**-126)) & (np.abs(a) >= F32(2.0**-126))
+  assert_bits_equal(got[normal], q[normal], "ieee_div vs numpy")
+
+
+def test_e4m3_bits_and_e2m1_values():
+  """Kernel-local E4M3 bytes of every scale value in [2**-6, 448] (and NaN) and signed E2M1
+  values of codes 0..15 (code 8 is -0) against ml_dtypes."""
+  scales = np.arange(256, dtype=np.uint8).view(E4M3).astype(F32)
+  scales = np.unique(scales[np.isfinite(scales) & (scales >= 2.0**-6)])
+  scales = np.append(scales, F32(np.nan))
+  got = np.asarray(jax.jit(nvfp4_act._e4m3_bits)(scales))
+  np.testing.assert_array_equal(got, scales.astype(E4M3).view(np.uint8))
+  codes = np.arange(16, dtype=np.uint8)
+  vals = np.asarray(jax.jit(nvfp4_act._e2m1_value)(codes))
+  assert_bits_equal(vals, codes.view(E2M1).astype(F32), "e2m1 values")
+
+
+def test_empty_rows():
+  y, q = nvfp4_act.quantize_rows(jnp.zeros((0, 32), jnp.bfloat16))
+  assert y.shape == (0, 32) and y.dtype == jnp.bfloat16
+  assert q.codes.shape == (0, 32) and q.block_scale.shape == (0, 2)
+  assert q.tensor_scale.shape == (0, 1)
+
+
+@pytest.mark.parametrize("m,k,block_m,warps", [(64, 2048, 1, 4), (512, 768, 2, 4),
+                                               (512, 128, 2, 1), (4, 48, 1, 1),
+                                               (4096, 128, 16, 4), (65536, 128, 32, 8),
+                                               (8, 65536, 1, 8)])
+def test_default_tiles(m, k, block_m, warps):
+  """Defaults: powers of two, tiles <= TILE_ELEMENTS elements (one row may exceed it), at least
+  MIN_PROGRAMS programs where M allows."""
+  assert nvfp4_act.default_block_m(m, k) == block_m
+  assert nvfp4_act.default_num_warps(block_m, k) == warps
+
+
+def test_bad_inputs():
+  x = jnp.zeros((4, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"must be \[M, K\]"):
+    nvfp4_act.quantize_rows(x[0])
+  with pytest.raises(ValueError, match=r"must be \[M, K\]"):
+    nvfp4_act.quantize_rows(x[None])
+  with pytest.raises(ValueError, match="multiple of the block size 16"):
+    nvfp4_act.quantize_rows(x[:, :24])
+  with pytest.raises(ValueError, match="multiple of the block size 16"):
+    nvfp4_act.quantize_rows(x[:, :0])
+  with pytest.raises(TypeError, match="dtype"):
+    nvfp4_act.quantize_rows(x.astype(jnp.int32))
+  with pytest.raises(TypeError, match="dtype"):
+    nvfp4_act.quantize_rows(np.zeros((4, 32), np.float64))
+  with pytest.raises(TypeError, match="expected an array"):
+    nvfp4_act.quantize_rows([[0.0] * 16])
+  with pytest.raises(ValueError, match="block_m must be a power of two"):
+    nvfp4_act.quantize_rows(x, block_m=3)
+  with pytest.raises(ValueError, match="num_warps must be a power of two"):
+    nvfp4_act.quantize_rows(x, num_warps=6)
+
+
+# ----------------------------------------------------------------------------- Triton IR
+
+# (id, M, K, dtype, block_m, num_warps): the sites with the GPU's defaults, then variants.
+LOWERINGS = [
+    (f"k{k}_{dt}", m, k, dt, None, None)
+    for m, k in ((64, 2048), (512, 768), (512, 128)) for dt in ("bfloat16", "float32")
+] + [
+    ("k48_f16_block_m4_warps2", 7, 48, "float16", 4, 2),
+    ("k16_block_m1", 3, 16, "bfloat16", 1, 1),
+    ("k4096_bf16", 8, 4096, "bfloat16", None, None),
+]
+
+
+@pytest.fixture
+def traced_as_on_gpu(monkeypatch):
+  """Backend-dependent code traces its GPU branch (e.g. `exact._unroll`: fully unrolled
+  `fori_loop`s, which Pallas' Triton lowering rejects) while this host lowers for CUDA."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+
+@pytest.mark.parametrize("name,m,k,dtype,block_m,num_warps", LOWERINGS,
+                         ids=[c[0] for c in LOWERINGS])
+def test_lowers_to_triton(name, m, k, dtype, block_m, num_warps, traced_as_on_gpu):
+  """The kernel passes Pallas' Triton lowering for CUDA (power-of-two tiles, supported
+  primitives) on any host, traced as on the GPU; Triton's own compilation needs the GPU."""
+  f = functools.partial(nvfp4_act.quantize_rows, interpret=False, block_m=block_m,
+                        num_warps=num_warps)
+  text = jax.jit(f).trace(jnp.zeros((m, k), DTYPES[dtype])).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "triton" in text
+
+
+def test_gpu_trace_rejects_exact_fori_loop(traced_as_on_gpu):
+  """Control for the lowering test: traced as on the GPU, a kernel using `exact.ieee_div`
+  itself fails to lower (why `nvfp4_act.ieee_div` exists)."""
+  from jax.experimental import pallas as pl
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = exact.ieee_div(x_ref[...], np.float32(3.0))
+
+  f = lambda x: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32),
+                               compiler_params=fp4_moe._compiler_params(4, 1))(x)
+  try:
+    jax.jit(f).trace(jnp.ones((16,), jnp.float32)).lower(lowering_platforms=("cuda",))
+  except NotImplementedError:
+    return
+  pytest.skip("this JAX lowers unrolled scans to Triton: exact.ieee_div would do in-kernel")

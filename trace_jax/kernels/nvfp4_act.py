@@ -1,0 +1,270 @@
+"""An NVFP4 activation site's whole quantize-dequantize in one Pallas kernel.
+
+`quantize_rows(x)` returns `(y, q)` with q == `formats.fp4_quantize_act(x, "nvfp4")` field for
+field and y == `formats.fp4_dequantize(q).astype(x.dtype)`, bit for bit (as under `jit`: a
+row holding NaN/Inf is poisoned, never raised on). XLA runs that as ~6 small kernels per site
+(row amax, row scale, block amax, scales, codes, dequantize); at decode the rows are few and
+each of those launches costs more than its bytes, so this is one launch per site.
+
+Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewhere):
+- x [M, K] is viewed as [M, K // 16, 16] (a free reshape outside): one NVFP4 block per row of
+  the last two axes, so a block's amax is a reduction over the last axis of the tile.
+- grid (cdiv(M, block_m),): one program per `block_m` whole rows (the row scale needs the row's
+  amax before any block is scaled). The tile is [block_m, nbp, 16], nbp = K // 16 rounded up to
+  a power of two (Triton tiles are powers of two): rows past M and blocks past K // 16 are
+  masked, loaded as 0 (no amax changes) and never stored.
+- In registers: flush float32 subnormals, block amaxes and non-finite flags, the row amax
+  (a max of the block amaxes), row scale, block scales, inverse scales, E2M1 codes, E4M3 bytes,
+  and the dequantized values; stores: y and codes [block_m, nbp, 16], scale bytes
+  [block_m, nbp], row scales [block_m]. The E4M3 bytes leave as uint8 and are bitcast outside.
+- Defaults (`default_block_m`, `default_num_warps`): tiles of at most `TILE_ELEMENTS` (4096)
+  elements, fewer rows still while the grid has fewer than `MIN_PROGRAMS` programs (decode is
+  launch- and latency-bound: more, smaller programs spread over the SMs); num_warps so that
+  each thread holds ~16 elements (1..8 warps). The decode sites: [64, 2048] -> block_m 1
+  (64 programs, 4 warps); [512, 768] -> 2 (256 programs of [2, 64, 16], 4 warps); [512, 128]
+  -> 2 (256 programs of [2, 8, 16], 1 warp). Rows of K > 8192 hold > 32 elements per thread.
+  Not tuned on the GPU yet: `experiments/bench_quant.py --sites` times them against XLA's.
+
+Numerics are `formats`' (exact float32 scale arithmetic from `exact`), in-kernel. Reused as they
+are: `exact.flush_subnormal`, `exact.round_mantissa`, `exact.sign_bit` (through
+`formats.e2m1_encode`), `formats.e2m1_encode`, `formats.e2m1_magnitude` and the constants.
+Replaced by kernel-local twins that give the same bits (each says why):
+- `exact.ieee_div` -> `ieee_div`: its `fori_loop` is fully unrolled on the GPU
+  (`unroll=True`), which Pallas' Triton lowering rejects (scans with unroll != 1); here the 26
+  steps are a Python loop (straight-line integer code).
+- `exact.e4m3_to_bits` -> `_e4m3_bits`: it uses `jnp.round` (no Triton lowering) for the
+  subnormal branch, which block scales (clamped to >= 2**-6) never take.
+- `formats._amax`'s `jnp.all` -> an int32 max (Triton lowers max/min/sum reductions only).
+- `formats.e2m1_decode`'s `-mag` -> `mag * -1` (Triton lowers negation as 0 - x, which turns
+  code 8's -0 into +0).
+- `exact.e4m3_value(block_scale)` -> the float32 block scale itself (an E4M3 value, exactly).
+Float division and float8/float4 `astype` never appear (see `exact`'s docstring).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from trace_jax.kernels import fp4_moe
+from trace_jax.quant import exact, formats
+
+BLOCK = formats.NVFP4_BLOCK
+# Elements per program's tile at most (block_m * nbp * 16), unless one row is larger.
+TILE_ELEMENTS = 4096
+# Programs a launch should have where M allows (about two per SM of an H100/H200).
+MIN_PROGRAMS = 256
+_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+_MANT = 23
+_IMPLICIT = 1 << _MANT
+_MANT_MASK = _IMPLICIT - 1
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
+def _prev_pow2(n: int) -> int:
+  return 1 << max(1, n).bit_length() - 1
+
+
+def padded_blocks(k: int) -> int:
+  """Blocks per row in the kernel's tile: K // 16 rounded up to a power of two."""
+  return _next_pow2(k // BLOCK)
+
+
+def default_block_m(m: int, k: int) -> int:
+  """Rows per program: the largest power of two with tiles of at most `TILE_ELEMENTS`
+  elements (at least 1 row), halved while the grid has fewer than `MIN_PROGRAMS` programs."""
+  bm = max(1, _prev_pow2(TILE_ELEMENTS // (padded_blocks(k) * BLOCK)))
+  while bm > 1 and -(-m // bm) < MIN_PROGRAMS:
+    bm //= 2
+  return bm
+
+
+def default_num_warps(block_m: int, k: int) -> int:
+  """Warps per program: ~16 tile elements per thread, 1..8 warps."""
+  elems = block_m * padded_blocks(k) * BLOCK
+  return int(min(8, max(1, elems // (16 * 32))))
+
+
+# ----------------------------------------------------------------------------- in-kernel math
+
+def _bits(x: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, jnp.int32)
+
+
+def _from_bits(b: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+def ieee_div(a: jax.Array, b: jax.Array) -> jax.Array:
+  """`exact.ieee_div` (same domain, same bits) as straight-line integer code.
+
+  exact's version loops with `fori_loop(unroll=True)` on the GPU, which Pallas' Triton lowering
+  rejects; this one unrolls the restoring division in Python. For finite a >= 0 and normal
+  b > 0: the float32 quotient, round to nearest even; 0 for a zero or subnormal a or a quotient
+  below the normal range; +inf past float32's range.
+  """
+  a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+  ai, bi = _bits(a), _bits(b)
+  ea, eb = ai >> _MANT, bi >> _MANT
+  ma = (ai & _MANT_MASK) | _IMPLICIT
+  mb = (bi & _MANT_MASK) | _IMPLICIT
+  shift = (ma < mb).astype(jnp.int32)  # scale the remainder so the quotient lies in [1, 2)
+  rem = ma << shift
+  exp = ea - eb + 127 - shift
+  q = jnp.zeros_like(rem)
+  for _ in range(_MANT + 2):  # 24 quotient bits and a guard bit
+    take = rem >= mb
+    q = (q << 1) | take.astype(jnp.int32)
+    rem = jnp.where(take, rem - mb, rem) << 1
+  guard = q & 1
+  q = q >> 1
+  q = q + (guard & ((rem != 0) | ((q & 1) == 1)).astype(jnp.int32))
+  carry = q >> (_MANT + 1)  # rounding up to 2.0
+  q = q >> carry
+  exp = exp + carry
+  out = _from_bits((exp << _MANT) | (q & _MANT_MASK))
+  out = jnp.where(exp >= 255, np.float32(np.inf), out)
+  return jnp.where((exp <= 0) | (ea == 0), np.float32(0.0), out)
+
+
+def _e4m3_bits(bs: jax.Array) -> jax.Array:
+  """E4M3 bytes (int32) of positive normal E4M3 values in [2**-6, 448] held as float32, 0x7F
+  for NaN. `exact.e4m3_to_bits`' normal branch; its subnormal one (jnp.round, no Triton
+  lowering) is never taken by block scales."""
+  b = _bits(bs)
+  byte = ((((b >> _MANT) & 0xFF) - 120) << 3) | ((b >> (_MANT - 3)) & 0x7)
+  return jnp.where(jnp.isnan(bs), 0x7F, byte)
+
+
+def _e2m1_value(codes: jax.Array) -> jax.Array:
+  """`formats.e2m1_decode` with the sign applied as `* -1` (Triton lowers negation as 0 - x,
+  which would turn code 8's -0 into +0)."""
+  c = codes.astype(jnp.int32)
+  mag = formats.e2m1_magnitude(c & 7)
+  return jnp.where((c & 8) != 0, mag * np.float32(-1.0), mag)
+
+
+def _any(flags: jax.Array, axis: int) -> jax.Array:
+  """jnp.any over `axis` as an int32 max (Triton lowers only max/min/sum reductions)."""
+  return jnp.max(flags.astype(jnp.int32), axis=axis) > 0
+
+
+# ----------------------------------------------------------------------------- kernel
+
+def _kernel(x_ref, y_ref, codes_ref, scale_ref, ts_ref, *, m: int, nb: int, bm: int, nbp: int):
+  """One program: rows [r0, r0 + bm) whole, as [bm, nbp, 16] (see the module docstring)."""
+  r0 = pl.program_id(0) * bm
+  row_ok = (r0 + jnp.arange(bm, dtype=jnp.int32)) < m                    # [bm]
+  blk_ok = jnp.arange(nbp, dtype=jnp.int32) < nb                         # [nbp]
+  ok2 = row_ok[:, None] & blk_ok[None, :]                                # [bm, nbp]
+  ok3 = jnp.broadcast_to(ok2[:, :, None], (bm, nbp, BLOCK))
+  idx3 = (pl.ds(r0, bm), pl.ds(0, nbp), pl.ds(0, BLOCK))
+  x = fp4_moe._masked_load(x_ref, idx3, ok3, 0).astype(jnp.float32)
+  x = exact.flush_subnormal(x)
+
+  # formats._amax per block; the row's amax is the max of its blocks' (max is exact).
+  finite = jnp.isfinite(x)
+  amax = jnp.max(jnp.where(finite, jnp.abs(x), np.float32(0.0)), axis=2)  # [bm, nbp]
+  block_bad = _any(~finite, axis=2)                                      # [bm, nbp]
+  row_amax = jnp.max(amax, axis=1)                                       # [bm]
+  row_bad = _any(block_bad, axis=1)                                      # [bm]
+
+  # formats.nvfp4_row_scale
+  ts = ieee_div(jnp.maximum(row_amax, formats.AMAX_FLOOR), formats.NVFP4_TENSOR_DIVISOR)
+  ts = jnp.where(row_bad, np.float32(np.nan), ts)                        # [bm]
+
+  # formats.nvfp4_quantize with tensor_scale=ts (the row's non-finite flag is ts's)
+  bad = block_bad | row_bad[:, None]
+  ts_div = jnp.where(row_bad, np.float32(1.0), ts)[:, None]
+  bs = ieee_div(ieee_div(amax, formats.E2M1_MAX), ts_div)
+  bs = exact.round_mantissa(jnp.clip(bs, exact.E4M3_MIN_NORMAL, exact.E4M3_MAX), 3)
+  inv = ieee_div(ieee_div(np.float32(1.0), ts)[:, None], bs)             # [bm, nbp]
+  scaled = jnp.clip(x * inv[:, :, None], -formats.E2M1_MAX, formats.E2M1_MAX)
+  codes = jnp.where(bad[:, :, None], jnp.uint8(0), formats.e2m1_encode(scaled))
+  bs = jnp.where(bad, np.float32(np.nan), bs)
+
+  # formats.nvfp4_dequantize(...).astype(dtype): (code value * block scale) * row scale
+  y = (_e2m1_value(codes) * bs[:, :, None]) * ts[:, None, None]
+
+  fp4_moe._masked_store(y_ref, idx3, y.astype(y_ref.dtype), ok3)
+  fp4_moe._masked_store(codes_ref, idx3, codes, ok3)
+  fp4_moe._masked_store(scale_ref, idx3[:2], _e4m3_bits(bs).astype(jnp.uint8), ok2)
+  fp4_moe._masked_store(ts_ref, idx3[:1], ts, row_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "num_warps"))
+def _quantize_rows(x: jax.Array, *, interpret: bool, block_m: int, num_warps: int
+                   ) -> tuple[jax.Array, formats.NVFP4Tensor]:
+  m, k = x.shape
+  nb = k // BLOCK
+  if m == 0:
+    q = formats.NVFP4Tensor(codes=jnp.zeros((0, k), jnp.uint8),
+                            block_scale=jnp.zeros((0, nb), jnp.float8_e4m3fn),
+                            tensor_scale=jnp.zeros((0, 1), jnp.float32))
+    return jnp.zeros((0, k), x.dtype), q
+  nbp = padded_blocks(k)
+  kernel = functools.partial(_kernel, m=m, nb=nb, bm=block_m, nbp=nbp)
+  y, codes, scale, ts = pl.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((m, nb, BLOCK), x.dtype),
+                 jax.ShapeDtypeStruct((m, nb, BLOCK), jnp.uint8),
+                 jax.ShapeDtypeStruct((m, nb), jnp.uint8),
+                 jax.ShapeDtypeStruct((m,), jnp.float32)),
+      grid=(pl.cdiv(m, block_m),), interpret=interpret, name="nvfp4_quantize_rows",
+      compiler_params=None if interpret else fp4_moe._compiler_params(num_warps, 1),
+  )(x.reshape(m, nb, BLOCK))
+  q = formats.NVFP4Tensor(codes=codes.reshape(m, k),
+                          block_scale=jax.lax.bitcast_convert_type(scale, jnp.float8_e4m3fn),
+                          tensor_scale=ts.reshape(m, 1))
+  return y.reshape(m, k), q
+
+
+def quantize_rows(x: jax.Array, *, interpret: bool | None = None, block_m: int | None = None,
+                  num_warps: int | None = None) -> tuple[jax.Array, formats.NVFP4Tensor]:
+  """NVFP4 quantize-dequantize of activation rows x [M, K] (bf16, f16 or f32; K a multiple of
+  16) in one kernel: (y, q), y [M, K] in x.dtype, q an `NVFP4Tensor` (codes uint8 [M, K],
+  block_scale float8_e4m3fn [M, K // 16], tensor_scale float32 [M, 1]).
+
+  Bit for bit `q = formats.fp4_quantize_act(x, "nvfp4")` and
+  `y = formats.fp4_dequantize(q).astype(x.dtype)` as under jit (non-finite rows are poisoned:
+  NaN scales and y, codes 0 in their non-finite blocks; never raised on).
+  interpret: None runs the Triton kernel on GPU and the Pallas interpreter elsewhere.
+  block_m: rows per program, a power of two (None: `default_block_m`); num_warps: Triton's
+  (None: `default_num_warps`).
+  """
+  if not hasattr(x, "dtype") or not hasattr(x, "ndim"):
+    raise TypeError(f"quantize_rows: expected an array, got {type(x).__name__}")
+  if x.ndim != 2:
+    raise ValueError(f"quantize_rows: x must be [M, K], got shape {x.shape}")
+  if x.dtype not in _DTYPES:
+    raise TypeError(f"quantize_rows: x dtype must be bf16, f16 or f32, got {x.dtype}")
+  m, k = x.shape
+  if k == 0 or k % BLOCK:
+    raise ValueError(f"quantize_rows: K={k} (x of shape {x.shape}) must be a positive multiple "
+                     f"of the block size {BLOCK}")
+  if block_m is None:
+    block_m = default_block_m(m, k)
+  if block_m < 1 or block_m & (block_m - 1):
+    raise ValueError(f"quantize_rows: block_m must be a power of two >= 1, got {block_m}")
+  if num_warps is None:
+    num_warps = default_num_warps(block_m, k)
+  if num_warps < 1 or num_warps & (num_warps - 1):
+    raise ValueError(f"quantize_rows: num_warps must be a power of two >= 1, got {num_warps}")
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  return _quantize_rows(x, interpret=bool(interpret), block_m=int(block_m),
+                        num_warps=int(num_warps))
+
+
+def reference(x: jax.Array) -> tuple[jax.Array, formats.NVFP4Tensor]:
+  """The kernel's contract in XLA (`formats`): what `quantize_rows` replaces."""
+  q = formats.fp4_quantize_act(x, "nvfp4")
+  return formats.fp4_dequantize(q).astype(x.dtype), q
