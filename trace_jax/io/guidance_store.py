@@ -439,9 +439,9 @@ class GuidanceWriter:
     offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
     arrays["seq_offsets"] = offsets
     info["seq_offsets"] = {"dtype": "int64", "stored_dtype": "int64", "shape": [len(offsets)]}
-    for a in arrays.values():  # start device->host copies now; the worker waits on them
-      if isinstance(a, jax.Array):
-        a.copy_to_host_async()
+    # Device arrays are copied to the host on the writer thread only: on the H200 a copy to
+    # the host holds its caller for the transfer (`copy_to_host_async` too), and the caller
+    # is the rollout engine, whose next batch should decode meanwhile.
     arrays = {p: (a.copy() if isinstance(a, np.ndarray) else a) for p, a in arrays.items()}
     manifest = {
         "format": FORMAT, "schema_version": SCHEMA_VERSION, "batch_id": bid,

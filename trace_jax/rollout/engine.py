@@ -18,6 +18,7 @@ everything else is replicated (`sharding.ENGINE_RULES`).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import functools
@@ -112,6 +113,8 @@ class InProcessEngine:
     self._lock = threading.Lock()
     self._last_guidance: dict[str, Any] | None = None  # see `last_guidance`
     self._pending_guidance: Callable[[], dict[str, Any]] | None = None
+    self._records_thread = cf.ThreadPoolExecutor(max_workers=1,
+                                                 thread_name_prefix="engine-records")
     # Wall seconds spent taking records off the device after generation (`_emit`: the
     # device-side gather, the transfer, the store or memory write) and bytes transferred,
     # summed over calls.
@@ -167,6 +170,7 @@ class InProcessEngine:
       self.weights_version += 1
 
   def close(self) -> None:
+    self._records_thread.shutdown(wait=True)
     if self.store is not None:
       self.store.flush()
 
@@ -384,14 +388,14 @@ class InProcessEngine:
   def _emit_records(self, counts: list[int], taps: dict) -> list[GuidanceHandle]:
     n_audit = math.ceil(self.audit_fraction * len(counts))
     # The rows of every sequence in order, gathered on the device by one program per batch
-    # shape (padded to b * S rows), and their copy to the host started at once: it runs on
-    # the device's copy engine while the next batch decodes. The rows past sum(counts) are
-    # padding, cut where the records land (the store's writer thread, or `last_guidance`).
+    # shape (padded to b * S rows), then copied to the host on another thread (the store's
+    # writer, or this engine's `_records_thread`) while the next batch decodes: on the H200 a
+    # copy to the host holds its caller for the whole transfer (~70 ms for fp4_trace's 0.12 GB
+    # per batch of 64 x 256 tokens, 2026-12-03), `copy_to_host_async` included. The rows past
+    # sum(counts) are padding, cut where the records land.
     b = jax.tree.leaves(taps)[0].shape[0]
     rows = guidance_layout.ragged_rows(
         taps, jnp.asarray(list(counts) + [0] * (b - len(counts)), jnp.int32))
-    for a in jax.tree.leaves(rows):
-      a.copy_to_host_async()
     self.emit_bytes += sum(a.nbytes for a in jax.tree.leaves(rows))
     compact_on_host = self.record and self.config.guidance_mode == "compact" and any(
         g.mantissa is None for layer in self.config.guided_layers
@@ -416,7 +420,8 @@ class InProcessEngine:
                         "token_counts": counts[:n_audit], "guidance": audit}
               if n_audit else None}
 
-    self._last_guidance, self._pending_guidance = None, host_record
+    self._last_guidance = None
+    self._pending_guidance = self._records_thread.submit(host_record).result
     return handles
 
   def _record_trees(self, rows: dict, counts: list[int], n_audit: int, cut: bool = False
