@@ -33,11 +33,12 @@ lint: $(STAMP)
 # --dist worksteal: each worker starts on one contiguous half of the suite (a module's tests,
 # module fixtures and compiled programs stay in one process) and steals queued tests when idle.
 # The SGLang plugin's tests run in a process of their own: SGLang loads tvm_ffi, whose SIGSEGV
-# handler deadlocked a JAX test worker twice (WORKSPACE.md, 2026-12-03).
+# handler deadlocked a JAX test worker twice (WORKSPACE.md, 2026-12-03). --durations: the
+# slowest tests at the end of the log (the suite runs near its ~20 minute budget).
 test: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/ruff check .
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python -m pytest -n 2 --dist worksteal -q \
-	  --ignore=tests/rollout_bridge/test_sglang_plugin.py
+	  --durations=20 --ignore=tests/rollout_bridge/test_sglang_plugin.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python -m pytest -q \
 	  tests/rollout_bridge/test_sglang_plugin.py
 
