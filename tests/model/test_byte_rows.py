@@ -78,3 +78,25 @@ def test_bad_input_is_refused():
   _, layout = byte_rows.pack({"a": jnp.zeros((2, 3))}, 1)
   with pytest.raises(ValueError, match="width 12"):
     byte_rows.unpack(jnp.zeros((2, 11), jnp.uint8), layout)
+
+
+def test_forward_tap_rows_are_the_packed_taps():
+  """`ForwardOut.tap_rows`, joined by `rows_of_layers`, is `pack(out.taps)` bit for bit (the
+  decode loop writes the former and unpacks with the latter's layout) on an fp4_trace forward
+  of 4 layers whose scans tap differently: layers 0-1 routing only, 2-3 routing and every
+  site's record (two scans of two layers). Joined in another order, the rows differ."""
+  from trace_jax import model as M
+
+  cfg = M.tiny(policy="fp4_trace", dtype="float32", num_hidden_layers=4)
+  params = M.init_params(cfg, 0, param_dtype="float32")
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+  out = jax.jit(lambda p, t: M.forward(p, cfg, t, tap_layers=(2, 3), tap_routing=True,
+                                       record=True))(params, tokens)
+  assert sorted(out.taps) == [0, 1, 2, 3] and len(out.tap_rows) == 2
+  assert [r.shape[0] for r in out.tap_rows] == [2, 2]
+  packed, layout = byte_rows.pack(out.taps, lead=2)
+  joined = M.rows_of_layers(out.tap_rows)
+  assert joined.shape == packed.shape == (2, 5, layout.width)
+  np.testing.assert_array_equal(np.asarray(joined), np.asarray(packed))
+  swapped = M.rows_of_layers(out.tap_rows[::-1])
+  assert not np.array_equal(np.asarray(swapped), np.asarray(packed))

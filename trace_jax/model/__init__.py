@@ -30,13 +30,13 @@ from trace_jax.model.config import MOE_IMPLS, ModelConfig, qwen3_30b_a3b, tiny
 from trace_jax.model.layer_runs import layer_runs, stack_layers
 from trace_jax.model.moe import load_balancing_loss
 from trace_jax.model.precision import SITES, GuidanceTree, Precision
-from trace_jax.model.transformer import ForwardOut, Transformer
+from trace_jax.model.transformer import ForwardOut, Transformer, rows_of_layers
 
 __all__ = [
     "MOE_IMPLS",
     "SITES", "ForwardOut", "ModelConfig", "Transformer", "abstract_params", "aux_loss",
     "decode_step", "forward", "graphdef", "init_cache", "init_params", "layer_runs", "logits",
-    "prefill", "qwen3_30b_a3b", "sharding", "stack_layers", "tiny",
+    "prefill", "qwen3_30b_a3b", "rows_of_layers", "sharding", "stack_layers", "tiny",
 ]
 
 

@@ -56,15 +56,28 @@ class DecoderLayer(nnx.Module):
 class ForwardOut:
   """logits [B, S, V] (compute dtype); cache: per run, stacked (k, v) [L, B, T, G, H], or
   None; router_logits: per layer [B*S, E]; taps: {layer: {site: Guidance, "routing": ids
-  [B, S, K]}}."""
+  [B, S, K]}}; tap_rows: the same taps as the scans stacked them, one uint8 array
+  [n, B, S, R] per tapped scan in layer order (`byte_rows`, each layer's R bytes laid out as
+  `byte_rows.pack` lays out that layer's taps), so that
+  `byte_rows.pack(taps, 2) == rows_of_layers(tap_rows)` bit for bit. A consumer that packs
+  the taps anyway (the decode loop) takes these and the unpacking is never computed."""
   logits: jax.Array
   cache: list[LayerCache] | None
   router_logits: list[jax.Array]
   taps: dict[int, dict[str, Any]]
+  tap_rows: list[jax.Array]
 
 
 jax.tree_util.register_dataclass(
-    ForwardOut, data_fields=["logits", "cache", "router_logits", "taps"], meta_fields=[])
+    ForwardOut, data_fields=["logits", "cache", "router_logits", "taps", "tap_rows"],
+    meta_fields=[])
+
+
+def rows_of_layers(tap_rows: list[jax.Array]) -> jax.Array:
+  """`ForwardOut.tap_rows` as one byte row per (b, s): [B, S, sum of n * R], the layers in
+  order: `byte_rows.pack(out.taps, lead=2)` without unpacking and repacking the scans' rows."""
+  b, s = tap_rows[0].shape[1:3]
+  return jnp.concatenate([jnp.moveaxis(r, 0, 2).reshape(b, s, -1) for r in tap_rows], axis=-1)
 
 
 def _take(tree: Any, lo: int, hi: int, n: int) -> Any:
@@ -99,6 +112,7 @@ class Transformer(nnx.Module):
     gdef = nnx.graphdef(self.layers[0])
     new_cache = [] if cache is not None else None
     router_logits = []
+    tap_rows = []
     for r, (a, b) in enumerate(layer_runs(c)):
       state = (stack([nnx.state(self.layers[i]) for i in range(a, b)]) if layers is None
                else layers[r])
@@ -115,11 +129,13 @@ class Transformer(nnx.Module):
             guidance=stack([prec.guidance[i] for i in range(lo, hi)])
             if prec.guided_sites(lo) else None)
         run_experts = None if experts is None else _take(experts[r], lo - a, hi - a, b - a)
-        (x, run_cache), (rl, taps) = self._scan(
+        (x, run_cache), (rl, rows, layout) = self._scan(
             gdef, (x, run_cache), xs, run_experts, lo, lo - a, hi - lo, cos, sin, positions,
             prec, decode, replay)
         router_logits += [rl[j] for j in range(hi - lo)]
-        if taps:
+        if rows is not None:
+          tap_rows.append(rows)
+          taps = byte_rows.unpack(rows, layout)
           for j in range(hi - lo):
             prec.taps[lo + j] = jax.tree.map(lambda t, j=j: t[j], taps)
       if new_cache is not None:
@@ -134,7 +150,7 @@ class Transformer(nnx.Module):
     else:
       logits = self.lm_head(h)
     return ForwardOut(logits=logits, cache=new_cache, router_logits=router_logits,
-                      taps=prec.taps)
+                      taps=prec.taps, tap_rows=tap_rows)
 
   @staticmethod
   def _scan(gdef: nnx.GraphDef, carry: tuple[jax.Array, LayerCache | None], xs: dict[str, Any],
@@ -144,8 +160,9 @@ class Transformer(nnx.Module):
     layers sit at offset.. in the run): one scan body, or one call when n is 1. xs: the
     per-layer inputs, stacked; experts: the run's prepared weights, stacked, which the body
     indexes (the decode kernel reads them in place) rather than scan slicing them; likewise
-    the cache is carried and written in place (`CacheSlot`). Returns ((x, cache), per-layer
-    stacked (router logits, taps))."""
+    the cache is carried and written in place (`CacheSlot`). Returns ((x, cache), (router
+    logits stacked per layer, the taps as byte rows [n, B, S, R] or None, their per-layer
+    `byte_rows.Layout`))."""
     layouts = []  # the taps' byte layout, seen while tracing the body
 
     def body(carry, xs):
@@ -169,4 +186,4 @@ class Transformer(nnx.Module):
     else:
       carry, ys = body(carry, jax.tree.map(lambda a: a[0], xs))
       rl, rows = jax.tree.map(lambda a: a[None], ys)
-    return carry, (rl, {} if rows is None else byte_rows.unpack(rows, layouts[0]))
+    return carry, (rl, rows, layouts[0] if rows is not None else None)

@@ -67,8 +67,11 @@ def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, st
                               tap_mode=tap_mode, tap_routing=tap_routing, record=True,
                               experts=experts, layers=layers)
     live = ~done
-    if steps is not None:
-      row, _ = byte_rows.pack(o.taps, lead=2)
+    if steps is not None:  # the scans' byte rows as they are (unpacking them is dead code)
+      row = model_lib.rows_of_layers(o.tap_rows)
+      if row.shape[-1] != layout.width:
+        raise AssertionError(f"decode: tap rows of {row.shape[-1]} bytes, the taps' layout "
+                             f"has {layout.width}")
       steps = jax.lax.dynamic_update_slice_in_dim(steps, row, step, axis=1)
     step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.full(b, step, jnp.int32))
     nxt, lp = sampling_lib.sample(o.logits[:, 0].astype(jnp.float32), step_keys, temps, top_ps,
