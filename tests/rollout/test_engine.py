@@ -81,3 +81,8 @@ def test_records_reach_the_store_and_memory_alike(tmp_path):
     np.testing.assert_array_equal(back.routing[layer], ids)
   shifted = store.read(handles[1:] + handles[:1])
   assert not np.array_equal(shifted.routing[0], mem["routing"][0])
+  in_memory.generate(prompts[::-1], sp[::-1])  # a second batch; close waits for its records
+  in_memory.close()
+  assert in_memory._pending_guidance is None
+  assert in_memory.last_guidance["token_counts"] == counts[::-1]
+  to_store.close()

@@ -115,9 +115,9 @@ class InProcessEngine:
     self._pending_guidance: Callable[[], dict[str, Any]] | None = None
     self._records_thread = cf.ThreadPoolExecutor(max_workers=1,
                                                  thread_name_prefix="engine-records")
-    # Wall seconds spent taking records off the device after generation (`_emit`: the
-    # device-side gather, the transfer, the store or memory write) and bytes transferred,
-    # summed over calls.
+    # Wall seconds generation calls spent handing their records off (`_emit`: the device-side
+    # gather and queuing the copy to the host, which runs on another thread; with full-mode
+    # records to compact on the host, the copy too) and the bytes copied, summed over calls.
     self.emit_seconds = 0.0
     self.emit_bytes = 0
     self.weights_version = 0
@@ -170,7 +170,8 @@ class InProcessEngine:
       self.weights_version += 1
 
   def close(self) -> None:
-    self._records_thread.shutdown(wait=True)
+    """Waits for the last batch's records (kept in memory, or written to the store)."""
+    _ = self.last_guidance
     if self.store is not None:
       self.store.flush()
 
