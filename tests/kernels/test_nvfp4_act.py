@@ -448,8 +448,8 @@ def test_lowers_to_triton(name, m, k, dtype, block_m, num_warps, traced_as_on_gp
 
 
 def test_gpu_trace_rejects_exact_fori_loop(traced_as_on_gpu):
-  """Control for the lowering test: traced as on the GPU, a kernel using `exact.ieee_div`
-  itself fails to lower (why `nvfp4_act.ieee_div` exists)."""
+  """Control for the lowering test: traced as on the GPU, a kernel using `exact.ieee_div`'s
+  loop form fails to lower (why the kernel takes `straight_line=True`)."""
   from jax.experimental import pallas as pl
 
   def kernel(x_ref, o_ref):
@@ -461,4 +461,5 @@ def test_gpu_trace_rejects_exact_fori_loop(traced_as_on_gpu):
     jax.jit(f).trace(jnp.ones((16,), jnp.float32)).lower(lowering_platforms=("cuda",))
   except NotImplementedError:
     return
-  pytest.skip("this JAX lowers unrolled scans to Triton: exact.ieee_div would do in-kernel")
+  pytest.skip("this JAX lowers fori_loop(unroll=True) to Triton, so there is no failure for "
+              "the control to show (the kernel would not need straight_line=True)")

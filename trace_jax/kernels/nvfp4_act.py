@@ -28,16 +28,13 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
 Numerics are `formats`' (exact float32 scale arithmetic from `exact`), in-kernel. Reused as they
 are: `exact.flush_subnormal`, `exact.round_mantissa`, `exact.sign_bit` (through
 `formats.e2m1_encode`), `formats.e2m1_encode`, `formats.e2m1_magnitude` and the constants.
-Replaced by kernel-local twins that give the same bits (each says why):
-- `exact.ieee_div` -> `ieee_div`: its `fori_loop` is fully unrolled on the GPU
-  (`unroll=True`), which Pallas' Triton lowering rejects (scans with unroll != 1); here the 26
-  steps are a Python loop (straight-line integer code).
-- `exact.e4m3_to_bits` -> `_e4m3_bits`: it uses `jnp.round` (no Triton lowering) for the
-  subnormal branch, which block scales (clamped to >= 2**-6) never take.
-- `formats._amax`'s `jnp.all` -> an int32 max (Triton lowers max/min/sum reductions only).
-- `formats.e2m1_decode`'s `-mag` -> `mag * -1` (Triton lowers negation as 0 - x, which turns
-  code 8's -0 into +0).
-- `exact.e4m3_value(block_scale)` -> the float32 block scale itself (an E4M3 value, exactly).
+Three of them take a form a Triton kernel lowers, with the same bits everywhere:
+`exact.ieee_div(..., straight_line=True)` (its `fori_loop` is fully unrolled on the GPU, which
+Pallas' Triton lowering rejects: scans with unroll != 1), and `formats.e2m1_decode` signs with
+`* -1` (Triton lowers negation as 0 - x, which would turn code 8's -0 into +0);
+`exact.e4m3_to_bits` uses no rounding op. Kernel-local: `formats._amax`'s `jnp.all` as an int32
+max (Triton lowers max/min/sum reductions only), and the float32 block scale itself in place of
+`exact.e4m3_value(block_scale)` (an E4M3 value, exactly).
 Float division and float8/float4 `astype` never appear (see `exact`'s docstring).
 """
 
@@ -59,11 +56,6 @@ TILE_ELEMENTS = 4096
 # Programs a launch should have where M allows (about two per SM of an H100/H200).
 MIN_PROGRAMS = 256
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-_MANT = 23
-_IMPLICIT = 1 << _MANT
-_MANT_MASK = _IMPLICIT - 1
-
 
 def _next_pow2(n: int) -> int:
   return 1 << max(0, n - 1).bit_length()
@@ -95,61 +87,12 @@ def default_num_warps(block_m: int, k: int) -> int:
 
 # ----------------------------------------------------------------------------- in-kernel math
 
-def _bits(x: jax.Array) -> jax.Array:
-  return jax.lax.bitcast_convert_type(x, jnp.int32)
-
-
-def _from_bits(b: jax.Array) -> jax.Array:
-  return jax.lax.bitcast_convert_type(b, jnp.float32)
-
-
-def ieee_div(a: jax.Array, b: jax.Array) -> jax.Array:
-  """`exact.ieee_div` (same domain, same bits) as straight-line integer code.
-
-  exact's version loops with `fori_loop(unroll=True)` on the GPU, which Pallas' Triton lowering
-  rejects; this one unrolls the restoring division in Python. For finite a >= 0 and normal
-  b > 0: the float32 quotient, round to nearest even; 0 for a zero or subnormal a or a quotient
-  below the normal range; +inf past float32's range.
-  """
-  a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-  ai, bi = _bits(a), _bits(b)
-  ea, eb = ai >> _MANT, bi >> _MANT
-  ma = (ai & _MANT_MASK) | _IMPLICIT
-  mb = (bi & _MANT_MASK) | _IMPLICIT
-  shift = (ma < mb).astype(jnp.int32)  # scale the remainder so the quotient lies in [1, 2)
-  rem = ma << shift
-  exp = ea - eb + 127 - shift
-  q = jnp.zeros_like(rem)
-  for _ in range(_MANT + 2):  # 24 quotient bits and a guard bit
-    take = rem >= mb
-    q = (q << 1) | take.astype(jnp.int32)
-    rem = jnp.where(take, rem - mb, rem) << 1
-  guard = q & 1
-  q = q >> 1
-  q = q + (guard & ((rem != 0) | ((q & 1) == 1)).astype(jnp.int32))
-  carry = q >> (_MANT + 1)  # rounding up to 2.0
-  q = q >> carry
-  exp = exp + carry
-  out = _from_bits((exp << _MANT) | (q & _MANT_MASK))
-  out = jnp.where(exp >= 255, np.float32(np.inf), out)
-  return jnp.where((exp <= 0) | (ea == 0), np.float32(0.0), out)
-
-
-def _e4m3_bits(bs: jax.Array) -> jax.Array:
-  """E4M3 bytes (int32) of positive normal E4M3 values in [2**-6, 448] held as float32, 0x7F
-  for NaN. `exact.e4m3_to_bits`' normal branch; its subnormal one (jnp.round, no Triton
-  lowering) is never taken by block scales."""
-  b = _bits(bs)
-  byte = ((((b >> _MANT) & 0xFF) - 120) << 3) | ((b >> (_MANT - 3)) & 0x7)
-  return jnp.where(jnp.isnan(bs), 0x7F, byte)
-
-
-def _e2m1_value(codes: jax.Array) -> jax.Array:
-  """`formats.e2m1_decode` with the sign applied as `* -1` (Triton lowers negation as 0 - x,
-  which would turn code 8's -0 into +0)."""
-  c = codes.astype(jnp.int32)
-  mag = formats.e2m1_magnitude(c & 7)
-  return jnp.where((c & 8) != 0, mag * np.float32(-1.0), mag)
+# `exact` / `formats` helpers in the forms a Triton kernel lowers (the same bits everywhere):
+# the division unrolled in Python (Pallas rejects scans with unroll != 1); E4M3 bytes and E2M1
+# values without rounding or negation ops.
+ieee_div = functools.partial(exact.ieee_div, straight_line=True)
+_e4m3_bits = exact.e4m3_to_bits
+_e2m1_value = formats.e2m1_decode
 
 
 def _any(flags: jax.Array, axis: int) -> jax.Array:
@@ -196,7 +139,7 @@ def _kernel(x_ref, y_ref, codes_ref, scale_ref, ts_ref, *, m: int, nb: int, bm: 
 
   fp4_moe._masked_store(y_ref, idx3, y.astype(y_ref.dtype), ok3)
   fp4_moe._masked_store(codes_ref, idx3, codes, ok3)
-  fp4_moe._masked_store(scale_ref, idx3[:2], _e4m3_bits(bs).astype(jnp.uint8), ok2)
+  fp4_moe._masked_store(scale_ref, idx3[:2], _e4m3_bits(bs), ok2)
   fp4_moe._masked_store(ts_ref, idx3[:1], ts, row_ok)
 
 

@@ -48,12 +48,14 @@ def _unroll() -> bool | int:
   return 1 if jax.default_backend() == "cpu" else True
 
 
-def ieee_div(a: jax.Array, b: jax.Array) -> jax.Array:
+def ieee_div(a: jax.Array, b: jax.Array, *, straight_line: bool = False) -> jax.Array:
   """IEEE float32 quotient a / b (round to nearest even) from integer long division.
 
   Defined for finite a >= 0 and finite normal b > 0. A zero or subnormal `a`, or a
   quotient below the normal range, gives 0 (callers clamp such quotients from below);
   a quotient beyond float32 gives +inf.
+  straight_line: the division's steps unrolled in Python, no loop primitive: what a Pallas
+  kernel on the GPU needs (Triton's lowering rejects scans with unroll != 1). Same bits.
   """
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
@@ -72,8 +74,12 @@ def ieee_div(a: jax.Array, b: jax.Array) -> jax.Array:
 
   # 24 significant bits and one guard bit. Rolled on CPU (XLA compiles it far faster), unrolled
   # elsewhere (one fused kernel on GPU); the integer steps give the same bits either way.
-  q, r = jax.lax.fori_loop(0, _MANT_BITS + 2, step, (jnp.zeros_like(r), r),
-                           unroll=_unroll())
+  q, r = jnp.zeros_like(r), r
+  if straight_line:
+    for i in range(_MANT_BITS + 2):
+      q, r = step(i, (q, r))
+  else:
+    q, r = jax.lax.fori_loop(0, _MANT_BITS + 2, step, (q, r), unroll=_unroll())
   guard = q & 1
   q = q >> 1
   round_up = (guard == 1) & ((r != 0) | ((q & 1) == 1))
@@ -132,7 +138,9 @@ def e4m3_to_bits(v: jax.Array) -> jax.Array:
   a = jnp.abs(v)
   e = ((b >> _MANT_BITS) & 0xFF) - 127 + 7
   normal = (e << 3) | ((b >> 20) & 0x7)
-  sub = jnp.round(a * np.float32(2.0**9)).astype(jnp.int32)  # exact: a is a multiple of 2**-9
+  # exact: a is a multiple of 2**-9, so the product is an integer (no rounding op: it also
+  # runs inside Pallas kernels, whose Triton lowering has none)
+  sub = (a * np.float32(2.0**9)).astype(jnp.int32)
   mag = jnp.where(a >= E4M3_MIN_NORMAL, normal, sub)
   mag = jnp.where(jnp.isnan(v), 0x7F, mag).astype(jnp.uint8)
   return sign | mag

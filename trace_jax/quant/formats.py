@@ -119,7 +119,9 @@ def e2m1_decode(codes: jax.Array) -> jax.Array:
   """float32 values of E2M1 codes (uint8 0..15)."""
   codes = codes.astype(jnp.int32)
   mag = e2m1_magnitude(codes & 7)
-  return jnp.where((codes & 8) != 0, -mag, mag)
+  # `* -1`, not `-mag`: Triton lowers negation as 0 - x, which would make code 8 +0 inside
+  # the Pallas kernels that decode with this (`kernels/nvfp4_act.py`).
+  return jnp.where((codes & 8) != 0, mag * np.float32(-1.0), mag)
 
 
 def e2m1_values_equal(a: Any, b: Any) -> Any:
