@@ -211,6 +211,10 @@ def test_mma_order_permutes_tile_and_rows_alike():
   for b in range(4):
     lanes = {(p % 8) // 2 for p in pos[16 * b:16 * b + 16]}
     assert lanes == {b}, (b, sorted(pos[16 * b:16 * b + 16]))
+  # Leading axes and bf16 rows: each row permuted alike, values untouched.
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 128)), jnp.bfloat16)
+  got = np.asarray(fp4_decode.mma_order_columns(x)).astype(np.float32)
+  np.testing.assert_array_equal(got, np.asarray(x).astype(np.float32)[..., np.asarray(tiled)[0]])
   with pytest.raises(ValueError, match="multiple of 64"):
     fp4_decode.mma_order_columns(jnp.zeros((2, 96)))
 

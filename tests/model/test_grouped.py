@@ -125,3 +125,19 @@ def test_kernel_impl_and_its_gradients_match_ragged_dot(dtype):
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("m", [1, 7, 512], ids=lambda m: f"m{m}")
+def test_inverse_permutation_brings_sorted_rows_back(m):
+  """The dispatch's stable sort by expert and its inverse: rows[order][inverse] == rows, and
+  inverse equals numpy's argsort of the order (an independent reference)."""
+  ids = np.random.default_rng(m).integers(0, 8, m).astype(np.int32)
+  order = jnp.argsort(jnp.asarray(ids), stable=True)
+  inv = grouped.inverse_permutation(order)
+  np.testing.assert_array_equal(np.asarray(inv), np.argsort(np.asarray(order)))
+  rows = np.arange(m * 3, dtype=np.float32).reshape(m, 3)
+  np.testing.assert_array_equal(np.asarray(jnp.asarray(rows)[order][inv]), rows)
+  o = np.asarray(order)
+  if not np.array_equal(o[o], np.arange(m)):  # control: order itself (not an involution here)
+    assert not np.array_equal(np.asarray(jnp.asarray(rows)[order][order]), rows)
+  assert m == 1 or not np.array_equal(o[o], np.arange(m))  # the control ran

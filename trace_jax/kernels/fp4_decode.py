@@ -582,13 +582,20 @@ def mma_order(tile: jax.Array) -> jax.Array:
 
 
 def mma_order_columns(x: jax.Array) -> jax.Array:
-  """x [..., K] (K a multiple of 64) with its columns in `mma_order`'s order."""
-  *lead, k = x.shape
+  """x [..., K] (K a multiple of 64) with its columns in `mma_order`'s order: a gather of
+  constant columns, which XLA fuses with the caller's row gather (the dispatch's
+  `xq[order // k]`) as a gather rather than a transpose."""
+  k = x.shape[-1]
   if k % MMA_ORDER_SPAN:
     raise ValueError(f"mma_order_columns: K={k} is not a multiple of {MMA_ORDER_SPAN}")
-  n = len(lead)
-  perm = (*range(n + 1), n + 2, n + 3, n + 1, n + 4)
-  return x.reshape(*lead, k // 64, 4, 4, 2, 2).transpose(perm).reshape(*lead, k)
+  return jnp.take(x, _mma_columns(k), axis=-1, unique_indices=True, mode="clip")
+
+
+@functools.cache
+def _mma_columns(k: int) -> np.ndarray:
+  """Tile column c of `mma_order` holds natural column [c] of this permutation of range(k)."""
+  return np.arange(k, dtype=np.int32).reshape(k // 64, 4, 4, 2, 2).transpose(
+      0, 2, 3, 1, 4).reshape(k)
 
 
 def to_words(codes: jax.Array) -> jax.Array:

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from trace_jax.model import sharding
+from trace_jax.model.grouped import inverse_permutation
 from trace_jax.model.precision import Precision
 
 AXIS = "expert"
@@ -174,6 +175,7 @@ def moe(prec: Precision, layer: int, xq: jax.Array, ids: jax.Array, weights: jax
     n_local = jnp.sum(local_sizes)
     m = tg * k
     local_order = jnp.roll(order, -start)          # this device's rows first, in expert order
+    local_inverse = inverse_permutation(local_order)
     live = jnp.arange(m) < n_local                 # [M]: rows of this device's experts
     rows = xq[local_order // k]
     hidden, down = experts.local(arrays, local_sizes)
@@ -182,16 +184,17 @@ def moe(prec: Precision, layer: int, xq: jax.Array, ids: jax.Array, weights: jax
     if g is not None:  # the tap layout [tokens, 1, K, ...]
       g = jax.tree.map(lambda a: a.reshape((tg, 1) + a.shape[1:]), g)
     view = prec.view(layer, None if g is None else {"expert_mid": g})
-    h = view.site(layer, "expert_mid", h, row_order=local_order, tap_shape=(tg, 1, k),
+    h = view.site(layer, "expert_mid", h, row_order=local_order, row_inverse=local_inverse,
+                  tap_shape=(tg, 1, k),
                   experts=ids.reshape(tg, 1, k),
                   rollout_experts=None if rids is None else rids.reshape(tg, 1, k))
     y = jnp.where(live[:, None], down(h), 0).astype(xq.dtype)                    # [M, D]
-    y = jnp.zeros_like(y).at[local_order].set(y, unique_indices=True).reshape(tg, k, d)
+    y = y[local_inverse].reshape(tg, k, d)
     out = jnp.sum(y * wts[..., None], axis=1)
     rec = view.taps.get(layer, {}).get("expert_mid")
     if rec is not None:  # (token, slot) rows of this device's experts; zeros elsewhere
       rec_dtypes.append(jax.tree.map(lambda a: a.dtype, rec))
-      mine = jnp.zeros((m,), bool).at[local_order].set(live).reshape(tg, 1, k)
+      mine = live[local_inverse].reshape(tg, 1, k)
       rec = jax.tree.map(lambda a: jnp.where(
           mine.reshape(mine.shape + (1,) * (a.ndim - 3)), _as_bits(a), 0), rec)
     if gathered:

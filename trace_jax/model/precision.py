@@ -29,7 +29,7 @@ import numpy as np
 from trace_jax.kernels import nvfp4_act
 from trace_jax.model import byte_rows, fp8_linear
 from trace_jax.model.config import SITES, ModelConfig
-from trace_jax.model.grouped import grouped_matmul
+from trace_jax.model.grouped import grouped_matmul, inverse_permutation
 from trace_jax.quant import formats, guided, qat
 from trace_jax.quant.guided import Guidance
 
@@ -144,13 +144,15 @@ class Precision:
     return (y if self.record else qat.straight_through(x, y)), guided.record(q, self.tap_mode)
 
   def site(self, layer: int, name: str, x: jax.Array, row_order: jax.Array | None = None,
-           tap_shape: tuple[int, ...] | None = None, experts: jax.Array | None = None,
+           row_inverse: jax.Array | None = None, tap_shape: tuple[int, ...] | None = None,
+           experts: jax.Array | None = None,
            rollout_experts: jax.Array | None = None) -> jax.Array:
     """Quantizes activation rows x [..., K] at a TRACE site (identity unless an FP4 policy).
 
     row_order: x's rows are the tap layout's rows gathered by `row_order` (expert_mid is
     computed sorted by expert, its guidance and taps are in token/slot order); x is then
-    [M, K] and tap_shape the tap layout's leading shape.
+    [M, K] and tap_shape the tap layout's leading shape. row_inverse: its inverse
+    (`grouped.inverse_permutation`, computed here when not given), to put the record back.
     experts / rollout_experts: for expert_mid, this forward's and the rollout's expert ids
     [B, S, top_k] (tap_shape). Guidance rows belong to the rollout's (token, expert) pairs, so
     each slot takes the rollout slot that routed the same expert; a slot whose expert the
@@ -174,9 +176,9 @@ class Precision:
         guided_rows = guided_rows.reshape(-1)[row_order]
     y, rec = self._quantize(x, g, layer in self.tap_layers, guided_rows)
     if rec is not None:
-      if row_order is not None:  # back to token/slot order: one scatter (row_order permutes)
+      if row_order is not None:  # back to token/slot order: one gather
         rows, layout = byte_rows.pack(rec, lead=1)
-        rows = jnp.zeros_like(rows).at[row_order].set(rows, unique_indices=True)
+        rows = rows[inverse_permutation(row_order) if row_inverse is None else row_inverse]
         rec = byte_rows.unpack(rows.reshape(tap_shape + rows.shape[1:]), layout)
       self.taps.setdefault(layer, {})[name] = rec
     return y
