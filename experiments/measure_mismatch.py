@@ -10,6 +10,10 @@ of the sampled tokens. --format=mxfp4 runs the MXFP4 pair (`mxfp4_rtn`, `mxfp4_t
   python -m experiments.measure_mismatch --json_out=/tmp/mismatch.json [--format=mxfp4]
 
 With no flag but --json_out it uses the tiny CPU config. Writes JSON and a per-layer PNG.
+--decode_impls=xla,kernel measures each rollout decode path on its own rollout (the report is
+the first one's) and adds `by_decode_impl` and `fp4_trace_dlogp_kernel_over_xla`: the fast
+path's rollout/trainer mean |dlogp| under fp4_trace over the reference path's (issue 14 asks
+<= 1.2).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from absl import app, flags
 
 from trace_jax import model as model_lib
 from trace_jax.model import policies
-from trace_jax.model.config import SITES, ModelConfig
+from trace_jax.model.config import DECODE_IMPLS, SITES, ModelConfig
 from trace_jax.quant import guided
 from trace_jax.rl import losses
 from trace_jax.rollout import guidance_layout
@@ -51,6 +55,12 @@ _MODE = flags.DEFINE_enum("guidance_mode", "compact", ["compact", "full"],
 _REPLAY = flags.DEFINE_bool("routing_replay", False, "Replay the rollout's routing in training.")
 _FORMAT = flags.DEFINE_enum("format", "nvfp4", list(policies.FP4_RUNS),
                             "FP4 format of the rollout and both training forwards.")
+_DECODE_IMPLS = flags.DEFINE_list(
+    "decode_impls", ["xla"], f"Rollout decode paths (`decode_impl`, of {DECODE_IMPLS}), each "
+    "measured on its own rollout; the report is the first one's.")
+flags.register_validator(
+    "decode_impls", lambda v: bool(v) and set(v) <= set(DECODE_IMPLS),
+    f"--decode_impls takes a non-empty list of {DECODE_IMPLS}")
 
 
 def tiny_config() -> ModelConfig:
@@ -164,6 +174,22 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
   return report
 
 
+def by_decode_impl(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+  """The first report with every decode path's summary beside it: `by_decode_impl` (mean
+  |dlogp|, k3 KL and guided-site flip rates per policy) and, with both paths, each policy's
+  `<policy>_dlogp_kernel_over_xla`."""
+  first = dict(next(iter(reports.values())))
+  first["by_decode_impl"] = {
+      impl: {"mean_abs_dlogp": r["mean_abs_dlogp"], "k3_kl": r["k3_kl"],
+             "flip_rate_rtn": r["flip_rate_rtn"], "flip_rate_trace": r["flip_rate_trace"]}
+      for impl, r in reports.items()}
+  if {"xla", "kernel"} <= set(reports):
+    for policy, x in reports["xla"]["mean_abs_dlogp"].items():
+      k = reports["kernel"]["mean_abs_dlogp"][policy]
+      first[f"{policy}_dlogp_kernel_over_xla"] = k / x if x else (1.0 if k == x else np.inf)
+  return first
+
+
 def plot(report: dict[str, Any], path: str) -> None:
   """Per-layer flip rates (all sites pooled) for both policies, guided layers shaded."""
   import matplotlib
@@ -199,8 +225,10 @@ def main(argv: Sequence[str]) -> None:
   prompts = rng.integers(0, config.vocab_size, (_NUM_PROMPTS.value, _PROMPT_LEN.value)).tolist()
   sampling = [SamplingParams(max_new_tokens=_MAX_NEW.value, seed=_SEED.value * 1000 + i)
               for i in range(_NUM_PROMPTS.value)]
-  report = measure(params, config, prompts, sampling, _MODE.value, _REPLAY.value,
-                   fmt=_FORMAT.value)
+  report = by_decode_impl({
+      impl: measure(params, dataclasses.replace(config, decode_impl=impl), prompts, sampling,
+                    _MODE.value, _REPLAY.value, fmt=_FORMAT.value)
+      for impl in dict.fromkeys(_DECODE_IMPLS.value)})
   os.makedirs(os.path.dirname(os.path.abspath(_JSON_OUT.value)), exist_ok=True)
   with open(_JSON_OUT.value, "w") as f:
     json.dump(report, f, indent=1)
@@ -214,6 +242,13 @@ def main(argv: Sequence[str]) -> None:
   print(f"guidance bytes/token: {report['guidance_bytes_per_token']:.1f} (compact, guided "
         f"layers) vs {report['full_guidance_bytes_per_token_all_layers']:.1f} (full codes, all "
         f"layers): {report['compact_vs_full_ratio']:.2f}x smaller")
+  if len(report["by_decode_impl"]) > 1:
+    for impl, v in report["by_decode_impl"].items():
+      print(f"decode_impl={impl}: mean |dlogp| " + ", ".join(
+          f"{p} {d:.5f}" for p, d in v["mean_abs_dlogp"].items()))
+    for k, v in report.items():
+      if k.endswith("_dlogp_kernel_over_xla"):
+        print(f"{k}: {v:.3f}")
   print(f"wrote {_JSON_OUT.value} and {png}")
 
 

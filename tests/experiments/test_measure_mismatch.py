@@ -99,3 +99,22 @@ def test_mxfp4_pair_end_to_end():
   assert r["flip_rate_trace"] == 0.0, r["policies"]["mxfp4_trace"]["per_layer"]
   assert r["flip_rate_rtn"] > 0.0
   assert r["guidance_bytes_per_row_formula"]["compact_K128"] == 128 / 8 + 128 / 32
+
+
+def test_by_decode_impl_ratios():
+  """Two decode paths' reports: the first is the report, both summaries sit beside it and
+  each policy's |dlogp| ratio is kernel over xla (a zero reference gives 1 only when equal)."""
+  def fake(dlogp):
+    return {"mean_abs_dlogp": dlogp, "k3_kl": {p: 0.0 for p in dlogp}, "flip_rate_rtn": 0.1,
+            "flip_rate_trace": 0.0, "policies": {}}
+
+  r = measure_mismatch.by_decode_impl({
+      "xla": fake({"fp4_rtn": 0.02, "fp4_trace": 0.01, "z": 0.0}),
+      "kernel": fake({"fp4_rtn": 0.03, "fp4_trace": 0.011, "z": 0.0})})
+  assert r["mean_abs_dlogp"]["fp4_trace"] == 0.01  # the first report's
+  assert set(r["by_decode_impl"]) == {"xla", "kernel"}
+  assert r["fp4_trace_dlogp_kernel_over_xla"] == pytest.approx(1.1)
+  assert r["fp4_rtn_dlogp_kernel_over_xla"] == pytest.approx(1.5)
+  assert r["z_dlogp_kernel_over_xla"] == 1.0
+  one = measure_mismatch.by_decode_impl({"kernel": fake({"fp4_trace": 0.01})})
+  assert not any(k.endswith("_over_xla") for k in one)

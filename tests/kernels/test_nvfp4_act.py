@@ -37,10 +37,19 @@ _reference = jax.jit(nvfp4_act.reference)
 
 # ----------------------------------------------------------------------------- references
 
-def _fields(y, q: formats.NVFP4Tensor) -> dict[str, np.ndarray]:
-  """The compared fields as numpy: scales first (they explain code mismatches)."""
+def _fields(y, q: formats.NVFP4Tensor, bits=None) -> dict[str, np.ndarray]:
+  """The compared fields as numpy: scales first (they explain code mismatches); the mantissa
+  bits (the compact record's payload) are the kernel's own or, for references, numpy's
+  little-endian packing of the codes' low bits."""
+  codes = to_numpy(q.codes)
+  bits = _packbits(codes) if bits is None else np.asarray(bits)
   return {"tensor_scale": to_numpy(q.tensor_scale), "block_scale": to_numpy(q.block_scale),
-          "codes": to_numpy(q.codes), "y": np.asarray(y).astype(F32)}  # y: exact widening
+          "codes": codes, "y": np.asarray(y).astype(F32), "mantissa": bits}  # y: exact widening
+
+
+def _packbits(codes: np.ndarray) -> np.ndarray:
+  """Element 8i + j of a row is bit j of byte i (`guided.pack_bits`'s order), by numpy."""
+  return np.packbits(codes & 1, axis=-1, bitorder="little")
 
 
 def _numpy_reference(x: np.ndarray, block: int = formats.NVFP4_BLOCK) -> dict[str, np.ndarray]:
@@ -60,9 +69,9 @@ def _numpy_reference(x: np.ndarray, block: int = formats.NVFP4_BLOCK) -> dict[st
     inv = (F32(1.0) / ts) / bsf
     codes = np.clip(xb * inv[..., None], F32(-6.0), F32(6.0)).astype(E2M1)
     y = (codes.astype(F32) * bsf[..., None]) * ts[..., None]
-  return {"tensor_scale": ts.astype(F32), "block_scale": bs.view(np.uint8),
-          "codes": codes.view(np.uint8).reshape(m, k),
-          "y": y.reshape(m, k).astype(dt).astype(F32)}
+  codes = codes.view(np.uint8).reshape(m, k)
+  return {"tensor_scale": ts.astype(F32), "block_scale": bs.view(np.uint8), "codes": codes,
+          "y": y.reshape(m, k).astype(dt).astype(F32), "mantissa": _packbits(codes)}
 
 
 def _assert_fields(got: dict, want: dict, what: str, x: np.ndarray,
@@ -79,13 +88,14 @@ def _assert_fields(got: dict, want: dict, what: str, x: np.ndarray,
 
 
 def _run(x: jax.Array, **kw) -> dict[str, np.ndarray]:
-  y, q = nvfp4_act.quantize_rows(x, **kw)
+  y, q, bits = nvfp4_act.quantize_rows(x, mantissa=True, **kw)
   assert y.dtype == x.dtype and y.shape == x.shape
   m, k = x.shape
   assert q.codes.dtype == jnp.uint8 and q.codes.shape == (m, k)
   assert q.block_scale.dtype == jnp.float8_e4m3fn and q.block_scale.shape == (m, k // 16)
   assert q.tensor_scale.dtype == jnp.float32 and q.tensor_scale.shape == (m, 1)
-  return _fields(y, q)
+  assert bits.dtype == jnp.uint8 and bits.shape == (m, k // 8)
+  return _fields(y, q, bits)
 
 
 def _check_both(x: jax.Array, what: str, **kw) -> dict[str, np.ndarray]:
@@ -380,6 +390,24 @@ def test_empty_rows():
   assert y.shape == (0, 32) and y.dtype == jnp.bfloat16
   assert q.codes.shape == (0, 32) and q.block_scale.shape == (0, 2)
   assert q.tensor_scale.shape == (0, 1)
+  *_, bits = nvfp4_act.quantize_rows(jnp.zeros((0, 32), jnp.bfloat16), mantissa=True)
+  assert bits.shape == (0, 4) and bits.dtype == jnp.uint8
+
+
+def test_mantissa_is_an_extra_output():
+  """mantissa=False returns (y, q) only, the same bits as mantissa=True's first two; the bits
+  follow the codes: the same under negation (sign is the code's top bit), others for other
+  rows."""
+  x = _random_rows(6, 96, jnp.bfloat16, seed=5)
+  y, q = nvfp4_act.quantize_rows(x, block_m=2)
+  y2, q2, bits = nvfp4_act.quantize_rows(x, block_m=2, mantissa=True)
+  _assert_fields(_fields(y2, q2), _fields(y, q), "mantissa=True vs False", x)
+  np.testing.assert_array_equal(np.asarray(bits), _packbits(to_numpy(q.codes)))
+  *_, bits_neg = nvfp4_act.quantize_rows(-x, block_m=2, mantissa=True)
+  np.testing.assert_array_equal(np.asarray(bits_neg), np.asarray(bits))
+  other = _random_rows(6, 96, jnp.bfloat16, seed=6)
+  *_, bits_other = nvfp4_act.quantize_rows(other, block_m=2, mantissa=True)
+  assert not np.array_equal(np.asarray(bits_other), np.asarray(bits))
 
 
 @pytest.mark.parametrize("m,k,block_m,warps", [(64, 2048, 1, 4), (512, 768, 2, 4),
@@ -422,6 +450,7 @@ LOWERINGS = [
     (f"k{k}_{dt}", m, k, dt, None, None)
     for m, k in ((64, 2048), (512, 768), (512, 128)) for dt in ("bfloat16", "float32")
 ] + [
+    ("k2048_bf16_no_mantissa", 64, 2048, "bfloat16", None, None),
     ("k48_f16_block_m4_warps2", 7, 48, "float16", 4, 2),
     ("k16_block_m1", 3, 16, "bfloat16", 1, 1),
     ("k4096_bf16", 8, 4096, "bfloat16", None, None),
@@ -441,7 +470,7 @@ def test_lowers_to_triton(name, m, k, dtype, block_m, num_warps, traced_as_on_gp
   """The kernel passes Pallas' Triton lowering for CUDA (power-of-two tiles, supported
   primitives) on any host, traced as on the GPU; Triton's own compilation needs the GPU."""
   f = functools.partial(nvfp4_act.quantize_rows, interpret=False, block_m=block_m,
-                        num_warps=num_warps)
+                        num_warps=num_warps, mantissa="no_mantissa" not in name)
   text = jax.jit(f).trace(jnp.zeros((m, k), DTYPES[dtype])).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "triton" in text

@@ -217,14 +217,17 @@ def test_site_input_is_rounded_to_the_compute_dtype_under_jit():
     assert max(_differing_bytes(raw, ref)) > 0.0, "control: no excess precision to remove"
 
 
-@pytest.mark.parametrize("tap", [False, True], ids=["untapped", "tapped"])
-def test_engine_sites_run_the_site_kernel_with_the_same_bits(tap, monkeypatch):
+@pytest.mark.parametrize("tap,mode", [(False, "compact"), (True, "compact"), (True, "full")],
+                         ids=["untapped", "tapped_compact", "tapped_full"])
+def test_engine_sites_run_the_site_kernel_with_the_same_bits(tap, mode, monkeypatch):
   """Rollout forwards with the kernel decode (`decode_impl="kernel"`) quantize NVFP4 sites
-  without guidance in one kernel (`kernels.nvfp4_act`): values, records and the packed KV
-  cache's codes equal the XLA path's bit for bit; training forwards (record=False) keep the
-  XLA quantizers (the kernel is not called)."""
+  without guidance in one kernel (`kernels.nvfp4_act`): values, records (compact ones with the
+  kernel's mantissa bits, not XLA's packing) and the packed KV cache's codes equal the XLA
+  path's bit for bit; training forwards (record=False) keep the XLA quantizers (the kernel is
+  not called)."""
   from trace_jax.kernels import nvfp4_act
   from trace_jax.model.precision import Precision
+  from trace_jax.quant import guided
 
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.standard_normal((2, 3, 48)) * np.exp2(rng.integers(-6, 6, (2, 3, 1))),
@@ -232,20 +235,28 @@ def test_engine_sites_run_the_site_kernel_with_the_same_bits(tap, monkeypatch):
   kv = jnp.asarray(rng.standard_normal((2, 3, 2, 32)), jnp.bfloat16)
   taps = (0,) if tap else ()
   ref, fast = (Precision(M.tiny(policy="fp4_trace", decode_impl=impl), record=True,
-                         tap_layers=taps) for impl in ("xla", "kernel"))
+                         tap_layers=taps, tap_mode=mode) for impl in ("xla", "kernel"))
   assert fast.site_kernel and not ref.site_kernel
   calls = []
   real = nvfp4_act.quantize_rows
-  monkeypatch.setattr(nvfp4_act, "quantize_rows", lambda *a, **k: calls.append(1) or real(
+  monkeypatch.setattr(nvfp4_act, "quantize_rows", lambda *a, **k: calls.append(k) or real(
       *a, **k))
+  packed = []
+  real_pack = guided.pack_bits
+  monkeypatch.setattr(guided, "pack_bits", lambda a: packed.append(1) or real_pack(a))
   bits = lambda t: [np.ascontiguousarray(np.asarray(a)).view(np.uint8)
                     for a in jax.tree.leaves(t)]
   outs = [(p.site(0, "moe_in", x), p.kv_site(0, kv, kv * 2, codes=True), p.taps)
           for p in (ref, fast)]
   assert len(calls) == 2  # moe_in and k/v, in the kernel engine's Precision only
+  assert [k["mantissa"] for k in calls] == [tap and mode == "compact"] * 2
+  # XLA packs the mantissa bits of the reference's compact records only (moe_in, k/v stacked).
+  assert len(packed) == (2 if tap and mode == "compact" else 0)
   for a, b in zip(bits(outs[0]), bits(outs[1])):
     np.testing.assert_array_equal(a, b)
   assert (len(jax.tree.leaves(outs[1][2])) > 0) == tap
+  if tap:
+    assert (outs[1][2][0]["moe_in"].mantissa is not None) == (mode == "compact")
   trainer = Precision(M.tiny(policy="fp4_trace", decode_impl="kernel"), record=False)
   assert not trainer.site_kernel
   trainer.site(0, "moe_in", x)

@@ -237,6 +237,19 @@ def test_record_bit_packing() -> None:
   np.testing.assert_array_equal(nib.reshape(codes.shape), codes)
 
 
+def test_record_takes_a_packed_mantissa() -> None:
+  """A mantissa packed elsewhere (the site kernel's) is compact mode's payload as given; full
+  mode refuses one."""
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 64)), jnp.float32)
+  q = formats.fp4_quantize_act(x, "nvfp4")
+  own = guided.record(q, "compact")
+  given = guided.record(q, "compact", mantissa=own.mantissa + 1)
+  np.testing.assert_array_equal(np.asarray(given.mantissa), np.asarray(own.mantissa + 1))
+  np.testing.assert_array_equal(np.asarray(given.row_scale), np.asarray(own.row_scale))
+  with pytest.raises(ValueError, match="compact mode's payload"):
+    guided.record(q, "full", mantissa=own.mantissa)
+
+
 # ----------------------------------------------------------------------------- bytes
 
 RECORD_SHAPES = [(1, 16), (3, 64), (2, 5, 2048), (7, 4096)]

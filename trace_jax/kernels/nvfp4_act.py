@@ -17,6 +17,9 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
   (a max of the block amaxes), row scale, block scales, inverse scales, E2M1 codes, E4M3 bytes,
   and the dequantized values; stores: y and codes [block_m, nbp, 16], scale bytes
   [block_m, nbp], row scales [block_m]. The E4M3 bytes leave as uint8 and are bitcast outside.
+- `mantissa=True` also stores each block's 16 code low bits as one uint16 (bit j: element j),
+  whose two little-endian bytes are `guided.pack_bits(codes & 1)`'s: the compact guidance
+  record's payload, so a recording site needs no XLA fusion to pack it.
 - Defaults (`default_block_m`, `default_num_warps`): tiles of at most `TILE_ELEMENTS` (4096)
   elements, fewer rows still while the grid has fewer than `MIN_PROGRAMS` programs (decode is
   launch- and latency-bound: more, smaller programs spread over the SMs); num_warps so that
@@ -102,8 +105,10 @@ def _any(flags: jax.Array, axis: int) -> jax.Array:
 
 # ----------------------------------------------------------------------------- kernel
 
-def _kernel(x_ref, y_ref, codes_ref, scale_ref, ts_ref, *, m: int, nb: int, bm: int, nbp: int):
-  """One program: rows [r0, r0 + bm) whole, as [bm, nbp, 16] (see the module docstring)."""
+def _kernel(x_ref, y_ref, codes_ref, scale_ref, ts_ref, *mant_ref, m: int, nb: int, bm: int,
+            nbp: int):
+  """One program: rows [r0, r0 + bm) whole, as [bm, nbp, 16] (see the module docstring);
+  mant_ref: the blocks' code low bits (`mantissa=True`) or nothing."""
   r0 = pl.program_id(0) * bm
   row_ok = (r0 + jnp.arange(bm, dtype=jnp.int32)) < m                    # [bm]
   blk_ok = jnp.arange(nbp, dtype=jnp.int32) < nb                         # [nbp]
@@ -141,40 +146,51 @@ def _kernel(x_ref, y_ref, codes_ref, scale_ref, ts_ref, *, m: int, nb: int, bm: 
   fp4_moe._masked_store(codes_ref, idx3, codes, ok3)
   fp4_moe._masked_store(scale_ref, idx3[:2], _e4m3_bits(bs), ok2)
   fp4_moe._masked_store(ts_ref, idx3[:1], ts, row_ok)
+  if mant_ref:  # bit j of a block's uint16: element j's code low bit (a sum of distinct bits)
+    shifts = jnp.arange(BLOCK, dtype=jnp.int32)[None, None, :]
+    bits = jnp.sum((codes & 1).astype(jnp.int32) << shifts, axis=2)
+    fp4_moe._masked_store(mant_ref[0], idx3[:2], bits.astype(jnp.uint16), ok2)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "num_warps"))
-def _quantize_rows(x: jax.Array, *, interpret: bool, block_m: int, num_warps: int
-                   ) -> tuple[jax.Array, formats.NVFP4Tensor]:
+@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "num_warps", "mantissa"))
+def _quantize_rows(x: jax.Array, *, interpret: bool, block_m: int, num_warps: int,
+                   mantissa: bool) -> tuple[jax.Array, ...]:
   m, k = x.shape
   nb = k // BLOCK
   if m == 0:
     q = formats.NVFP4Tensor(codes=jnp.zeros((0, k), jnp.uint8),
                             block_scale=jnp.zeros((0, nb), jnp.float8_e4m3fn),
                             tensor_scale=jnp.zeros((0, 1), jnp.float32))
-    return jnp.zeros((0, k), x.dtype), q
+    return (jnp.zeros((0, k), x.dtype), q) + ((jnp.zeros((0, k // 8), jnp.uint8),) * mantissa)
   nbp = padded_blocks(k)
   kernel = functools.partial(_kernel, m=m, nb=nb, bm=block_m, nbp=nbp)
-  y, codes, scale, ts = pl.pallas_call(
+  y, codes, scale, ts, *mant = pl.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((m, nb, BLOCK), x.dtype),
                  jax.ShapeDtypeStruct((m, nb, BLOCK), jnp.uint8),
                  jax.ShapeDtypeStruct((m, nb), jnp.uint8),
-                 jax.ShapeDtypeStruct((m,), jnp.float32)),
+                 jax.ShapeDtypeStruct((m,), jnp.float32))
+                + ((jax.ShapeDtypeStruct((m, nb), jnp.uint16),) if mantissa else ()),
       grid=(pl.cdiv(m, block_m),), interpret=interpret, name="nvfp4_quantize_rows",
       compiler_params=None if interpret else fp4_moe._compiler_params(num_warps, 1),
   )(x.reshape(m, nb, BLOCK))
   q = formats.NVFP4Tensor(codes=codes.reshape(m, k),
                           block_scale=jax.lax.bitcast_convert_type(scale, jnp.float8_e4m3fn),
                           tensor_scale=ts.reshape(m, 1))
-  return y.reshape(m, k), q
+  # uint16 -> its two bytes, little-endian (elements 0-7, then 8-15), as XLA bitcasts on CPU
+  # and GPU alike.
+  bits = tuple(jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(m, k // 8) for a in mant)
+  return (y.reshape(m, k), q) + bits
 
 
 def quantize_rows(x: jax.Array, *, interpret: bool | None = None, block_m: int | None = None,
-                  num_warps: int | None = None) -> tuple[jax.Array, formats.NVFP4Tensor]:
+                  num_warps: int | None = None, mantissa: bool = False
+                  ) -> tuple[jax.Array, ...]:
   """NVFP4 quantize-dequantize of activation rows x [M, K] (bf16, f16 or f32; K a multiple of
   16) in one kernel: (y, q), y [M, K] in x.dtype, q an `NVFP4Tensor` (codes uint8 [M, K],
-  block_scale float8_e4m3fn [M, K // 16], tensor_scale float32 [M, 1]).
+  block_scale float8_e4m3fn [M, K // 16], tensor_scale float32 [M, 1]); with `mantissa`,
+  (y, q, bits): bits uint8 [M, K // 8] == `guided.pack_bits(q.codes & 1)`, the compact
+  guidance record's payload.
 
   Bit for bit `q = formats.fp4_quantize_act(x, "nvfp4")` and
   `y = formats.fp4_dequantize(q).astype(x.dtype)` as under jit (non-finite rows are poisoned:
@@ -204,7 +220,7 @@ def quantize_rows(x: jax.Array, *, interpret: bool | None = None, block_m: int |
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   return _quantize_rows(x, interpret=bool(interpret), block_m=int(block_m),
-                        num_warps=int(num_warps))
+                        num_warps=int(num_warps), mantissa=bool(mantissa))
 
 
 def reference(x: jax.Array) -> tuple[jax.Array, formats.NVFP4Tensor]:

@@ -111,6 +111,14 @@ class Precision:
       return self.guidance.get(layer, {}).get(name)
     return None
 
+  def _kernel_site(self, x: jax.Array, tap: bool, codes: bool = False) -> tuple[Any, ...]:
+    """An unguided NVFP4 site on the site kernel (`site_kernel`): (y, record or None), and q
+    with `codes`. A compact record takes its mantissa bits from the kernel."""
+    compact = tap and self.tap_mode == "compact"
+    y, q, *bits = quantize_rows(x, mantissa=compact)
+    rec = guided.record(q, self.tap_mode, *bits) if tap else None
+    return (y, rec, q) if codes else (y, rec)
+
   def _quantize(self, x: jax.Array, g: Guidance | None, tap: bool,
                 guided_rows: jax.Array | None = None) -> tuple[jax.Array, Guidance | None]:
     """FP4 quantize-dequantize of rows x [..., K] (guided where g is given) and its record.
@@ -123,8 +131,7 @@ class Precision:
     """
     fmt = self.fmt
     if g is None and self.site_kernel:
-      y, q = quantize_rows(x)
-      return y, guided.record(q, self.tap_mode) if tap else None
+      return self._kernel_site(x, tap)
     if not tap:
       if g is None:
         return (qat.qdq_act(x, fmt).astype(x.dtype) if self.record
@@ -201,12 +208,13 @@ class Precision:
       if self.fmt != "nvfp4" or g is not None:
         raise ValueError("kv_site(codes=True): NVFP4 forwards without guidance only")
       if self.site_kernel:
-        y, q = quantize_rows(jax.lax.stop_gradient(x))
+        y, rec, q = self._kernel_site(jax.lax.stop_gradient(x), layer in self.tap_layers,
+                                      codes=True)
       else:
         q = formats.fp4_quantize_act(jax.lax.stop_gradient(x), self.fmt)
         y = formats.fp4_dequantize(q).astype(x.dtype)  # `_quantize`'s values, bit for bit
+        rec = guided.record(q, self.tap_mode) if layer in self.tap_layers else None
       y = y if self.record else qat.straight_through(x, y)
-      rec = guided.record(q, self.tap_mode) if layer in self.tap_layers else None
     else:
       y, rec = self._quantize(x, g, layer in self.tap_layers)
     if rec is not None:
@@ -288,12 +296,13 @@ class Precision:
                               "fp8" if c.fp8_backward else "bf16", c.moe_impl)
 
 
-def quantize_rows(x: jax.Array) -> tuple[jax.Array, formats.NVFP4Tensor]:
+def quantize_rows(x: jax.Array, mantissa: bool = False) -> tuple[Any, ...]:
   """`kernels.nvfp4_act.quantize_rows` of rows x [..., K] (the kernel takes [M, K]):
-  (y, q) with every field in x's leading shape."""
+  (y, q) or, with `mantissa`, (y, q, bits), every field in x's leading shape."""
   lead, k = x.shape[:-1], x.shape[-1]
-  y, q = nvfp4_act.quantize_rows(x.reshape(-1, k))
-  return y.reshape(x.shape), jax.tree.map(lambda a: a.reshape(lead + a.shape[-1:]), q)
+  y, *rest = nvfp4_act.quantize_rows(x.reshape(-1, k), mantissa=mantissa)
+  return (y.reshape(x.shape),) + tuple(
+      jax.tree.map(lambda a: a.reshape(lead + a.shape[-1:]), r) for r in rest)
 
 
 def swiglu(gu: jax.Array) -> jax.Array:

@@ -101,8 +101,11 @@ def unpack_bits(packed: jax.Array) -> jax.Array:
   return b.reshape(packed.shape[:-1] + (packed.shape[-1] * 8,)).astype(jnp.uint8)
 
 
-def record(q: FP4Tensor, mode: str = "compact") -> Guidance:
-  """The guidance record of a rollout-side quantization: two-level NVFP4 or MXFP4."""
+def record(q: FP4Tensor, mode: str = "compact", mantissa: jax.Array | None = None) -> Guidance:
+  """The guidance record of a rollout-side quantization: two-level NVFP4 or MXFP4.
+
+  mantissa: compact mode's payload already packed (`pack_bits(q.codes & 1)`, as the NVFP4 site
+  kernel writes it), used as given."""
   if mode not in MODES:
     raise ValueError(f"unknown guidance mode {mode!r}; expected one of {MODES}")
   row_scale = None
@@ -111,8 +114,12 @@ def record(q: FP4Tensor, mode: str = "compact") -> Guidance:
       raise ValueError("guidance needs two-level NVFP4 (per-row second-level scale); got "
                        "single-level scaling")
     row_scale = jnp.broadcast_to(q.tensor_scale, q.codes.shape[:-1] + (1,)).astype(jnp.float32)
-  payload = (dict(mantissa=pack_bits(q.codes & 1)) if mode == "compact"
-             else dict(codes=pack_fp4(q.codes)))
+  if mantissa is not None and mode != "compact":
+    raise ValueError(f"record: a packed mantissa is compact mode's payload, not {mode!r}'s")
+  if mode == "compact":
+    payload = dict(mantissa=pack_bits(q.codes & 1) if mantissa is None else mantissa)
+  else:
+    payload = dict(codes=pack_fp4(q.codes))
   return Guidance(block_scale=q.block_scale, row_scale=row_scale, **payload)
 
 
