@@ -261,3 +261,14 @@ def test_engine_sites_run_the_site_kernel_with_the_same_bits(tap, mode, monkeypa
   assert not trainer.site_kernel
   trainer.site(0, "moe_in", x)
   assert len(calls) == 2
+
+
+def test_site_row_order_needs_its_inverse():
+  """A site computed in another row order puts its record back by the inverse the dispatch
+  holds; given one without the other it refuses."""
+  from trace_jax.model.precision import Precision
+
+  p = Precision(M.tiny(policy="fp4_trace"), record=True)
+  x = jnp.zeros((4, 32), jnp.float32)
+  with pytest.raises(ValueError, match="row_order and row_inverse go together"):
+    p.site(0, "expert_mid", x, row_order=jnp.arange(4), tap_shape=(1, 1, 4))

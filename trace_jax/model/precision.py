@@ -29,7 +29,7 @@ import numpy as np
 from trace_jax.kernels import nvfp4_act
 from trace_jax.model import byte_rows, fp8_linear
 from trace_jax.model.config import SITES, ModelConfig
-from trace_jax.model.grouped import grouped_matmul, inverse_permutation
+from trace_jax.model.grouped import grouped_matmul
 from trace_jax.quant import formats, guided, qat
 from trace_jax.quant.guided import Guidance
 
@@ -111,13 +111,13 @@ class Precision:
       return self.guidance.get(layer, {}).get(name)
     return None
 
-  def _kernel_site(self, x: jax.Array, tap: bool, codes: bool = False) -> tuple[Any, ...]:
-    """An unguided NVFP4 site on the site kernel (`site_kernel`): (y, record or None), and q
-    with `codes`. A compact record takes its mantissa bits from the kernel."""
+  def _kernel_site(self, x: jax.Array, tap: bool
+                   ) -> tuple[jax.Array, Guidance | None, formats.NVFP4Tensor]:
+    """An unguided NVFP4 site on the site kernel (`site_kernel`): (y, record or None, q). A
+    compact record takes its mantissa bits from the kernel."""
     compact = tap and self.tap_mode == "compact"
     y, q, *bits = quantize_rows(x, mantissa=compact)
-    rec = guided.record(q, self.tap_mode, *bits) if tap else None
-    return (y, rec, q) if codes else (y, rec)
+    return y, guided.record(q, self.tap_mode, *bits) if tap else None, q
 
   def _quantize(self, x: jax.Array, g: Guidance | None, tap: bool,
                 guided_rows: jax.Array | None = None) -> tuple[jax.Array, Guidance | None]:
@@ -131,7 +131,7 @@ class Precision:
     """
     fmt = self.fmt
     if g is None and self.site_kernel:
-      return self._kernel_site(x, tap)
+      return self._kernel_site(x, tap)[:2]
     if not tap:
       if g is None:
         return (qat.qdq_act(x, fmt).astype(x.dtype) if self.record
@@ -159,12 +159,15 @@ class Precision:
     row_order: x's rows are the tap layout's rows gathered by `row_order` (expert_mid is
     computed sorted by expert, its guidance and taps are in token/slot order); x is then
     [M, K] and tap_shape the tap layout's leading shape. row_inverse: its inverse
-    (`grouped.inverse_permutation`, computed here when not given), to put the record back.
+    (`grouped.inverse_permutation`, which the dispatch already has for its own way back), to
+    put the record back; given with row_order.
     experts / rollout_experts: for expert_mid, this forward's and the rollout's expert ids
     [B, S, top_k] (tap_shape). Guidance rows belong to the rollout's (token, expert) pairs, so
     each slot takes the rollout slot that routed the same expert; a slot whose expert the
     rollout did not select rounds RTN with its own scales.
     """
+    if (row_order is None) != (row_inverse is None):
+      raise ValueError(f"layer {layer}: {name}: row_order and row_inverse go together")
     if not self.fp4:
       return x
     x = dtype_rounded(x)
@@ -185,7 +188,7 @@ class Precision:
     if rec is not None:
       if row_order is not None:  # back to token/slot order: one gather
         rows, layout = byte_rows.pack(rec, lead=1)
-        rows = rows[inverse_permutation(row_order) if row_inverse is None else row_inverse]
+        rows = rows[row_inverse]
         rec = byte_rows.unpack(rows.reshape(tap_shape + rows.shape[1:]), layout)
       self.taps.setdefault(layer, {})[name] = rec
     return y
@@ -208,8 +211,7 @@ class Precision:
       if self.fmt != "nvfp4" or g is not None:
         raise ValueError("kv_site(codes=True): NVFP4 forwards without guidance only")
       if self.site_kernel:
-        y, rec, q = self._kernel_site(jax.lax.stop_gradient(x), layer in self.tap_layers,
-                                      codes=True)
+        y, rec, q = self._kernel_site(jax.lax.stop_gradient(x), layer in self.tap_layers)
       else:
         q = formats.fp4_quantize_act(jax.lax.stop_gradient(x), self.fmt)
         y = formats.fp4_dequantize(q).astype(x.dtype)  # `_quantize`'s values, bit for bit
