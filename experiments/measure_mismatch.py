@@ -107,6 +107,9 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
   seqs = [s.prompt + s.tokens for s in samples]
   n_new = sum(len(s.tokens) for s in samples)
   rollout_logp = [np.asarray(s.logprobs, np.float32) for s in samples]
+  print(f"[decode_impl={config.decode_impl}] rollout ({runs[1].rollout.name}): "
+        f"{len(samples)} sequences, {n_new} tokens in {rollout_s:.1f} s (compile included)",
+        flush=True)
 
   report: dict[str, Any] = {
       "config": {k: v for k, v in dataclasses.asdict(config).items()},
@@ -118,12 +121,15 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
   for run in runs:
     policy = run.name
     cfg = dataclasses.replace(config, policy=run.train.name, guidance_mode=guidance_mode)
+    t0 = time.perf_counter()
     g = rec["guidance"] if run.guided else None
     used = all_layers if routing_replay else guided_layers if g else ()
     out = scoring.score(params, cfg, seqs, guidance=g,
                         routing={layer: rec["routing"][layer] for layer in used} or None,
                         replay=routing_replay, tap_layers=all_layers, tap_mode="full")
     train_routing = {layer: t.pop("routing") for layer, t in out["taps"].items()}
+    print(f"[decode_impl={config.decode_impl}] {policy}: trainer scored in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
     if keep_records:
       report.setdefault("records", {"rollout": rec})[policy] = {
           "taps": out["taps"], "routing": train_routing}

@@ -102,13 +102,29 @@ def _union_ns(intervals: list[tuple[float, float]]) -> float:
   return total
 
 
-def summarize(log_dir: str, steps: int = 1, top: int = 25) -> dict[str, Any]:
+def _gaps(events: list[tuple[str, str, float, float]], min_ns: float
+          ) -> dict[str, list[float]]:
+  """Idle gaps of at least min_ns between the union of kernel intervals, keyed by the kernel
+  that ends the gap (the one the device waited for): {name: [gap ns, count]}."""
+  out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+  end = None
+  for name, _, start, dur in sorted(events, key=lambda e: e[2]):
+    if end is not None and start - end >= min_ns:
+      out[name][0] += start - end
+      out[name][1] += 1
+    end = start + dur if end is None else max(end, start + dur)
+  return out
+
+
+def summarize(log_dir: str, steps: int = 1, top: int = 25,
+              gap_us: float = 2.0) -> dict[str, Any]:
   """Per-step device time of the newest trace under log_dir.
 
   Returns {"steps", "kernels" (launches per step), "wall_ms" (first kernel start to last
   kernel end, per step), "busy_ms" (union of kernel intervals, per step), "idle_fraction"
   (1 - busy / wall), "categories" {name: ms per step}, "top" [(kernel (GPU) or HLO op (CPU),
-  category, ms per step, launches per step)]}.
+  category, ms per step, launches per step)], "gaps" [(kernel that ended an idle gap of at
+  least gap_us, ms of such gaps per step, gaps per step)]: where the device waited}.
   """
   if steps < 1:
     raise ValueError(f"summarize: steps must be >= 1, got {steps}")
@@ -128,11 +144,13 @@ def summarize(log_dir: str, steps: int = 1, top: int = 25) -> dict[str, Any]:
   busy = _union_ns([(s, s + d) for _, _, s, d in events])
   ms = lambda ns: ns / 1e6 / steps
   ranked = sorted(per_op.items(), key=lambda kv: -kv[1][0])[:top]
+  gaps = sorted(_gaps(events, gap_us * 1e3).items(), key=lambda kv: -kv[1][0])[:top]
   return {
       "steps": steps, "kernels": len(events) / steps, "wall_ms": ms(wall), "busy_ms": ms(busy),
       "idle_fraction": 1.0 - busy / wall if wall > 0 else 0.0,
       "categories": {c: ms(v) for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
       "top": [(op, v[2], ms(v[0]), v[1] / steps) for op, v in ranked],
+      "gaps": [(name, ms(v[0]), v[1] / steps) for name, v in gaps],
   }
 
 
@@ -145,4 +163,8 @@ def format_summary(s: dict[str, Any], title: str) -> str:
                                                    for c, v in s["categories"].items())]
   for op, cat, v, n in s["top"]:
     lines.append(f"  {v:9.3f} ms  x{n:6.1f}  {cat:12s} {op[:110]}")
+  if s.get("gaps"):
+    lines.append("  idle gaps by the kernel that ended them (ms/step, gaps/step):")
+    for name, v, n in s["gaps"][:12]:
+      lines.append(f"  {v:9.3f} ms  x{n:6.1f}  {name[:110]}")
   return "\n".join(lines)

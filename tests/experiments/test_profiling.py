@@ -44,3 +44,13 @@ def test_missing_traces_are_reported(tmp_path):
     profiling.summarize(str(tmp_path))
   with pytest.raises(ValueError, match="steps"):
     profiling.summarize(str(tmp_path), steps=0)
+
+
+def test_idle_gaps_are_charged_to_the_kernel_that_ended_them():
+  # a 0-10, b 30-40 (20 ns idle before it), c 35-50 overlaps b, a 52-60 (2 ns: under the bar),
+  # b 100-110 (40 ns idle).
+  events = [("a", "a", 0, 10), ("b", "b", 30, 10), ("c", "c", 35, 15), ("a", "a", 52, 8),
+            ("b", "b", 100, 10)]
+  gaps = profiling._gaps(events, min_ns=5)
+  assert dict(gaps) == {"b": [60.0, 2]}
+  assert dict(profiling._gaps(events, min_ns=1)) == {"b": [60.0, 2], "a": [2.0, 1]}

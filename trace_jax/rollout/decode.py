@@ -26,24 +26,25 @@ from trace_jax.model import byte_rows
 from trace_jax.model.config import ModelConfig
 from trace_jax.rollout import sampling as sampling_lib
 
-_STATIC = ("config", "max_new", "tap_layers", "tap_mode", "tap_routing")
+_STATIC = ("config", "max_new", "truncate", "tap_layers", "tap_mode", "tap_routing")
 
 
 def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, start,
                        max_new_each, temps, top_ps, top_ks, keys, stop_ids, live0, *,
-                       max_new: int, tap_layers: tuple[int, ...], tap_mode: str,
+                       max_new: int, truncate: bool, tap_layers: tuple[int, ...], tap_mode: str,
                        tap_routing: bool, experts=None, layers=None):
   """Samples a first token from last_logits [B, V], then decodes up to max_new tokens.
 
   start [B]: the position the first sampled token will be fed at. live0 [B]: rows that sample
-  at all. Returns (ids [B, N], log-probs [B, N], number generated [B], cache, taps); the last
-  generated token of a row is not fed.
+  at all. truncate: some row has a top-k / top-p (`sampling.sample`). Returns (ids [B, N],
+  log-probs [B, N], number generated [B], cache, taps); the last generated token of a row is
+  not fed.
   """
   b = last_logits.shape[0]
   rows = jnp.arange(b)
   tok, lp = sampling_lib.sample(last_logits.astype(jnp.float32),
                                 jax.vmap(jax.random.fold_in)(keys, jnp.zeros(b, jnp.int32)),
-                                temps, top_ps, top_ks)
+                                temps, top_ps, top_ks, truncate=truncate)
   gen = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(tok)
   logps = jnp.zeros((b, max_new), jnp.float32).at[:, 0].set(lp)
   done = ~live0 | jnp.any(tok[:, None] == stop_ids, axis=-1) | (max_new_each <= 1)
@@ -75,7 +76,7 @@ def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, st
       steps = jax.lax.dynamic_update_slice_in_dim(steps, row, step, axis=1)
     step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.full(b, step, jnp.int32))
     nxt, lp = sampling_lib.sample(o.logits[:, 0].astype(jnp.float32), step_keys, temps, top_ps,
-                                  top_ks)
+                                  top_ks, truncate=truncate)
     nxt = jnp.where(live, nxt, 0)
     gen = gen.at[:, step].set(nxt)
     logps = logps.at[:, step].set(jnp.where(live, lp, 0.0))
@@ -99,12 +100,14 @@ def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, st
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def generate(params, config: ModelConfig, tokens, prompt_lens, max_new_each, temps, top_ps,
-             top_ks, keys, stop_ids, *, max_new: int, tap_layers: tuple[int, ...],
-             tap_mode: str, tap_routing: bool, experts=None, layers=None):
+             top_ks, keys, stop_ids, *, max_new: int, truncate: bool,
+             tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool, experts=None,
+             layers=None):
   """Prefill + decode loop for one padded batch.
 
   tokens [B, P] (right-padded), prompt_lens [B], per-request sampling arrays [B], keys [B]
-  (typed PRNG keys), stop_ids [B, S] (-1 = none); experts: the engine's per-run
+  (typed PRNG keys), stop_ids [B, S] (-1 = none); truncate: whether any row is
+  `sampling.truncating` (static: one program per value); experts: the engine's per-run
   `expert_weights.ExpertWeights`, or None (the params' experts); layers: the layers' params
   stacked per run (`model.stack_layers`), or None (params["layers"]). Returns generated ids
   [B, N], their log-probs [B, N], the number generated per row [B], and the tap buffers with
@@ -120,8 +123,9 @@ def generate(params, config: ModelConfig, tokens, prompt_lens, max_new_each, tem
   last = out.logits[jnp.arange(b), prompt_lens - 1]
   gen, logps, n_gen, _, taps = _sample_and_decode(
       params, config, out.cache, taps, last, prompt_lens, max_new_each, temps, top_ps, top_ks,
-      keys, stop_ids, jnp.ones(b, bool), max_new=max_new, tap_layers=tap_layers,
-      tap_mode=tap_mode, tap_routing=tap_routing, experts=experts, layers=layers)
+      keys, stop_ids, jnp.ones(b, bool), max_new=max_new, truncate=truncate,
+      tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing, experts=experts,
+      layers=layers)
   return gen, logps, n_gen, taps
 
 
@@ -150,8 +154,9 @@ def _feed(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, *,
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "taps"))
 def extend(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, max_new_each,
-           temps, top_ps, top_ks, keys, stop_ids, *, max_new: int, tap_layers: tuple[int, ...],
-           tap_mode: str, tap_routing: bool, experts=None, layers=None):
+           temps, top_ps, top_ks, keys, stop_ids, *, max_new: int, truncate: bool,
+           tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool, experts=None,
+           layers=None):
   """One session turn: `_feed` the chunk, then sample and decode (rows with chunk_lens 0 sit
   the turn out). Returns (ids [B, N], log-probs [B, N], number generated [B], cache, taps)."""
   tap = dict(tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing,
@@ -159,7 +164,7 @@ def extend(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, ma
   last, cache, taps = _feed(params, config, cache, taps, lens, chunk, chunk_lens, **tap)
   return _sample_and_decode(params, config, cache, taps, last, lens + chunk_lens, max_new_each,
                             temps, top_ps, top_ks, keys, stop_ids, chunk_lens > 0,
-                            max_new=max_new, **tap)
+                            max_new=max_new, truncate=truncate, **tap)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "tap_layers", "tap_mode", "tap_routing"),

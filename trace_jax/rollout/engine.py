@@ -41,6 +41,7 @@ from trace_jax.io import guidance_store
 from trace_jax.model import expert_parallel, expert_weights, sharding
 from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.rollout import decode, guidance_layout
+from trace_jax.rollout import sampling as sampling_lib
 from trace_jax.rollout.protocol import GuidanceHandle, Sample, SamplingParams, normalize_request
 
 log = logging.getLogger(__name__)
@@ -219,8 +220,9 @@ class InProcessEngine:
     tap_layers, tap_mode = self._tap_plan()
     args = (self.params, self.config, jnp.asarray(tokens), jnp.asarray(lens),
             *self._sampling_arrays(sampling, b))
-    return args, dict(max_new=max_new, tap_layers=tap_layers, tap_mode=tap_mode,
-                      tap_routing=self.record_routing, experts=self.experts, layers=self.layers)
+    return args, dict(max_new=max_new, truncate=self._truncates(sampling),
+                      tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=self.record_routing,
+                      experts=self.experts, layers=self.layers)
 
   def _generate_batch(self, prompts: list[list[int]],
                       sampling: list[SamplingParams]) -> list[Sample]:
@@ -232,6 +234,13 @@ class InProcessEngine:
       for s, h in zip(samples, self._emit([s.num_rows for s in samples], taps)):
         s.guidance = h
     return samples
+
+  def _truncates(self, sampling: list[SamplingParams]) -> bool:
+    """Whether any request has a top-k / top-p that cuts the vocabulary: the programs' static
+    `truncate` (the vocabulary sort, decided here rather than on the device at every step)."""
+    return bool(np.any(sampling_lib.truncating(
+        np.asarray([s.temperature for s in sampling]), np.asarray([s.top_p for s in sampling]),
+        np.asarray([s.top_k for s in sampling]), self.config.vocab_size)))
 
   def _sampling_arrays(self, sampling: list[SamplingParams], b: int) -> list[Any]:
     """Per-row sampling inputs of the decode programs, padded to b rows."""
@@ -306,8 +315,8 @@ class InProcessEngine:
       gen, logps, n_gen, session.cache, session.taps = self._programs.extend(
           self.params, self.config, session.cache, session.taps, jnp.asarray(session.lens),
           chunk, chunk_lens, *self._sampling_arrays(sp, session.batch), max_new=max_new,
-          tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=self.record_routing,
-          experts=self.experts, layers=self.layers)
+          truncate=self._truncates(sp), tap_layers=tap_layers, tap_mode=tap_mode,
+          tap_routing=self.record_routing, experts=self.experts, layers=self.layers)
     n_gen = np.asarray(n_gen)
     gen_np = np.asarray(gen)
     for r in rows:

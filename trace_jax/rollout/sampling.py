@@ -9,6 +9,8 @@ SGLANG_RETURN_ORIGINAL_LOGPROB=1; at temperature 1 the two agree.)
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -39,18 +41,23 @@ def filter_logits(logits: jax.Array, temps: jax.Array, top_ps: jax.Array,
   return jnp.where(keep, scaled, -jnp.inf)
 
 
+def truncating(temps: Any, top_ps: Any, top_ks: Any, vocab: int) -> Any:
+  """Per row (numpy or jax arrays): sampled (temperature > 0) with a top-k or a top-p that cuts
+  the vocabulary, i.e. a row `filter_logits` changes."""
+  return (temps > 0) & (((top_ks > 0) & (top_ks < vocab)) | (top_ps < 1))
+
+
 def sample(logits: jax.Array, keys: jax.Array, temps: jax.Array, top_ps: jax.Array,
-           top_ks: jax.Array) -> tuple[jax.Array, jax.Array]:
+           top_ks: jax.Array, *, truncate: bool) -> tuple[jax.Array, jax.Array]:
   """One token per row and its log-probability under log_softmax(logits).
 
   keys: one typed PRNG key per row (so a row's draw never depends on the other rows).
+  truncate: whether any row is `truncating`, decided by the caller from its settings on the
+  host: the vocabulary sort runs only then, and a branch on a traced flag would cost the GPU a
+  device-to-host sync per decode step. Rows that do not truncate draw the same either way.
   """
-  # The sort over the vocabulary only when some sampled row has a top-k or top-p below the
-  # whole vocabulary (greedy rows and plain temperature sampling need none).
-  v = logits.shape[-1]
-  truncates = (temps > 0) & (((top_ks > 0) & (top_ks < v)) | (top_ps < 1))
-  filtered = jax.lax.cond(jnp.any(truncates), filter_logits,
-                          lambda x, t, p, k: _scaled(x, t), logits, temps, top_ps, top_ks)
+  filtered = (filter_logits(logits, temps, top_ps, top_ks) if truncate
+              else _scaled(logits, temps))
   drawn = jax.vmap(jax.random.categorical)(keys, filtered)
   tokens = jnp.where(temps <= 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
   logp = jax.nn.log_softmax(logits, axis=-1)
