@@ -17,7 +17,9 @@ starts each batch's record copy to the host and returns, so the copy overlaps th
 read (`step_bytes`: the touched experts' weights as the engine stores them, attention, router,
 norms and lm_head weights, the KV cache at the mean length) and their rate against the
 device's read and copy bandwidths measured in the same process (`common.bandwidth_gbps`), and
-ratios side by side: FP4 over BF16 at each batch, the kernel decode over XLA's.
+ratios side by side: FP4 over BF16 at each batch, the kernel decode over XLA's, and an impl
+with options over the plain one (`--impls=kernel,kernel+unroll2`: the layer scans two layers
+per iteration, `ModelConfig.scan_unroll`; `+unrolled`: every layer compiled apart).
 
 Fixed memory (`--budget_gb`, 0 skips it; `--budget_context`, `--budget_max_batch`,
 `--budget_policies` (CPU preset: bf16 and fp4_rtn), `--budget_impl`): per policy, how many
@@ -75,7 +77,9 @@ flags.DEFINE_enum("preset", "h200", ["h200", "cpu"], "Model and batch sizes.", f
 flags.DEFINE_list("policies", ["bf16", "fp4_rtn", "fp4_trace"], "Forwards of the rollout.",
                   flag_values=FLAGS)
 flags.DEFINE_list("impls", ["xla", "kernel"],
-                  "decode_impl values (and fp8_gemm's, for fp8_unified); \"kernel_bytes\": "
+                  "decode_impl values (and fp8_gemm's, for fp8_unified), each optionally with "
+                  "`+unrolled` (scan_layers=False) or `+unroll<N>` (scan_unroll=N), timed "
+                  "beside the plain impl; \"kernel_bytes\": "
                   "decode_impl kernel with packed NVFP4 codes held as bytes instead of words "
                   "(`fp4_moe.WORDS_BY_DEFAULT` off for the case), for the side-by-side ratio.",
                   flag_values=FLAGS)
@@ -112,6 +116,39 @@ flags.DEFINE_string("profile_dir", "", "Profile one more call of every fixed-bat
                     "('' = no profile).", flag_values=FLAGS)
 flags.DEFINE_integer("profile_top", 25, "Kernels listed per profiled case (the JSON keeps "
                      "them too).", flag_values=FLAGS)
+
+def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
+  """An `--impls` entry -> (its decode_impl, the ModelConfig fields it sets): "kernel_bytes"
+  decodes with "kernel"; `+unrolled` sets scan_layers=False, `+unroll<N>` scan_unroll=N."""
+  from trace_jax.model.config import DECODE_IMPLS
+
+  base, *mods = impl.split("+")
+  decode_impl = "kernel" if base == "kernel_bytes" else base
+  if decode_impl not in DECODE_IMPLS:
+    raise ValueError(f"--impls entry {impl!r}: {base!r} is not one of {DECODE_IMPLS} or "
+                     "kernel_bytes")
+  fields: dict[str, Any] = {}
+  for mod in mods:
+    if mod == "unrolled":
+      fields["scan_layers"] = False
+    elif mod.startswith("unroll") and mod[6:].isdigit() and int(mod[6:]) >= 1:
+      fields["scan_unroll"] = int(mod[6:])
+    else:
+      raise ValueError(f"--impls entry {impl!r}: options are +unrolled and +unroll<N> (N >= "
+                       f"1), got +{mod}")
+  return decode_impl, fields
+
+
+def _check_impls(impls: list[str]) -> bool:
+  for impl in impls:
+    try:
+      impl_options(impl)
+    except ValueError as e:
+      raise flags.ValidationError(str(e)) from e
+  return True
+
+
+flags.register_validator("impls", _check_impls, flag_values=FLAGS)
 
 PRESETS = {
     "h200": dict(model=dict(vocab_size=32768, hidden_size=2048, num_hidden_layers=8,
@@ -314,7 +351,9 @@ def run_case(params: Any, config: Any, batch: int, reps: int) -> tuple[dict[str,
   r.update(engine_init_s=init_s, tokens=tokens, tokens_per_s=tokens / per_call,
            tokens_per_seq=tokens / batch)
   if FLAGS.profile_dir:
-    name = f"{config.policy}_{config.decode_impl}_{batch}"
+    name = (f"{config.policy}_{config.decode_impl}_{batch}"
+            + ("" if config.scan_layers else "_unrolled")
+            + (f"_unroll{config.scan_unroll}" if config.scan_unroll > 1 else ""))
     log_dir = os.path.join(FLAGS.profile_dir, name)
     with profiling.trace(log_dir):
       call()
@@ -492,8 +531,9 @@ def run_bench() -> dict[str, Any]:
           continue
         # "kernel": the decode kernels, and FP8 GEMMs on the Pallas kernel with FP8 weights
         # made once per update; "xla": the references.
-        decode_impl = "kernel" if impl == "kernel_bytes" else impl
-        config = base.replace(policy=policy, decode_impl=decode_impl, fp8_gemm=decode_impl)
+        decode_impl, fields = impl_options(impl)
+        config = base.replace(policy=policy, decode_impl=decode_impl, fp8_gemm=decode_impl,
+                              **fields)
         with _codes_as_words(impl != "kernel_bytes"):
           r, first_tokens[name] = run_case(params, config, batch, FLAGS.reps)
         ctx = FLAGS.prompt_len + r["tokens_per_seq"] / 2
@@ -579,7 +619,7 @@ def _codes_as_words(words: bool):
 
 def ratios(cases: dict[str, Any]) -> dict[str, float]:
   """tokens/s ratios side by side: each FP4 case over BF16 (same impl, batch), kernel over
-  XLA (same policy, batch)."""
+  XLA (same policy, batch), an impl with options (`+unroll2`) over the plain one."""
   out = {}
   tps = {k: v["tokens_per_s"] for k, v in cases.items() if "tokens_per_s" in v}
   for k, v in tps.items():
@@ -589,6 +629,10 @@ def ratios(cases: dict[str, Any]) -> dict[str, float]:
       out[f"{policy}_over_bf16_{impl}_b{batch}"] = v / bf16
     if impl == "kernel_bytes" and f"{policy}:kernel:{batch}" in tps:
       out[f"kernel_words_over_bytes_{policy}_b{batch}"] = tps[f"{policy}:kernel:{batch}"] / v
+    plain = impl.split("+")[0]
+    if plain != impl and f"{policy}:{plain}:{batch}" in tps:
+      out[f"{policy}_{impl.replace('+', '_')}_over_{plain}_b{batch}"] = (
+          v / tps[f"{policy}:{plain}:{batch}"])
     xla = tps.get(f"{policy}:xla:{batch}")
     if impl == "kernel" and xla:
       out[f"kernel_over_xla_{policy}_b{batch}"] = v / xla

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from absl import flags
 
 from experiments import bench_rollout as br
 from trace_jax import model as model_lib
@@ -134,6 +135,32 @@ def test_summary_keys():
                         "kernel_over_xla_bf16_b8": 3.0, "fp4_rtn_over_bf16_kernel_b8": 0.5}
   assert br.ratios({"fp4_rtn:kernel:8": case(15.0), "fp4_rtn:kernel_bytes:8": case(12.0)}) == {
       "kernel_words_over_bytes_fp4_rtn_b8": 1.25}
+  assert br.ratios({"fp4_trace:kernel:8": case(20.0), "fp4_trace:kernel+unroll2:8": case(22.0),
+                    "fp4_trace:kernel+unrolled:8": case(16.0)}) == {
+      "fp4_trace_kernel_unroll2_over_kernel_b8": pytest.approx(1.1),
+      "fp4_trace_kernel_unrolled_over_kernel_b8": pytest.approx(0.8)}
+
+
+@pytest.mark.parametrize("impl, want", [
+    pytest.param("kernel", ("kernel", {}), id="plain"),
+    pytest.param("kernel_bytes", ("kernel", {}), id="codes_as_bytes"),
+    pytest.param("kernel+unroll2", ("kernel", {"scan_unroll": 2}), id="unroll2"),
+    pytest.param("xla+unrolled", ("xla", {"scan_layers": False}), id="unrolled"),
+])
+def test_impl_options(impl, want):
+  assert br.impl_options(impl) == want
+
+
+@pytest.mark.parametrize("impl, match", [
+    pytest.param("kernel+unroll0", "options are", id="unroll0"),
+    pytest.param("kernel+fast", "options are", id="unknown_option"),
+    pytest.param("triton", "is not one of", id="unknown_impl"),
+])
+def test_bad_impls_are_refused(impl, match):
+  with pytest.raises(ValueError, match=match):
+    br.impl_options(impl)
+  with pytest.raises(flags.IllegalFlagValueError, match=match):  # at parse, before any work
+    br.main(["prog", f"--impls={impl}"])
 
 
 def test_cpu_run(tmp_path):

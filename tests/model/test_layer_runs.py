@@ -135,3 +135,30 @@ def test_decode_carries_the_cache_through_the_scan():
     stacked = {v.aval.shape for v in e.outvars[e.params["num_carry"]:]}
     assert cache_shapes <= carried, (cache_shapes, carried)
     assert not cache_shapes & stacked, stacked
+
+
+def test_scan_unroll_runs_the_same_layers_in_fewer_iterations():
+  """scan_unroll=2 over a 3-layer run (one iteration of two, then the rest): the scan carries
+  unroll=2 and the prefill, cache and decode step match unroll=1 (the knob was ignored before
+  it existed: the jaxpr check fails then)."""
+  c = _config("bf16")
+  p = M.init_params(c, 0)
+  toks = jax.random.randint(jax.random.key(3), (2, 6), 0, c.vocab_size)
+
+  def f(cc, p):
+    out = M.prefill(p, cc, toks, 8, tap_routing=True)
+    step = M.decode_step(p, cc, out.cache, toks[:, -1], jnp.full((2,), 6), tap_routing=True)
+    return out.logits, step.logits, jax.tree.leaves(step.cache), out.taps
+
+  two = c.replace(scan_unroll=2)
+  jaxpr = jax.make_jaxpr(functools.partial(f, two))(p)
+  assert [e.params["unroll"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"] == [2, 2]
+  a, b = (jax.jit(functools.partial(f, cc))(p) for cc in (c, two))
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    _close(x, y, 1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True], ids=["zero", "negative", "float", "bool"])
+def test_bad_scan_unroll_is_refused(bad):
+  with pytest.raises(ValueError, match="scan_unroll must be an int >= 1"):
+    _config("bf16", scan_unroll=bad)

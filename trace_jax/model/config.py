@@ -59,6 +59,9 @@ class ModelConfig:
     False: BF16 backward GEMMs. Gradients between operators are BF16 either way.
   scan_layers: run layers the forward treats alike as one `lax.scan` (compile time flat in
     depth; `layer_runs.layer_runs`); False unrolls every layer (the reference).
+  scan_unroll: layers per iteration of those scans (`lax.scan(unroll=)`): on the GPU every
+    iteration is a host round of launches, so fewer iterations cost the host less, for a
+    body (and compile time) that many layers large.
   """
   vocab_size: int
   hidden_size: int
@@ -84,6 +87,7 @@ class ModelConfig:
   fp8_gemm: str = "xla"
   fp8_backward: bool = False
   scan_layers: bool = True
+  scan_unroll: int = 1
 
   def __post_init__(self):
     if self.guided_layers is None:
@@ -136,6 +140,9 @@ class ModelConfig:
       errors.append(f"fp8_backward must be a bool, got {self.fp8_backward!r}")
     if not isinstance(self.scan_layers, bool):
       errors.append(f"scan_layers must be a bool, got {self.scan_layers!r}")
+    if isinstance(self.scan_unroll, bool) or not isinstance(self.scan_unroll, int) or \
+        self.scan_unroll < 1:
+      errors.append(f"scan_unroll must be an int >= 1, got {self.scan_unroll!r}")
     bad = [i for i in self.guided_layers if not 0 <= i < self.num_hidden_layers]
     if bad:
       errors.append(f"guided_layers {bad} outside [0, {self.num_hidden_layers})")

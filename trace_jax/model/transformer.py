@@ -182,7 +182,7 @@ class Transformer(nnx.Module):
 
     xs = dict(xs, index=jnp.arange(n, dtype=jnp.int32))
     if n > 1:
-      carry, (rl, rows) = jax.lax.scan(body, carry, xs)
+      carry, (rl, rows) = jax.lax.scan(body, carry, xs, unroll=min(prec.config.scan_unroll, n))
     else:
       carry, ys = body(carry, jax.tree.map(lambda a: a[0], xs))
       rl, rows = jax.tree.map(lambda a: a[None], ys)
