@@ -5,7 +5,13 @@ with `jax.profiler.ProfileData` (no TensorBoard needed) and sums the duration of
 kernel (GPU: the events on the device plane's stream lines; CPU: the XLA thunks on the host
 threads) per HLO op and per category, per step. The busy time is the union of the kernels'
 intervals; wall minus busy is the time the device waited for the host (launch gaps, syncs),
-which is what a launch-bound program loses.
+which is what a launch-bound program loses; the idle gaps are listed by the kernel that ended
+them (a `MemcpyD2H`: a predicate the host waited for; a loop body's first kernel: the host
+launching the next iteration).
+
+On the GPU, XLA runs without command buffers (CUDA graphs) while a profile is recorded unless
+`--xla_enable_command_buffers_during_profiling=true` is in XLA_FLAGS: a default profile shows
+more launch gaps than the plain run has.
 """
 
 from __future__ import annotations
