@@ -534,7 +534,7 @@ def run_bench() -> dict[str, Any]:
         decode_impl, fields = impl_options(impl)
         config = base.replace(policy=policy, decode_impl=decode_impl, fp8_gemm=decode_impl,
                               **fields)
-        with _codes_as_words(impl != "kernel_bytes"):
+        with _codes_as_words(impl.split("+")[0] != "kernel_bytes"):  # options keep bytes
           r, first_tokens[name] = run_case(params, config, batch, FLAGS.reps)
         ctx = FLAGS.prompt_len + r["tokens_per_seq"] / 2
         touched = expected_touched(base.num_experts, base.num_experts_per_tok, batch)
