@@ -19,7 +19,9 @@ norms and lm_head weights, the KV cache at the mean length) and their rate again
 device's read and copy bandwidths measured in the same process (`common.bandwidth_gbps`), and
 ratios side by side: FP4 over BF16 at each batch, the kernel decode over XLA's, and an impl
 with options over the plain one (`--impls=kernel,kernel+unroll2`: the layer scans two layers
-per iteration, `ModelConfig.scan_unroll`; `+unrolled`: every layer compiled apart).
+per iteration, `ModelConfig.scan_unroll`; `+unrolled`: every layer compiled apart; `+sync4`: the
+decode loop's condition checked once per 4 steps, `ModelConfig.decode_steps_per_sync`), and
+fp4_trace over fp4_rtn per impl.
 
 Fixed memory (`--budget_gb`, 0 skips it; `--budget_context`, `--budget_max_batch`,
 `--budget_policies` (CPU preset: bf16 and fp4_rtn), `--budget_impl`): per policy, how many
@@ -44,7 +46,8 @@ else cuda when available), greedy `generate` of exactly `--new_tokens` tokens
 after one warm-up call; `first_token_agreement`: the fraction of its first greedy tokens equal
 to the bf16 engine's at that batch (a check that the export is the same model).
 
-Top-level plain numbers (issue 14/15; `--key_batch`, default 64 on the GPU preset):
+Top-level plain numbers (issue 14/15; `--key_batch`, default 64 on the GPU preset; the cases of
+`--key_impl`, default "kernel"):
 `fp4_over_bf16_fixed_batch`, `fp8_over_bf16_fixed_batch`, `fp4_trace_over_fp4_rtn_b{B}`,
 `decode_bandwidth_fraction` (bf16 kernel, of read bandwidth; `_copy`: of copy bandwidth),
 `fp4_over_bf16_fixed_memory` (+ `_sequences`), `bf16_over_transformers`,
@@ -61,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -78,8 +82,9 @@ flags.DEFINE_list("policies", ["bf16", "fp4_rtn", "fp4_trace"], "Forwards of the
                   flag_values=FLAGS)
 flags.DEFINE_list("impls", ["xla", "kernel"],
                   "decode_impl values (and fp8_gemm's, for fp8_unified), each optionally with "
-                  "`+unrolled` (scan_layers=False) or `+unroll<N>` (scan_unroll=N), timed "
-                  "beside the plain impl; \"kernel_bytes\": "
+                  "`+unrolled` (scan_layers=False), `+unroll<N>` (scan_unroll=N) and "
+                  "`+sync<N>` (decode_steps_per_sync=N), timed beside the plain impl; "
+                  "\"kernel_bytes\": "
                   "decode_impl kernel with packed NVFP4 codes held as bytes instead of words "
                   "(`fp4_moe.WORDS_BY_DEFAULT` off for the case), for the side-by-side ratio.",
                   flag_values=FLAGS)
@@ -94,6 +99,8 @@ flags.DEFINE_integer("new_tokens", 128, "Generated tokens per sequence.", flag_v
 flags.DEFINE_integer("reps", 3, "Timed calls per case.", flag_values=FLAGS)
 flags.DEFINE_integer("key_batch", 0, "Batch of the top-level plain-number keys (0: per preset).",
                      flag_values=FLAGS)
+flags.DEFINE_string("key_impl", "kernel", "The --impls entry of the top-level plain-number keys "
+                    "(e.g. kernel+unroll4+sync4).", flag_values=FLAGS)
 flags.DEFINE_float("budget_gb", None, "Fixed memory budget (GB, 1e9 bytes) for weights + KV "
                    "cache (0: skip the case; default per preset).", flag_values=FLAGS)
 flags.DEFINE_integer("budget_context", None, "Tokens per sequence (cache length) in the "
@@ -102,7 +109,8 @@ flags.DEFINE_integer("budget_max_batch", None, "Largest batch timed in the fixed
                      "(default per preset).", flag_values=FLAGS)
 flags.DEFINE_list("budget_policies", None, "Policies of the fixed-memory case (default per "
                   "preset; GPU: --policies).", flag_values=FLAGS)
-flags.DEFINE_string("budget_impl", "kernel", "decode_impl of the fixed-memory case.",
+flags.DEFINE_string("budget_impl", "kernel", "The fixed-memory case's decode impl, an --impls "
+                    "entry (options included).",
                     flag_values=FLAGS)
 flags.DEFINE_boolean("transformers", None, "HF transformers generate (BF16) as a reference "
                      "(default per preset).", flag_values=FLAGS)
@@ -119,7 +127,8 @@ flags.DEFINE_integer("profile_top", 25, "Kernels listed per profiled case (the J
 
 def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
   """An `--impls` entry -> (its decode_impl, the ModelConfig fields it sets): "kernel_bytes"
-  decodes with "kernel"; `+unrolled` sets scan_layers=False, `+unroll<N>` scan_unroll=N."""
+  decodes with "kernel"; `+unrolled` sets scan_layers=False, `+unroll<N>` scan_unroll=N,
+  `+sync<N>` decode_steps_per_sync=N."""
   from trace_jax.model.config import DECODE_IMPLS
 
   base, *mods = impl.split("+")
@@ -133,9 +142,11 @@ def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
       fields["scan_layers"] = False
     elif mod.startswith("unroll") and mod[6:].isdigit() and int(mod[6:]) >= 1:
       fields["scan_unroll"] = int(mod[6:])
+    elif mod.startswith("sync") and mod[4:].isdigit() and int(mod[4:]) >= 1:
+      fields["decode_steps_per_sync"] = int(mod[4:])
     else:
-      raise ValueError(f"--impls entry {impl!r}: options are +unrolled and +unroll<N> (N >= "
-                       f"1), got +{mod}")
+      raise ValueError(f"--impls entry {impl!r}: options are +unrolled, +unroll<N> and "
+                       f"+sync<N> (N >= 1), got +{mod}")
   return decode_impl, fields
 
 
@@ -149,6 +160,8 @@ def _check_impls(impls: list[str]) -> bool:
 
 
 flags.register_validator("impls", _check_impls, flag_values=FLAGS)
+for _name in ("key_impl", "budget_impl"):
+  flags.register_validator(_name, lambda v: _check_impls([v]), flag_values=FLAGS)
 
 PRESETS = {
     "h200": dict(model=dict(vocab_size=32768, hidden_size=2048, num_hidden_layers=8,
@@ -313,8 +326,10 @@ def _timed(call: Callable[[], float], reps: int) -> dict[str, float]:
   return {"first_call_s": first, "median_s": med, "compile_s": max(first - med, 0.0)}
 
 
-def run_case(params: Any, config: Any, batch: int, reps: int) -> tuple[dict[str, Any], list]:
-  """A fixed-batch case: (its numbers, the first generated token of each sequence)."""
+def run_case(params: Any, config: Any, batch: int, reps: int, name: str
+             ) -> tuple[dict[str, Any], list]:
+  """A fixed-batch case `name` (policy:impl:batch): (its numbers, the first generated token of
+  each sequence)."""
   from trace_jax.rollout.protocol import SamplingParams
 
   engine, init_s = _engine(params, config, batch)
@@ -351,10 +366,7 @@ def run_case(params: Any, config: Any, batch: int, reps: int) -> tuple[dict[str,
   r.update(engine_init_s=init_s, tokens=tokens, tokens_per_s=tokens / per_call,
            tokens_per_seq=tokens / batch)
   if FLAGS.profile_dir:
-    name = (f"{config.policy}_{config.decode_impl}_{batch}"
-            + ("" if config.scan_layers else "_unrolled")
-            + (f"_unroll{config.scan_unroll}" if config.scan_unroll > 1 else ""))
-    log_dir = os.path.join(FLAGS.profile_dir, name)
+    log_dir = os.path.join(FLAGS.profile_dir, re.sub(r"[:+]", "_", name))
     with profiling.trace(log_dir):
       call()
     r["profile"] = profiling.summarize(log_dir, steps=FLAGS.new_tokens, top=FLAGS.profile_top)
@@ -509,7 +521,7 @@ def run_bench() -> dict[str, Any]:
   res: dict[str, Any] = {**common.device_description(), **common.bandwidth_gbps(),
                          "model": fields, "layers": base.num_hidden_layers,
                          "prompt_len": FLAGS.prompt_len, "new_tokens": FLAGS.new_tokens,
-                         "key_batch": key_batch, "cases": {}}
+                         "key_batch": key_batch, "key_impl": FLAGS.key_impl, "cases": {}}
   print(f"bench_rollout: {res['backend']} {res['device_kind']}, copy {res['copy_gbps']:.0f} "
         f"GB/s, read {res['read_gbps']:.0f} GB/s; {base.num_hidden_layers} layers", flush=True)
   params = model_lib.init_params(base, jax.random.key(0), param_dtype="bfloat16")
@@ -535,7 +547,7 @@ def run_bench() -> dict[str, Any]:
         config = base.replace(policy=policy, decode_impl=decode_impl, fp8_gemm=decode_impl,
                               **fields)
         with _codes_as_words(impl.split("+")[0] != "kernel_bytes"):  # options keep bytes
-          r, first_tokens[name] = run_case(params, config, batch, FLAGS.reps)
+          r, first_tokens[name] = run_case(params, config, batch, FLAGS.reps, name)
         ctx = FLAGS.prompt_len + r["tokens_per_seq"] / 2
         touched = expected_touched(base.num_experts, base.num_experts_per_tok, batch)
         nbytes = step_bytes(config, batch, ctx, touched)
@@ -573,9 +585,11 @@ def run_bench() -> dict[str, Any]:
       if over_budget():
         fm["cases"][policy] = {"skipped": "budget"}
         continue
-      config = base.replace(policy=policy, decode_impl=FLAGS.budget_impl,
-                            fp8_gemm=FLAGS.budget_impl)
-      r = run_budget_case(params, config, budget_gb * 1e9, context, cap, FLAGS.reps)
+      decode_impl, fields = impl_options(FLAGS.budget_impl)
+      config = base.replace(policy=policy, decode_impl=decode_impl, fp8_gemm=decode_impl,
+                            **fields)
+      with _codes_as_words(FLAGS.budget_impl.split("+")[0] != "kernel_bytes"):
+        r = run_budget_case(params, config, budget_gb * 1e9, context, cap, FLAGS.reps)
       fm["cases"][policy] = r
       head = (f"  budget:{policy:<15} weights {_gb(r['weight_bytes'])}, "
               f"{_gb(r['kv_bytes_per_seq'] + r['record_bytes_per_seq'])}/sequence "
@@ -618,15 +632,19 @@ def _codes_as_words(words: bool):
 
 
 def ratios(cases: dict[str, Any]) -> dict[str, float]:
-  """tokens/s ratios side by side: each FP4 case over BF16 (same impl, batch), kernel over
-  XLA (same policy, batch), an impl with options (`+unroll2`) over the plain one."""
+  """tokens/s ratios side by side: each FP4 case over BF16 and fp4_trace over fp4_rtn (same
+  impl, batch), kernel over XLA (same policy, batch), an impl with options (`+unroll2`) over
+  the plain one. An impl's `+` is `_` in the keys."""
   out = {}
   tps = {k: v["tokens_per_s"] for k, v in cases.items() if "tokens_per_s" in v}
   for k, v in tps.items():
     policy, impl, batch = k.split(":")
     bf16 = tps.get(f"bf16:{impl}:{batch}")
     if policy != "bf16" and bf16:
-      out[f"{policy}_over_bf16_{impl}_b{batch}"] = v / bf16
+      out[f"{policy}_over_bf16_{impl.replace('+', '_')}_b{batch}"] = v / bf16
+    rtn = tps.get(f"fp4_rtn:{impl}:{batch}")
+    if policy == "fp4_trace" and rtn:
+      out[f"fp4_trace_over_fp4_rtn_{impl.replace('+', '_')}_b{batch}"] = v / rtn
     if impl == "kernel_bytes" and f"{policy}:kernel:{batch}" in tps:
       out[f"kernel_words_over_bytes_{policy}_b{batch}"] = tps[f"{policy}:kernel:{batch}"] / v
     plain = impl.split("+")[0]
@@ -640,9 +658,10 @@ def ratios(cases: dict[str, Any]) -> dict[str, float]:
 
 
 def summary(res: dict[str, Any]) -> dict[str, Any]:
-  """The record's top-level plain numbers (issue 14/15), from the cases that ran: kernel decode
-  at `key_batch` for the fixed-batch ratios, each policy at its own fit for fixed memory."""
-  kb = res["key_batch"]
+  """The record's top-level plain numbers (issue 14/15), from the cases that ran: `key_impl`
+  (default kernel) at `key_batch` for the fixed-batch ratios, each policy at its own fit for
+  fixed memory."""
+  kb, ki = res["key_batch"], res.get("key_impl", "kernel")
   cases = res.get("cases", {})
   fm = res.get("fixed_memory", {}).get("cases", {})
   hf = res.get("transformers", {}).get("cases", {})
@@ -656,13 +675,13 @@ def summary(res: dict[str, Any]) -> dict[str, Any]:
     if a and b:
       out[key] = a / b
 
-  bf16, fp4 = get(cases, f"bf16:kernel:{kb}"), get(cases, f"fp4_rtn:kernel:{kb}")
+  bf16, fp4 = get(cases, f"bf16:{ki}:{kb}"), get(cases, f"fp4_rtn:{ki}:{kb}")
   ratio("fp4_over_bf16_fixed_batch", fp4, bf16)
-  ratio("fp8_over_bf16_fixed_batch", get(cases, f"fp8_unified:kernel:{kb}"), bf16)
-  ratio(f"fp4_trace_over_fp4_rtn_b{kb}", get(cases, f"fp4_trace:kernel:{kb}"), fp4)
+  ratio("fp8_over_bf16_fixed_batch", get(cases, f"fp8_unified:{ki}:{kb}"), bf16)
+  ratio(f"fp4_trace_over_fp4_rtn_b{kb}", get(cases, f"fp4_trace:{ki}:{kb}"), fp4)
   for key, field in (("decode_bandwidth_fraction", "read_fraction"),
                      ("decode_bandwidth_fraction_copy", "copy_fraction")):
-    v = get(cases, f"bf16:kernel:{kb}", field)
+    v = get(cases, f"bf16:{ki}:{kb}", field)
     if v:
       out[key] = v
   ratio("fp4_over_bf16_fixed_memory", get(fm, "fp4_rtn"), get(fm, "bf16"))

@@ -11,7 +11,10 @@ launching the next iteration).
 
 On the GPU, XLA runs without command buffers (CUDA graphs) while a profile is recorded unless
 `--xla_enable_command_buffers_during_profiling=true` is in XLA_FLAGS: a default profile shows
-more launch gaps than the plain run has.
+more launch gaps than the plain run has. The host's CUDA driver calls (CUPTI's events on the
+host planes: `cuLaunchKernel*` per kernel launched alone, `cuGraphLaunch` per command buffer,
+the copies and syncs) are counted per step too: they show how much of a step the host launches
+kernel by kernel.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ _CATEGORIES = (
 # Host-side bookkeeping events on CPU lines, not kernels.
 _SKIP = re.compile(r"^ThreadpoolListener|^\$")
 _CONTAINER = re.compile(r"^(while|conditional|call)(\.|$)")
+# A CUDA driver or runtime API call recorded on a host plane (cuLaunchKernelEx, cuGraphLaunch).
+_DRIVER_CALL = re.compile(r"^cu(da)?[A-Z]\w*$")
 
 
 def category(name: str) -> str:
@@ -99,6 +104,21 @@ def _kernel_events(planes: Sequence[Any]) -> list[tuple[str, str, float, float]]
   return out
 
 
+def _host_calls(planes: Sequence[Any]) -> dict[str, list[float]]:
+  """{CUDA driver/runtime call: [count, host ns]} over the host planes (CUPTI's API events);
+  empty for a CPU profile."""
+  out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+  for plane in planes:
+    if plane.name.startswith("/device:"):
+      continue
+    for line in plane.lines:
+      for ev in line.events:
+        if _DRIVER_CALL.match(ev.name):
+          out[ev.name][0] += 1
+          out[ev.name][1] += ev.duration_ns
+  return out
+
+
 def _union_ns(intervals: list[tuple[float, float]]) -> float:
   total, end = 0.0, float("-inf")
   for start, stop in sorted(intervals):
@@ -130,11 +150,13 @@ def summarize(log_dir: str, steps: int = 1, top: int = 25,
   kernel end, per step), "busy_ms" (union of kernel intervals, per step), "idle_fraction"
   (1 - busy / wall), "categories" {name: ms per step}, "top" [(kernel (GPU) or HLO op (CPU),
   category, ms per step, launches per step)], "gaps" [(kernel that ended an idle gap of at
-  least gap_us, ms of such gaps per step, gaps per step)]: where the device waited}.
+  least gap_us, ms of such gaps per step, gaps per step)]: where the device waited,
+  "host_calls" [(CUDA driver call, calls per step, host ms per step)]}.
   """
   if steps < 1:
     raise ValueError(f"summarize: steps must be >= 1, got {steps}")
-  events = _kernel_events(jax.profiler.ProfileData.from_file(_newest_xspace(log_dir)).planes)
+  planes = list(jax.profiler.ProfileData.from_file(_newest_xspace(log_dir)).planes)
+  events = _kernel_events(planes)
   if not events:
     raise ValueError(f"summarize: the trace under {log_dir} holds no device kernels")
   per_op: dict[str, list[Any]] = {}  # op -> [ns, launches, category]
@@ -157,6 +179,8 @@ def summarize(log_dir: str, steps: int = 1, top: int = 25,
       "categories": {c: ms(v) for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
       "top": [(op, v[2], ms(v[0]), v[1] / steps) for op, v in ranked],
       "gaps": [(name, ms(v[0]), v[1] / steps) for name, v in gaps],
+      "host_calls": [(name, v[0] / steps, ms(v[1])) for name, v in
+                     sorted(_host_calls(planes).items(), key=lambda kv: -kv[1][0])[:top]],
   }
 
 
@@ -173,4 +197,8 @@ def format_summary(s: dict[str, Any], title: str) -> str:
     lines.append("  idle gaps by the kernel that ended them (ms/step, gaps/step):")
     for name, v, n in s["gaps"][:12]:
       lines.append(f"  {v:9.3f} ms  x{n:6.1f}  {name[:110]}")
+  if s.get("host_calls"):
+    lines.append("  host CUDA calls (calls/step, host ms/step):")
+    for name, n, v in s["host_calls"][:12]:
+      lines.append(f"  {n:9.1f}  {v:9.3f} ms  {name[:110]}")
   return "\n".join(lines)

@@ -130,6 +130,13 @@ def test_summary_keys():
   for k, v in want.items():
     assert got[k] == (v if isinstance(v, str) else pytest.approx(v)), k
   assert br.summary({"key_batch": 64, "layers": 8, "cases": {}}) == {}
+  # --key_impl: the fixed-batch keys come from that impl's cases, not the plain kernel's.
+  tuned = br.summary(dict(res, key_impl="kernel+sync4", cases={
+      **res["cases"], "bf16:kernel+sync4:64": case(100.0, read_fraction=0.5, copy_fraction=0.45),
+      "fp4_rtn:kernel+sync4:64": case(100.0), "fp4_trace:kernel+sync4:64": case(80.0)}))
+  assert tuned["fp4_over_bf16_fixed_batch"] == pytest.approx(1.0)
+  assert tuned["fp4_trace_over_fp4_rtn_b64"] == pytest.approx(0.8)
+  assert tuned["decode_bandwidth_fraction"] == 0.5 and "fp8_over_bf16_fixed_batch" not in tuned
   assert br.ratios({"bf16:xla:8": case(10.0), "bf16:kernel:8": case(30.0),
                     "fp4_rtn:kernel:8": case(15.0)}) == {
                         "kernel_over_xla_bf16_b8": 3.0, "fp4_rtn_over_bf16_kernel_b8": 0.5}
@@ -139,6 +146,11 @@ def test_summary_keys():
                     "fp4_trace:kernel+unrolled:8": case(16.0)}) == {
       "fp4_trace_kernel_unroll2_over_kernel_b8": pytest.approx(1.1),
       "fp4_trace_kernel_unrolled_over_kernel_b8": pytest.approx(0.8)}
+  assert br.ratios({"fp4_rtn:kernel+sync4:8": case(25.0), "fp4_trace:kernel+sync4:8": case(20.0),
+                    "bf16:kernel+sync4:8": case(40.0)}) == {
+      "fp4_trace_over_fp4_rtn_kernel_sync4_b8": pytest.approx(0.8),
+      "fp4_rtn_over_bf16_kernel_sync4_b8": pytest.approx(0.625),
+      "fp4_trace_over_bf16_kernel_sync4_b8": pytest.approx(0.5)}
 
 
 @pytest.mark.parametrize("impl, want", [
@@ -146,6 +158,8 @@ def test_summary_keys():
     pytest.param("kernel_bytes", ("kernel", {}), id="codes_as_bytes"),
     pytest.param("kernel+unroll2", ("kernel", {"scan_unroll": 2}), id="unroll2"),
     pytest.param("xla+unrolled", ("xla", {"scan_layers": False}), id="unrolled"),
+    pytest.param("kernel+unroll4+sync8", ("kernel", {"scan_unroll": 4,
+                                                     "decode_steps_per_sync": 8}), id="both"),
 ])
 def test_impl_options(impl, want):
   assert br.impl_options(impl) == want
@@ -153,14 +167,16 @@ def test_impl_options(impl, want):
 
 @pytest.mark.parametrize("impl, match", [
     pytest.param("kernel+unroll0", "options are", id="unroll0"),
+    pytest.param("kernel+sync0", "options are", id="sync0"),
     pytest.param("kernel+fast", "options are", id="unknown_option"),
     pytest.param("triton", "is not one of", id="unknown_impl"),
 ])
 def test_bad_impls_are_refused(impl, match):
   with pytest.raises(ValueError, match=match):
     br.impl_options(impl)
-  with pytest.raises(flags.IllegalFlagValueError, match=match):  # at parse, before any work
-    br.main(["prog", f"--impls={impl}"])
+  for flag in ("impls", "key_impl", "budget_impl"):  # refused at parse, before any work
+    with pytest.raises(flags.IllegalFlagValueError, match=match):
+      br.main(["prog", f"--{flag}={impl}"])
 
 
 def test_cpu_run(tmp_path):

@@ -1,5 +1,7 @@
 """experiments.profiling: a trace of a known program, summarized per kernel."""
 
+from types import SimpleNamespace as NS
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -54,3 +56,22 @@ def test_idle_gaps_are_charged_to_the_kernel_that_ended_them():
   gaps = profiling._gaps(events, min_ns=5)
   assert dict(gaps) == {"b": [60.0, 2]}
   assert dict(profiling._gaps(events, min_ns=1)) == {"b": [60.0, 2], "a": [2.0, 1]}
+
+
+def test_host_cuda_calls_are_counted_on_host_planes_only():
+  """Driver calls on a host plane are counted with their host time; XLA's thunk events on the
+  CPU plane and kernels on a device plane (names that look alike) are not."""
+  ev = lambda name, dur: NS(name=name, duration_ns=dur, start_ns=0, stats=())
+  planes = [
+      NS(name="/host:CUPTI", lines=[
+          NS(name="thread 1", events=[ev("cuLaunchKernelEx", 4000), ev("cuGraphLaunch", 9000),
+                                      ev("cuLaunchKernelEx", 2000), ev("cudaLaunchKernel", 1)]),
+          NS(name="thread 2", events=[ev("cuMemcpyDtoHAsync_v2", 500)])]),
+      NS(name="/host:CPU", lines=[NS(name="xla", events=[ev("fusion.3", 7), ev("$bookkeeping",
+                                                                                 1)])]),
+      NS(name="/device:GPU:0", lines=[NS(name="Stream #1", events=[ev("cuLaunchKernelEx", 8)])]),
+  ]
+  assert dict(profiling._host_calls(planes)) == {
+      "cuLaunchKernelEx": [2, 6000], "cuGraphLaunch": [1, 9000], "cudaLaunchKernel": [1, 1],
+      "cuMemcpyDtoHAsync_v2": [1, 500]}
+  assert dict(profiling._host_calls(planes[1:2])) == {}

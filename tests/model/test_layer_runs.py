@@ -158,7 +158,8 @@ def test_scan_unroll_runs_the_same_layers_in_fewer_iterations():
     _close(x, y, 1e-5)
 
 
+@pytest.mark.parametrize("name", ["scan_unroll", "decode_steps_per_sync"])
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True], ids=["zero", "negative", "float", "bool"])
-def test_bad_scan_unroll_is_refused(bad):
-  with pytest.raises(ValueError, match="scan_unroll must be an int >= 1"):
-    _config("bf16", scan_unroll=bad)
+def test_bad_loop_counts_are_refused(name, bad):
+  with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+    _config("bf16", **{name: bad})

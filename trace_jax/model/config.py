@@ -62,6 +62,10 @@ class ModelConfig:
   scan_unroll: layers per iteration of those scans (`lax.scan(unroll=)`): on the GPU every
     iteration is a host round of launches, so fewer iterations cost the host less, for a
     body (and compile time) that many layers large.
+  decode_steps_per_sync: decode steps the rollout engine runs between two checks of its loop
+    condition (is every row done?): on the GPU each check is a device-to-host copy the host
+    waits on, so the GPU idles while the host queues the next step. Outputs are the same for
+    any value; a call runs up to this many minus one steps past its last live one.
   """
   vocab_size: int
   hidden_size: int
@@ -88,6 +92,7 @@ class ModelConfig:
   fp8_backward: bool = False
   scan_layers: bool = True
   scan_unroll: int = 1
+  decode_steps_per_sync: int = 1
 
   def __post_init__(self):
     if self.guided_layers is None:
@@ -140,9 +145,10 @@ class ModelConfig:
       errors.append(f"fp8_backward must be a bool, got {self.fp8_backward!r}")
     if not isinstance(self.scan_layers, bool):
       errors.append(f"scan_layers must be a bool, got {self.scan_layers!r}")
-    if isinstance(self.scan_unroll, bool) or not isinstance(self.scan_unroll, int) or \
-        self.scan_unroll < 1:
-      errors.append(f"scan_unroll must be an int >= 1, got {self.scan_unroll!r}")
+    for name in ("scan_unroll", "decode_steps_per_sync"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        errors.append(f"{name} must be an int >= 1, got {v!r}")
     bad = [i for i in self.guided_layers if not 0 <= i < self.num_hidden_layers]
     if bad:
       errors.append(f"guided_layers {bad} outside [0, {self.num_hidden_layers})")

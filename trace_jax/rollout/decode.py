@@ -58,11 +58,17 @@ def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, st
   # update per step, whatever the number of tapped arrays); after the loop they are written
   # to the taps buffers by position, once (`byte_rows`: one kernel per record and step cost
   # the host more than the GPU's work).
+  # The loop checks `cond` once per `per_sync` steps (`ModelConfig.decode_steps_per_sync`):
+  # steps past max_new then run with no live row, their writes past the buffers' ends dropped
+  # (scatters) or kept to the spare columns of `steps` (its dynamic_update_slice clamps).
+  per_sync = config.decode_steps_per_sync
   layout = byte_rows.layout_of(jax.tree.map(lambda a: a[:, :1], taps), lead=2) if taps else None
-  steps = None if layout is None else jnp.zeros((b, max_new, layout.width), jnp.uint8)
+  steps = None if layout is None else jnp.zeros((b, max_new + per_sync - 1, layout.width),
+                                                jnp.uint8)
 
   def body(state):
     step, cache, tok, gen, logps, done, n_gen, steps = state
+    done = done | (step >= max_new)
     pos = start + step - 1  # position of `tok`, the token fed in this step
     o = model_lib.decode_step(params, config, cache, tok, pos, tap_layers=tap_layers,
                               tap_mode=tap_mode, tap_routing=tap_routing, record=True,
@@ -86,7 +92,11 @@ def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, st
     return step + 1, o.cache, nxt, gen, logps, done, n_gen, steps
 
   state = (jnp.int32(1), cache, tok, gen, logps, done, n_gen, steps)
-  _, cache, _, gen, logps, _, n_gen, steps = jax.lax.while_loop(cond, body, state)
+  if per_sync > 1:  # a loop of known trip count: XLA runs it without asking the host
+    block = lambda state: jax.lax.fori_loop(0, per_sync, lambda _, st: body(st), state)
+  else:
+    block = body
+  _, cache, _, gen, logps, _, n_gen, steps = jax.lax.while_loop(cond, block, state)
   if steps is not None:
     # Step s (1 <= s < n_gen) fed the token at start + s - 1; the other columns (never
     # written, or written by a finished row) go out of bounds and are dropped.
@@ -94,7 +104,7 @@ def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, st
     fed = live0[:, None] & (s >= 1) & (s < n_gen[:, None])
     pos = jnp.where(fed, start[:, None] + s - 1, jax.tree.leaves(taps)[0].shape[1])
     taps = jax.tree.map(lambda buf, a: buf.at[rows[:, None], pos].set(a, mode="drop"),
-                        taps, byte_rows.unpack(steps, layout))
+                        taps, byte_rows.unpack(steps[:, :max_new], layout))
   return gen, logps, n_gen, cache, taps
 
 
