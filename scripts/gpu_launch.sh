@@ -2,7 +2,10 @@
 # One H200 call (device tool, `carry: [".whl"]`), written 2026-12-03 (sixth session), not run
 # yet: how does the host launch a decode step? Profiles of fp4_rtn and fp4_trace at batch 64
 # (IMPL, default kernel+unroll4) with command buffers on while profiling, one process per
-# XLA_FLAGS arm (default; while loops in command buffers), each summary listing the host's CUDA
+# XLA_FLAGS arm (ARMS, default "base dsf": XLA's defaults; dynamic-slice fusion, which lets a
+# GEMM or custom call read a slice of the stacked layer params in place instead of a copy;
+# also cbwhile: while loops in command buffers; mingraph1: command buffers of any size), each
+# summary listing the host's CUDA
 # driver calls per step (`cuLaunchKernel*`: kernels launched one by one, e.g. Pallas calls left
 # out of the CUDA graphs; `cuGraphLaunch`: command buffers). Then the same arms timed without
 # the profiler (T_ARM). Then (T_DUMP) XLA's optimized HLO of fp4_trace's programs at IMPL, as
@@ -14,14 +17,16 @@ B="python3 -m experiments.bench_rollout --impls=${IMPL:-kernel+unroll4} --key_im
 declare -A FLAGS_OF=(
   [base]=""
   [cbwhile]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+  [dsf]="--xla_gpu_enable_dynamic_slice_fusion=true"
+  [mingraph1]="--xla_gpu_graph_min_graph_size=1"
 )
 stamp start
-for arm in ${ARMS:-base cbwhile}; do
+for arm in ${ARMS:-base dsf}; do
   XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true ${FLAGS_OF[$arm]}" \
     TAIL=40 run "launch_$arm" "${T_PROF:-130}" $B --policies="${PROF_POLICIES:-fp4_rtn,fp4_trace}" \
     --reps=1 --profile_dir="/tmp/prof_$arm" --profile_top=12 --json_out="$OUT/launch_$arm.json"
 done
-for arm in ${ARMS:-base cbwhile}; do
+for arm in ${ARMS:-base dsf}; do
   XLA_FLAGS="${FLAGS_OF[$arm]}" run "timed_$arm" "${T_ARM:-1}" $B \
     --policies="${POLICIES:-bf16,fp4_rtn,fp4_trace}" --reps="${REPS:-3}" \
     --json_out="$OUT/timed_$arm.json"
