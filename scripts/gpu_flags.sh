@@ -9,11 +9,6 @@
 # and REPS the arms' cases, PROF_POLICIES the profiled ones; a limit of 1 skips a step.
 source "$(dirname "$0")/gpu_lib.sh"
 B="python3 -m experiments.bench_rollout --impls=kernel --batches=64 --budget_gb=0 --transformers=false"
-declare -A FLAGS_OF=(
-  [base]=""
-  [cbwhile]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
-  [cbwhile_unroll]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_command_buffer_unroll_loops=true"
-)
 stamp start
 for arm in ${ARMS:-base cbwhile cbwhile_unroll}; do
   XLA_FLAGS="${FLAGS_OF[$arm]}" run "arm_$arm" "${T_ARM:-150}" $B \

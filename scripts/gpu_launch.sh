@@ -14,12 +14,6 @@
 # skips a step.
 source "$(dirname "$0")/gpu_lib.sh"
 B="python3 -m experiments.bench_rollout --impls=${IMPL:-kernel+unroll4} --key_impl=${IMPL:-kernel+unroll4} --batches=64 --budget_gb=0 --transformers=false"
-declare -A FLAGS_OF=(
-  [base]=""
-  [cbwhile]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
-  [dsf]="--xla_gpu_enable_dynamic_slice_fusion=true"
-  [mingraph1]="--xla_gpu_graph_min_graph_size=1"
-)
 stamp start
 for arm in ${ARMS:-base dsf}; do
   XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true ${FLAGS_OF[$arm]}" \
