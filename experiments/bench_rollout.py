@@ -68,7 +68,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -541,12 +541,7 @@ def run_bench() -> dict[str, Any]:
         if over_budget():
           res["cases"][name] = {"skipped": "budget"}
           continue
-        # "kernel": the decode kernels, and FP8 GEMMs on the Pallas kernel with FP8 weights
-        # made once per update; "xla": the references.
-        decode_impl, fields = impl_options(impl)
-        config = base.replace(policy=policy, decode_impl=decode_impl, fp8_gemm=decode_impl,
-                              **fields)
-        with _codes_as_words(impl.split("+")[0] != "kernel_bytes"):  # options keep bytes
+        with _impl_case(base, policy, impl) as config:
           r, first_tokens[name] = run_case(params, config, batch, FLAGS.reps, name)
         ctx = FLAGS.prompt_len + r["tokens_per_seq"] / 2
         touched = expected_touched(base.num_experts, base.num_experts_per_tok, batch)
@@ -585,10 +580,7 @@ def run_bench() -> dict[str, Any]:
       if over_budget():
         fm["cases"][policy] = {"skipped": "budget"}
         continue
-      decode_impl, fields = impl_options(FLAGS.budget_impl)
-      config = base.replace(policy=policy, decode_impl=decode_impl, fp8_gemm=decode_impl,
-                            **fields)
-      with _codes_as_words(FLAGS.budget_impl.split("+")[0] != "kernel_bytes"):
+      with _impl_case(base, policy, FLAGS.budget_impl) as config:
         r = run_budget_case(params, config, budget_gb * 1e9, context, cap, FLAGS.reps)
       fm["cases"][policy] = r
       head = (f"  budget:{policy:<15} weights {_gb(r['weight_bytes'])}, "
@@ -608,6 +600,17 @@ def run_bench() -> dict[str, Any]:
   for k, v in keys.items():
     print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
   return res
+
+
+@contextlib.contextmanager
+def _impl_case(base: Any, policy: str, impl: str) -> Iterator[Any]:
+  """The config of `policy` under an `--impls` entry, with the packed codes' layout it asks for
+  in force inside (bytes for kernel_bytes, options or not). "kernel": the decode kernels, and
+  FP8 GEMMs on the Pallas kernel with FP8 weights made once per update; "xla": the
+  references."""
+  decode_impl, fields = impl_options(impl)
+  with _codes_as_words(impl.split("+")[0] != "kernel_bytes"):
+    yield base.replace(policy=policy, decode_impl=decode_impl, fp8_gemm=decode_impl, **fields)
 
 
 @contextlib.contextmanager
@@ -639,17 +642,18 @@ def ratios(cases: dict[str, Any]) -> dict[str, float]:
   tps = {k: v["tokens_per_s"] for k, v in cases.items() if "tokens_per_s" in v}
   for k, v in tps.items():
     policy, impl, batch = k.split(":")
+    key = impl.replace("+", "_")
     bf16 = tps.get(f"bf16:{impl}:{batch}")
     if policy != "bf16" and bf16:
-      out[f"{policy}_over_bf16_{impl.replace('+', '_')}_b{batch}"] = v / bf16
+      out[f"{policy}_over_bf16_{key}_b{batch}"] = v / bf16
     rtn = tps.get(f"fp4_rtn:{impl}:{batch}")
     if policy == "fp4_trace" and rtn:
-      out[f"fp4_trace_over_fp4_rtn_{impl.replace('+', '_')}_b{batch}"] = v / rtn
+      out[f"fp4_trace_over_fp4_rtn_{key}_b{batch}"] = v / rtn
     if impl == "kernel_bytes" and f"{policy}:kernel:{batch}" in tps:
       out[f"kernel_words_over_bytes_{policy}_b{batch}"] = tps[f"{policy}:kernel:{batch}"] / v
     plain = impl.split("+")[0]
     if plain != impl and f"{policy}:{plain}:{batch}" in tps:
-      out[f"{policy}_{impl.replace('+', '_')}_over_{plain}_b{batch}"] = (
+      out[f"{policy}_{key}_over_{plain}_b{batch}"] = (
           v / tps[f"{policy}:{plain}:{batch}"])
     xla = tps.get(f"{policy}:xla:{batch}")
     if impl == "kernel" and xla:

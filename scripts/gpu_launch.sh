@@ -6,12 +6,11 @@
 # GEMM or custom call read a slice of the stacked layer params in place instead of a copy;
 # also cbwhile: while loops in command buffers; mingraph1: command buffers of any size), each
 # summary listing the host's CUDA driver calls per step (`cuLaunchKernel*`: kernels launched
-# one by one, e.g. Pallas calls left out of the CUDA graphs; `cuGraphLaunch`: command buffers). Then the same arms timed without
-# the profiler (T_ARM). Then (T_DUMP) XLA's optimized HLO of fp4_trace's programs at IMPL, as
-# $OUT/hlo_dump.tgz: what the 8-12 `memcpy32_post` copies per layer-scan iteration are (copy
-# insertion around the loop carry, or the router's param slice?) and which calls sit inside
-# command buffers. A limit of 1
-# skips a step.
+# one by one, e.g. Pallas calls left out of the CUDA graphs; `cuGraphLaunch`: command
+# buffers). Then the same arms timed without the profiler (T_ARM). Then (T_DUMP) XLA's optimized
+# HLO of fp4_trace's programs at IMPL, as $OUT/hlo_dump.tgz: what the 8-12 `memcpy32_post`
+# copies per layer-scan iteration are (copy insertion around the loop carry, or the router's
+# param slice?) and which calls sit inside command buffers. A limit of 1 skips a step.
 source "$(dirname "$0")/gpu_lib.sh"
 B="python3 -m experiments.bench_rollout --impls=${IMPL:-kernel+unroll4} --key_impl=${IMPL:-kernel+unroll4} --batches=64 --budget_gb=0 --transformers=false"
 stamp start

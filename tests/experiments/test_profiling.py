@@ -59,8 +59,8 @@ def test_idle_gaps_are_charged_to_the_kernel_that_ended_them():
 
 
 def test_host_cuda_calls_are_counted_on_host_planes_only():
-  """Driver calls on a host plane are counted with their host time; XLA's thunk events on the
-  CPU plane and kernels on a device plane (names that look alike) are not."""
+  """Driver calls on the host planes are counted with their host time; XLA's thunk events
+  (other names) and a device plane's kernels (even one named like a driver call) are not."""
   ev = lambda name, dur: NS(name=name, duration_ns=dur, start_ns=0, stats=())
   planes = [
       NS(name="/host:CUPTI", lines=[

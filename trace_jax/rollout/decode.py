@@ -68,7 +68,8 @@ def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, st
 
   def body(state):
     step, cache, tok, gen, logps, done, n_gen, steps = state
-    done = done | (step >= max_new)
+    if per_sync > 1:  # a block's steps past max_new (one step per check never gets there)
+      done = done | (step >= max_new)
     pos = start + step - 1  # position of `tok`, the token fed in this step
     o = model_lib.decode_step(params, config, cache, tok, pos, tap_layers=tap_layers,
                               tap_mode=tap_mode, tap_routing=tap_routing, record=True,
