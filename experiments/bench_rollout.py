@@ -13,15 +13,17 @@ tokens after `--prompt_len`-token prompts. Reported: decode tokens/s (batch * ne
 median call time, prefill included; for engines that record, plus the records' transfer still
 in flight after the last timed call, read back as a consumer would, over `--reps`: the engine
 starts each batch's record copy to the host and returns, so the copy overlaps the next call;
-`emit_s_per_call`, `emit_bytes_per_call`, `records_drain_s`), the bytes a decode step must
-read (`step_bytes`: the touched experts' weights as the engine stores them, attention, router,
-norms and lm_head weights, the KV cache at the mean length) and their rate against the
-device's read and copy bandwidths measured in the same process (`common.bandwidth_gbps`), and
-ratios side by side: FP4 over BF16 at each batch, the kernel decode over XLA's, and an impl
-with options over the plain one (`--impls=kernel,kernel+unroll2`: the layer scans two layers
-per iteration, `ModelConfig.scan_unroll`; `+unrolled`: every layer compiled apart; `+sync4`: the
-decode loop's condition checked once per 4 steps, `ModelConfig.decode_steps_per_sync`), and
-fp4_trace over fp4_rtn per impl.
+`emit_s_per_call`, `emit_bytes_per_call`, `records_drain_s`; `--records_drain=each` waits for
+them in every call instead; `generate_s`: the median generate call alone), the bytes a decode
+step must read (`step_bytes`: the touched experts' weights as the engine stores them,
+attention, router, norms and lm_head weights, the KV cache at the mean length) and their rate
+against the device's read and copy bandwidths measured in the same process
+(`common.bandwidth_gbps`), and ratios side by side: FP4 over BF16 at each batch, the kernel
+decode over XLA's, and an impl with options over the plain one
+(`--impls=kernel,kernel+unroll2`: the layer scans two layers per iteration,
+`ModelConfig.scan_unroll`; `+unrolled`: every layer compiled apart; `+sync4`: the decode loop's
+condition checked once per 4 steps, `ModelConfig.decode_steps_per_sync`), and fp4_trace over
+fp4_rtn per impl.
 
 Fixed memory (`--budget_gb`, 0 skips it; `--budget_context`, `--budget_max_batch`,
 `--budget_policies` (CPU preset: bf16 and fp4_rtn), `--budget_impl`): per policy, how many
@@ -97,6 +99,11 @@ flags.DEFINE_boolean("scan_layers", True, "Layers under lax.scan (False: unrolle
 flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.", flag_values=FLAGS)
 flags.DEFINE_integer("new_tokens", 128, "Generated tokens per sequence.", flag_values=FLAGS)
 flags.DEFINE_integer("reps", 3, "Timed calls per case.", flag_values=FLAGS)
+flags.DEFINE_enum("records_drain", "overlap", ["overlap", "each"],
+                  "Engines that record: `overlap` lets a call's records travel to the host "
+                  "while the next call decodes (as a rollout loop does); `each` waits for them "
+                  "at the end of every call, so no transfer overlaps a decode.",
+                  flag_values=FLAGS)
 flags.DEFINE_integer("key_batch", 0, "Batch of the top-level plain-number keys (0: per preset).",
                      flag_values=FLAGS)
 flags.DEFINE_string("key_impl", "kernel", "The --impls entry of the top-level plain-number keys "
@@ -124,6 +131,9 @@ flags.DEFINE_string("profile_dir", "", "Profile one more call of every fixed-bat
                     "('' = no profile).", flag_values=FLAGS)
 flags.DEFINE_integer("profile_top", 25, "Kernels listed per profiled case (the JSON keeps "
                      "them too).", flag_values=FLAGS)
+flags.DEFINE_string("profile_timeline", "", "With --profile_dir: also print each profiled "
+                    "case's host and device events around the N-th host event named ANCHOR..., "
+                    "as ANCHOR:N (e.g. cuGraphLaunch:40; '' = none).", flag_values=FLAGS)
 
 def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
   """An `--impls` entry -> (its decode_impl, the ModelConfig fields it sets): "kernel_bytes"
@@ -162,6 +172,9 @@ def _check_impls(impls: list[str]) -> bool:
 flags.register_validator("impls", _check_impls, flag_values=FLAGS)
 for _name in ("key_impl", "budget_impl"):
   flags.register_validator(_name, lambda v: _check_impls([v]), flag_values=FLAGS)
+flags.register_validator(
+    "profile_timeline", lambda v: not v or bool(re.fullmatch(r".+:-?\d+", v)),
+    "--profile_timeline must be ANCHOR:N (e.g. cuGraphLaunch:40)", flag_values=FLAGS)
 
 PRESETS = {
     "h200": dict(model=dict(vocab_size=32768, hidden_size=2048, num_hidden_layers=8,
@@ -338,15 +351,20 @@ def run_case(params: Any, config: Any, batch: int, reps: int, name: str
   out: list[Any] = []
   emits: list[tuple[float, int]] = []  # per call: seconds and bytes of taking records off
 
+  generate_s: list[float] = []  # per call: the generate call alone (no records drained)
+
   def call() -> float:
     e0, b0 = engine.emit_seconds, engine.emit_bytes
     t0 = time.perf_counter()
     out[:] = engine.generate(prompts, sp)
-    dt = time.perf_counter() - t0
+    generate_s.append(time.perf_counter() - t0)
     emits.append((engine.emit_seconds - e0, engine.emit_bytes - b0))
-    return dt
+    if FLAGS.records_drain == "each" and emits[-1][1]:
+      _ = engine.last_guidance  # waits for this call's records
+    return time.perf_counter() - t0
 
   r = _timed(call, reps)
+  r["generate_s"] = float(np.median(generate_s[1:]))
   per_call = r["median_s"]
   if emits[-1][1]:
     # Records: the engine starts their copy to the host and returns; the copy overlaps the
@@ -372,6 +390,11 @@ def run_case(params: Any, config: Any, batch: int, reps: int, name: str
     r["profile"] = profiling.summarize(log_dir, steps=FLAGS.new_tokens, top=FLAGS.profile_top)
     print(profiling.format_summary(r["profile"], f"{name}, per generated token (prefill "
                                    "amortized)"), flush=True)
+    if FLAGS.profile_timeline:
+      anchor, _, index = FLAGS.profile_timeline.rpartition(":")
+      print(f"timeline of {name} at the {index}th {anchor}:", flush=True)
+      print(profiling.format_timeline(profiling.timeline(log_dir, anchor, int(index))),
+            flush=True)
   return r, [s.tokens[0] for s in out]
 
 
@@ -558,7 +581,9 @@ def run_bench() -> dict[str, Any]:
           print(f"  {'':<22} records: {_gb(r['emit_bytes_per_call'])} per call, "
                 f"{1e3 * r['emit_s_per_call']:.1f} ms of each call to start their transfer "
                 f"({100 * r['emit_fraction']:.1f}%), {1e3 * r['records_drain_s']:.1f} ms to "
-                f"drain the last (counted in tok/s)", flush=True)
+                f"drain the last (counted in tok/s); generate calls alone "
+                f"{1e3 * r['generate_s']:.1f} ms (records drained: {FLAGS.records_drain})",
+                flush=True)
 
   if _preset("transformers"):
     hf_batches = [int(b) for b in FLAGS.transformers_batches] or [key_batch]

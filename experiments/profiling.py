@@ -11,10 +11,10 @@ launching the next iteration).
 
 On the GPU, XLA runs without command buffers (CUDA graphs) while a profile is recorded unless
 `--xla_enable_command_buffers_during_profiling=true` is in XLA_FLAGS: a default profile shows
-more launch gaps than the plain run has. The host's CUDA driver calls (CUPTI's events on the
-host planes: `cuLaunchKernel*` per kernel launched alone, `cuGraphLaunch` per command buffer,
-the copies and syncs) are counted per step too: they show how much of a step the host launches
-kernel by kernel.
+more launch gaps than the plain run has. For a GPU profile the host's events are summed per
+step too, by name (the runtime's annotations of what it runs: thunks, command-buffer updates and
+launches, copies, syncs, and the CUDA calls CUPTI reports): what the host does while the device
+waits.
 """
 
 from __future__ import annotations
@@ -44,8 +44,6 @@ _CATEGORIES = (
 # Host-side bookkeeping events on CPU lines, not kernels.
 _SKIP = re.compile(r"^ThreadpoolListener|^\$")
 _CONTAINER = re.compile(r"^(while|conditional|call)(\.|$)")
-# A CUDA driver or runtime API call recorded on a host plane (cuLaunchKernelEx, cuGraphLaunch).
-_DRIVER_CALL = re.compile(r"^cu(da)?[A-Z]\w*$")
 
 
 def category(name: str) -> str:
@@ -104,16 +102,20 @@ def _kernel_events(planes: Sequence[Any]) -> list[tuple[str, str, float, float]]
   return out
 
 
-def _host_calls(planes: Sequence[Any]) -> dict[str, list[float]]:
-  """{CUDA driver/runtime call: [count, host ns]} over the host planes (CUPTI's API events);
-  empty for a CPU profile."""
+def _host_events(planes: Sequence[Any]) -> dict[str, list[float]]:
+  """{name: [count, host ns]} of the events on the host planes of a GPU profile (Python frames
+  and thread-pool bookkeeping left out); empty for a CPU profile, whose host events are the
+  kernels."""
+  planes = list(planes)
   out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+  if not any(p.name.startswith("/device:") for p in planes):
+    return out
   for plane in planes:
     if plane.name.startswith("/device:"):
       continue
     for line in plane.lines:
       for ev in line.events:
-        if _DRIVER_CALL.match(ev.name):
+        if not _SKIP.match(ev.name):
           out[ev.name][0] += 1
           out[ev.name][1] += ev.duration_ns
   return out
@@ -151,7 +153,8 @@ def summarize(log_dir: str, steps: int = 1, top: int = 25,
   (1 - busy / wall), "categories" {name: ms per step}, "top" [(kernel (GPU) or HLO op (CPU),
   category, ms per step, launches per step)], "gaps" [(kernel that ended an idle gap of at
   least gap_us, ms of such gaps per step, gaps per step)]: where the device waited,
-  "host_calls" [(CUDA driver call, calls per step, host ms per step)]}.
+  "host_events" [(host event name, events per step, host ms per step)], GPU only, by host
+  time (nested events both count)}.
   """
   if steps < 1:
     raise ValueError(f"summarize: steps must be >= 1, got {steps}")
@@ -179,9 +182,57 @@ def summarize(log_dir: str, steps: int = 1, top: int = 25,
       "categories": {c: ms(v) for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
       "top": [(op, v[2], ms(v[0]), v[1] / steps) for op, v in ranked],
       "gaps": [(name, ms(v[0]), v[1] / steps) for name, v in gaps],
-      "host_calls": [(name, v[0] / steps, ms(v[1])) for name, v in
-                     sorted(_host_calls(planes).items(), key=lambda kv: -kv[1][0])[:top]],
+      "host_events": [(name, v[0] / steps, ms(v[1])) for name, v in
+                      sorted(_host_events(planes).items(), key=lambda kv: -kv[1][1])[:top]],
   }
+
+
+def timeline(log_dir: str, anchor: str, index: int = 0, before_ms: float = 0.3,
+             span_ms: float = 3.0, min_host_us: float = 2.0
+             ) -> list[tuple[float, float, str, str]]:
+  """The host's and the device's events in time order around one moment of the newest trace
+  under log_dir: the `index`-th host event whose name starts with `anchor` (e.g.
+  "cuGraphLaunch": one decode step's launch). Rows (start us from the anchor, duration us,
+  where: the host thread's name or the device stream's, event name), from before_ms before the
+  anchor to span_ms after it; Python frames and host events shorter than min_host_us are left
+  out. For reading a step: when the device idles and what the host does meanwhile."""
+  planes = jax.profiler.ProfileData.from_file(_newest_xspace(log_dir)).planes
+  return _timeline_rows(planes, anchor, index, before_ms, span_ms, min_host_us)
+
+
+def _timeline_rows(planes: Sequence[Any], anchor: str, index: int, before_ms: float,
+                   span_ms: float, min_host_us: float) -> list[tuple[float, float, str, str]]:
+  planes = list(planes)
+  hosts = [(ln.name, list(ln.events)) for p in planes if not p.name.startswith("/device:")
+           for ln in p.lines]
+  marks = sorted(e.start_ns for _, evs in hosts for e in evs if e.name.startswith(anchor))
+  if not -len(marks) <= index < len(marks):
+    raise ValueError(f"timeline: {len(marks)} host events start with {anchor!r}; no index "
+                     f"{index}")
+  t0 = marks[index]
+  lo, hi = t0 - before_ms * 1e6, t0 + span_ms * 1e6
+  rows = [((e.start_ns - t0) / 1e3, e.duration_ns / 1e3, where, e.name)
+          for where, evs in hosts for e in evs
+          if lo <= e.start_ns <= hi and e.duration_ns >= min_host_us * 1e3
+          and not _SKIP.match(e.name)]
+  rows += [((e.start_ns - t0) / 1e3, e.duration_ns / 1e3, ln.name, e.name)
+           for p in planes if p.name.startswith("/device:") for ln in p.lines
+           if ln.name.startswith("Stream") for e in ln.events if lo <= e.start_ns <= hi]
+  return sorted(rows)
+
+
+def format_timeline(rows: list[tuple[float, float, str, str]], gap_us: float = 20.0) -> str:
+  """Timeline rows as lines; a device event after at least gap_us of device idle time is
+  marked with that gap."""
+  lines, end = [], None
+  for start, dur, where, name in rows:
+    note = ""
+    if where.startswith("Stream"):
+      if end is not None and start - end >= gap_us:
+        note = f"  <- device idle {start - end:.1f} us"
+      end = start + dur if end is None else max(end, start + dur)
+    lines.append(f"{start:10.1f} us {dur:9.1f} us  {where[:24]:24s} {name[:80]}{note}")
+  return "\n".join(lines)
 
 
 def format_summary(s: dict[str, Any], title: str) -> str:
@@ -197,8 +248,8 @@ def format_summary(s: dict[str, Any], title: str) -> str:
     lines.append("  idle gaps by the kernel that ended them (ms/step, gaps/step):")
     for name, v, n in s["gaps"][:12]:
       lines.append(f"  {v:9.3f} ms  x{n:6.1f}  {name[:110]}")
-  if s.get("host_calls"):
-    lines.append("  host CUDA calls (calls/step, host ms/step):")
-    for name, n, v in s["host_calls"][:12]:
+  if s.get("host_events"):
+    lines.append("  host events (events/step, host ms/step):")
+    for name, n, v in s["host_events"][:20]:
       lines.append(f"  {n:9.1f}  {v:9.3f} ms  {name[:110]}")
   return "\n".join(lines)

@@ -17,7 +17,8 @@ stamp start
 for arm in ${ARMS:-base dsf}; do
   XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true ${FLAGS_OF[$arm]}" \
     TAIL=40 run "launch_$arm" "${T_PROF:-130}" $B --policies="${PROF_POLICIES:-fp4_rtn,fp4_trace}" \
-    --reps=1 --profile_dir="/tmp/prof_$arm" --profile_top=12 --json_out="$OUT/launch_$arm.json"
+    --reps="${PROF_REPS:-1}" --profile_dir="/tmp/prof_$arm" --profile_top=16 \
+    --json_out="$OUT/launch_$arm.json"
 done
 for arm in ${ARMS:-base dsf}; do
   XLA_FLAGS="${FLAGS_OF[$arm]}" run "timed_$arm" "${T_ARM:-1}" $B \

@@ -20,11 +20,15 @@ run() {
 # XLA_FLAGS arms of the flag experiments (gpu_flags.sh, gpu_launch.sh): XLA's defaults; while
 # loops and conditionals inside command buffers (+ known-trip-count loops unrolled into them);
 # dynamic-slice fusion (a GEMM or custom call reads a slice of a stack in place, no copy);
-# command buffers of any size.
+# command buffers of any size; command buffers as one chain of commands (SERIALIZE: CUDA
+# launches a straight-line graph in constant time) or with every independent command
+# concurrent (CONCURRENT), against XLA's default (LHS: the latency-hiding scheduler's order).
 declare -A FLAGS_OF=(
   [base]=""
   [cbwhile]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
   [cbwhile_unroll]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_command_buffer_unroll_loops=true"
   [dsf]="--xla_gpu_enable_dynamic_slice_fusion=true"
   [mingraph1]="--xla_gpu_graph_min_graph_size=1"
+  [serialize]="--xla_gpu_command_buffer_scheduling_mode=SERIALIZE"
+  [concurrent]="--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
 )

@@ -3,12 +3,15 @@ the top-level keys, and one CPU run of every part (fixed batch, fixed memory, tr
 
 from __future__ import annotations
 
+import types
+
 import jax
 import numpy as np
 import pytest
 from absl import flags
 
 from experiments import bench_rollout as br
+from experiments import common
 from trace_jax import model as model_lib
 from trace_jax.model import expert_weights
 
@@ -179,6 +182,14 @@ def test_bad_impls_are_refused(impl, match):
       br.main(["prog", f"--{flag}={impl}"])
 
 
+@pytest.mark.parametrize("value", [
+    pytest.param("cuGraphLaunch", id="no_index"), pytest.param("cuGraphLaunch:x", id="bad_index"),
+])
+def test_bad_profile_timeline_is_refused(value):
+  with pytest.raises(flags.IllegalFlagValueError, match="must be ANCHOR:N"):
+    br.main(["prog", f"--profile_timeline={value}"])
+
+
 def test_cpu_run(tmp_path):
   """Fixed batch (bf16, kernel), fixed memory (bf16 and fp4_rtn, kernel) and the transformers
   reference on the CPU model; a budget of the BF16 weights + 2.5 sequences."""
@@ -227,3 +238,39 @@ def test_budget_below_one_sequence_is_reported(capsys):
   assert c["sequences"] == 0 and "not one sequence" in c["skipped"] and "tokens_per_s" not in c
   assert "not one sequence" in capsys.readouterr().out
   assert "fp4_over_bf16_fixed_memory" not in res and "compile_s_max" not in res
+
+
+class _RecordingEngine:
+  """An engine stand-in that records: each call hands off 100 bytes of records; a read of
+  `last_guidance` is a wait for them (counted)."""
+
+  def __init__(self):
+    self.emit_seconds, self.emit_bytes, self.waits = 0.0, 0, 0
+
+  def generate(self, prompts, sp):
+    self.emit_bytes += 100
+    return [types.SimpleNamespace(tokens=[1] * sp.max_new_tokens) for _ in prompts]
+
+  @property
+  def last_guidance(self):
+    self.waits += 1
+    return {}
+
+
+@pytest.mark.parametrize("drain,waits", [
+    pytest.param("overlap", 1, id="overlap_waits_once_after_the_timed_calls"),
+    pytest.param("each", 1 + 3 + 1, id="each_waits_in_every_call"),
+])
+def test_records_drain(monkeypatch, drain, waits):
+  engine = _RecordingEngine()
+  monkeypatch.setattr(br, "_engine", lambda params, config, batch: (engine, 0.0))
+  common.parse_flags(br.FLAGS, ["prog", f"--records_drain={drain}", "--new_tokens=2",
+                               "--prompt_len=3"])
+  try:
+    config = types.SimpleNamespace(vocab_size=16, policy="fp4_trace")
+    r, first = br.run_case(None, config, batch=2, reps=3, name="fp4_trace:kernel:2")
+  finally:
+    br.FLAGS.unparse_flags()
+  assert engine.waits == waits
+  assert r["emit_bytes_per_call"] == 100 and r["tokens"] == 4 and first == [1, 1]
+  assert 0 < r["generate_s"] <= r["median_s"]

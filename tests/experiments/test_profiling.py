@@ -58,20 +58,46 @@ def test_idle_gaps_are_charged_to_the_kernel_that_ended_them():
   assert dict(profiling._gaps(events, min_ns=1)) == {"b": [60.0, 2], "a": [2.0, 1]}
 
 
-def test_host_cuda_calls_are_counted_on_host_planes_only():
-  """Driver calls on the host planes are counted with their host time; XLA's thunk events
-  (other names) and a device plane's kernels (even one named like a driver call) are not."""
+def test_host_events_are_summed_on_the_host_planes_of_a_gpu_profile_only():
+  """Host events are summed by name with their host time (runtime annotations and CUPTI's
+  driver calls alike); Python frames, a device plane's kernels and any CPU-only profile (whose
+  host events are its kernels) are not."""
   ev = lambda name, dur: NS(name=name, duration_ns=dur, start_ns=0, stats=())
   planes = [
       NS(name="/host:CUPTI", lines=[
           NS(name="thread 1", events=[ev("cuLaunchKernelEx", 4000), ev("cuGraphLaunch", 9000),
-                                      ev("cuLaunchKernelEx", 2000), ev("cudaLaunchKernel", 1)]),
+                                      ev("cuLaunchKernelEx", 2000)]),
           NS(name="thread 2", events=[ev("cuMemcpyDtoHAsync_v2", 500)])]),
-      NS(name="/host:CPU", lines=[NS(name="xla", events=[ev("fusion.3", 7), ev("$bookkeeping",
-                                                                                 1)])]),
-      NS(name="/device:GPU:0", lines=[NS(name="Stream #1", events=[ev("cuLaunchKernelEx", 8)])]),
+      NS(name="/host:CPU", lines=[NS(name="xla", events=[ev("command_buffer.3", 7),
+                                                         ev("$bench.py:12 call", 1)])]),
+      NS(name="/device:GPU:0", lines=[NS(name="Stream #1", events=[ev("cuGraphLaunch", 8)])]),
   ]
-  assert dict(profiling._host_calls(planes)) == {
-      "cuLaunchKernelEx": [2, 6000], "cuGraphLaunch": [1, 9000], "cudaLaunchKernel": [1, 1],
-      "cuMemcpyDtoHAsync_v2": [1, 500]}
-  assert dict(profiling._host_calls(planes[1:2])) == {}
+  assert dict(profiling._host_events(planes)) == {
+      "cuLaunchKernelEx": [2, 6000], "cuGraphLaunch": [1, 9000],
+      "cuMemcpyDtoHAsync_v2": [1, 500], "command_buffer.3": [1, 7]}
+  assert dict(profiling._host_events(planes[:2])) == {}
+
+
+def test_timeline_orders_host_and_device_events_around_the_anchor():
+  """Rows are relative to the chosen anchor, host and device merged in time order, short host
+  events and Python frames dropped; the device's wait for the launch is marked."""
+  ev = lambda name, start, dur: NS(name=name, start_ns=start, duration_ns=dur, stats=())
+  planes = [
+      NS(name="/host:CPU", lines=[NS(name="main", events=[
+          ev("cuGraphLaunch (CudaGraph:1)", 10_000, 900_000),
+          ev("cuGraphLaunch (CudaGraph:1)", 3_000_000, 800_000),
+          ev("MemcpyD2H", 2_950_000, 20_000), ev("tiny", 3_100_000, 500),
+          ev("$engine.py:1 generate", 3_000_000, 5_000_000)])]),
+      NS(name="/device:GPU:0", lines=[
+          NS(name="Stream #14(Compute)", events=[ev("last_kernel", 2_900_000, 30_000),
+                                                 ev("first_kernel", 3_700_000, 10_000)]),
+          NS(name="XLA Ops", events=[ev("aggregate", 3_700_000, 10_000)])]),
+  ]
+  rows = profiling._timeline_rows(planes, "cuGraphLaunch", 1, before_ms=0.2, span_ms=1.0,
+                                  min_host_us=2.0)
+  assert [(start, name) for start, _, _, name in rows] == [
+      (-100.0, "last_kernel"), (-50.0, "MemcpyD2H"), (0.0, "cuGraphLaunch (CudaGraph:1)"),
+      (700.0, "first_kernel")]
+  assert "device idle 770.0 us" in profiling.format_timeline(rows).splitlines()[-1]
+  with pytest.raises(ValueError, match="2 host events start with 'cuGraphLaunch'; no index 2"):
+    profiling._timeline_rows(planes, "cuGraphLaunch", 2, 0.2, 1.0, 2.0)
