@@ -60,3 +60,22 @@ def test_ragged_rows_on_the_device_equal_unpad(counts):
     swapped = guidance_layout.unpad(jax.tree.map(lambda a: np.asarray(a)[perm], tree),
                                     [counts[i] for i in perm])
     assert not np.array_equal(np.asarray(got[3]["routing"])[:n], swapped[3]["routing"])
+
+
+def test_start_host_copy_moves_records_to_pinned_host_memory_bit_for_bit():
+  """Every leaf lands in pinned host memory with its bytes (fp8 scales, NaN payloads) and
+  dtype; the device's arrays are left as they were."""
+  rng = np.random.default_rng(3)
+  f32 = rng.normal(size=(6, 1)).astype(np.float32)
+  f32[1, 0] = np.array(0x7FC0_0001, np.uint32).view(np.float32)
+  tree = {5: {"moe_in": guided.Guidance(
+      block_scale=jnp.asarray(rng.integers(0, 256, (6, 2), np.uint8)).view(jnp.float8_e4m3fn),
+      row_scale=jnp.asarray(f32),
+      mantissa=jnp.asarray(rng.integers(0, 256, (6, 4), np.uint8))),
+      "routing": jnp.asarray(rng.integers(0, 64, (6, 8)), jnp.int32)}}
+  host = guidance_layout.start_host_copy(tree)
+  assert jax.tree.structure(host) == jax.tree.structure(tree)
+  for h, d in zip(jax.tree.leaves(host), jax.tree.leaves(tree)):
+    assert h.sharding.memory_kind == "pinned_host" and d.sharding.memory_kind == "device"
+    assert h.dtype == d.dtype and h.shape == d.shape
+    np.testing.assert_array_equal(np.asarray(h).view(np.uint8), np.asarray(d).view(np.uint8))

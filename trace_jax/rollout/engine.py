@@ -398,14 +398,13 @@ class InProcessEngine:
   def _emit_records(self, counts: list[int], taps: dict) -> list[GuidanceHandle]:
     n_audit = math.ceil(self.audit_fraction * len(counts))
     # The rows of every sequence in order, gathered on the device by one program per batch
-    # shape (padded to b * S rows), then copied to the host on another thread (the store's
-    # writer, or this engine's `_records_thread`) while the next batch decodes: on the H200 a
-    # copy to the host holds its caller for the whole transfer (~70 ms for fp4_trace's 0.12 GB
-    # per batch of 64 x 256 tokens, 2026-12-03), `copy_to_host_async` included. The rows past
+    # shape (padded to b * S rows), then moved to pinned host memory by the device's streams
+    # while the next batch decodes (`start_host_copy`: no thread holds the GIL for it); the
+    # store's writer or this engine's `_records_thread` takes them from there. The rows past
     # sum(counts) are padding, cut where the records land.
     b = jax.tree.leaves(taps)[0].shape[0]
-    rows = guidance_layout.ragged_rows(
-        taps, jnp.asarray(list(counts) + [0] * (b - len(counts)), jnp.int32))
+    rows = guidance_layout.start_host_copy(guidance_layout.ragged_rows(
+        taps, jnp.asarray(list(counts) + [0] * (b - len(counts)), jnp.int32)))
     self.emit_bytes += sum(a.nbytes for a in jax.tree.leaves(rows))
     compact_on_host = self.record and self.config.guidance_mode == "compact" and any(
         g.mantissa is None for layer in self.config.guided_layers
