@@ -1,16 +1,13 @@
 #!/usr/bin/env bash
-# One H200 call (device tool, `carry: [".whl"]`), written 2026-12-03 (sixth session), not run
-# yet: how does the host launch a decode step? Profiles of fp4_rtn and fp4_trace at batch 64
-# (IMPL, default kernel+unroll4) with command buffers on while profiling, one process per
-# XLA_FLAGS arm (ARMS, default "base dsf": XLA's defaults; dynamic-slice fusion, which lets a
-# GEMM or custom call read a slice of the stacked layer params in place instead of a copy;
-# also cbwhile: while loops in command buffers; mingraph1: command buffers of any size), each
-# summary listing the host's CUDA driver calls per step (`cuLaunchKernel*`: kernels launched
-# one by one, e.g. Pallas calls left out of the CUDA graphs; `cuGraphLaunch`: command
-# buffers). Then the same arms timed without the profiler (T_ARM). Then (T_DUMP) XLA's optimized
-# HLO of fp4_trace's programs at IMPL, as $OUT/hlo_dump.tgz: what the 8-12 `memcpy32_post`
-# copies per layer-scan iteration are (copy insertion around the loop carry, or the router's
-# param slice?) and which calls sit inside command buffers. A limit of 1 skips a step.
+# One H200 call (device tool, `carry: [".whl"]`), written 2026-12-03 (sixth session), run
+# 2026-12-04 (seventh; docs/benchmarks.md): how does the host launch a decode step? Profiles of
+# PROF_POLICIES (default fp4_rtn, fp4_trace) at batch 64 (IMPL, default kernel+unroll4) with
+# command buffers on while profiling, one process per XLA_FLAGS arm of gpu_lib.sh's FLAGS_OF
+# (ARMS, default "base dsf"), PROF_REPS timed calls each, every summary listing the host's
+# events per step (`command_buffer::execute`, `cuGraphLaunch (CudaGraph:N)`, ...). Then the
+# same arms timed without the profiler (T_ARM). Then (T_DUMP) XLA's optimized HLO and thunk
+# sequence of fp4_trace's programs at IMPL, as $OUT/hlo_dump.tgz (which kernels and copies
+# sit in which command buffer). A limit of 1 skips a step.
 source "$(dirname "$0")/gpu_lib.sh"
 B="python3 -m experiments.bench_rollout --impls=${IMPL:-kernel+unroll4} --key_impl=${IMPL:-kernel+unroll4} --batches=64 --budget_gb=0 --transformers=false"
 stamp start

@@ -50,7 +50,11 @@ def test_records_reach_the_store_and_memory_alike(tmp_path):
   """fp4_trace records of sequences of unequal lengths (padding rows past each batch's
   tokens): the store's writer gets the device rows (their host copy started at generation)
   and cuts the padding; the batch it reads back equals the in-memory engine's
-  `last_guidance` bit for bit, sequence for sequence; a shifted selection does not."""
+  `last_guidance` bit for bit, sequence for sequence; a shifted selection does not. The rows
+  reach the writer in pinned host memory (`guidance_layout.start_host_copy`), not on the
+  device."""
+  import jax
+
   from trace_jax.io import guidance_store as gs
 
   cfg = model_lib.tiny(policy="fp4_trace", dtype="float32")
@@ -61,11 +65,19 @@ def test_records_reach_the_store_and_memory_alike(tmp_path):
   store = gs.GuidanceStore(str(tmp_path), gs.config_hash(cfg))
   kw = dict(max_batch=4, record_guidance=True, record_routing=True)
   to_store = engine_lib.InProcessEngine(params, cfg, guidance_store=store, **kw)
+  kinds, write_batch = set(), store.writer.write_batch
+
+  def spy(*args, **kwargs):
+    kinds.update(a.sharding.memory_kind for a in jax.tree.leaves(args[3:]))
+    return write_batch(*args, **kwargs)
+
+  store.writer.write_batch = spy
   in_memory = engine_lib.InProcessEngine(params, cfg, **kw)
   handles = [s.guidance for s in to_store.generate(prompts, sp)]
   in_memory.generate(prompts, sp)
   mem = in_memory.last_guidance
   assert to_store.emit_bytes > 0 and to_store.emit_seconds > 0
+  assert kinds == {"pinned_host"}
   back = store.read(handles)
   counts = mem["token_counts"]
   assert counts == [len(p) + m - 1 for p, m in zip(prompts, (3, 8, 5))]
