@@ -343,6 +343,8 @@ def run_case(params: Any, config: Any, batch: int, reps: int, name: str
              ) -> tuple[dict[str, Any], list]:
   """A fixed-batch case `name` (policy:impl:batch): (its numbers, the first generated token of
   each sequence)."""
+  import jax
+
   from trace_jax.rollout.protocol import SamplingParams
 
   engine, init_s = _engine(params, config, batch)
@@ -365,6 +367,11 @@ def run_case(params: Any, config: Any, batch: int, reps: int, name: str
 
   r = _timed(call, reps)
   r["generate_s"] = float(np.median(generate_s[1:]))
+  # What a learner pays per weight update: the engine's weights made again (compiled above).
+  t0 = time.perf_counter()
+  engine.update_weights(params)
+  jax.block_until_ready((engine.experts, engine.layers))
+  r["update_weights_s"] = time.perf_counter() - t0
   per_call = r["median_s"]
   if emits[-1][1]:
     # Records: the engine starts their copy to the host and returns; the copy overlaps the
@@ -577,6 +584,8 @@ def run_bench() -> dict[str, Any]:
               f"{r['first_call_s']:6.1f} s (compile {r['compile_s']:6.1f} s)  "
               f"{_gb(nbytes)}/step -> {100 * r['read_fraction']:4.1f}% of read, "
               f"{100 * r['copy_fraction']:4.1f}% of copy bandwidth", flush=True)
+        print(f"  {'':<22} engine made in {r['engine_init_s']:.1f} s (weights prepared, their "
+              f"program compiled), weights updated in {r['update_weights_s']:.2f} s", flush=True)
         if "emit_s_per_call" in r:
           print(f"  {'':<22} records: {_gb(r['emit_bytes_per_call'])} per call, "
                 f"{1e3 * r['emit_s_per_call']:.1f} ms of each call to start their transfer "
@@ -725,6 +734,11 @@ def summary(res: dict[str, Any]) -> dict[str, Any]:
     slowest = max(compiles, key=compiles.get)
     out.update({"compile_s_max": compiles[slowest], "compile_s_max_case": slowest,
                 f"compile_s_{res['layers']}_layers": compiles[slowest]})
+  for key in ("engine_init_s", "update_weights_s"):  # the engine's weights, made / made again
+    made = {k: v[key] for k, v in cases.items() if key in v}
+    if made:
+      slowest = max(made, key=made.get)
+      out.update({f"{key}_max": made[slowest], f"{key}_max_case": slowest})
   return out
 
 

@@ -115,8 +115,10 @@ def test_summary_keys():
     return dict(tokens_per_s=tps, **kw)
   res = {"key_batch": 64, "layers": 24,
          "cases": {"bf16:kernel:64": case(100.0, read_fraction=0.4, copy_fraction=0.38,
-                                          compile_s=5.0),
-                   "fp4_rtn:kernel:64": case(80.0, compile_s=60.0),
+                                          compile_s=5.0, engine_init_s=0.5,
+                                          update_weights_s=0.2),
+                   "fp4_rtn:kernel:64": case(80.0, compile_s=60.0, engine_init_s=9.0,
+                                             update_weights_s=0.1),
                    "fp4_trace:kernel:64": case(72.0), "fp8_unified:kernel:64": case(110.0),
                    "bf16:kernel:8": case(30.0)},
          "fixed_memory": {"cases": {"bf16": case(50.0, sequences=100, compile_s=70.0),
@@ -128,7 +130,9 @@ def test_summary_keys():
           "decode_bandwidth_fraction_copy": 0.38, "fp4_over_bf16_fixed_memory": 1.2,
           "fp4_over_bf16_fixed_memory_sequences": 1.3, "bf16_over_transformers": 5.0,
           "fp4_over_transformers": 4.0, "compile_s_max": 70.0,
-          "compile_s_max_case": "budget:bf16", "compile_s_24_layers": 70.0}
+          "compile_s_max_case": "budget:bf16", "compile_s_24_layers": 70.0,
+          "engine_init_s_max": 9.0, "engine_init_s_max_case": "fp4_rtn:kernel:64",
+          "update_weights_s_max": 0.2, "update_weights_s_max_case": "bf16:kernel:64"}
   assert set(got) == set(want)
   for k, v in want.items():
     assert got[k] == (v if isinstance(v, str) else pytest.approx(v)), k
@@ -207,6 +211,7 @@ def test_cpu_run(tmp_path):
   for c in cases.values():
     assert c["tokens_per_s"] > 0 and c["tokens"] == 4 * new and c["step_bytes"] > 0
     assert 0 < c["read_fraction"] and 0 < c["copy_fraction"] and c["compile_s"] >= 0
+    assert c["engine_init_s"] > 0 and c["update_weights_s"] > 0
   assert res["ratios"] == {} and out.stat().st_size > 500
 
   fm = res["fixed_memory"]["cases"]
@@ -220,7 +225,7 @@ def test_cpu_run(tmp_path):
 
   for key in ("decode_bandwidth_fraction", "decode_bandwidth_fraction_copy",
               "fp4_over_bf16_fixed_memory", "bf16_over_transformers", "compile_s_max",
-              "compile_s_2_layers"):
+              "compile_s_2_layers", "engine_init_s_max", "update_weights_s_max"):
     assert res[key] > 0, key
   assert res["fp4_over_bf16_fixed_memory_sequences"] == fm["fp4_rtn"]["sequences"] / 2
   # Not run: no FP4/FP8 fixed-batch case, so no key claims one.
@@ -244,8 +249,13 @@ class _RecordingEngine:
   """An engine stand-in that records: each call hands off 100 bytes of records; a read of
   `last_guidance` is a wait for them (counted)."""
 
+  experts = layers = None
+
   def __init__(self):
-    self.emit_seconds, self.emit_bytes, self.waits = 0.0, 0, 0
+    self.emit_seconds, self.emit_bytes, self.waits, self.updates = 0.0, 0, 0, 0
+
+  def update_weights(self, params):
+    self.updates += 1
 
   def generate(self, prompts, sp):
     self.emit_bytes += 100
@@ -271,6 +281,6 @@ def test_records_drain(monkeypatch, drain, waits):
     r, first = br.run_case(None, config, batch=2, reps=3, name="fp4_trace:kernel:2")
   finally:
     br.FLAGS.unparse_flags()
-  assert engine.waits == waits
+  assert engine.waits == waits and engine.updates == 1 and r["update_weights_s"] >= 0
   assert r["emit_bytes_per_call"] == 100 and r["tokens"] == 4 and first == [1, 1]
   assert 0 < r["generate_s"] <= r["median_s"]

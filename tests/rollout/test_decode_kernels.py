@@ -11,6 +11,7 @@ from trace_jax import model as M
 from trace_jax.kernels import fp4_moe, kv_cache
 from trace_jax.model import expert_weights
 from trace_jax.quant import qat
+from trace_jax.rollout import engine as engine_lib
 from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import SamplingParams
 
@@ -70,6 +71,36 @@ def test_packed_experts_are_the_fake_quantized_weights(words, monkeypatch):
   np.testing.assert_array_equal(np.asarray(dense(ew.gate_up, "bfloat16")), np.asarray(gu))
   np.testing.assert_array_equal(np.asarray(dense(ew.down, "bfloat16")),
                                 np.asarray(fake_quant(down, "nvfp4")))
+
+
+@pytest.mark.parametrize("policy,scan,programs", [
+    pytest.param("fp4_trace", True, 2, id="fp4_trace_runs_of_2_and_3"),
+    pytest.param("fp8_unified", True, 1, id="fp8_one_run"),
+    pytest.param("bf16", False, 1, id="bf16_five_runs_of_1"),
+])
+def test_engine_prepares_one_layer_at_a_time_with_one_program(policy, scan, programs):
+  """The engine writes its prepared weights layer by layer (`expert_weights.write_layer`): one
+  program per run length, not one whose size grows with the depth; the runs equal
+  `expert_weights.prepare`'s bit for bit, and `update_weights` rewrites them."""
+  extra = dict(moe_intermediate_size=128, head_dim=64) if policy == "fp8_unified" else {}
+  config = M.tiny(policy=policy, dtype="bfloat16", num_hidden_layers=5, vocab_size=128,
+                  decode_impl="kernel", scan_layers=scan, **extra)
+  prepare = jax.jit(expert_weights.prepare, static_argnums=1)
+  write = engine_lib._write_layer
+  write.clear_cache()
+  params = M.init_params(config, 0)
+  engine = InProcessEngine(params, config, max_batch=2)
+  assert write._cache_size() == programs
+  assert len(engine.experts) == len(M.layer_runs(config))
+  equal = lambda a, b: jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, a),
+                                    jax.tree.map(np.asarray, b))
+  equal(engine.experts, prepare(params, config))
+  new = M.init_params(config, 1)
+  engine.update_weights(new)
+  assert write._cache_size() == programs
+  equal(engine.experts, prepare(new, config))
+  with pytest.raises(AssertionError):  # the comparison sees other weights
+    equal(engine.experts, prepare(params, config))
 
 
 def test_unsupported_forwards_are_refused():

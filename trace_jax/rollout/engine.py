@@ -401,7 +401,9 @@ class InProcessEngine:
     # shape (padded to b * S rows), then moved to pinned host memory by the device's streams
     # while the next batch decodes (`start_host_copy`: no thread holds the GIL for it); the
     # store's writer or this engine's `_records_thread` takes them from there. The rows past
-    # sum(counts) are padding, cut where the records land.
+    # sum(counts) are padding, cut where the records land. (Calling `start_host_copy` on the
+    # records thread instead held the next generate call back further on the H200: fp4_trace /
+    # fp4_rtn 0.783 against 0.938 at batch 64, docs/benchmarks.md 2026-12-04, eighth session.)
     b = jax.tree.leaves(taps)[0].shape[0]
     rows = guidance_layout.start_host_copy(guidance_layout.ragged_rows(
         taps, jnp.asarray(list(counts) + [0] * (b - len(counts)), jnp.int32)))
@@ -480,7 +482,7 @@ class Session:
   pending: list[int | None]
 
 
-_prepare_experts = jax.jit(expert_weights.prepare, static_argnums=1)
+_write_layer = jax.jit(expert_weights.write_layer, static_argnums=3, donate_argnums=0)
 _stack_layers = jax.jit(model_lib.stack_layers, static_argnums=1)
 
 
@@ -515,7 +517,7 @@ class _Programs:
                           donate_argnames=donated)
     self.feed = jax.jit(self._pinned(decode.feed), static_argnames=(
         "config", "tap_layers", "tap_mode", "tap_routing"), donate_argnames=donated)
-    self._prepare: Any = None
+    self._write: Any = None
     self._stack: Any = None
 
   def _pinned(self, program: Any) -> Any:
@@ -539,14 +541,28 @@ class _Programs:
     return expert_parallel.use_mesh(self.mesh, sharding.ENGINE_RULES)
 
   def prepare(self, params: Any) -> list[expert_weights.ExpertWeights]:
-    """`expert_weights.prepare`'s runs, on a mesh made in place (experts split along E)."""
+    """`expert_weights.prepare`'s runs, written one layer at a time into each run's stacks by
+    one program whatever the depth (`expert_weights.write_layer`); on a mesh the stacks lie
+    where `expert_weights.shardings` puts them (experts split along E)."""
+    structs = expert_weights.run_structs(params, self.config)
     if self.mesh is None:
-      return _prepare_experts(params, self.config)
-    if self._prepare is None:
-      fn = functools.partial(expert_weights.prepare, config=self.config)
-      out = expert_weights.shardings(jax.eval_shape(fn, params), self.mesh)
-      self._prepare = jax.jit(fn, out_shardings=out)
-    return self._prepare(params)
+      write = functools.partial(_write_layer, config=self.config)
+      zeros = lambda struct: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), struct)
+    else:
+      places = expert_weights.shardings(structs, self.mesh)
+      if self._write is None:  # every run's stacks are placed alike
+        self._write = jax.jit(functools.partial(expert_weights.write_layer, config=self.config),
+                              out_shardings=places[0], donate_argnums=0)
+      write = self._write
+      zeros = lambda struct: jax.tree.map(lambda s, p: jnp.zeros(s.shape, s.dtype, device=p),
+                                          struct, places[0])
+    runs = []
+    for (a, b), struct in zip(model_lib.layer_runs(self.config), structs):
+      run = zeros(struct)
+      for i in range(a, b):
+        run = write(run, params["layers"][i], np.int32(i - a))
+      runs.append(run)
+    return runs
 
   def stack(self, params: Any) -> list[Any]:
     """`model.stack_layers`'s runs, on a mesh placed by `sharding.ENGINE_RULES`."""
