@@ -382,7 +382,7 @@ def run_case(params: Any, config: Any, batch: int, reps: int, name: str
     r["records_drain_s"] = time.perf_counter() - t0
     per_call += r["records_drain_s"] / max(reps, 1)
     r.update(emit_s_per_call=float(np.median([e for e, _ in emits[1:]])),
-             emit_bytes_per_call=emits[-1][1])
+             emit_bytes_per_call=emits[-1][1], emit_s_calls=[e for e, _ in emits])
     r["emit_fraction"] = r["emit_s_per_call"] / per_call
   tokens = sum(len(s.tokens) for s in out)
   if tokens != batch * FLAGS.new_tokens:  # greedy without stop ids: every row runs to the end
@@ -591,8 +591,9 @@ def run_bench() -> dict[str, Any]:
                 f"{1e3 * r['emit_s_per_call']:.1f} ms of each call to start their transfer "
                 f"({100 * r['emit_fraction']:.1f}%), {1e3 * r['records_drain_s']:.1f} ms to "
                 f"drain the last (counted in tok/s); generate calls alone "
-                f"{1e3 * r['generate_s']:.1f} ms (records drained: {FLAGS.records_drain})",
-                flush=True)
+                f"{1e3 * r['generate_s']:.1f} ms (records drained: {FLAGS.records_drain}); "
+                f"the start, call by call: "
+                f"{', '.join(f'{1e3 * e:.1f}' for e in r['emit_s_calls'])} ms", flush=True)
 
   if _preset("transformers"):
     hf_batches = [int(b) for b in FLAGS.transformers_batches] or [key_batch]

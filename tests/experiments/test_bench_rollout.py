@@ -283,4 +283,5 @@ def test_records_drain(monkeypatch, drain, waits):
     br.FLAGS.unparse_flags()
   assert engine.waits == waits and engine.updates == 1 and r["update_weights_s"] >= 0
   assert r["emit_bytes_per_call"] == 100 and r["tokens"] == 4 and first == [1, 1]
+  assert len(r["emit_s_calls"]) == 1 + 3  # the first call and the timed ones
   assert 0 < r["generate_s"] <= r["median_s"]
