@@ -127,8 +127,9 @@ flags.DEFINE_float("budget_s", 0, "Skip the remaining cases after this many seco
                    flag_values=FLAGS)
 flags.DEFINE_string("json_out", "", "JSON output path ('' = none).", flag_values=FLAGS)
 flags.DEFINE_string("profile_dir", "", "Profile one more call of every fixed-batch case into "
-                    "<dir>/<case> and print where its device time goes, per generated token "
-                    "('' = no profile).", flag_values=FLAGS)
+                    "<dir>/<case> (and of every fixed-memory case into <dir>/budget_<policy>) "
+                    "and print where its device time goes, per generated token ('' = no "
+                    "profile).", flag_values=FLAGS)
 flags.DEFINE_integer("profile_top", 25, "Kernels listed per profiled case (the JSON keeps "
                      "them too).", flag_values=FLAGS)
 flags.DEFINE_string("profile_timeline", "", "With --profile_dir: also print each profiled "
@@ -455,6 +456,13 @@ def run_budget_case(params: Any, config: Any, budget_bytes: float, context: int,
     raise RuntimeError(f"fixed-memory decode generated {tokens} tokens, expected {b} x {new}")
   r.update(batch=b, tokens=tokens, tokens_per_s=tokens / r["median_s"],
            total_bytes=r["weight_bytes"] + b * per_seq)
+  if FLAGS.profile_dir:
+    log_dir = os.path.join(FLAGS.profile_dir, f"budget_{config.policy}")
+    with profiling.trace(log_dir):
+      call()
+    r["profile"] = profiling.summarize(log_dir, steps=new, top=FLAGS.profile_top)
+    print(profiling.format_summary(r["profile"], f"budget:{config.policy} at batch {b}, "
+                                   f"{context}-token caches, per generated token"), flush=True)
   return r
 
 
