@@ -8,10 +8,12 @@ Per case (context T, batch B; every sequence at full length T, one query token e
   xla_packed_dequant  XLA dequantizes the packed cache, then `attend` (what XLA does with the
                       packed bytes without a kernel)
   kernel_bf16         the kernel on the BF16 cache
-  kernel_packed       the kernel on the packed cache (reads ~3.4x fewer KV bytes), decoder
-                      `--decoder` (auto: the table decoder, `fp4_decode`)
-  kernel_packed_bits  the same with the previous decoder (`decoder="bits"`), for the
-                      before/after ratio in one process
+  kernel_packed       the kernel on the packed cache as the engine holds it (reads ~3.4x fewer
+                      KV bytes; on the GPU codes as words per block, decoder `--decoder`, auto:
+                      "words", one table per block, `fp4_decode.decode_words`)
+  kernel_packed_table the same cache with the codes as bytes and the byte-table decoder (the
+                      previous default, 2026-12-02 to 12-04), for the ratio in one process
+  kernel_packed_bits  the bytes with the bit-arithmetic decoder (`decoder="bits"`)
   copy                `jnp.copy` of the BF16 K cache: the bandwidth reference (read + write)
 Before timing, every path is checked against the CPU reference of its contract on the first
 `--check_seqs` sequences (`max_err_over_tol` <= 1: within `decode_attention.output_tolerance`).
@@ -53,8 +55,8 @@ flags.DEFINE_integer("num_splits", 0, "Kernel key splits (0: the kernel's defaul
                      flag_values=FLAGS)
 flags.DEFINE_integer("num_warps", 4, "Kernel warps per program.", flag_values=FLAGS)
 flags.DEFINE_integer("num_stages", 2, "Kernel pipeline stages.", flag_values=FLAGS)
-flags.DEFINE_enum("decoder", "auto", ["auto", "table", "bits"],
-                  "kernel_packed's decoder (auto: table where the tile allows it).",
+flags.DEFINE_enum("decoder", "auto", ["auto", "words", "bits"],
+                  "kernel_packed's decoder (auto: words on the GPU, bits in interpret mode).",
                   flag_values=FLAGS)
 flags.DEFINE_integer("reps", 0, "Timed calls per path (0: 30 on GPU, 3 otherwise).",
                      flag_values=FLAGS)
@@ -73,11 +75,12 @@ PRESETS = {
     "cpu": dict(contexts=[64], batches=[2], heads=8, kv_heads=2, head_dim=64),
 }
 IMPLS = ("xla_bf16", "xla_fq_bf16", "xla_packed_dequant", "kernel_bf16", "kernel_packed",
-         "kernel_packed_bits")
+         "kernel_packed_table", "kernel_packed_bits")
 COPY = "copy"
 # The cache each path reads, and the contract its output is checked against.
 CACHE_OF = {"xla_bf16": "bf16", "xla_fq_bf16": "fq_bf16", "xla_packed_dequant": "packed",
-            "kernel_bf16": "bf16", "kernel_packed": "packed", "kernel_packed_bits": "packed"}
+            "kernel_bf16": "bf16", "kernel_packed": "packed",
+            "kernel_packed_table": "packed_bytes", "kernel_packed_bits": "packed_bytes"}
 
 
 def _nbytes(tree: Any) -> int:
@@ -108,7 +111,8 @@ def _repeated(fn: Callable[..., Any], inner: int) -> Callable[..., Any]:
 
 
 def _inputs(b: int, t: int, g: int, n: int, h: int, seed: int) -> dict[str, Any]:
-  """q [B, N, H], the three caches (BF16, fake-quantized BF16, packed) and lengths (= T)."""
+  """q [B, N, H], the caches (BF16, fake-quantized BF16, packed in the engine's codes layout,
+  packed with the codes as bytes) and lengths (= T)."""
   import jax
   import jax.numpy as jnp
 
@@ -124,7 +128,8 @@ def _inputs(b: int, t: int, g: int, n: int, h: int, seed: int) -> dict[str, Any]
   packed = jax.block_until_ready(kv_cache.pack_rows(k, v))
   fq = jax.block_until_ready(kv_cache.dequantize(packed, jnp.bfloat16))
   return {"q": q, "lengths": jnp.full((b,), t, jnp.int32),
-          "bf16": (k, v), "fq_bf16": fq, "packed": packed}
+          "bf16": (k, v), "fq_bf16": fq, "packed": packed,
+          "packed_bytes": jax.block_until_ready(packed.as_bytes())}
 
 
 def _cpu_reference(q: Any, cache: Any, lengths: Any, c: int) -> tuple[Any, Any]:
@@ -159,6 +164,7 @@ def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stag
           "kernel_bf16": kernel,
           "kernel_packed": functools.partial(kernel, decoder=None if decoder == "auto"
                                              else decoder),
+          "kernel_packed_table": functools.partial(kernel, decoder="table"),
           "kernel_packed_bits": functools.partial(kernel, decoder="bits")}
 
 
@@ -174,7 +180,8 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
 
   inp = _inputs(b, t, g, n, h, seed)
   paths = _paths(n, **kernel_args)
-  kv_bytes = {name: _nbytes(inp[name]) for name in ("bf16", "fq_bf16", "packed")}
+  kv_bytes = {name: _nbytes(inp[name]) for name in ("bf16", "fq_bf16", "packed",
+                                                     "packed_bytes")}
   case: dict[str, Any] = {"batch": b, "context": t, "heads": n, "kv_heads": g, "head_dim": h,
                           "kv_bytes": kv_bytes, "impls": {}}
   if not kernel_args["num_splits"]:
@@ -228,6 +235,8 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
       "time_kernel_packed_bits_over_kernel_bf16": ratio("kernel_packed_bits", "kernel_bf16"),
       "time_kernel_packed_over_kernel_packed_bits": ratio("kernel_packed",
                                                           "kernel_packed_bits"),
+      "time_kernel_packed_over_kernel_packed_table": ratio("kernel_packed",
+                                                           "kernel_packed_table"),
       "time_kernel_packed_over_xla_fq_bf16": ratio("kernel_packed", "xla_fq_bf16"),
       "time_kernel_bf16_over_xla_bf16": ratio("kernel_bf16", "xla_bf16"),
       "time_xla_packed_dequant_over_xla_fq_bf16": ratio("xla_packed_dequant", "xla_fq_bf16"),

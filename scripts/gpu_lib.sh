@@ -13,7 +13,7 @@ run() {
   local name=$1 secs=$2; shift 2
   if [ "$secs" -le 1 ]; then return; fi
   stamp "$name (limit ${secs}s)"
-  timeout "$secs" "$@" 2>&1 | quiet > "$OUT/$name.log"
+  timeout -k 5 "$secs" "$@" 2>&1 | quiet > "$OUT/$name.log"
   echo "  exit ${PIPESTATUS[0]}" | log
   tail -n "${TAIL:-8}" "$OUT/$name.log" | log
 }

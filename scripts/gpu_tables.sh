@@ -24,7 +24,7 @@ TAIL=60 run l8 "$L8" $B --layers=8 --budget_s="$((L8 - 90))" --json_out="$OUT/l8
 # 8 timed calls, the records' start call by call, and XLA's BFC log of each pool extension.
 if [ "${T_POOL:-1}" -gt 1 ]; then
   stamp "pool (limit ${T_POOL}s)"
-  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=bfc_allocator=1 timeout "$T_POOL" $B --layers=24 \
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=bfc_allocator=1 timeout -k 5 "$T_POOL" $B --layers=24 \
     --policies=fp4_trace --batches=64 --reps=8 --budget_gb=0 --transformers=false \
     --json_out="$OUT/pool.json" > /tmp/pool.txt 2>&1
   echo "  exit $?" | log

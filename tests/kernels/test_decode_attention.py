@@ -80,22 +80,29 @@ POS1 = np.array([[3, 17, 0, 22, 9], [20, 1, 11, 5, 14]])
 POS2 = np.array([[4, 18, 23, 10, 2], [0, 7, 19, 23, 12]])
 
 
-def _written_cache(case: str, seed: int = 0):
+def _written_cache(case: str, seed: int = 0, words: bool | None = None):
   rng = np.random.default_rng(seed)
   rows = [jnp.asarray(_rows(case, (B, S, G, H), rng), jnp.bfloat16) for _ in range(4)]
-  cache = kv_cache.init_packed_cache(B, T, G, H)
+  cache = kv_cache.init_packed_cache(B, T, G, H, words=words)
   cache = kv_cache.write(cache, rows[0], rows[1], jnp.asarray(POS1))
   qk, qv = (_quantize_rows(r) for r in rows[2:])
   cache = kv_cache.write_quantized(cache, qk, qv, jnp.asarray(POS2))
   return cache, rows
 
 
-@pytest.mark.parametrize("decoder", [None, "table"], ids=["default", "table"])
+# (codes layout, decoder): the bytes' decoders, and the words' (the GPU's layout).
+LAYOUT_DECODERS = [(False, None), (False, "table"), (True, "words")]
+
+
+@pytest.mark.parametrize("words,decoder", LAYOUT_DECODERS,
+                         ids=["bytes-default", "bytes-table", "words"])
 @pytest.mark.parametrize("case", ROW_CASES)
-def test_write_dequantize_bit_equal(case, decoder):
+def test_write_dequantize_bit_equal(case, words, decoder):
   """Written rows dequantize to the trainer's fake-quantized values, bit for bit (XLA and the
-  kernel's in-register decoder); unwritten slots stay +0; bytes are `formats`'s."""
-  cache, rows = _written_cache(case)
+  kernel's in-register decoder); unwritten slots stay +0; bytes are `formats`'s, in either
+  codes layout."""
+  cache, rows = _written_cache(case, words=words)
+  assert cache.words == words
   k, v = _on_cpu(lambda c: kv_cache.dequantize(c, jnp.bfloat16), cache)
   kp, vp = da.dequantize_pallas(cache, jnp.bfloat16, decoder=decoder)
   np.testing.assert_array_equal(_bits(kp), _bits(k))
@@ -107,7 +114,7 @@ def test_write_dequantize_bit_equal(case, decoder):
       want = _on_cpu(lambda a: _fake_quant(a, jnp.bfloat16), x)
       np.testing.assert_array_equal(_bits(got[bidx, pos]), _bits(want))
     q = _on_cpu(_quantize_rows, xk)
-    np.testing.assert_array_equal(np.asarray(cache.k_codes)[bidx, pos],
+    np.testing.assert_array_equal(np.asarray(cache.as_bytes().k_codes)[bidx, pos],
                                   np.asarray(formats.pack_fp4(jnp.asarray(q.codes))))
     np.testing.assert_array_equal(np.asarray(cache.k_block)[bidx, pos].view(np.uint8),
                                   q.block_scale.view(np.uint8))
@@ -119,18 +126,25 @@ def test_write_dequantize_bit_equal(case, decoder):
     assert np.any(_bits(k)[written] == 0x8000)
 
 
-def test_pack_rows_equals_write():
-  """A prefill-style `pack_rows` of whole [B, T, G, H] caches holds `write`'s bytes."""
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
+def test_pack_rows_equals_write(words):
+  """A prefill-style `pack_rows` of whole [B, T, G, H] caches holds `write`'s bytes; codes as
+  words are the same bytes in memory (`to_words`: little-endian words per block)."""
   rng = np.random.default_rng(5)
   k, v = (jnp.asarray(_rows("random", (B, S, G, H), rng), jnp.bfloat16) for _ in range(2))
   perm = jnp.asarray(np.stack([rng.permutation(S) for _ in range(B)]))
   bidx = jnp.arange(B)[:, None]
-  written = kv_cache.write(kv_cache.init_packed_cache(B, S, G, H), k[bidx, perm], v[bidx, perm],
-                           perm)
-  packed = kv_cache.pack_rows(k, v)
+  written = kv_cache.write(kv_cache.init_packed_cache(B, S, G, H, words=words), k[bidx, perm],
+                           v[bidx, perm], perm)
+  packed = kv_cache.pack_rows(k, v, words=words)
+  bytes_ = kv_cache.pack_rows(k, v, words=False)
+  assert written.words == packed.words == words and packed.shape == (B, S, G, H)
   for name in ("k_codes", "v_codes", "k_block", "v_block", "k_row", "v_row"):
-    a, b = (np.asarray(getattr(c, name)) for c in (written, packed))
+    a, b, c = (np.asarray(getattr(x, name)) for x in (written, packed, bytes_))
     np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
+    np.testing.assert_array_equal(a.reshape(-1).view(np.uint8), c.reshape(-1).view(np.uint8),
+                                  err_msg=name)
+  assert packed.as_bytes().as_words().k_codes.dtype == jnp.uint32
 
 
 def test_dequantize_float32_bit_equal():
@@ -148,6 +162,8 @@ DECODER_CASES = [
     ("bits", {"decoder": "bits", "block_t": 16}),
     ("table", {"decoder": "table", "block_t": 32}),
     ("table_exact", {"decoder": "table", "block_t": 32, "table": "exact"}),
+    ("words", {"decoder": "words", "block_t": 16}),
+    ("words_exact", {"decoder": "words", "block_t": 16, "table": "exact"}),
 ]
 
 
@@ -173,10 +189,13 @@ def test_decoder_every_code_and_scale_byte(name, opts):
       k_block=jnp.asarray(block.reshape(1, t, g, 2).view(jnp.float8_e4m3fn)),
       v_block=jnp.asarray(block[::-1].reshape(1, t, g, 2).view(jnp.float8_e4m3fn)),
       k_row=jnp.asarray(row.reshape(1, t, g)), v_row=jnp.asarray(row[::-1].reshape(1, t, g)))
+  words = opts["decoder"] == "words"
   for dtype in (jnp.bfloat16, jnp.float32):
+    if words and dtype == jnp.float32:
+      continue  # the words decoder makes bf16/f16 only
     want = _on_cpu(lambda c, d=dtype: kv_cache.dequantize(c, d), cache)
     kw = opts if dtype == jnp.bfloat16 else {"block_t": 16}  # float32: the bits decoder
-    got = da.dequantize_pallas(cache, dtype, **kw)
+    got = da.dequantize_pallas(cache.as_words() if words else cache, dtype, **kw)
     for w, x in zip(want, got):
       x = np.asarray(x)
       nan = np.isnan(w.astype(np.float32))
@@ -222,9 +241,9 @@ def _attn_inputs(b, t, g, n, h, seed=0, q_scale=3.0):
   return q, kv, pos
 
 
-def _cache(kind, kv, pos):
+def _cache(kind, kv, pos, words: bool | None = None):
   """The cache holding rows kv (from `_attn_inputs`) written at positions pos: "bf16" (raw
-  values), "packed" (NVFP4)."""
+  values), "packed" (NVFP4; codes as words or bytes, None: the default here)."""
   (k, qk), (v, qv) = kv
   b, t, g, h = k.shape
   if kind == "bf16":
@@ -233,7 +252,7 @@ def _cache(kind, kv, pos):
     ck[bidx, pos], cv[bidx, pos] = k, v
     return jnp.asarray(ck), jnp.asarray(cv)
   qk, qv = (jax.tree.map(jnp.asarray, x) for x in (qk, qv))
-  return kv_cache.write_quantized(kv_cache.init_packed_cache(b, t, g, h), qk, qv,
+  return kv_cache.write_quantized(kv_cache.init_packed_cache(b, t, g, h, words=words), qk, qv,
                                   jnp.asarray(pos))
 
 
@@ -266,16 +285,21 @@ def _check_within_tolerance(out, ref, v, lengths, n):
   return float(np.max(err / tol))
 
 
-# Packed-cache decoder variants beyond the default (the table decoder): kind -> options.
-# "packed": the default decoder (table on the GPU where the tile allows, bits in interpret
-# mode); "packed_table" forces the table decoder (the GPU may refuse small tiles: skipped).
-PACKED_VARIANTS = {"packed": {}, "packed_table": {"decoder": "table"},
-                   "packed_bits": {"decoder": "bits"},
-                   "packed_table_exact": {"decoder": "table", "table": "exact"}}
+# Packed-cache variants: kind -> (codes as words, decode_attention options). "packed": the
+# default layout and decoder (words on the GPU, bytes and bits in interpret mode);
+# "packed_words" the words decoder (K in the MMA operand order where H % 64 == 0);
+# "packed_table" the bytes' table decoder (the GPU may refuse small tiles: skipped).
+PACKED_VARIANTS = {"packed": (None, {}), "packed_words": (True, {"decoder": "words"}),
+                   "packed_words_exact": (True, {"decoder": "words", "table": "exact"}),
+                   "packed_table": (False, {"decoder": "table"}),
+                   "packed_bits": (False, {"decoder": "bits"}),
+                   "packed_table_exact": (False, {"decoder": "table", "table": "exact"})}
 KERNEL_CASES = [(name, kind) for name in ATTN_CASES for kind in ("bf16", "packed",
+                                                                   "packed_words",
                                                                    "packed_table")] + [
     ("full_r8", "packed_bits"), ("full_r8", "packed_table_exact"),
-    ("len1_r4", "packed_table_exact"), ("mixed_lengths_r2_split3", "packed_table_exact")]
+    ("len1_r4", "packed_table_exact"), ("mixed_lengths_r2_split3", "packed_table_exact"),
+    ("full_r8", "packed_words_exact"), ("mixed_lengths_r2_split3", "packed_words_exact")]
 
 
 @pytest.mark.parametrize("name,kind", KERNEL_CASES, ids=[f"{n}-{k}" for n, k in KERNEL_CASES])
@@ -286,12 +310,12 @@ def test_kernel_matches_reference(name, kind):
   length 1 gets its single V row exactly (softmax weight 1, so the kernel's in-register V
   decode shows through; compared as values, since the PV dot turns -0 into +0)."""
   b, t, g, n, h, lengths, block_t, splits = ATTN_CASES[name]
-  opts = PACKED_VARIANTS.get(kind, {})
+  words, opts = PACKED_VARIANTS.get(kind, (None, {}))
   if opts.get("decoder") == "table" and not da._default_interpret() and \
       not fp4_decode.lookup_supported(block_t, h // 2, 4):
     pytest.skip(f"the table decoder needs a larger tile on the GPU than {block_t} x {h}")
   q, kv, pos = _attn_inputs(b, t, g, n, h)
-  cache = _cache("bf16" if kind == "bf16" else "packed", kv, pos)
+  cache = _cache("bf16" if kind == "bf16" else "packed", kv, pos, words=words)
   lengths = jnp.asarray(lengths, jnp.int32)
   out = da.decode_attention(q, cache, lengths, block_t=block_t, num_splits=splits, **opts)
   assert out.shape == q.shape and out.dtype == q.dtype
@@ -306,21 +330,24 @@ def test_kernel_matches_reference(name, kind):
     np.testing.assert_array_equal(np.asarray(out)[bi].astype(np.float32), want)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "packed"])
+@pytest.mark.parametrize("kind", ["bf16", "packed", "packed_words"])
 def test_stacked_layer_is_read_in_place(kind):
   """A stack of layers [L, ...] read at a (traced) layer gives that layer's result bit for bit,
   and the other layers' rows (NaN here) never reach it."""
   b, t, g, n, h, lengths, block_t, splits = ATTN_CASES["mixed_lengths_r2_split3"]
   q, kv, pos = _attn_inputs(b, t, g, n, h, seed=6)
   lengths = jnp.asarray(lengths, jnp.int32)
-  one = _cache(kind, kv, pos)
-  want = np.asarray(da.decode_attention(q, one, lengths, block_t=block_t, num_splits=splits))
+  words = kind == "packed_words"
+  one = _cache(kind.removesuffix("_words"), kv, pos, words=True if words else None)
+  opts = {"decoder": "words"} if words else {}
+  want = np.asarray(da.decode_attention(q, one, lengths, block_t=block_t, num_splits=splits,
+                                        **opts))
   poison = lambda a: jnp.full_like(a, np.nan) if a.dtype in (jnp.bfloat16, jnp.float32) else a
   stack = jax.tree.map(lambda a: jnp.stack([poison(a), a, poison(a)]), one)
   if kind == "bf16":
     stack = tuple(stack)
   run = jax.jit(lambda c, i: da.decode_attention(q, c, lengths, layer=i, block_t=block_t,
-                                                 num_splits=splits))
+                                                 num_splits=splits, **opts))
   got = np.asarray(run(stack, jnp.int32(1)))
   np.testing.assert_array_equal(_bits(got), _bits(want))
   with pytest.raises(ValueError, match="layer axis"):
@@ -358,8 +385,9 @@ def test_masked_keys_are_ignored_and_length_zero():
   q, kv, pos = _attn_inputs(b, t, g, n, h, seed=4)
   lengths = jnp.asarray([0, 37, 64, 99], jnp.int32)
   beyond = (jnp.arange(t)[None, :] >= lengths[:, None])[:, :, None, None]
-  for kind in ("bf16", "packed"):
-    clean = _cache(kind, kv, pos)
+  for kind in ("bf16", "packed", "packed_words"):
+    clean = _cache(kind.removesuffix("_words"), kv, pos,
+                   words=True if kind == "packed_words" else None)
     if kind == "bf16":
       dirty = tuple(jnp.where(beyond, jnp.asarray(np.nan, a.dtype), a) for a in clean)
     else:
@@ -368,9 +396,12 @@ def test_masked_keys_are_ignored_and_length_zero():
           k_block=jnp.where(beyond, nan_scale, clean.k_block),
           v_block=jnp.where(beyond, nan_scale, clean.v_block),
           v_row=jnp.where(beyond[..., 0], jnp.float32(3e38), clean.v_row),
-          v_codes=jnp.where(beyond, jnp.uint8(0x77), clean.v_codes))
+          v_codes=jnp.where(beyond[..., None] if clean.words else beyond,
+                            clean.v_codes.dtype.type(0x77777777 if clean.words else 0x77),
+                            clean.v_codes))
+    opts = {"decoder": "words"} if kind == "packed_words" else {}
     out = np.asarray(da.decode_attention(q, dirty, lengths, block_t=block_t,
-                                         num_splits=splits)).astype(np.float32)
+                                         num_splits=splits, **opts)).astype(np.float32)
     assert np.all(out[0] == 0)
     ref = _reference(q, clean, lengths)
     _check_within_tolerance(out[1:], ref[1:], _on_cpu(_values, clean)[1:], lengths[1:], n)

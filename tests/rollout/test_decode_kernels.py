@@ -8,7 +8,7 @@ import pytest
 from cases import count_eqns
 
 from trace_jax import model as M
-from trace_jax.kernels import fp4_moe, kv_cache
+from trace_jax.kernels import decode_attention, fp4_moe, kv_cache
 from trace_jax.model import expert_weights
 from trace_jax.quant import qat
 from trace_jax.rollout import engine as engine_lib
@@ -204,3 +204,29 @@ def test_packed_kv_cache_holds_the_codes_and_sessions_match_the_reference():
     eng.close_session(s, [[1], [2]])
     turns.append([x.tokens for x in first + second + third])
   assert turns[0] == turns[1]
+
+
+def test_packed_kv_cache_as_words_in_the_decode_step(monkeypatch):
+  """The GPU's layout on CPU: a cache whose codes are words per block (`kv_cache.
+  words_by_default` forced on), written by the layer scan's decode step and read by the words
+  decoder (forced too: interpret mode picks the bits decoder), holds the dense cache's values
+  bit for bit and gives its logits."""
+  monkeypatch.setattr(kv_cache, "words_by_default", lambda: True)
+  resolve = decode_attention.resolve_decoder
+  monkeypatch.setattr(decode_attention, "resolve_decoder",
+                      lambda d, *a, words=False: resolve("words" if words else d, *a, words=words))
+  config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=2, vocab_size=128)
+  dense, packed = (M.init_cache(config.replace(decode_impl=d), 2, 16) for d in ("xla", "kernel"))
+  assert all(c.words and c.k_codes.dtype == jnp.uint32 for c in packed)
+  params = jax.tree.map(lambda a: a if a.ndim == 1 else a * 4.0, M.init_params(config, 3))
+  tok = np.array([5, 9], np.int32)
+  outs = [jax.jit(lambda p, c, cfg=cfg: M.decode_step(p, cfg, c, tok, np.array([0, 3], np.int32))
+                  )(params, c)
+          for cfg, c in ((config, dense), (config.replace(decode_impl="kernel"), packed))]
+  for (dk, dv), pc in zip(outs[0].cache, outs[1].cache):
+    assert pc.words
+    pk, pv = kv_cache.dequantize(pc, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(pk).view(np.uint16), np.asarray(dk).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(pv).view(np.uint16), np.asarray(dv).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(outs[0].logits, np.float32),
+                                np.asarray(outs[1].logits, np.float32))

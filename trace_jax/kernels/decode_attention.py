@@ -177,13 +177,32 @@ def _block_bits(x: jax.Array) -> jax.Array:
 
 
 def resolve_decoder(decoder: str | None, dtype: jnp.dtype, rows: int, head_dim: int,
-                    num_warps: int, interpret: bool) -> str:
-  """The packed-cache decoder. None: "table" (per-block byte tables and `prmt` lookups;
-  ~1.75x fewer static instructions per loop iteration on sm_90) on the GPU for bf16/f16 on
-  tiles it supports, while `fp4_decode.TABLE_BY_DEFAULT` is set (since the H200 run of
-  2026-12-02); else "bits" (`decode_nvfp4_rows`), always so in interpret mode, where XLA has
-  no byte permute and the table decoder's emulation is the slower one."""
-  return fp4_decode.choose(decoder, "bits", dtype, rows, head_dim // 2, num_warps, interpret)
+                    num_warps: int, interpret: bool, words: bool = False) -> str:
+  """The packed-cache decoder. Codes held as words (`PackedKVCache.as_words`, the GPU's
+  layout): "words" (`fp4_decode.decode_words`: one table per (row, block), built by the
+  thread that decodes the block) or "bits"; None picks "words" on the GPU (bf16/f16) and
+  "bits" in interpret mode, where the words' byte-permute emulation is the slower one. Codes
+  as bytes: "table" (per-block byte tables broadcast over the bytes, `prmt` lookups) or
+  "bits" (`decode_nvfp4_rows`); None picks "table" on the GPU for bf16/f16 on tiles it
+  supports (`fp4_decode.TABLE_BY_DEFAULT`), else "bits"."""
+  if not words:
+    if decoder == "words":
+      raise ValueError("decoder='words' needs the codes held as words (PackedKVCache.as_words)")
+    return fp4_decode.choose(decoder, "bits", dtype, rows, head_dim // 2, num_warps, interpret)
+  if decoder not in (None, "words", "bits"):
+    raise ValueError(f"a cache of code words takes decoder 'words' or 'bits' (or None), got "
+                     f"{decoder!r}")
+  runs = fp4_decode.supported_dtype(dtype) and (interpret or fp4_decode.ASM_AVAILABLE)
+  if decoder is None:
+    decoder = "words" if runs and not interpret else "bits"
+  if decoder == "words" and not runs:
+    raise ValueError(f"the words decoder produces bf16/f16 with Pallas' Triton inline "
+                     f"assembly; got {jnp.dtype(dtype)} (asm available: "
+                     f"{fp4_decode.ASM_AVAILABLE})")
+  if decoder == "bits" and not interpret:
+    raise ValueError("on the GPU a cache of code words decodes with 'words' (bf16/f16); for "
+                     "the bits decoder hold the codes as bytes (PackedKVCache.as_bytes)")
+  return decoder
 
 
 def decode_nvfp4_split(codes: jax.Array, block_bits: jax.Array, row: jax.Array,
@@ -205,20 +224,49 @@ def decode_nvfp4_split(codes: jax.Array, block_bits: jax.Array, row: jax.Array,
 
 # ----------------------------------------------------------------------------- the kernels
 
+def decode_words_rows(words: jax.Array, block_bits: jax.Array, row: jax.Array,
+                      dtype: jnp.dtype, *, asm: bool, valid: jax.Array | None = None,
+                      table: str | None = None, order: str = "natural") -> jax.Array:
+  """Rows [n, H] in dtype from codes held as words [n, H/16, 2] (uint32), block-scale bytes
+  [n, H/16] and row scales [n] (float32), by the words decoder (`fp4_decode.decode_words`: one
+  table per (row, block), per-row second-level scales): bit-equal to `decode_nvfp4_rows` of the
+  same bytes. order: "natural" or "mma" (`fp4_decode.mma_order`, H a multiple of 64). valid:
+  rows outside it decode to +-0 (their scale bytes and row scale are zeroed first, so
+  undefined masked loads cannot reach the tile's table branch)."""
+  bits = block_bits.astype(jnp.int32)
+  if valid is not None:
+    bits = jnp.where(valid[:, None], bits, 0)
+    row = jnp.where(valid, row, np.float32(0.0))
+  factors = tuple(f.reshape(row.shape[0], 1) for f in fp4_decode.tensor_scale_factors(row))
+  w0, w1 = jnp.unstack(words, axis=-1)
+  return fp4_decode.decode_words(w0, w1, bits.astype(jnp.uint8), dtype, asm=asm,
+                                 factors=factors, table=table, order=order)
+
+
 def _kv_tiles(refs, lyr, b, g, t0: int, ok: jax.Array, block_t: int, dtype, *, packed: bool,
-              lut: bool, asm: bool, table: str | None) -> list[jax.Array]:
-  """K or V rows t0 .. t0 + block_t of (layer lyr, sequence b, kv head g) in dtype: [bt, H],
-  or its even and odd columns (table decoder). Rows outside `ok` come out zero (masked loads
-  leave them undefined, and 0 * NaN would reach the PV sum)."""
+              decoder: str, asm: bool, table: str | None, order: str = "natural"
+              ) -> list[jax.Array]:
+  """K or V rows t0 .. t0 + block_t of (layer lyr, sequence b, kv head g) in dtype: [bt, H]
+  (decoder "words": in `order`), or its even and odd columns (decoder "table"). Rows outside
+  `ok` come out zero (masked loads leave them undefined, and 0 * NaN would reach the PV
+  sum)."""
   rows = pl.ds(t0, block_t)
   if packed:
     c_ref, b_ref, r_ref = refs
-    m2 = jnp.broadcast_to(ok[:, None], (block_t, c_ref.shape[-1]))
-    mb = jnp.broadcast_to(ok[:, None], (block_t, b_ref.shape[-1]))
-    codes = _load(c_ref, (lyr, b, rows, g, slice(None)), m2)
-    bits = _load(b_ref, (lyr, b, rows, g, slice(None)), mb)
+    words = c_ref.dtype == jnp.uint32  # [.., H/16, 2] words, else [.., H/2] bytes
+    mask_of = lambda shape: jnp.broadcast_to(ok.reshape((block_t,) + (1,) * len(shape)),
+                                             (block_t,) + shape)
+    tail = (slice(None),) * (2 if words else 1)
+    codes = _load(c_ref, (lyr, b, rows, g, *tail), mask_of(tuple(c_ref.shape[4:]) if words
+                                                           else (c_ref.shape[-1],)))
+    bits = _load(b_ref, (lyr, b, rows, g, slice(None)), mask_of((b_ref.shape[-1],)))
     row = _load(r_ref, (lyr, b, rows, g), ok)
-    if lut:
+    if decoder == "words":
+      return [decode_words_rows(codes, bits, row, dtype, asm=asm, valid=ok, table=table,
+                                order=order)]
+    if words:  # the bits decoder on words (interpret mode): their bytes
+      codes = fp4_decode.from_words(codes)
+    if decoder == "table":
       return list(decode_nvfp4_split(codes, bits, row, dtype, asm=asm, valid=ok, table=table))
     return [decode_nvfp4_rows(codes, bits, row, dtype, valid=ok)]
   (ref,) = refs
@@ -227,8 +275,8 @@ def _kv_tiles(refs, lyr, b, g, t0: int, ok: jax.Array, block_t: int, dtype, *, p
   return [jnp.where(mask, x, jnp.zeros((), dtype))]
 
 
-def _scores_kernel(layer_ref, len_ref, *refs, n_q: int, packed: bool, lut: bool, asm: bool,
-                   table: str | None, r: int, block_t: int, scale: float):
+def _scores_kernel(layer_ref, len_ref, *refs, n_q: int, packed: bool, decoder: str, asm: bool,
+                   table: str | None, order: str, r: int, block_t: int, scale: float):
   """Program (b, g, j): float32 scores of key block j for the R query heads of kv head g, as
   `attention.attend` computes them (float32 dot times float32 H**-0.5); blocks at or beyond
   the sequence's length are skipped (left unwritten)."""
@@ -241,8 +289,8 @@ def _scores_kernel(layer_ref, len_ref, *refs, n_q: int, packed: bool, lut: bool,
   def _():
     dtype = q_refs[0].dtype
     ok = t0 + jnp.arange(block_t) < length
-    ks = _kv_tiles(k_refs, layer_ref[0], b, g, t0, ok, block_t, dtype, packed=packed, lut=lut,
-                   asm=asm, table=table)
+    ks = _kv_tiles(k_refs, layer_ref[0], b, g, t0, ok, block_t, dtype, packed=packed,
+                   decoder=decoder, asm=asm, table=table, order=order)
     s = None
     for q_ref, k in zip(q_refs, ks):
       d = jax.lax.dot_general(q_ref[b, g], k, (((1,), (1,)), ((), ())),
@@ -254,7 +302,7 @@ def _scores_kernel(layer_ref, len_ref, *refs, n_q: int, packed: bool, lut: bool,
     _store(s_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), s, mask)
 
 
-def _pv_kernel(layer_ref, len_ref, p_ref, *refs, n_out: int, packed: bool, lut: bool,
+def _pv_kernel(layer_ref, len_ref, p_ref, *refs, n_out: int, packed: bool, decoder: str,
                asm: bool, table: str | None, r: int, block_t: int, blocks_per_split: int,
                splits: int):
   """Program (b, g, split): sum over this split's key blocks of probabilities x V in float32;
@@ -273,8 +321,8 @@ def _pv_kernel(layer_ref, len_ref, p_ref, *refs, n_out: int, packed: bool, lut: 
     ok = t0 + jnp.arange(block_t) < length
     p = _load(p_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), row_ok & ok[None, :])
     p = jnp.where(row_ok & ok[None, :], p, jnp.zeros((), dtype))
-    vs = _kv_tiles(v_refs, layer_ref[0], b, g, t0, ok, block_t, dtype, packed=packed, lut=lut,
-                   asm=asm, table=table)
+    vs = _kv_tiles(v_refs, layer_ref[0], b, g, t0, ok, block_t, dtype, packed=packed,
+                   decoder=decoder, asm=asm, table=table)
     return tuple(acc + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())),
                                            preferred_element_type=jnp.float32)
                  for acc, v in zip(accs, vs))
@@ -342,13 +390,18 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
   qg = q.reshape(b, g, r, h)
   if rp != r:
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rp - r), (0, 0)))
-  qs = (qg[..., 0::2], qg[..., 1::2]) if lut else (qg,)  # lut: even and odd columns
+  # words: K decoded in the MMA operand order where H allows it, q's columns in the same order
+  k_order = "mma" if decoder == "words" and h % fp4_decode.MMA_ORDER_SPAN == 0 else "natural"
+  if lut:  # even and odd columns
+    qs = (qg[..., 0::2], qg[..., 1::2])
+  else:
+    qs = (fp4_decode.mma_order_columns(qg) if k_order == "mma" else qg,)
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
   params = None if interpret else _compiler_params(num_warps, num_stages)
   scores = pl.pallas_call(
-      functools.partial(_scores_kernel, n_q=len(qs), packed=packed, lut=lut,
-                        asm=not interpret, table=table, r=r, block_t=block_t,
+      functools.partial(_scores_kernel, n_q=len(qs), packed=packed, decoder=decoder,
+                        asm=not interpret, table=table, order=k_order, r=r, block_t=block_t,
                         scale=attention.score_scale(h)),
       grid=(b, g, nblk), out_shape=jax.ShapeDtypeStruct((b, g, r, t), jnp.float32),
       interpret=interpret, compiler_params=params,
@@ -359,14 +412,15 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
   mask = (jnp.arange(t)[None, :] < lengths[:, None])[:, None, None, None, :]
   probs = attention.attention_probs(scores[:, :, :, None, :], mask, q.dtype)[:, :, :, 0, :]
   hq = h // 2 if lut else h
+  n_v = 2 if lut else 1
   if splits == 1:
-    out_shape = [jax.ShapeDtypeStruct((b, g, rp, hq), q.dtype)] * len(qs)
+    out_shape = [jax.ShapeDtypeStruct((b, g, rp, hq), q.dtype)] * n_v
   else:
-    out_shape = [jax.ShapeDtypeStruct((b, g, splits, rp, hq), jnp.float32)] * len(qs)
+    out_shape = [jax.ShapeDtypeStruct((b, g, splits, rp, hq), jnp.float32)] * n_v
   outs = pl.pallas_call(
-      functools.partial(_pv_kernel, n_out=len(qs), packed=packed, lut=lut, asm=not interpret,
-                        table=table, r=r, block_t=block_t, blocks_per_split=bps,
-                        splits=splits),
+      functools.partial(_pv_kernel, n_out=n_v, packed=packed, decoder=decoder,
+                        asm=not interpret, table=table, r=r, block_t=block_t,
+                        blocks_per_split=bps, splits=splits),
       grid=(b, g, splits), out_shape=out_shape, interpret=interpret, compiler_params=params,
       name="decode_attention_pv_nvfp4" if packed else "decode_attention_pv",
   )(lyr, lengths, probs, *vs)
@@ -383,9 +437,13 @@ def _check(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: jax.Array, b
   b, n, h = q.shape
   lead = 0 if layer is None else 1
   if isinstance(cache, PackedKVCache):
-    shape = tuple(cache.k_codes.shape[lead:-1]) + (2 * cache.k_codes.shape[-1],)
-    ranks = {a.ndim - lead for a in (cache.k_codes, cache.v_codes, cache.k_block,
-                                     cache.v_block)} | {cache.k_row.ndim - lead + 1}
+    shape = tuple(cache.shape[lead:])
+    words = int(cache.words)
+    ranks = {a.ndim - lead - words for a in (cache.k_codes, cache.v_codes)} | {
+        a.ndim - lead for a in (cache.k_block, cache.v_block)} | {cache.k_row.ndim - lead + 1}
+    if cache.v_codes.dtype != cache.k_codes.dtype:
+      raise ValueError(f"k_codes {cache.k_codes.dtype} and v_codes {cache.v_codes.dtype} "
+                       "differ (both words or both bytes)")
   else:
     shape = tuple(cache[0].shape[lead:])
     ranks = {cache[0].ndim - lead, cache[1].ndim - lead}
@@ -434,8 +492,8 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   h = q.shape[-1]
   if num_splits is None:
     num_splits = default_num_splits(b, g, -(-t // block_t))
-  decoder = resolve_decoder(decoder, q.dtype, block_t, h, num_warps, bool(interpret)) \
-      if packed else "bits"
+  decoder = resolve_decoder(decoder, q.dtype, block_t, h, num_warps, bool(interpret),
+                            words=cache.words) if packed else "bits"
   return _decode_attention(q, cache, lengths, layer, interpret=bool(interpret),
                            block_t=block_t, num_splits=int(num_splits), num_warps=num_warps,
                            num_stages=num_stages, decoder=decoder, table=table)
@@ -481,65 +539,53 @@ def output_tolerance(v: jax.Array, lengths: jax.Array, ref: jax.Array,
 
 # ----------------------------------------------------------------------------- dequantize kernel
 
-def _dequant_kernel(c_ref, b_ref, r_ref, *o_refs, block_t: int, t: int, lut: bool, asm: bool,
-                    table: str | None):
-  i = pl.program_id(1)
-  rows = pl.ds(i * block_t, block_t)
-  ok = i * block_t + jnp.arange(block_t) < t
-  h2 = c_ref.shape[-1]
-  m2 = jnp.broadcast_to(ok[:, None], (block_t, h2))
-  mb = jnp.broadcast_to(ok[:, None], (block_t, b_ref.shape[-1]))
-  args = (_load(c_ref, (rows, slice(None)), m2), _block_bits(_load(b_ref, (rows, slice(None)), mb)),
-          _load(r_ref, (rows,), ok))
-  if lut:  # even and odd elements as two outputs
-    for o_ref, x in zip(o_refs, decode_nvfp4_split(*args, o_refs[0].dtype, asm=asm,
-                                                   table=table)):
-      _store(o_ref, (rows, slice(None)), x, m2)
-  else:
-    (o_ref,) = o_refs
-    x = decode_nvfp4_rows(*args, o_ref.dtype)
-    _store(o_ref, (rows, slice(None)), x, jnp.broadcast_to(ok[:, None], (block_t, 2 * h2)))
+def _dequant_kernel(c_ref, b_ref, r_ref, *o_refs, block_t: int, t: int, decoder: str,
+                    asm: bool, table: str | None):
+  """Program i: rows i * block_t .. of a [1, 1, t, 1, ...] cache, decoded by `_kv_tiles`."""
+  t0 = pl.program_id(0) * block_t
+  ok = t0 + jnp.arange(block_t) < t
+  zero = jnp.int32(0)  # layer, sequence and kv head of the flat view
+  xs = _kv_tiles((c_ref, b_ref, r_ref), zero, zero, zero, t0, ok, block_t, o_refs[0].dtype,
+                 packed=True, decoder=decoder, asm=asm, table=table)
+  for o_ref, x in zip(o_refs, xs):
+    _store(o_ref, (pl.ds(t0, block_t), slice(None)), x,
+           jnp.broadcast_to(ok[:, None], (block_t, o_ref.shape[-1])))
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block_t", "decoder",
                                              "num_warps", "table"))
 def _dequantize_pallas(codes, block, row, *, dtype, interpret: bool, block_t: int,
                        decoder: str = "bits", num_warps: int = 4, table: str | None = None):
-  lead, h2 = codes.shape[:-1], codes.shape[-1]
+  words = codes.dtype == jnp.uint32
+  lead = row.shape
+  h = block.shape[-1] * formats.NVFP4_BLOCK
   t = int(np.prod(lead))
-  c = codes.reshape(1, t, h2)
-  bb = block.reshape(1, t, block.shape[-1])
-  rr = row.reshape(1, t)
-  nblk = -(-t // block_t)
+  flat = lambda a, tail: a.reshape((1, 1, t, 1) + tail)
+  c = flat(codes, codes.shape[-2:] if words else codes.shape[-1:])
+  bb, rr = flat(_block_bits(block), block.shape[-1:]), flat(row, ())
   lut = decoder == "table"
-
-  def spec(a):
-    zeros = (0,) * (a.ndim - 1)
-    return pl.BlockSpec((_SQ, t) + a.shape[2:], lambda i, j: (i,) + zeros)
-
-  width = h2 if lut else 2 * h2
-  n_out = 2 if lut else 1
+  width, n_out = (h // 2, 2) if lut else (h, 1)
   outs = pl.pallas_call(
-      functools.partial(_dequant_kernel, block_t=block_t, t=t, lut=lut, asm=not interpret,
-                        table=table),
-      grid=(1, nblk), in_specs=[spec(c), spec(bb), spec(rr)],
-      out_specs=[pl.BlockSpec((_SQ, t, width), lambda i, j: (i, 0, 0))] * n_out,
-      out_shape=[jax.ShapeDtypeStruct((1, t, width), dtype)] * n_out, interpret=interpret,
-      compiler_params=_compiler_params(num_warps, 1), name="nvfp4_kv_dequantize")(c, bb, rr)
+      functools.partial(_dequant_kernel, block_t=block_t, t=t, decoder=decoder,
+                        asm=not interpret, table=table),
+      grid=(-(-t // block_t),), out_shape=[jax.ShapeDtypeStruct((t, width), dtype)] * n_out,
+      interpret=interpret, compiler_params=_compiler_params(num_warps, 1),
+      name="nvfp4_kv_dequantize")(c, bb, rr)
   out = _interleave(*outs) if lut else outs[0]
-  return out.reshape(lead + (2 * h2,))
+  return out.reshape(lead + (h,))
 
 
 def dequantize_pallas(cache: PackedKVCache, dtype: jnp.dtype = jnp.bfloat16, *,
                       interpret: bool | None = None, block_t: int = DEFAULT_BLOCK_T,
                       decoder: str | None = None,
                       table: str | None = None) -> tuple[jax.Array, jax.Array]:
-  """(k, v) [B, T, G, H] decoded by the attention kernel's in-register decoder (a Pallas
-  kernel of its own), so tests can compare its bits with `kv_cache.dequantize`. decoder,
-  table: as in `decode_attention`."""
+  """(k, v) [B, T, G, H] decoded by the attention kernels' in-register decoder (`_kv_tiles`,
+  in a Pallas kernel of its own), so tests can compare its bits with `kv_cache.dequantize`.
+  decoder, table: as in `decode_attention`."""
   if interpret is None:
     interpret = _default_interpret()
-  decoder = resolve_decoder(decoder, dtype, block_t, cache.shape[-1], 4, bool(interpret))
+  decoder = resolve_decoder(decoder, dtype, block_t, cache.shape[-1], 4, bool(interpret),
+                            words=cache.words)
   f = functools.partial(_dequantize_pallas, dtype=jnp.dtype(dtype), interpret=bool(interpret),
                         block_t=block_t, decoder=decoder, table=table)
   return (f(cache.k_codes, cache.k_block, cache.k_row),

@@ -7,6 +7,12 @@ a BF16 cache. This cache stores what the quantizer produced instead, 4.5 bits pe
 32 bits per head row (76 bytes instead of 256 for head_dim 128), and `dequantize` rebuilds the
 values the trainer's forward sees, bit for bit: `formats.nvfp4_dequantize(q).astype(dtype)`.
 
+The codes are held as bytes (`formats.pack_fp4`'s layout) or, on the GPU, as the same bytes
+viewed as two little-endian uint32 words per block of 16 (`as_words`, the layout the attention
+kernels' "words" decoder reads: one table per block, built by the thread that decodes it, as
+`fp4_moe.PackedNVFP4Weights`' words); `init_packed_cache` picks the layout the kernels read
+fastest here (`fp4_moe.words_by_default`), and every writer keeps the cache's layout.
+
 The quantizer is `trace_jax.quant.formats` itself (RTN, as the rollout records it). `write`
 must get K/V rows *before* the site's fake quantization: quantizing already-dequantized values
 again is not the identity (the row amax, hence the row scale, moves). `write_quantized` takes
@@ -21,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from trace_jax.kernels import fp4_decode, fp4_moe
 from trace_jax.quant import formats
 
 
@@ -29,7 +36,8 @@ class PackedKVCache:
   """One layer's NVFP4 KV cache.
 
   k_codes, v_codes: uint8 [B, T, G, H // 2], two E2M1 codes per byte (`formats.pack_fp4`:
-    element 2i in the low nibble).
+    element 2i in the low nibble); or the same bytes as uint32 words [B, T, G, H // 16, 2]
+    (`as_words`: each block's 8 bytes as two little-endian words).
   k_block, v_block: float8_e4m3fn [B, T, G, H // 16], the block scales.
   k_row, v_row: float32 [B, T, G], the per-(token, kv head) second-level scales.
   Unwritten slots are all zero bytes, which dequantize to +0 (as a zero BF16 cache holds).
@@ -42,10 +50,34 @@ class PackedKVCache:
   v_row: jax.Array
 
   @property
-  def shape(self) -> tuple[int, int, int, int]:
-    """(B, T, G, H) of the K/V arrays this cache holds."""
-    b, t, g, h2 = self.k_codes.shape
-    return b, t, g, 2 * h2
+  def words(self) -> bool:
+    """Whether the codes are held as uint32 words per block (`as_words`)."""
+    return self.k_codes.dtype == jnp.uint32
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """(B, T, G, H) of the K/V arrays this cache holds ((L, B, T, G, H) for a stack of
+    layers)."""
+    if self.words:
+      *lead, kb, _ = self.k_codes.shape
+      return (*lead, formats.NVFP4_BLOCK * kb)
+    *lead, h2 = self.k_codes.shape
+    return (*lead, 2 * h2)
+
+  def as_words(self) -> PackedKVCache:
+    """The same cache with the codes as uint32 words per block (no-op if they are)."""
+    if self.words:
+      return self
+    return self.replace(k_codes=fp4_decode.to_words(self.k_codes),
+                        v_codes=fp4_decode.to_words(self.v_codes))
+
+  def as_bytes(self) -> PackedKVCache:
+    """The same cache with the codes as bytes (`formats.pack_fp4`'s layout; no-op if they
+    are)."""
+    if not self.words:
+      return self
+    return self.replace(k_codes=fp4_decode.from_words(self.k_codes),
+                        v_codes=fp4_decode.from_words(self.v_codes))
 
   def nbytes(self) -> int:
     """Bytes held (K and V), as the arrays are laid out in memory."""
@@ -63,12 +95,22 @@ def _check_head_dim(head_dim: int) -> None:
                      f"{formats.NVFP4_BLOCK}")
 
 
-def init_packed_cache(batch: int, max_len: int, num_kv_heads: int,
-                      head_dim: int) -> PackedKVCache:
-  """An empty (all-zero) cache of [batch, max_len, num_kv_heads, head_dim] K and V."""
+def words_by_default() -> bool:
+  """Whether new caches hold their codes as words: as the experts' packed weights do
+  (`fp4_moe.words_by_default`: on the GPU, the kernels' faster decoder)."""
+  return fp4_moe.words_by_default()
+
+
+def init_packed_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+                      words: bool | None = None) -> PackedKVCache:
+  """An empty (all-zero) cache of [batch, max_len, num_kv_heads, head_dim] K and V; codes as
+  words or bytes (None: `words_by_default`)."""
   _check_head_dim(head_dim)
   lead = (batch, max_len, num_kv_heads)
-  codes = jnp.zeros(lead + (head_dim // 2,), jnp.uint8)
+  if words if words is not None else words_by_default():
+    codes = jnp.zeros(lead + (head_dim // formats.NVFP4_BLOCK, 2), jnp.uint32)
+  else:
+    codes = jnp.zeros(lead + (head_dim // 2,), jnp.uint8)
   block = jnp.zeros(lead + (head_dim // formats.NVFP4_BLOCK,), jnp.float8_e4m3fn)
   row = jnp.zeros(lead, jnp.float32)
   return PackedKVCache(k_codes=codes, v_codes=codes, k_block=block, v_block=block,
@@ -96,8 +138,7 @@ def write_quantized(cache: PackedKVCache, qk: formats.NVFP4Tensor, qv: formats.N
   """Writes NVFP4 K/V rows (codes [B, S, G, H], two-level) at per-sequence positions [B, S];
   with `layer` (int32 scalar, may be traced), the cache is a stack of layers [L, B, T, ...]
   and the rows go into that layer in place (the engine's per-run cache)."""
-  b, t, g, h2 = cache.k_codes.shape[0 if layer is None else 1:]
-  h = 2 * h2
+  b, t, g, h = cache.shape[0 if layer is None else 1:]
   for name, q in (("k", qk), ("v", qv)):
     if q.codes.shape[0] != b or q.codes.shape[2:] != (g, h) or q.tensor_scale is None:
       raise ValueError(f"write_quantized: {name} codes of shape {q.codes.shape} (two-level "
@@ -112,13 +153,19 @@ def write_quantized(cache: PackedKVCache, qk: formats.NVFP4Tensor, qv: formats.N
 def _write(cache, qk, qv, positions, layer):
   lead = qk.codes.shape[:3]
   row = lambda q: jnp.broadcast_to(q.tensor_scale, lead + (1,))[..., 0]
+  codes = lambda q: _codes_like(cache, formats.pack_fp4(q.codes))
   return PackedKVCache(
-      k_codes=_scatter(cache.k_codes, formats.pack_fp4(qk.codes), positions, layer),
-      v_codes=_scatter(cache.v_codes, formats.pack_fp4(qv.codes), positions, layer),
+      k_codes=_scatter(cache.k_codes, codes(qk), positions, layer),
+      v_codes=_scatter(cache.v_codes, codes(qv), positions, layer),
       k_block=_scatter(cache.k_block, qk.block_scale, positions, layer),
       v_block=_scatter(cache.v_block, qv.block_scale, positions, layer),
       k_row=_scatter(cache.k_row, row(qk), positions, layer),
       v_row=_scatter(cache.v_row, row(qv), positions, layer))
+
+
+def _codes_like(cache: PackedKVCache, packed: jax.Array) -> jax.Array:
+  """Code bytes [..., H // 2] in the cache's codes layout."""
+  return fp4_decode.to_words(packed) if cache.words else packed
 
 
 @jax.jit
@@ -133,15 +180,21 @@ def write(cache: PackedKVCache, k: jax.Array, v: jax.Array,
   return write_quantized(cache, qk, qv, positions)
 
 
-@jax.jit
-def pack_rows(k: jax.Array, v: jax.Array) -> PackedKVCache:
+def pack_rows(k: jax.Array, v: jax.Array, words: bool | None = None) -> PackedKVCache:
   """A whole cache from K/V rows [B, T, G, H] (a prefill; no scatter): the same bytes as
-  `write` of every position into an empty cache."""
+  `write` of every position into an empty cache (codes as words or bytes, None:
+  `words_by_default`)."""
+  return _pack_rows(k, v, words=bool(words if words is not None else words_by_default()))
+
+
+@functools.partial(jax.jit, static_argnames=("words",))
+def _pack_rows(k: jax.Array, v: jax.Array, *, words: bool) -> PackedKVCache:
   qk, qv = quantize_rows(k), quantize_rows(v)
-  return PackedKVCache(
+  cache = PackedKVCache(
       k_codes=formats.pack_fp4(qk.codes), v_codes=formats.pack_fp4(qv.codes),
       k_block=qk.block_scale, v_block=qv.block_scale,
       k_row=qk.tensor_scale[..., 0], v_row=qv.tensor_scale[..., 0])
+  return cache.as_words() if words else cache
 
 
 def _dequantize_one(codes: jax.Array, block: jax.Array, row: jax.Array,
@@ -155,5 +208,6 @@ def _dequantize_one(codes: jax.Array, block: jax.Array, row: jax.Array,
 def dequantize(cache: PackedKVCache,
                dtype: jnp.dtype = jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
   """(k, v) [B, T, G, H] in `dtype`: the trainer's fake-quantized values, bit for bit (XLA)."""
+  cache = cache.as_bytes()
   return (_dequantize_one(cache.k_codes, cache.k_block, cache.k_row, dtype),
           _dequantize_one(cache.v_codes, cache.v_block, cache.v_row, dtype))
