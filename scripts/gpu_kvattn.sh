@@ -21,6 +21,16 @@ TAIL=30 run attn "${T_ATTN:-150}" python3 -m experiments.bench_decode_attention 
   --contexts="${ATTN_CONTEXTS:-8192}" --batches="${ATTN_BATCHES:-64,256}" \
   --impls=kernel_bf16,kernel_packed,kernel_packed_table --reps=10 --inner=4 \
   --json_out="$OUT/attn.json"
+# T_SWEEP: the packed kernels' tiles (block_t:num_warps:num_stages per SWEEP entry), one
+# process each, kernel_packed beside kernel_bf16 at one batch and context.
+for C in ${SWEEP:-}; do
+  [ "${T_SWEEP:-1}" -gt 1 ] || break
+  IFS=: read -r BT NW NS <<< "$C"
+  TAIL=4 run "sweep_${BT}_${NW}_${NS}" "$T_SWEEP" python3 -m experiments.bench_decode_attention \
+    --contexts="${ATTN_CONTEXTS:-8192}" --batches="${SWEEP_BATCH:-256}" \
+    --impls="${SWEEP_IMPLS:-kernel_bf16,kernel_packed}" --reps=10 --inner=4 --block_t="$BT" \
+    --num_warps="$NW" --num_stages="$NS" --json_out="$OUT/sweep_${BT}_${NW}_${NS}.json"
+done
 TAIL=70 run prof "${T_PROF:-150}" $BUD --budget_policies="${PROF_POLICIES:-bf16,fp4_rtn}" \
   --new_tokens="$N" --reps=2 --profile_dir=/tmp/prof_kv --profile_top=12 \
   --json_out="$OUT/prof.json"
