@@ -29,7 +29,7 @@ for C in ${SWEEP:-}; do
   TAIL=4 run "sweep_${BT}_${NW}_${NS}" "$T_SWEEP" python3 -m experiments.bench_decode_attention \
     --contexts="${ATTN_CONTEXTS:-8192}" --batches="${SWEEP_BATCH:-256}" \
     --impls="${SWEEP_IMPLS:-kernel_bf16,kernel_packed}" --reps=10 --inner=4 --block_t="$BT" \
-    --num_warps="$NW" --num_stages="$NS" --json_out="$OUT/sweep_${BT}_${NW}_${NS}.json"
+    --num_warps="$NW" --num_stages="$NS" --json_out="/tmp/sweep_${BT}_${NW}_${NS}.json"
 done
 TAIL=70 run prof "${T_PROF:-150}" $BUD --budget_policies="${PROF_POLICIES:-bf16,fp4_rtn}" \
   --new_tokens="$N" --reps=2 --profile_dir=/tmp/prof_kv --profile_top=12 \
