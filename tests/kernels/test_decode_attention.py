@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from trace_jax.kernels import decode_attention as da
-from trace_jax.kernels import fp4_decode, kv_cache
+from trace_jax.kernels import kv_cache
 from trace_jax.quant import formats
 
 CPU = jax.devices("cpu")[0]
@@ -90,12 +90,11 @@ def _written_cache(case: str, seed: int = 0, words: bool | None = None):
   return cache, rows
 
 
-# (codes layout, decoder): the bytes' decoders, and the words' (the GPU's layout).
-LAYOUT_DECODERS = [(False, None), (False, "table"), (True, "words")]
+# (codes layout, decoder): bytes (the default here), and words (the GPU's layout).
+LAYOUT_DECODERS = [(False, None), (True, "words")]
 
 
-@pytest.mark.parametrize("words,decoder", LAYOUT_DECODERS,
-                         ids=["bytes-default", "bytes-table", "words"])
+@pytest.mark.parametrize("words,decoder", LAYOUT_DECODERS, ids=["bytes-default", "words"])
 @pytest.mark.parametrize("case", ROW_CASES)
 def test_write_dequantize_bit_equal(case, words, decoder):
   """Written rows dequantize to the trainer's fake-quantized values, bit for bit (XLA and the
@@ -156,12 +155,9 @@ def test_dequantize_float32_bit_equal():
   np.testing.assert_array_equal(_bits(vp), _bits(v))
 
 
-# (name, dequantize_pallas options): the table decoder needs >= 4 code bytes per thread on
-# the GPU, so its cases use 32-row blocks (both run the Triton kernels there).
+# (name, dequantize_pallas options); both decoders run the Triton kernels on the GPU.
 DECODER_CASES = [
     ("bits", {"decoder": "bits", "block_t": 16}),
-    ("table", {"decoder": "table", "block_t": 32}),
-    ("table_exact", {"decoder": "table", "block_t": 32, "table": "exact"}),
     ("words", {"decoder": "words", "block_t": 16}),
     ("words_exact", {"decoder": "words", "block_t": 16, "table": "exact"}),
 ]
@@ -171,7 +167,7 @@ DECODER_CASES = [
 def test_decoder_every_code_and_scale_byte(name, opts):
   """All 256 code bytes against all 256 E4M3 block-scale bytes (subnormal scales, negative
   scales, NaN 0x7F/0xFF) decode as `formats` does; NaN where formats gives NaN. Some row
-  scales lie outside the table decoder's fast range (2**118 .. 2**127)."""
+  scales lie outside the words decoder's fast table range (2**118 .. 2**127)."""
   rng = np.random.default_rng(2)
   t, g, h = 256, 1, 32  # 256 rows; 16 code bytes and 2 scale bytes per row
   r = np.arange(t)
@@ -179,7 +175,7 @@ def test_decoder_every_code_and_scale_byte(name, opts):
   block = np.stack([r, (r * 7 + 3) % 256], axis=-1).astype(np.uint8)
   row = np.exp(rng.standard_normal(t)).astype(np.float32)
   row[::5] = 1.0
-  # The last rows: scales beyond the table decoder's fast range (so their tiles take the exact
+  # The last rows: scales beyond the fast table's range (so their tiles take the exact
   # table), large rather than tiny ones: no product is subnormal, which the CPU reference would
   # flush to zero and the GPU keep (some overflow to inf, on both).
   row[200:] = np.exp2(rng.uniform(118, 127, t - 200))
@@ -288,18 +284,14 @@ def _check_within_tolerance(out, ref, v, lengths, n):
 # Packed-cache variants: kind -> (codes as words, decode_attention options). "packed": the
 # default layout and decoder (words on the GPU, bytes and bits in interpret mode);
 # "packed_words" the words decoder (K in the MMA operand order where H % 64 == 0);
-# "packed_table" the bytes' table decoder (the GPU may refuse small tiles: skipped).
+# "packed_bits" bytes and the bits decoder.
 PACKED_VARIANTS = {"packed": (None, {}), "packed_words": (True, {"decoder": "words"}),
                    "packed_words_exact": (True, {"decoder": "words", "table": "exact"}),
-                   "packed_table": (False, {"decoder": "table"}),
-                   "packed_bits": (False, {"decoder": "bits"}),
-                   "packed_table_exact": (False, {"decoder": "table", "table": "exact"})}
+                   "packed_bits": (False, {"decoder": "bits"})}
 KERNEL_CASES = [(name, kind) for name in ATTN_CASES for kind in ("bf16", "packed",
-                                                                   "packed_words",
-                                                                   "packed_table")] + [
-    ("full_r8", "packed_bits"), ("full_r8", "packed_table_exact"),
-    ("len1_r4", "packed_table_exact"), ("mixed_lengths_r2_split3", "packed_table_exact"),
-    ("full_r8", "packed_words_exact"), ("mixed_lengths_r2_split3", "packed_words_exact")]
+                                                                   "packed_words")] + [
+    ("full_r8", "packed_bits"), ("full_r8", "packed_words_exact"),
+    ("len1_r4", "packed_words_exact"), ("mixed_lengths_r2_split3", "packed_words_exact")]
 
 
 @pytest.mark.parametrize("name,kind", KERNEL_CASES, ids=[f"{n}-{k}" for n, k in KERNEL_CASES])
@@ -311,9 +303,6 @@ def test_kernel_matches_reference(name, kind):
   decode shows through; compared as values, since the PV dot turns -0 into +0)."""
   b, t, g, n, h, lengths, block_t, splits = ATTN_CASES[name]
   words, opts = PACKED_VARIANTS.get(kind, (None, {}))
-  if opts.get("decoder") == "table" and not da._default_interpret() and \
-      not fp4_decode.lookup_supported(block_t, h // 2, 4):
-    pytest.skip(f"the table decoder needs a larger tile on the GPU than {block_t} x {h}")
   q, kv, pos = _attn_inputs(b, t, g, n, h)
   cache = _cache("bf16" if kind == "bf16" else "packed", kv, pos, words=words)
   lengths = jnp.asarray(lengths, jnp.int32)
@@ -427,3 +416,18 @@ def test_bad_input(what):
     da.decode_attention(q, cache, lengths, **kw)
   with pytest.raises(ValueError):
     kv_cache.init_packed_cache(1, 4, 1, 40)
+
+
+def test_decoder_must_fit_the_codes_layout():
+  """The words decoder reads words only; a cache of words takes the bits decoder only in
+  interpret mode; k and v codes share one layout."""
+  cache, _ = _written_cache("random")
+  q, lengths = jnp.zeros((B, 2 * G, H), jnp.bfloat16), jnp.ones((B,), jnp.int32)
+  with pytest.raises(ValueError, match="held as words"):
+    da.decode_attention(q, cache.as_bytes(), lengths, decoder="words")
+  with pytest.raises(ValueError, match="decoder must be"):
+    da.decode_attention(q, cache, lengths, decoder="table")
+  with pytest.raises(ValueError, match="bits decoder"):
+    da.resolve_decoder("bits", jnp.bfloat16, interpret=False, words=True)
+  with pytest.raises(ValueError, match="differ"):
+    da.decode_attention(q, cache.as_bytes().replace(v_codes=cache.as_words().v_codes), lengths)

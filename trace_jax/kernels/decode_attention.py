@@ -18,24 +18,30 @@ key and kv head at H = 128, 8 query heads per kv head: 1/8), so the split costs 
 traffic; what it buys is `attend`'s normalization order exactly (online softmax would round
 unnormalized probabilities: tokens of the tiny model left the reference at step 28 that way).
 
-Packed cache (`kv_cache.PackedKVCache`): each block loads the E2M1 codes (two per byte), E4M3
-block scales and FP32 row scales and decodes them in registers (no float8 `astype`, which XLA
-or Triton may rewrite, no gathers) to `formats.nvfp4_dequantize`'s values in q.dtype, bit for
-bit, with one of two decoders (`decoder`):
-- "table" (default on the GPU for bf16/f16): `fp4_decode`, per-(row, block) tables of the 8
-  results and byte-permute lookups in PTX inline assembly. It yields the even and odd
-  head_dim elements apart: q comes as its even and odd columns (split outside the kernel),
-  the scores are the sum of two half dots, V's halves accumulate separately and the output
-  is interleaved outside. The row scales pick the table per key tile: fast (every scale the
-  quantizer makes; unwritten rows' 0 too) or exact (extreme row scales).
-- "bits" (interpret mode, float32, tiles too small for the table decoder): integer/bit
-  arithmetic per element (`_e2m1_half`), `(code_value * block_scale) * row_scale` in float32
-  (the first product exact, the second rounding once), then a cast to q.dtype.
+Packed cache (`kv_cache.PackedKVCache`): each block loads the E2M1 codes, E4M3 block scales
+and FP32 row scales and decodes them in registers (no float8 `astype`, which XLA or Triton may
+rewrite, no gathers) to `formats.nvfp4_dequantize`'s values in q.dtype, bit for bit, with one
+of two decoders (`decoder`):
+- "words" (the GPU's, bf16/f16; the cache's codes held as words per block,
+  `PackedKVCache.as_words`): `fp4_decode.decode_words`, one table of the block's 8 results
+  per (row, block), built by the thread that decodes the block, and byte-permute lookups in
+  PTX inline assembly. The row scales pick the table per key tile: fast (every scale the
+  quantizer makes; unwritten rows' 0 too) or exact (extreme row scales). K is decoded in the
+  MMA operand order (`fp4_decode.mma_order`, head_dim a multiple of 64) and q's columns are
+  put in the same order outside the kernel: the dot's terms are the same, summed in another
+  float32 order.
+- "bits" (interpret mode; codes as bytes or words, read as bytes): integer/bit arithmetic per
+  element (`_e2m1_half`), `(code_value * block_scale) * row_scale` in float32 (the first
+  product exact, the second rounding once), then a cast to q.dtype.
 So the kernel's K/V are the trainer's fake-quantized values bit for bit (tests check this
 through `dequantize_pallas`, which runs the same decoders, and through the exact output at
-length 1). SASS of the key loop of the earlier one-kernel version (online softmax; Triton 3.6,
-sm_90, offline; H=128, block_t 64, 4 warps): "table" 1092 instructions per thread per key
-block (1338 with the exact tables), "bits" 1915, BF16 591: the decode dominates.
+length 1). The bytes' per-byte table decoder (`fp4_decode.decode_blocks`, even and odd columns
+apart), the GPU default from 2026-12-02 to 12-04, is gone: on the H200 it failed
+`bench_decode_attention`'s check (err/tol 24 at 8k contexts, 2026-12-04) where the words
+decoder passes (0.145, the BF16 kernel 0.136) and runs 1.08-1.13x faster. H200 (ncu, batch
+256, 8k): the packed kernels are bound by the L1/shared-memory pipe (scores 93%, PV 84% of
+its peak; DRAM 31-33%), not by the decode's instructions: the decoded tile reaches the MMA
+through shared memory.
 
 Numerics against `attention.attend` (the model's decode path, `decode_attention_reference`):
 the same float32 scores up to the dot's float32 accumulation order, the same probabilities
@@ -176,53 +182,28 @@ def _block_bits(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype != jnp.uint8 else x
 
 
-def resolve_decoder(decoder: str | None, dtype: jnp.dtype, rows: int, head_dim: int,
-                    num_warps: int, interpret: bool, words: bool = False) -> str:
-  """The packed-cache decoder. Codes held as words (`PackedKVCache.as_words`, the GPU's
-  layout): "words" (`fp4_decode.decode_words`: one table per (row, block), built by the
-  thread that decodes the block) or "bits"; None picks "words" on the GPU (bf16/f16) and
-  "bits" in interpret mode, where the words' byte-permute emulation is the slower one. Codes
-  as bytes: "table" (per-block byte tables broadcast over the bytes, `prmt` lookups) or
-  "bits" (`decode_nvfp4_rows`); None picks "table" on the GPU for bf16/f16 on tiles it
-  supports (`fp4_decode.TABLE_BY_DEFAULT`), else "bits"."""
-  if not words:
-    if decoder == "words":
-      raise ValueError("decoder='words' needs the codes held as words (PackedKVCache.as_words)")
-    return fp4_decode.choose(decoder, "bits", dtype, rows, head_dim // 2, num_warps, interpret)
+def resolve_decoder(decoder: str | None, dtype: jnp.dtype, interpret: bool,
+                    words: bool = False) -> str:
+  """The packed-cache decoder: "words" (codes held as words, `PackedKVCache.as_words`, bf16 or
+  f16) or "bits" (any layout in interpret mode; bytes on the GPU). None picks "words" for a
+  cache of words on the GPU and "bits" otherwise (in interpret mode the words' byte-permute
+  emulation is the slower one)."""
   if decoder not in (None, "words", "bits"):
-    raise ValueError(f"a cache of code words takes decoder 'words' or 'bits' (or None), got "
-                     f"{decoder!r}")
+    raise ValueError(f"decoder must be 'words', 'bits' or None, got {decoder!r}")
   runs = fp4_decode.supported_dtype(dtype) and (interpret or fp4_decode.ASM_AVAILABLE)
   if decoder is None:
-    decoder = "words" if runs and not interpret else "bits"
+    decoder = "words" if words and runs and not interpret else "bits"
+  if decoder == "words" and not words:
+    raise ValueError("decoder='words' needs the codes held as words (PackedKVCache.as_words)")
   if decoder == "words" and not runs:
     raise ValueError(f"the words decoder produces bf16/f16 with Pallas' Triton inline "
                      f"assembly; got {jnp.dtype(dtype)} (asm available: "
                      f"{fp4_decode.ASM_AVAILABLE})")
-  if decoder == "bits" and not interpret:
+  if decoder == "bits" and words and not interpret:
     raise ValueError("on the GPU a cache of code words decodes with 'words' (bf16/f16); for "
                      "the bits decoder hold the codes as bytes (PackedKVCache.as_bytes)")
   return decoder
 
-
-def decode_nvfp4_split(codes: jax.Array, block_bits: jax.Array, row: jax.Array,
-                       dtype: jnp.dtype, *, asm: bool, valid: jax.Array | None = None,
-                       table: str | None = None) -> tuple[jax.Array, jax.Array]:
-  """(even, odd) elements [n, H/2] in dtype of rows as `decode_nvfp4_rows` takes them, by the
-  table decoder (`fp4_decode.decode_blocks`, per-row second-level scales); bit-equal to its
-  even and odd columns. valid: rows outside it decode to +-0 (their scale bytes and row
-  scale are zeroed first, so undefined masked loads cannot reach the tile's table branch).
-  table: `fp4_decode.block_tables`' (None: the fast table when every row of the tile allows
-  it)."""
-  bits = block_bits.astype(jnp.int32)
-  if valid is not None:
-    bits = jnp.where(valid[:, None], bits, 0)
-    row = jnp.where(valid, row, np.float32(0.0))
-  return fp4_decode.decode_blocks(codes, bits.astype(jnp.uint8), row, dtype, asm=asm,
-                                  table=table)
-
-
-# ----------------------------------------------------------------------------- the kernels
 
 def decode_words_rows(words: jax.Array, block_bits: jax.Array, row: jax.Array,
                       dtype: jnp.dtype, *, asm: bool, valid: jax.Array | None = None,
@@ -247,9 +228,8 @@ def _kv_tiles(refs, lyr, b, g, t0: int, ok: jax.Array, block_t: int, dtype, *, p
               decoder: str, asm: bool, table: str | None, order: str = "natural"
               ) -> list[jax.Array]:
   """K or V rows t0 .. t0 + block_t of (layer lyr, sequence b, kv head g) in dtype: [bt, H]
-  (decoder "words": in `order`), or its even and odd columns (decoder "table"). Rows outside
-  `ok` come out zero (masked loads leave them undefined, and 0 * NaN would reach the PV
-  sum)."""
+  (decoder "words": in `order`). Rows outside `ok` come out zero (masked loads leave them
+  undefined, and 0 * NaN would reach the PV sum)."""
   rows = pl.ds(t0, block_t)
   if packed:
     c_ref, b_ref, r_ref = refs
@@ -266,8 +246,6 @@ def _kv_tiles(refs, lyr, b, g, t0: int, ok: jax.Array, block_t: int, dtype, *, p
                                 order=order)]
     if words:  # the bits decoder on words (interpret mode): their bytes
       codes = fp4_decode.from_words(codes)
-    if decoder == "table":
-      return list(decode_nvfp4_split(codes, bits, row, dtype, asm=asm, valid=ok, table=table))
     return [decode_nvfp4_rows(codes, bits, row, dtype, valid=ok)]
   (ref,) = refs
   mask = jnp.broadcast_to(ok[:, None], (block_t, ref.shape[-1]))
@@ -336,11 +314,6 @@ def _pv_kernel(layer_ref, len_ref, p_ref, *refs, n_out: int, packed: bool, decod
     _store(o_ref, idx + (slice(None), slice(None)), acc.astype(o_ref.dtype), mask)
 
 
-def _interleave(even: jax.Array, odd: jax.Array) -> jax.Array:
-  """[..., H/2] even and odd columns -> [..., H]."""
-  return jnp.stack([even, odd], axis=-1).reshape(even.shape[:-1] + (2 * even.shape[-1],))
-
-
 def _next_pow2(x: int) -> int:
   return 1 << max(int(x) - 1, 0).bit_length()
 
@@ -374,7 +347,6 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
   from trace_jax.model import attention  # here: trace_jax.model imports this module
 
   packed = isinstance(cache, PackedKVCache)
-  lut = packed and decoder == "table"
   if layer is None:  # one layer: a leading axis of 1 (a free reshape)
     cache = jax.tree.map(lambda a: a[None], cache)
     layer = jnp.zeros((), jnp.int32)
@@ -392,10 +364,7 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rp - r), (0, 0)))
   # words: K decoded in the MMA operand order where H allows it, q's columns in the same order
   k_order = "mma" if decoder == "words" and h % fp4_decode.MMA_ORDER_SPAN == 0 else "natural"
-  if lut:  # even and odd columns
-    qs = (qg[..., 0::2], qg[..., 1::2])
-  else:
-    qs = (fp4_decode.mma_order_columns(qg) if k_order == "mma" else qg,)
+  qs = (fp4_decode.mma_order_columns(qg) if k_order == "mma" else qg,)
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
   params = None if interpret else _compiler_params(num_warps, num_stages)
@@ -411,20 +380,18 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
   # kernel skipped hold no data and are masked), float32 softmax, one rounding.
   mask = (jnp.arange(t)[None, :] < lengths[:, None])[:, None, None, None, :]
   probs = attention.attention_probs(scores[:, :, :, None, :], mask, q.dtype)[:, :, :, 0, :]
-  hq = h // 2 if lut else h
-  n_v = 2 if lut else 1
   if splits == 1:
-    out_shape = [jax.ShapeDtypeStruct((b, g, rp, hq), q.dtype)] * n_v
+    out_shape = [jax.ShapeDtypeStruct((b, g, rp, h), q.dtype)]
   else:
-    out_shape = [jax.ShapeDtypeStruct((b, g, splits, rp, hq), jnp.float32)] * n_v
+    out_shape = [jax.ShapeDtypeStruct((b, g, splits, rp, h), jnp.float32)]
   outs = pl.pallas_call(
-      functools.partial(_pv_kernel, n_out=n_v, packed=packed, decoder=decoder,
+      functools.partial(_pv_kernel, n_out=1, packed=packed, decoder=decoder,
                         asm=not interpret, table=table, r=r, block_t=block_t,
                         blocks_per_split=bps, splits=splits),
       grid=(b, g, splits), out_shape=out_shape, interpret=interpret, compiler_params=params,
       name="decode_attention_pv_nvfp4" if packed else "decode_attention_pv",
   )(lyr, lengths, probs, *vs)
-  out = _interleave(*outs) if lut else outs[0]
+  out = outs[0]
   if splits > 1:
     out = jnp.sum(out, axis=2).astype(q.dtype)
   return out[:, :, :r].reshape(b, n, h)
@@ -478,7 +445,7 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   lengths [B]: keys 0..lengths-1 are valid (the cache already holds the current token;
   lengths >= 1; 0 gives zeros). Query head n reads kv head n // (N // G). interpret=None:
   interpret off-GPU. num_splits=None: `default_num_splits` (PV kernel). decoder (packed
-  cache): "table", "bits" or None (`resolve_decoder`); table (decoder "table"): None picks the
+  cache): "words", "bits" or None (`resolve_decoder`); table (decoder "words"): None picks the
   bf16 fast table per key block where its row scales allow it, "exact" always takes the exact
   one (for tests), "fast" always the fast one (only exact for row scales in
   `fp4_decode.tensor_scale_factors`' fast range). Output in q.dtype; numerics: the module's.
@@ -489,10 +456,9 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   packed = isinstance(cache, PackedKVCache)
   lead = 0 if layer is None else 1
   b, t, g = (cache.k_codes if packed else cache[0]).shape[lead:lead + 3]
-  h = q.shape[-1]
   if num_splits is None:
     num_splits = default_num_splits(b, g, -(-t // block_t))
-  decoder = resolve_decoder(decoder, q.dtype, block_t, h, num_warps, bool(interpret),
+  decoder = resolve_decoder(decoder, q.dtype, bool(interpret),
                             words=cache.words) if packed else "bits"
   return _decode_attention(q, cache, lengths, layer, interpret=bool(interpret),
                            block_t=block_t, num_splits=int(num_splits), num_warps=num_warps,
@@ -563,16 +529,13 @@ def _dequantize_pallas(codes, block, row, *, dtype, interpret: bool, block_t: in
   flat = lambda a, tail: a.reshape((1, 1, t, 1) + tail)
   c = flat(codes, codes.shape[-2:] if words else codes.shape[-1:])
   bb, rr = flat(_block_bits(block), block.shape[-1:]), flat(row, ())
-  lut = decoder == "table"
-  width, n_out = (h // 2, 2) if lut else (h, 1)
   outs = pl.pallas_call(
       functools.partial(_dequant_kernel, block_t=block_t, t=t, decoder=decoder,
                         asm=not interpret, table=table),
-      grid=(-(-t // block_t),), out_shape=[jax.ShapeDtypeStruct((t, width), dtype)] * n_out,
+      grid=(-(-t // block_t),), out_shape=[jax.ShapeDtypeStruct((t, h), dtype)],
       interpret=interpret, compiler_params=_compiler_params(num_warps, 1),
       name="nvfp4_kv_dequantize")(c, bb, rr)
-  out = _interleave(*outs) if lut else outs[0]
-  return out.reshape(lead + (h,))
+  return outs[0].reshape(lead + (h,))
 
 
 def dequantize_pallas(cache: PackedKVCache, dtype: jnp.dtype = jnp.bfloat16, *,
@@ -584,8 +547,7 @@ def dequantize_pallas(cache: PackedKVCache, dtype: jnp.dtype = jnp.bfloat16, *,
   decoder, table: as in `decode_attention`."""
   if interpret is None:
     interpret = _default_interpret()
-  decoder = resolve_decoder(decoder, dtype, block_t, cache.shape[-1], 4, bool(interpret),
-                            words=cache.words)
+  decoder = resolve_decoder(decoder, dtype, bool(interpret), words=cache.words)
   f = functools.partial(_dequantize_pallas, dtype=jnp.dtype(dtype), interpret=bool(interpret),
                         block_t=block_t, decoder=decoder, table=table)
   return (f(cache.k_codes, cache.k_block, cache.k_row),
