@@ -11,6 +11,8 @@ Per case (context T, batch B; every sequence at full length T, one query token e
   kernel_packed       the kernel on the packed cache as the engine holds it (reads ~3.4x fewer
                       KV bytes; on the GPU codes as words per block, decoder `--decoder`, auto:
                       "words", one table per block, `fp4_decode.decode_words`)
+  kernel_packed_natural  kernel_packed with the K tile decoded in natural column order instead
+                      of the MMA operand order (`words_order="natural"`; words only)
   kernel_packed_bits  the same cache with the codes as bytes and the bit-arithmetic decoder
                       (`decoder="bits"`), for the ratio in one process
   copy                `jnp.copy` of the BF16 K cache: the bandwidth reference (read + write)
@@ -74,12 +76,12 @@ PRESETS = {
     "cpu": dict(contexts=[64], batches=[2], heads=8, kv_heads=2, head_dim=64),
 }
 IMPLS = ("xla_bf16", "xla_fq_bf16", "xla_packed_dequant", "kernel_bf16", "kernel_packed",
-         "kernel_packed_bits")
+         "kernel_packed_natural", "kernel_packed_bits")
 COPY = "copy"
 # The cache each path reads, and the contract its output is checked against.
 CACHE_OF = {"xla_bf16": "bf16", "xla_fq_bf16": "fq_bf16", "xla_packed_dequant": "packed",
             "kernel_bf16": "bf16", "kernel_packed": "packed",
-            "kernel_packed_bits": "packed_bytes"}
+            "kernel_packed_natural": "packed", "kernel_packed_bits": "packed_bytes"}
 
 
 def _nbytes(tree: Any) -> int:
@@ -163,6 +165,8 @@ def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stag
           "kernel_bf16": kernel,
           "kernel_packed": functools.partial(kernel, decoder=None if decoder == "auto"
                                              else decoder),
+          "kernel_packed_natural": functools.partial(kernel, decoder=None if decoder == "auto"
+                                                     else decoder, words_order="natural"),
           "kernel_packed_bits": functools.partial(kernel, decoder="bits")}
 
 
@@ -233,6 +237,8 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
       "time_kernel_packed_bits_over_kernel_bf16": ratio("kernel_packed_bits", "kernel_bf16"),
       "time_kernel_packed_over_kernel_packed_bits": ratio("kernel_packed",
                                                           "kernel_packed_bits"),
+      "time_kernel_packed_natural_over_kernel_packed": ratio("kernel_packed_natural",
+                                                             "kernel_packed"),
       "time_kernel_packed_over_xla_fq_bf16": ratio("kernel_packed", "xla_fq_bf16"),
       "time_kernel_bf16_over_xla_bf16": ratio("kernel_bf16", "xla_bf16"),
       "time_xla_packed_dequant_over_xla_fq_bf16": ratio("xla_packed_dequant", "xla_fq_bf16"),

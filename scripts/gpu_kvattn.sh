@@ -7,7 +7,7 @@
 #   kernel on the packed cache as the engine holds it (codes as words) beside the bytes'
 #   bits decoder and the BF16 cache (call 2 ran the bytes' table decoder, since removed); T_PROF: the fixed-memory case (bf16, fp4_rtn), timed and
 #   profiled per generated token; T_NCU (off by default): ncu of the decode-attention kernels
-#   per NCU_POLICIES budget case; T_STEADY (below); T_POOL: gpu_tables.sh's pinned-pool step.
+#   per NCU_POLICIES budget case; T_ORDER, T_STEADY (below); T_POOL: gpu_tables.sh's pinned-pool step.
 # Call 1 ran T_PROF=190 T_NCU=80 T_POOL=150 on the bytes layout: the profile came back, ncu
 # held the call until the 600 s limit (timeout's SIGTERM did not stop it: use -k).
 source "$(dirname "$0")/gpu_lib.sh"
@@ -19,7 +19,7 @@ TAIL=12 run tests "${T_TESTS:-120}" python3 -m pytest -q -x -p no:cacheprovider 
   tests/kernels/test_decode_attention.py -k "bit_equal or every_code or pack_rows"
 TAIL=30 run attn "${T_ATTN:-150}" python3 -m experiments.bench_decode_attention \
   --contexts="${ATTN_CONTEXTS:-8192}" --batches="${ATTN_BATCHES:-64,256}" \
-  --impls=kernel_bf16,kernel_packed,kernel_packed_bits --reps=10 --inner=4 \
+  --impls="${ATTN_IMPLS:-kernel_bf16,kernel_packed,kernel_packed_natural,kernel_packed_bits}" --reps=10 --inner=4 \
   --json_out="$OUT/attn.json"
 # T_SWEEP: the packed kernels' tiles (block_t:num_warps:num_stages per SWEEP entry), one
 # process each, kernel_packed beside kernel_bf16 at one batch and context.
@@ -40,6 +40,14 @@ for P in ${NCU_POLICIES:-fp4_rtn bf16}; do
     --kernel-name regex:"${NCU_KERNELS:-decode_attention}" --launch-skip "${NCU_SKIP:-16}" \
     --launch-count "${NCU_COUNT:-4}" --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread,launch__grid_size,launch__block_size,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed \
     $BUD --budget_policies="$P" --new_tokens=4 --reps=1 --budget_max_batch="${NCU_BATCH:-512}"
+done
+# T_ORDER: the fixed-memory case (fp4_rtn) with K decoded in each ORDERS order
+# (`decode_attention.WORDS_ORDER`), one process each.
+for O in ${ORDERS:-mma natural}; do
+  [ "${T_ORDER:-1}" -gt 1 ] || break
+  TAIL=3 run "order_$O" "$T_ORDER" python3 -c "import sys; from trace_jax.kernels import decode_attention as d; d.WORDS_ORDER = '$O'; from experiments import bench_rollout as b; b.main(sys.argv)" \
+    --impls=$I --key_impl=$I --budget_impl=$I --cases=none --transformers=false --budget_gb=60 \
+    --budget_policies=fp4_rtn --reps=3 --json_out="/tmp/order_$O.json"
 done
 # T_STEADY: fp4_rtn and fp4_trace at 24 layers, batch 64, REPS_STEADY timed calls (call 2's
 # pool step: XLA's pinned host pool grows over the first two calls only).

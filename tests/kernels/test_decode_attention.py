@@ -287,10 +287,13 @@ def _check_within_tolerance(out, ref, v, lengths, n):
 # "packed_bits" bytes and the bits decoder.
 PACKED_VARIANTS = {"packed": (None, {}), "packed_words": (True, {"decoder": "words"}),
                    "packed_words_exact": (True, {"decoder": "words", "table": "exact"}),
+                   "packed_words_natural": (True, {"decoder": "words",
+                                                   "words_order": "natural"}),
                    "packed_bits": (False, {"decoder": "bits"})}
 KERNEL_CASES = [(name, kind) for name in ATTN_CASES for kind in ("bf16", "packed",
                                                                    "packed_words")] + [
     ("full_r8", "packed_bits"), ("full_r8", "packed_words_exact"),
+    ("full_r8", "packed_words_natural"),
     ("len1_r4", "packed_words_exact"), ("mixed_lengths_r2_split3", "packed_words_exact")]
 
 
@@ -427,6 +430,8 @@ def test_decoder_must_fit_the_codes_layout():
     da.decode_attention(q, cache.as_bytes(), lengths, decoder="words")
   with pytest.raises(ValueError, match="decoder must be"):
     da.decode_attention(q, cache, lengths, decoder="table")
+  with pytest.raises(ValueError, match="words_order"):
+    da.decode_attention(q, cache, lengths, words_order="transposed")
   with pytest.raises(ValueError, match="bits decoder"):
     da.resolve_decoder("bits", jnp.bfloat16, interpret=False, words=True)
   with pytest.raises(ValueError, match="differ"):

@@ -75,6 +75,8 @@ except ImportError:  # pragma: no cover
 BF16Cache = tuple[jax.Array, jax.Array]
 MIN_ROWS = 16  # Triton's smallest dot tile along M (and N, K)
 DEFAULT_BLOCK_T = 64
+# The order the words decoder lays a K tile out in ("mma": `fp4_decode.mma_order`).
+WORDS_ORDER = "mma"
 # Block dims squeezed out of a kernel's view (None in older jax, `pl.squeezed` in newer).
 _SQ = getattr(pl, "squeezed", None)
 _F32_MIN = float(np.finfo(np.float32).min)
@@ -340,10 +342,10 @@ def _cache_arrays(cache, packed: bool) -> tuple[tuple[jax.Array, ...], tuple[jax
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_t", "num_splits", "num_warps",
-                                             "num_stages", "decoder", "table"))
+                                             "num_stages", "decoder", "table", "words_order"))
 def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int,
                       num_splits: int, num_warps: int, num_stages: int, decoder: str = "bits",
-                      table: str | None = None):
+                      table: str | None = None, words_order: str = "mma"):
   from trace_jax.model import attention  # here: trace_jax.model imports this module
 
   packed = isinstance(cache, PackedKVCache)
@@ -363,7 +365,8 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
   if rp != r:
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rp - r), (0, 0)))
   # words: K decoded in the MMA operand order where H allows it, q's columns in the same order
-  k_order = "mma" if decoder == "words" and h % fp4_decode.MMA_ORDER_SPAN == 0 else "natural"
+  k_order = "mma" if (decoder == "words" and words_order == "mma"
+                      and h % fp4_decode.MMA_ORDER_SPAN == 0) else "natural"
   qs = (fp4_decode.mma_order_columns(qg) if k_order == "mma" else qg,)
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
@@ -436,7 +439,7 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
                      layer: jax.Array | None = None, interpret: bool | None = None,
                      block_t: int = DEFAULT_BLOCK_T, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, decoder: str | None = None,
-                     table: str | None = None) -> jax.Array:
+                     table: str | None = None, words_order: str | None = None) -> jax.Array:
   """Attention of one query token per sequence over its cache: q [B, N, H] -> [B, N, H].
 
   cache: a `PackedKVCache` (NVFP4) or BF16 (k, v), each [B, T, G, H]; with `layer` (int32
@@ -448,9 +451,14 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   cache): "words", "bits" or None (`resolve_decoder`); table (decoder "words"): None picks the
   bf16 fast table per key block where its row scales allow it, "exact" always takes the exact
   one (for tests), "fast" always the fast one (only exact for row scales in
-  `fp4_decode.tensor_scale_factors`' fast range). Output in q.dtype; numerics: the module's.
+  `fp4_decode.tensor_scale_factors`' fast range). words_order (decoder "words"): K decoded in
+  the "mma" operand order (head_dim a multiple of 64; q's columns permuted to match) or
+  "natural" (None: `WORDS_ORDER`). Output in q.dtype; numerics: the module's.
   """
   _check(q, cache, lengths, block_t, layer)
+  words_order = WORDS_ORDER if words_order is None else words_order
+  if words_order not in ("mma", "natural"):
+    raise ValueError(f"words_order must be 'mma' or 'natural', got {words_order!r}")
   if interpret is None:
     interpret = _default_interpret()
   packed = isinstance(cache, PackedKVCache)
@@ -462,7 +470,8 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
                             words=cache.words) if packed else "bits"
   return _decode_attention(q, cache, lengths, layer, interpret=bool(interpret),
                            block_t=block_t, num_splits=int(num_splits), num_warps=num_warps,
-                           num_stages=num_stages, decoder=decoder, table=table)
+                           num_stages=num_stages, decoder=decoder, table=table,
+                           words_order=words_order)
 
 
 # ----------------------------------------------------------------------------- references
