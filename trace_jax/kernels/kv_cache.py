@@ -107,7 +107,7 @@ def init_packed_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int
   words or bytes (None: `words_by_default`)."""
   _check_head_dim(head_dim)
   lead = (batch, max_len, num_kv_heads)
-  if words if words is not None else words_by_default():
+  if words_by_default() if words is None else words:
     codes = jnp.zeros(lead + (head_dim // formats.NVFP4_BLOCK, 2), jnp.uint32)
   else:
     codes = jnp.zeros(lead + (head_dim // 2,), jnp.uint8)
@@ -184,7 +184,7 @@ def pack_rows(k: jax.Array, v: jax.Array, words: bool | None = None) -> PackedKV
   """A whole cache from K/V rows [B, T, G, H] (a prefill; no scatter): the same bytes as
   `write` of every position into an empty cache (codes as words or bytes, None:
   `words_by_default`)."""
-  return _pack_rows(k, v, words=bool(words if words is not None else words_by_default()))
+  return _pack_rows(k, v, words=bool(words_by_default() if words is None else words))
 
 
 @functools.partial(jax.jit, static_argnames=("words",))
