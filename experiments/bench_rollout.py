@@ -6,24 +6,24 @@ against HF transformers `generate` on the same checkpoint.
   python -m experiments.bench_rollout --layers=24 --json_out=/tmp/r24.json  # the 24-layer model
   python -m experiments.bench_rollout --preset=cpu                          # CPU smoke run
 
-Fixed batch: for each (policy, decode_impl, batch), one `InProcessEngine.generate` call
-compiles (its wall time is the program's compile plus one run: `first_call_s`; `compile_s` =
-that minus the median call), then `--reps` timed calls of greedy decoding of `--new_tokens`
-tokens after `--prompt_len`-token prompts. Reported: decode tokens/s (batch * new tokens /
-median call time, prefill included; for engines that record, plus the records' transfer still
-in flight after the last timed call, read back as a consumer would, over `--reps`: the engine
-starts each batch's record copy to the host and returns, so the copy overlaps the next call;
-`emit_s_per_call`, `emit_bytes_per_call`, `records_drain_s`; `--records_drain=each` waits for
-them in every call instead; `generate_s`: the median generate call alone), the bytes a decode
-step must read (`step_bytes`: the touched experts' weights as the engine stores them,
+Fixed batch: for each (policy, decode_impl, batch), one `InProcessEngine.generate` call compiles
+(its wall time is the program's compile plus one run: `first_call_s`; `compile_s` = that minus
+the median call), `--warmup_calls` untimed calls (GPU preset 1: XLA's pinned host pool for the
+records grows over the first two calls), then `--reps` timed calls of greedy decoding of
+`--new_tokens` tokens after `--prompt_len`-token prompts. Reported: decode tokens/s (batch * new
+tokens / median call time, prefill included; for engines that record, plus the records' transfer
+still in flight after the last timed call, read back as a consumer would, over `--reps`: the
+engine starts each batch's record copy to the host and returns, so the copy overlaps the next
+call; `emit_s_per_call`, `emit_bytes_per_call`, `records_drain_s`; `--records_drain=each` waits
+for them in every call instead; `generate_s`: the median generate call alone), the bytes a
+decode step must read (`step_bytes`: the touched experts' weights as the engine stores them,
 attention, router, norms and lm_head weights, the KV cache at the mean length) and their rate
 against the device's read and copy bandwidths measured in the same process
 (`common.bandwidth_gbps`), and ratios side by side: FP4 over BF16 at each batch, the kernel
-decode over XLA's, and an impl with options over the plain one
-(`--impls=kernel,kernel+unroll2`: the layer scans two layers per iteration,
-`ModelConfig.scan_unroll`; `+unrolled`: every layer compiled apart; `+sync4`: the decode loop's
-condition checked once per 4 steps, `ModelConfig.decode_steps_per_sync`), and fp4_trace over
-fp4_rtn per impl.
+decode over XLA's, and an impl with options over the plain one (`--impls=kernel,kernel+unroll2`:
+the layer scans two layers per iteration, `ModelConfig.scan_unroll`; `+unrolled`: every layer
+compiled apart; `+sync4`: the decode loop's condition checked once per 4 steps,
+`ModelConfig.decode_steps_per_sync`), and fp4_trace over fp4_rtn per impl.
 
 Fixed memory (`--budget_gb`, 0 skips it; `--budget_context`, `--budget_max_batch`,
 `--budget_policies` (CPU preset: bf16 and fp4_rtn), `--budget_impl`): per policy, how many
@@ -99,6 +99,10 @@ flags.DEFINE_boolean("scan_layers", True, "Layers under lax.scan (False: unrolle
 flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.", flag_values=FLAGS)
 flags.DEFINE_integer("new_tokens", 128, "Generated tokens per sequence.", flag_values=FLAGS)
 flags.DEFINE_integer("reps", 3, "Timed calls per case.", flag_values=FLAGS)
+flags.DEFINE_integer("warmup_calls", None, "Untimed calls per case after the first (compiling) "
+                     "one (default per preset: 1 on the GPU, where XLA's pinned host pool for "
+                     "the records grows over the first two calls; 0 on CPU).",
+                     flag_values=FLAGS)
 flags.DEFINE_enum("records_drain", "overlap", ["overlap", "each"],
                   "Engines that record: `overlap` lets a call's records travel to the host "
                   "while the next call decodes (as a rollout loop does); `each` waits for them "
@@ -184,7 +188,7 @@ PRESETS = {
                             max_position_embeddings=4096, moe_impl="kernel"),
                  batches=(8, 64, 256), key_batch=64,
                  budget_gb=60.0, budget_context=8192, budget_max_batch=512, budget_policies=None,
-                 transformers=True),
+                 transformers=True, warmup_calls=1),
     # Budget: 1.6 MB holds the BF16 weights (1.12 MB) and 3 sequences of 256 tokens, FP4 7;
     # fixed memory for two policies only (each FP4 program compiles for ~15 s on CPU).
     "cpu": dict(model=dict(vocab_size=256, hidden_size=128, num_hidden_layers=2,
@@ -192,7 +196,7 @@ PRESETS = {
                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                            max_position_embeddings=512), batches=(4,), key_batch=4,
                 budget_gb=0.0016, budget_context=256, budget_max_batch=8,
-                budget_policies=("bf16", "fp4_rtn"), transformers=False),
+                budget_policies=("bf16", "fp4_rtn"), transformers=False, warmup_calls=0),
 }
 FP8_BYTES = 1 + 4 / 128**2  # E4M3 byte + a float32 scale per 128 x 128 block
 
@@ -332,12 +336,15 @@ def _engine(params: Any, config: Any, batch: int) -> tuple[Any, float]:
   return engine, time.perf_counter() - t0
 
 
-def _timed(call: Callable[[], float], reps: int) -> dict[str, float]:
-  """first_call_s, median_s and compile_s (first minus median) of `call`, which returns the
-  seconds of the work it timed."""
+def _timed(call: Callable[[], float], reps: int) -> dict[str, Any]:
+  """first_call_s, warmup_calls_s (`--warmup_calls` untimed calls after it), median_s of
+  `reps` calls and compile_s (first minus median) of `call`, which returns the seconds of the
+  work it timed."""
   first = call()
+  warm = [call() for _ in range(_preset("warmup_calls"))]
   med = float(np.median([call() for _ in range(max(reps, 1))]))
-  return {"first_call_s": first, "median_s": med, "compile_s": max(first - med, 0.0)}
+  return {"first_call_s": first, "warmup_calls_s": warm, "median_s": med,
+          "compile_s": max(first - med, 0.0)}
 
 
 def run_case(params: Any, config: Any, batch: int, reps: int, name: str
@@ -367,7 +374,8 @@ def run_case(params: Any, config: Any, batch: int, reps: int, name: str
     return time.perf_counter() - t0
 
   r = _timed(call, reps)
-  r["generate_s"] = float(np.median(generate_s[1:]))
+  timed = 1 + len(r["warmup_calls_s"])  # the calls before the timed ones
+  r["generate_s"] = float(np.median(generate_s[timed:]))
   # What a learner pays per weight update: the engine's weights made again (compiled above).
   t0 = time.perf_counter()
   engine.update_weights(params)
@@ -382,7 +390,7 @@ def run_case(params: Any, config: Any, batch: int, reps: int, name: str
     assert engine.last_guidance is not None
     r["records_drain_s"] = time.perf_counter() - t0
     per_call += r["records_drain_s"] / max(reps, 1)
-    r.update(emit_s_per_call=float(np.median([e for e, _ in emits[1:]])),
+    r.update(emit_s_per_call=float(np.median([e for e, _ in emits[timed:]])),
              emit_bytes_per_call=emits[-1][1], emit_s_calls=[e for e, _ in emits])
     r["emit_fraction"] = r["emit_s_per_call"] / per_call
   tokens = sum(len(s.tokens) for s in out)

@@ -267,15 +267,16 @@ class _RecordingEngine:
     return {}
 
 
-@pytest.mark.parametrize("drain,waits", [
-    pytest.param("overlap", 1, id="overlap_waits_once_after_the_timed_calls"),
-    pytest.param("each", 1 + 3 + 1, id="each_waits_in_every_call"),
+@pytest.mark.parametrize("drain,warmup,waits", [
+    pytest.param("overlap", 0, 1, id="overlap_waits_once_after_the_timed_calls"),
+    pytest.param("each", 0, 1 + 3 + 1, id="each_waits_in_every_call"),
+    pytest.param("each", 2, 1 + 2 + 3 + 1, id="each_waits_in_warmup_calls_too"),
 ])
-def test_records_drain(monkeypatch, drain, waits):
+def test_records_drain(monkeypatch, drain, warmup, waits):
   engine = _RecordingEngine()
   monkeypatch.setattr(br, "_engine", lambda params, config, batch: (engine, 0.0))
   common.parse_flags(br.FLAGS, ["prog", f"--records_drain={drain}", "--new_tokens=2",
-                               "--prompt_len=3"])
+                               "--prompt_len=3", f"--warmup_calls={warmup}"])
   try:
     config = types.SimpleNamespace(vocab_size=16, policy="fp4_trace")
     r, first = br.run_case(None, config, batch=2, reps=3, name="fp4_trace:kernel:2")
@@ -283,5 +284,6 @@ def test_records_drain(monkeypatch, drain, waits):
     br.FLAGS.unparse_flags()
   assert engine.waits == waits and engine.updates == 1 and r["update_weights_s"] >= 0
   assert r["emit_bytes_per_call"] == 100 and r["tokens"] == 4 and first == [1, 1]
-  assert len(r["emit_s_calls"]) == 1 + 3  # the first call and the timed ones
+  # the first call, the untimed warm-up calls and the timed ones
+  assert len(r["emit_s_calls"]) == 1 + warmup + 3 and len(r["warmup_calls_s"]) == warmup
   assert 0 < r["generate_s"] <= r["median_s"]
