@@ -449,8 +449,8 @@ def decode_blocks(codes: jax.Array, block_bits: jax.Array, ts: jax.Array | None,
 def decode_many(items: Sequence[tuple], dtype: Any, *, asm: bool,
                 table: str | None = None) -> list[tuple[jax.Array, jax.Array]]:
   """`decode_blocks` of several (codes, block_bits, ts, factors) tiles with one table branch
-  for all of them (table=None, bf16: the fast tables if every
-  tile's scales allow them, else the exact ones), so a kernel pays one branch."""
+  for all of them (table=None, bf16: the fast tables if every tile's scales allow them, else
+  the exact ones), so a kernel pays one branch."""
   prepared = []
   for codes, block_bits, ts, factors in items:
     r = codes.shape[0]
