@@ -16,8 +16,14 @@ Per case (context T, batch B; every sequence at full length T, one query token e
   kernel_packed_bits  the same cache with the codes as bytes and the bit-arithmetic decoder
                       (`decoder="bits"`), for the ratio in one process
   copy                `jnp.copy` of the BF16 K cache: the bandwidth reference (read + write)
-Before timing, every path is checked against the CPU reference of its contract on the first
-`--check_seqs` sequences (`max_err_over_tol` <= 1: within `decode_attention.output_tolerance`).
+First (`--decoder_check`), the packed cache's decoders are checked bit for bit on the device:
+`decode_attention.dequantize_pallas` (the attention kernels' tile decode, in a kernel of its
+own) of a cache holding every code byte under every E4M3 scale byte, with row scales inside and
+beyond the fast table's range, against `kv_cache.dequantize` on the CPU (`formats`' values), for
+the cache as the engine holds it (default decoder) and as bytes (bits decoder), at key blocks
+of 16 and `--block_t`. Before timing, every path is checked against the CPU reference of its
+contract on the first `--check_seqs` sequences (`max_err_over_tol` <= 1: within
+`decode_attention.output_tolerance`).
 Times are medians of `--reps` calls (after `--warmup`), each call `--inner` repetitions in
 sequence inside one jitted program (kept apart by `optimization_barrier`, so XLA can neither
 share work between them nor overlap them) ended by `jax.block_until_ready`, divided by
@@ -67,6 +73,8 @@ flags.DEFINE_integer("inner", 0, "Repetitions per timed call (0: 8 on GPU, 1 oth
 flags.DEFINE_integer("check_seqs", 4, "Sequences checked against the CPU reference.",
                      flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "PRNG seed.", flag_values=FLAGS)
+flags.DEFINE_bool("decoder_check", True, "Check the packed cache's decoders bit for bit on the "
+                  "device first.", flag_values=FLAGS)
 flags.DEFINE_string("json_out", "runs/bench_decode_attention/bench.json",
                     "JSON output path ('' = none).", flag_values=FLAGS)
 
@@ -246,9 +254,77 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
   return case
 
 
+def every_byte_cache(h: int, seed: int = 0) -> Any:
+  """A one-sequence, one-head packed cache [1, T, 1, h] (codes as bytes) holding every code byte
+  under every E4M3 scale byte (NaN scales 0x7F/0xFF included): T = 8192 * 16 / h rows; the row
+  scales log-normal, one row in 5 exactly 1, the last eighth beyond the fast table's range
+  (2**118 .. 2**127: the exact table; no product subnormal, which a CPU reference flushes)."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from trace_jax.kernels import kv_cache
+
+  kb = h // 16
+  t = 256 * 256 // (8 * kb)  # rows: 256 scale bytes x 256 code bytes, 8 code bytes a block
+  j = np.arange(t * 8 * kb)
+  codes = (j % 256).astype(np.uint8).reshape(1, t, 1, 8 * kb)
+  block = (np.arange(t * kb) // 32 % 256).astype(np.uint8).reshape(1, t, 1, kb)
+  rng = np.random.default_rng(seed)
+  row = np.exp(rng.standard_normal(t)).astype(np.float32)
+  row[::5] = 1.0
+  row[t - t // 8:] = np.exp2(rng.uniform(118, 127, t // 8))
+  row = row.reshape(1, t, 1)
+  rev = lambda a: np.ascontiguousarray(a[:, ::-1])
+  return kv_cache.PackedKVCache(
+      k_codes=jnp.asarray(codes), v_codes=jnp.asarray(rev(codes)),
+      k_block=jnp.asarray(block.view(jnp.float8_e4m3fn)),
+      v_block=jnp.asarray(rev(block).view(jnp.float8_e4m3fn)),
+      k_row=jnp.asarray(row), v_row=jnp.asarray(rev(row)))
+
+
+def decoder_check(h: int, block_ts: Sequence[int]) -> dict[str, Any]:
+  """{"<layout>_<decoder>_bt<block_t>": {"bits_equal", "mismatches", "nan_mismatches"}}:
+  `dequantize_pallas` on the device vs `kv_cache.dequantize` on the CPU, bf16, for the cache
+  of `every_byte_cache` as the engine holds it (its default decoder) and as bytes (bits)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from trace_jax.kernels import decode_attention as da
+  from trace_jax.kernels import kv_cache
+
+  cache = every_byte_cache(h)
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    want = [np.asarray(x) for x in jax.jit(kv_cache.dequantize, static_argnames="dtype")(
+        jax.device_put(cache, cpu), dtype=jnp.bfloat16)]
+  engine = cache.as_words() if kv_cache.words_by_default() else cache
+  variants = {("words" if engine.words else "bytes") + "_default": (engine, None),
+              "bytes_bits": (cache, "bits")}
+  out: dict[str, Any] = {}
+  for name, (c, decoder) in variants.items():
+    for bt in block_ts:
+      key = f"{name}_bt{bt}"
+      try:
+        got = [np.asarray(x) for x in da.dequantize_pallas(c, jnp.bfloat16, block_t=bt,
+                                                           decoder=decoder)]
+      except Exception as e:  # the record keeps the error; the benchmark goes on
+        out[key] = {"error": f"{type(e).__name__}: {e}"[:400]}
+        continue
+      mism = nan_mism = 0
+      for w, x in zip(want, got):
+        nan = np.isnan(w.astype(np.float32))
+        nan_mism += int(np.sum(np.isnan(x.astype(np.float32)) != nan))
+        mism += int(np.sum(w.view(np.uint16)[~nan] != x.view(np.uint16)[~nan]))
+      out[key] = {"bits_equal": mism == 0 and nan_mism == 0, "mismatches": mism,
+                  "nan_mismatches": nan_mism}
+  return out
+
+
 def run_bench(preset: str, contexts: Sequence[int], batches: Sequence[int], n: int, g: int,
               h: int, impls: Sequence[str], reps: int, warmup: int, inner: int,
-              check_seqs: int, seed: int, kernel_args: dict[str, Any]) -> dict[str, Any]:
+              check_seqs: int, seed: int, kernel_args: dict[str, Any],
+              decoder_checks: bool = False) -> dict[str, Any]:
   import jax
 
   unknown = sorted(set(impls) - set(IMPLS))
@@ -264,6 +340,13 @@ def run_bench(preset: str, contexts: Sequence[int], batches: Sequence[int], n: i
                          "interpret": not on_gpu, "cases": []}
   print(f"bench_decode_attention: {dev['backend']} ({dev['device_kind']}), jax {jax.__version__},"
         f" N={n} G={g} H={h}, kernel {kernel_args}, interpret={not on_gpu}", flush=True)
+  if decoder_checks:
+    res["decoder_check"] = decoder_check(h, sorted({16, kernel_args["block_t"]}))
+    for k, v in res["decoder_check"].items():
+      msg = (v["error"][:160] if "error" in v else
+             f"bits equal {v['bits_equal']} ({v['mismatches']} value, {v['nan_mismatches']} NaN "
+             "mismatches)")
+      print(f"  decoder check {k}: {msg}", flush=True)
   for t in contexts:
     for b in batches:
       res["cases"].append(run_case(b, t, g, n, h, impls, reps, warmup, inner, check_seqs,
@@ -305,7 +388,7 @@ def main(argv: Sequence[str]) -> dict[str, Any] | None:
                   [int(x) for x in FLAGS.batches] or p["batches"], FLAGS.heads or p["heads"],
                   FLAGS.kv_heads or p["kv_heads"], FLAGS.head_dim or p["head_dim"], FLAGS.impls,
                   FLAGS.reps, FLAGS.warmup, FLAGS.inner, FLAGS.check_seqs, FLAGS.seed,
-                  kernel_args)
+                  kernel_args, decoder_checks=FLAGS.decoder_check)
   return common.finish(res, FLAGS, format_bench(res))
 
 
