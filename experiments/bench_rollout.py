@@ -347,6 +347,16 @@ def _timed(call: Callable[[], float], reps: int) -> dict[str, Any]:
           "compile_s": max(first - med, 0.0)}
 
 
+def _profiled(call: Callable[[], float], log_dir: str, title: str) -> dict[str, Any]:
+  """One more `call` traced into log_dir: where its device time goes per generated token
+  (`profiling.summarize`), printed under `title`."""
+  with profiling.trace(log_dir):
+    call()
+  summary = profiling.summarize(log_dir, steps=FLAGS.new_tokens, top=FLAGS.profile_top)
+  print(profiling.format_summary(summary, title), flush=True)
+  return summary
+
+
 def run_case(params: Any, config: Any, batch: int, reps: int, name: str
              ) -> tuple[dict[str, Any], list]:
   """A fixed-batch case `name` (policy:impl:batch): (its numbers, the first generated token of
@@ -401,11 +411,7 @@ def run_case(params: Any, config: Any, batch: int, reps: int, name: str
            tokens_per_seq=tokens / batch)
   if FLAGS.profile_dir:
     log_dir = os.path.join(FLAGS.profile_dir, re.sub(r"[:+]", "_", name))
-    with profiling.trace(log_dir):
-      call()
-    r["profile"] = profiling.summarize(log_dir, steps=FLAGS.new_tokens, top=FLAGS.profile_top)
-    print(profiling.format_summary(r["profile"], f"{name}, per generated token (prefill "
-                                   "amortized)"), flush=True)
+    r["profile"] = _profiled(call, log_dir, f"{name}, per generated token (prefill amortized)")
     if FLAGS.profile_timeline:
       anchor, _, index = FLAGS.profile_timeline.rpartition(":")
       print(f"timeline of {name} at the {index}th {anchor}:", flush=True)
@@ -465,12 +471,9 @@ def run_budget_case(params: Any, config: Any, budget_bytes: float, context: int,
   r.update(batch=b, tokens=tokens, tokens_per_s=tokens / r["median_s"],
            total_bytes=r["weight_bytes"] + b * per_seq)
   if FLAGS.profile_dir:
-    log_dir = os.path.join(FLAGS.profile_dir, f"budget_{config.policy}")
-    with profiling.trace(log_dir):
-      call()
-    r["profile"] = profiling.summarize(log_dir, steps=new, top=FLAGS.profile_top)
-    print(profiling.format_summary(r["profile"], f"budget:{config.policy} at batch {b}, "
-                                   f"{context}-token caches, per generated token"), flush=True)
+    r["profile"] = _profiled(call, os.path.join(FLAGS.profile_dir, f"budget_{config.policy}"),
+                             f"budget:{config.policy} at batch {b}, {context}-token caches, "
+                             "per generated token")
   return r
 
 

@@ -7,9 +7,12 @@
 #   kernel on the packed cache as the engine holds it (codes as words) beside the bytes'
 #   bits decoder and the BF16 cache (call 2 ran the bytes' table decoder, since removed); T_PROF: the fixed-memory case (bf16, fp4_rtn), timed and
 #   profiled per generated token; T_NCU (off by default): ncu of the decode-attention kernels
-#   per NCU_POLICIES budget case; T_ORDER, T_STEADY (below); T_POOL: gpu_tables.sh's pinned-pool step.
+#   per NCU_POLICIES budget case; T_STEADY (below); T_POOL: gpu_tables.sh's pinned-pool step.
 # Call 1 ran T_PROF=190 T_NCU=80 T_POOL=150 on the bytes layout: the profile came back, ncu
-# held the call until the 600 s limit (timeout's SIGTERM did not stop it: use -k).
+# held the call until the 600 s limit (timeout's SIGTERM did not stop it: use -k). Call 6 also
+# ran a T_ORDER step (the 60 GB case with `decode_attention.WORDS_ORDER` set to mma or natural,
+# a module switch since removed: natural was no faster; `kernel_packed_natural` here compares
+# the orders at the kernel).
 source "$(dirname "$0")/gpu_lib.sh"
 I="${IMPL:-kernel+unroll4}"
 N="${PROF_NEW:-128}"
@@ -40,14 +43,6 @@ for P in ${NCU_POLICIES:-fp4_rtn bf16}; do
     --kernel-name regex:"${NCU_KERNELS:-decode_attention}" --launch-skip "${NCU_SKIP:-16}" \
     --launch-count "${NCU_COUNT:-4}" --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread,launch__grid_size,launch__block_size,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed \
     $BUD --budget_policies="$P" --new_tokens=4 --reps=1 --budget_max_batch="${NCU_BATCH:-512}"
-done
-# T_ORDER: the fixed-memory case (fp4_rtn) with K decoded in each ORDERS order
-# (`decode_attention.WORDS_ORDER`), one process each.
-for O in ${ORDERS:-mma natural}; do
-  [ "${T_ORDER:-1}" -gt 1 ] || break
-  TAIL=3 run "order_$O" "$T_ORDER" python3 -c "import sys; from trace_jax.kernels import decode_attention as d; d.WORDS_ORDER = '$O'; from experiments import bench_rollout as b; b.main(sys.argv)" \
-    --impls=$I --key_impl=$I --budget_impl=$I --cases=none --transformers=false --budget_gb=60 \
-    --budget_policies=fp4_rtn --reps=3 --json_out="/tmp/order_$O.json"
 done
 # T_STEADY: fp4_rtn and fp4_trace at 24 layers, batch 64, REPS_STEADY timed calls (call 2's
 # pool step: XLA's pinned host pool grows over the first two calls only).

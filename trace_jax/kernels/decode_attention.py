@@ -75,11 +75,6 @@ except ImportError:  # pragma: no cover
 BF16Cache = tuple[jax.Array, jax.Array]
 MIN_ROWS = 16  # Triton's smallest dot tile along M (and N, K)
 DEFAULT_BLOCK_T = 64
-# The order the words decoder lays a K tile out in ("mma": `fp4_decode.mma_order`).
-WORDS_ORDER = "mma"
-# Block dims squeezed out of a kernel's view (None in older jax, `pl.squeezed` in newer).
-_SQ = getattr(pl, "squeezed", None)
-_F32_MIN = float(np.finfo(np.float32).min)
 
 
 # ----------------------------------------------------------------------------- version guards
@@ -216,19 +211,17 @@ def decode_words_rows(words: jax.Array, block_bits: jax.Array, row: jax.Array,
   same bytes. order: "natural" or "mma" (`fp4_decode.mma_order`, H a multiple of 64). valid:
   rows outside it decode to +-0 (their scale bytes and row scale are zeroed first, so
   undefined masked loads cannot reach the tile's table branch)."""
-  bits = block_bits.astype(jnp.int32)
   if valid is not None:
-    bits = jnp.where(valid[:, None], bits, 0)
+    block_bits = jnp.where(valid[:, None], block_bits, jnp.zeros((), block_bits.dtype))
     row = jnp.where(valid, row, np.float32(0.0))
   factors = tuple(f.reshape(row.shape[0], 1) for f in fp4_decode.tensor_scale_factors(row))
   w0, w1 = jnp.unstack(words, axis=-1)
-  return fp4_decode.decode_words(w0, w1, bits.astype(jnp.uint8), dtype, asm=asm,
-                                 factors=factors, table=table, order=order)
+  return fp4_decode.decode_words(w0, w1, block_bits, dtype, asm=asm, factors=factors,
+                                 table=table, order=order)
 
 
-def _kv_tiles(refs, lyr, b, g, t0: int, ok: jax.Array, block_t: int, dtype, *, packed: bool,
-              decoder: str, asm: bool, table: str | None, order: str = "natural"
-              ) -> list[jax.Array]:
+def _kv_tile(refs, lyr, b, g, t0: int, ok: jax.Array, block_t: int, dtype, *, packed: bool,
+             decoder: str, asm: bool, table: str | None, order: str = "natural") -> jax.Array:
   """K or V rows t0 .. t0 + block_t of (layer lyr, sequence b, kv head g) in dtype: [bt, H]
   (decoder "words": in `order`). Rows outside `ok` come out zero (masked loads leave them
   undefined, and 0 * NaN would reach the PV sum)."""
@@ -244,76 +237,67 @@ def _kv_tiles(refs, lyr, b, g, t0: int, ok: jax.Array, block_t: int, dtype, *, p
     bits = _load(b_ref, (lyr, b, rows, g, slice(None)), mask_of((b_ref.shape[-1],)))
     row = _load(r_ref, (lyr, b, rows, g), ok)
     if decoder == "words":
-      return [decode_words_rows(codes, bits, row, dtype, asm=asm, valid=ok, table=table,
-                                order=order)]
+      return decode_words_rows(codes, bits, row, dtype, asm=asm, valid=ok, table=table,
+                               order=order)
     if words:  # the bits decoder on words (interpret mode): their bytes
       codes = fp4_decode.from_words(codes)
-    return [decode_nvfp4_rows(codes, bits, row, dtype, valid=ok)]
+    return decode_nvfp4_rows(codes, bits, row, dtype, valid=ok)
   (ref,) = refs
   mask = jnp.broadcast_to(ok[:, None], (block_t, ref.shape[-1]))
   x = _load(ref, (lyr, b, rows, g, slice(None)), mask).astype(dtype)
-  return [jnp.where(mask, x, jnp.zeros((), dtype))]
+  return jnp.where(mask, x, jnp.zeros((), dtype))
 
 
-def _scores_kernel(layer_ref, len_ref, *refs, n_q: int, packed: bool, decoder: str, asm: bool,
+def _scores_kernel(layer_ref, len_ref, q_ref, *refs, packed: bool, decoder: str, asm: bool,
                    table: str | None, order: str, r: int, block_t: int, scale: float):
   """Program (b, g, j): float32 scores of key block j for the R query heads of kv head g, as
   `attention.attend` computes them (float32 dot times float32 H**-0.5); blocks at or beyond
   the sequence's length are skipped (left unwritten)."""
-  q_refs, k_refs, s_ref = refs[:n_q], refs[n_q:-1], refs[-1]
+  k_refs, s_ref = refs[:-1], refs[-1]
   b, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = len_ref[b]
   t0 = pl.multiple_of(j * block_t, block_t)
 
   @pl.when(t0 < length)
   def _():
-    dtype = q_refs[0].dtype
     ok = t0 + jnp.arange(block_t) < length
-    ks = _kv_tiles(k_refs, layer_ref[0], b, g, t0, ok, block_t, dtype, packed=packed,
-                   decoder=decoder, asm=asm, table=table, order=order)
-    s = None
-    for q_ref, k in zip(q_refs, ks):
-      d = jax.lax.dot_general(q_ref[b, g], k, (((1,), (1,)), ((), ())),
-                              preferred_element_type=jnp.float32)      # [Rp, block_t]
-      s = d if s is None else s + d
+    k = _kv_tile(k_refs, layer_ref[0], b, g, t0, ok, block_t, q_ref.dtype, packed=packed,
+                 decoder=decoder, asm=asm, table=table, order=order)
+    s = jax.lax.dot_general(q_ref[b, g], k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)        # [Rp, block_t]
     s = s * np.float32(scale)
     rp = s.shape[0]
     mask = (jnp.arange(rp) < r)[:, None] & ok[None, :]
     _store(s_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), s, mask)
 
 
-def _pv_kernel(layer_ref, len_ref, p_ref, *refs, n_out: int, packed: bool, decoder: str,
-               asm: bool, table: str | None, r: int, block_t: int, blocks_per_split: int,
-               splits: int):
+def _pv_kernel(layer_ref, len_ref, p_ref, *refs, packed: bool, decoder: str, asm: bool,
+               table: str | None, r: int, block_t: int, blocks_per_split: int, splits: int):
   """Program (b, g, split): sum over this split's key blocks of probabilities x V in float32;
   the output (one split) or the split's partial sums."""
-  v_refs, out_refs = refs[:-n_out], refs[-n_out:]
+  v_refs, o_ref = refs[:-1], refs[-1]
   b, g, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = len_ref[b]
   first = si * blocks_per_split
   last = jnp.minimum(first + blocks_per_split, (length + block_t - 1) // block_t)
   dtype = p_ref.dtype
-  rp = out_refs[0].shape[-2]
+  rp, width = o_ref.shape[-2:]
   row_ok = (jnp.arange(rp) < r)[:, None]
 
-  def body(i, accs):
+  def body(i, acc):
     t0 = pl.multiple_of(i * block_t, block_t)
     ok = t0 + jnp.arange(block_t) < length
     p = _load(p_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), row_ok & ok[None, :])
     p = jnp.where(row_ok & ok[None, :], p, jnp.zeros((), dtype))
-    vs = _kv_tiles(v_refs, layer_ref[0], b, g, t0, ok, block_t, dtype, packed=packed,
-                   decoder=decoder, asm=asm, table=table)
-    return tuple(acc + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())),
-                                           preferred_element_type=jnp.float32)
-                 for acc, v in zip(accs, vs))
+    v = _kv_tile(v_refs, layer_ref[0], b, g, t0, ok, block_t, dtype, packed=packed,
+                 decoder=decoder, asm=asm, table=table)
+    return acc + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
 
-  width = out_refs[0].shape[-1]
-  accs = jax.lax.fori_loop(first, last, body,
-                           tuple(jnp.zeros((rp, width), jnp.float32) for _ in out_refs))
-  mask = jnp.broadcast_to(row_ok, (rp, width))
-  for o_ref, acc in zip(out_refs, accs):
-    idx = (b, g) if splits == 1 else (b, g, si)
-    _store(o_ref, idx + (slice(None), slice(None)), acc.astype(o_ref.dtype), mask)
+  acc = jax.lax.fori_loop(first, last, body, jnp.zeros((rp, width), jnp.float32))
+  idx = (b, g) if splits == 1 else (b, g, si)
+  _store(o_ref, idx + (slice(None), slice(None)), acc.astype(o_ref.dtype),
+         jnp.broadcast_to(row_ok, (rp, width)))
 
 
 def _next_pow2(x: int) -> int:
@@ -367,34 +351,34 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
   # words: K decoded in the MMA operand order where H allows it, q's columns in the same order
   k_order = "mma" if (decoder == "words" and words_order == "mma"
                       and h % fp4_decode.MMA_ORDER_SPAN == 0) else "natural"
-  qs = (fp4_decode.mma_order_columns(qg) if k_order == "mma" else qg,)
+  if k_order == "mma":
+    qg = fp4_decode.mma_order_columns(qg)
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
   params = None if interpret else _compiler_params(num_warps, num_stages)
   scores = pl.pallas_call(
-      functools.partial(_scores_kernel, n_q=len(qs), packed=packed, decoder=decoder,
+      functools.partial(_scores_kernel, packed=packed, decoder=decoder,
                         asm=not interpret, table=table, order=k_order, r=r, block_t=block_t,
                         scale=attention.score_scale(h)),
       grid=(b, g, nblk), out_shape=jax.ShapeDtypeStruct((b, g, r, t), jnp.float32),
       interpret=interpret, compiler_params=params,
       name="decode_attention_scores_nvfp4" if packed else "decode_attention_scores",
-  )(lyr, lengths, *qs, *ks)
+  )(lyr, lengths, qg, *ks)
   # `attend`'s probabilities from the same scores: masked beyond each length (blocks the
   # kernel skipped hold no data and are masked), float32 softmax, one rounding.
   mask = (jnp.arange(t)[None, :] < lengths[:, None])[:, None, None, None, :]
   probs = attention.attention_probs(scores[:, :, :, None, :], mask, q.dtype)[:, :, :, 0, :]
   if splits == 1:
-    out_shape = [jax.ShapeDtypeStruct((b, g, rp, h), q.dtype)]
+    out_shape = jax.ShapeDtypeStruct((b, g, rp, h), q.dtype)
   else:
-    out_shape = [jax.ShapeDtypeStruct((b, g, splits, rp, h), jnp.float32)]
-  outs = pl.pallas_call(
-      functools.partial(_pv_kernel, n_out=1, packed=packed, decoder=decoder,
+    out_shape = jax.ShapeDtypeStruct((b, g, splits, rp, h), jnp.float32)
+  out = pl.pallas_call(
+      functools.partial(_pv_kernel, packed=packed, decoder=decoder,
                         asm=not interpret, table=table, r=r, block_t=block_t,
                         blocks_per_split=bps, splits=splits),
       grid=(b, g, splits), out_shape=out_shape, interpret=interpret, compiler_params=params,
       name="decode_attention_pv_nvfp4" if packed else "decode_attention_pv",
   )(lyr, lengths, probs, *vs)
-  out = outs[0]
   if splits > 1:
     out = jnp.sum(out, axis=2).astype(q.dtype)
   return out[:, :, :r].reshape(b, n, h)
@@ -439,7 +423,7 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
                      layer: jax.Array | None = None, interpret: bool | None = None,
                      block_t: int = DEFAULT_BLOCK_T, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, decoder: str | None = None,
-                     table: str | None = None, words_order: str | None = None) -> jax.Array:
+                     table: str | None = None, words_order: str = "mma") -> jax.Array:
   """Attention of one query token per sequence over its cache: q [B, N, H] -> [B, N, H].
 
   cache: a `PackedKVCache` (NVFP4) or BF16 (k, v), each [B, T, G, H]; with `layer` (int32
@@ -453,10 +437,9 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   one (for tests), "fast" always the fast one (only exact for row scales in
   `fp4_decode.tensor_scale_factors`' fast range). words_order (decoder "words"): K decoded in
   the "mma" operand order (head_dim a multiple of 64; q's columns permuted to match) or
-  "natural" (None: `WORDS_ORDER`). Output in q.dtype; numerics: the module's.
+  "natural" (measured slower on the H200). Output in q.dtype; numerics: the module's.
   """
   _check(q, cache, lengths, block_t, layer)
-  words_order = WORDS_ORDER if words_order is None else words_order
   if words_order not in ("mma", "natural"):
     raise ValueError(f"words_order must be 'mma' or 'natural', got {words_order!r}")
   if interpret is None:
@@ -514,17 +497,16 @@ def output_tolerance(v: jax.Array, lengths: jax.Array, ref: jax.Array,
 
 # ----------------------------------------------------------------------------- dequantize kernel
 
-def _dequant_kernel(c_ref, b_ref, r_ref, *o_refs, block_t: int, t: int, decoder: str,
+def _dequant_kernel(c_ref, b_ref, r_ref, o_ref, *, block_t: int, t: int, decoder: str,
                     asm: bool, table: str | None):
-  """Program i: rows i * block_t .. of a [1, 1, t, 1, ...] cache, decoded by `_kv_tiles`."""
+  """Program i: rows i * block_t .. of a [1, 1, t, 1, ...] cache, decoded by `_kv_tile`."""
   t0 = pl.program_id(0) * block_t
   ok = t0 + jnp.arange(block_t) < t
   zero = jnp.int32(0)  # layer, sequence and kv head of the flat view
-  xs = _kv_tiles((c_ref, b_ref, r_ref), zero, zero, zero, t0, ok, block_t, o_refs[0].dtype,
-                 packed=True, decoder=decoder, asm=asm, table=table)
-  for o_ref, x in zip(o_refs, xs):
-    _store(o_ref, (pl.ds(t0, block_t), slice(None)), x,
-           jnp.broadcast_to(ok[:, None], (block_t, o_ref.shape[-1])))
+  x = _kv_tile((c_ref, b_ref, r_ref), zero, zero, zero, t0, ok, block_t, o_ref.dtype,
+               packed=True, decoder=decoder, asm=asm, table=table)
+  _store(o_ref, (pl.ds(t0, block_t), slice(None)), x,
+         jnp.broadcast_to(ok[:, None], (block_t, o_ref.shape[-1])))
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block_t", "decoder",
@@ -538,20 +520,20 @@ def _dequantize_pallas(codes, block, row, *, dtype, interpret: bool, block_t: in
   flat = lambda a, tail: a.reshape((1, 1, t, 1) + tail)
   c = flat(codes, codes.shape[-2:] if words else codes.shape[-1:])
   bb, rr = flat(_block_bits(block), block.shape[-1:]), flat(row, ())
-  outs = pl.pallas_call(
+  out = pl.pallas_call(
       functools.partial(_dequant_kernel, block_t=block_t, t=t, decoder=decoder,
                         asm=not interpret, table=table),
-      grid=(-(-t // block_t),), out_shape=[jax.ShapeDtypeStruct((t, h), dtype)],
+      grid=(-(-t // block_t),), out_shape=jax.ShapeDtypeStruct((t, h), dtype),
       interpret=interpret, compiler_params=_compiler_params(num_warps, 1),
       name="nvfp4_kv_dequantize")(c, bb, rr)
-  return outs[0].reshape(lead + (h,))
+  return out.reshape(lead + (h,))
 
 
 def dequantize_pallas(cache: PackedKVCache, dtype: jnp.dtype = jnp.bfloat16, *,
                       interpret: bool | None = None, block_t: int = DEFAULT_BLOCK_T,
                       decoder: str | None = None,
                       table: str | None = None) -> tuple[jax.Array, jax.Array]:
-  """(k, v) [B, T, G, H] decoded by the attention kernels' in-register decoder (`_kv_tiles`,
+  """(k, v) [B, T, G, H] decoded by the attention kernels' in-register decoder (`_kv_tile`,
   in a Pallas kernel of its own), so tests can compare its bits with `kv_cache.dequantize`.
   decoder, table: as in `decode_attention`."""
   if interpret is None:
