@@ -249,10 +249,12 @@ def _kv_tile(refs, lyr, b, g, t0: int, ok: jax.Array, block_t: int, dtype, *, pa
 
 
 def _scores_kernel(layer_ref, len_ref, q_ref, *refs, packed: bool, decoder: str, asm: bool,
-                   table: str | None, order: str, r: int, block_t: int, scale: float):
+                   table: str | None, order: str, keys_lhs: bool, r: int, block_t: int,
+                   scale: float):
   """Program (b, g, j): float32 scores of key block j for the R query heads of kv head g, as
   `attention.attend` computes them (float32 dot times float32 H**-0.5); blocks at or beyond
-  the sequence's length are skipped (left unwritten)."""
+  the sequence's length are skipped (left unwritten). keys_lhs: the dot as K q^T (the key tile
+  the MMA's left operand, which Triton may take from registers), transposed after."""
   k_refs, s_ref = refs[:-1], refs[-1]
   b, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = len_ref[b]
@@ -263,8 +265,12 @@ def _scores_kernel(layer_ref, len_ref, q_ref, *refs, packed: bool, decoder: str,
     ok = t0 + jnp.arange(block_t) < length
     k = _kv_tile(k_refs, layer_ref[0], b, g, t0, ok, block_t, q_ref.dtype, packed=packed,
                  decoder=decoder, asm=asm, table=table, order=order)
-    s = jax.lax.dot_general(q_ref[b, g], k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)        # [Rp, block_t]
+    qt = q_ref[b, g]
+    dims = (((1,), (1,)), ((), ()))
+    if keys_lhs:
+      s = jax.lax.dot_general(k, qt, dims, preferred_element_type=jnp.float32).T
+    else:
+      s = jax.lax.dot_general(qt, k, dims, preferred_element_type=jnp.float32)  # [Rp, bt]
     s = s * np.float32(scale)
     rp = s.shape[0]
     mask = (jnp.arange(rp) < r)[:, None] & ok[None, :]
@@ -272,9 +278,10 @@ def _scores_kernel(layer_ref, len_ref, q_ref, *refs, packed: bool, decoder: str,
 
 
 def _pv_kernel(layer_ref, len_ref, p_ref, *refs, packed: bool, decoder: str, asm: bool,
-               table: str | None, r: int, block_t: int, blocks_per_split: int, splits: int):
+               table: str | None, order: str, r: int, block_t: int, blocks_per_split: int,
+               splits: int):
   """Program (b, g, split): sum over this split's key blocks of probabilities x V in float32;
-  the output (one split) or the split's partial sums."""
+  the output (one split) or the split's partial sums (columns in V's decode `order`)."""
   v_refs, o_ref = refs[:-1], refs[-1]
   b, g, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = len_ref[b]
@@ -290,7 +297,7 @@ def _pv_kernel(layer_ref, len_ref, p_ref, *refs, packed: bool, decoder: str, asm
     p = _load(p_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), row_ok & ok[None, :])
     p = jnp.where(row_ok & ok[None, :], p, jnp.zeros((), dtype))
     v = _kv_tile(v_refs, layer_ref[0], b, g, t0, ok, block_t, dtype, packed=packed,
-                 decoder=decoder, asm=asm, table=table)
+                 decoder=decoder, asm=asm, table=table, order=order)
     return acc + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())),
                                      preferred_element_type=jnp.float32)
 
@@ -326,10 +333,12 @@ def _cache_arrays(cache, packed: bool) -> tuple[tuple[jax.Array, ...], tuple[jax
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_t", "num_splits", "num_warps",
-                                             "num_stages", "decoder", "table", "words_order"))
+                                             "num_stages", "decoder", "table", "words_order",
+                                             "keys_lhs", "v_order"))
 def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int,
                       num_splits: int, num_warps: int, num_stages: int, decoder: str = "bits",
-                      table: str | None = None, words_order: str = "mma"):
+                      table: str | None = None, words_order: str = "mma",
+                      keys_lhs: bool = False, v_order: str = "natural"):
   from trace_jax.model import attention  # here: trace_jax.model imports this module
 
   packed = isinstance(cache, PackedKVCache)
@@ -353,16 +362,20 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
                       and h % fp4_decode.MMA_ORDER_SPAN == 0) else "natural"
   if k_order == "mma":
     qg = fp4_decode.mma_order_columns(qg)
+  v_order = "mma" if (decoder == "words" and v_order == "mma"
+                      and h % fp4_decode.MMA_ORDER_SPAN == 0) else "natural"
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
   params = None if interpret else _compiler_params(num_warps, num_stages)
   scores = pl.pallas_call(
       functools.partial(_scores_kernel, packed=packed, decoder=decoder,
-                        asm=not interpret, table=table, order=k_order, r=r, block_t=block_t,
+                        asm=not interpret, table=table, order=k_order, keys_lhs=keys_lhs,
+                        r=r, block_t=block_t,
                         scale=attention.score_scale(h)),
       grid=(b, g, nblk), out_shape=jax.ShapeDtypeStruct((b, g, r, t), jnp.float32),
       interpret=interpret, compiler_params=params,
-      name="decode_attention_scores_nvfp4" if packed else "decode_attention_scores",
+      name=("decode_attention_scores_nvfp4" if packed else "decode_attention_scores")
+      + ("_keys_lhs" if keys_lhs else ""),
   )(lyr, lengths, qg, *ks)
   # `attend`'s probabilities from the same scores: masked beyond each length (blocks the
   # kernel skipped hold no data and are masked), float32 softmax, one rounding.
@@ -374,13 +387,15 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
     out_shape = jax.ShapeDtypeStruct((b, g, splits, rp, h), jnp.float32)
   out = pl.pallas_call(
       functools.partial(_pv_kernel, packed=packed, decoder=decoder,
-                        asm=not interpret, table=table, r=r, block_t=block_t,
-                        blocks_per_split=bps, splits=splits),
+                        asm=not interpret, table=table, order=v_order, r=r,
+                        block_t=block_t, blocks_per_split=bps, splits=splits),
       grid=(b, g, splits), out_shape=out_shape, interpret=interpret, compiler_params=params,
       name="decode_attention_pv_nvfp4" if packed else "decode_attention_pv",
   )(lyr, lengths, probs, *vs)
   if splits > 1:
     out = jnp.sum(out, axis=2).astype(q.dtype)
+  if v_order == "mma":  # the output's columns back in their natural order
+    out = jnp.take(out, np.argsort(fp4_decode.mma_columns(h)), axis=-1)
   return out[:, :, :r].reshape(b, n, h)
 
 
@@ -423,7 +438,8 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
                      layer: jax.Array | None = None, interpret: bool | None = None,
                      block_t: int = DEFAULT_BLOCK_T, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, decoder: str | None = None,
-                     table: str | None = None, words_order: str = "mma") -> jax.Array:
+                     table: str | None = None, words_order: str = "mma",
+                     keys_lhs: bool = False, v_order: str = "natural") -> jax.Array:
   """Attention of one query token per sequence over its cache: q [B, N, H] -> [B, N, H].
 
   cache: a `PackedKVCache` (NVFP4) or BF16 (k, v), each [B, T, G, H]; with `layer` (int32
@@ -437,11 +453,14 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   one (for tests), "fast" always the fast one (only exact for row scales in
   `fp4_decode.tensor_scale_factors`' fast range). words_order (decoder "words"): K decoded in
   the "mma" operand order (head_dim a multiple of 64; q's columns permuted to match) or
-  "natural" (measured slower on the H200). Output in q.dtype; numerics: the module's.
+  "natural" (measured slower on the H200). keys_lhs: the scores' dot as K q^T instead of
+  q K^T (the same terms). v_order (decoder "words"): V decoded in "natural" or "mma" column
+  order (the output's columns put back outside). Output in q.dtype; numerics: the module's.
   """
   _check(q, cache, lengths, block_t, layer)
-  if words_order not in ("mma", "natural"):
-    raise ValueError(f"words_order must be 'mma' or 'natural', got {words_order!r}")
+  for name, value in (("words_order", words_order), ("v_order", v_order)):
+    if value not in ("mma", "natural"):
+      raise ValueError(f"{name} must be 'mma' or 'natural', got {value!r}")
   if interpret is None:
     interpret = _default_interpret()
   packed = isinstance(cache, PackedKVCache)
@@ -454,7 +473,7 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   return _decode_attention(q, cache, lengths, layer, interpret=bool(interpret),
                            block_t=block_t, num_splits=int(num_splits), num_warps=num_warps,
                            num_stages=num_stages, decoder=decoder, table=table,
-                           words_order=words_order)
+                           words_order=words_order, keys_lhs=bool(keys_lhs), v_order=v_order)
 
 
 # ----------------------------------------------------------------------------- references
