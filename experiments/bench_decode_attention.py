@@ -13,10 +13,6 @@ Per case (context T, batch B; every sequence at full length T, one query token e
                       "words", one table per block, `fp4_decode.decode_words`)
   kernel_packed_natural  kernel_packed with the K tile decoded in natural column order instead
                       of the MMA operand order (`words_order="natural"`; words only)
-  kernel_packed_keys_lhs  kernel_packed with the scores' dot as K q^T (`keys_lhs=True`: the
-                      decoded key tile the MMA's left operand)
-  kernel_packed_v_mma  kernel_packed with V decoded in the MMA column order (`v_order="mma"`,
-                      the output's columns put back by XLA)
   kernel_packed_bits  the same cache with the codes as bytes and the bit-arithmetic decoder
                       (`decoder="bits"`), for the ratio in one process
   copy                `jnp.copy` of the BF16 K cache: the bandwidth reference (read + write)
@@ -66,6 +62,8 @@ flags.DEFINE_integer("num_splits", 0, "Kernel key splits (0: the kernel's defaul
                      flag_values=FLAGS)
 flags.DEFINE_integer("num_warps", 4, "Kernel warps per program.", flag_values=FLAGS)
 flags.DEFINE_integer("num_stages", 2, "Kernel pipeline stages.", flag_values=FLAGS)
+flags.DEFINE_integer("score_blocks", 1, "Key blocks per program of the scores kernel.",
+                     flag_values=FLAGS)
 flags.DEFINE_enum("decoder", "auto", ["auto", "words", "bits"],
                   "kernel_packed's decoder (auto: words on the GPU, bits in interpret mode).",
                   flag_values=FLAGS)
@@ -88,15 +86,12 @@ PRESETS = {
     "cpu": dict(contexts=[64], batches=[2], heads=8, kv_heads=2, head_dim=64),
 }
 IMPLS = ("xla_bf16", "xla_fq_bf16", "xla_packed_dequant", "kernel_bf16", "kernel_packed",
-         "kernel_packed_natural", "kernel_packed_keys_lhs", "kernel_packed_v_mma",
-         "kernel_packed_bits")
+         "kernel_packed_natural", "kernel_packed_bits")
 COPY = "copy"
 # The cache each path reads, and the contract its output is checked against.
 CACHE_OF = {"xla_bf16": "bf16", "xla_fq_bf16": "fq_bf16", "xla_packed_dequant": "packed",
             "kernel_bf16": "bf16", "kernel_packed": "packed",
-            "kernel_packed_natural": "packed", "kernel_packed_keys_lhs": "packed",
-            "kernel_packed_v_mma": "packed",
-            "kernel_packed_bits": "packed_bytes"}
+            "kernel_packed_natural": "packed", "kernel_packed_bits": "packed_bytes"}
 
 
 def _nbytes(tree: Any) -> int:
@@ -169,20 +164,19 @@ def _cpu_reference(q: Any, cache: Any, lengths: Any, c: int) -> tuple[Any, Any]:
 
 
 def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stages: int,
-           decoder: str = "auto") -> dict[str, Callable[..., Any]]:
+           decoder: str = "auto", score_blocks: int = 1) -> dict[str, Callable[..., Any]]:
   from trace_jax.kernels import decode_attention as da
 
   kernel = functools.partial(da.decode_attention, block_t=block_t,
                              num_splits=num_splits or None, num_warps=num_warps,
-                             num_stages=num_stages)
+                             num_stages=num_stages, score_blocks=score_blocks or 1)
   ref = da.decode_attention_reference
-  packed = functools.partial(kernel, decoder=None if decoder == "auto" else decoder)
   return {"xla_bf16": ref, "xla_fq_bf16": ref, "xla_packed_dequant": ref,
           "kernel_bf16": kernel,
-          "kernel_packed": packed,
-          "kernel_packed_natural": functools.partial(packed, words_order="natural"),
-          "kernel_packed_keys_lhs": functools.partial(packed, keys_lhs=True),
-          "kernel_packed_v_mma": functools.partial(packed, v_order="mma"),
+          "kernel_packed": functools.partial(kernel, decoder=None if decoder == "auto"
+                                             else decoder),
+          "kernel_packed_natural": functools.partial(kernel, decoder=None if decoder == "auto"
+                                                     else decoder, words_order="natural"),
           "kernel_packed_bits": functools.partial(kernel, decoder="bits")}
 
 
@@ -255,10 +249,6 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
                                                           "kernel_packed_bits"),
       "time_kernel_packed_natural_over_kernel_packed": ratio("kernel_packed_natural",
                                                              "kernel_packed"),
-      "time_kernel_packed_keys_lhs_over_kernel_packed": ratio("kernel_packed_keys_lhs",
-                                                              "kernel_packed"),
-      "time_kernel_packed_v_mma_over_kernel_packed": ratio("kernel_packed_v_mma",
-                                                           "kernel_packed"),
       "time_kernel_packed_over_xla_fq_bf16": ratio("kernel_packed", "xla_fq_bf16"),
       "time_kernel_bf16_over_xla_bf16": ratio("kernel_bf16", "xla_bf16"),
       "time_xla_packed_dequant_over_xla_fq_bf16": ratio("xla_packed_dequant", "xla_fq_bf16"),
@@ -395,7 +385,7 @@ def main(argv: Sequence[str]) -> dict[str, Any] | None:
   p = PRESETS[FLAGS.preset]
   kernel_args = dict(block_t=FLAGS.block_t, num_splits=FLAGS.num_splits,
                      num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages,
-                     decoder=FLAGS.decoder)
+                     decoder=FLAGS.decoder, score_blocks=FLAGS.score_blocks)
   res = run_bench(FLAGS.preset, [int(x) for x in FLAGS.contexts] or p["contexts"],
                   [int(x) for x in FLAGS.batches] or p["batches"], FLAGS.heads or p["heads"],
                   FLAGS.kv_heads or p["kv_heads"], FLAGS.head_dim or p["head_dim"], FLAGS.impls,

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # H200 calls (device tool, `carry: [".whl"]`), 2026-12-04 (tenth session): where the packed
 # KV cache's attention kernels spend the L1/shared-memory pipe (ncu: 84-93% of it, DRAM 31-33%),
-# and whether taking the decoded key tile as the MMA's left operand (`keys_lhs`) helps.
+# and what helps. Calls 1 and 3 (commit ae697a2) also timed `keys_lhs` (the scores' dot as
+# K q^T) and `v_order` (V decoded in the MMA column order) as kernel impls: neither was faster,
+# both removed.
 # T_ATTN: bench_decode_attention at 8k contexts (its --decoder_check first: the packed cache's
-#   decoders bit for bit on the device); T_PTX: the kernels' PTX from an XLA dump, counted by
-#   experiments.ptx_report (MMA kind, shared-memory statements, byte permutes); T_NCU: ncu's
+#   decoders bit for bit on the device); T_NCU: ncu's
 #   shared-memory wavefronts and bank conflicts per kernel at batch 256; T_OLD: the bytes'
 #   table decoder of 4074c55 (extracted to old/ beforehand: `mkdir old && git archive 4074c55
 #   trace_jax experiments | tar -x -C old`) at two contexts and batches, to see whether its
@@ -14,27 +15,24 @@
 source "$(dirname "$0")/gpu_lib.sh"
 I="${IMPL:-kernel+unroll4}"
 ATTN="python3 -m experiments.bench_decode_attention"
-KIMPLS="${KIMPLS:-kernel_bf16,kernel_packed,kernel_packed_keys_lhs}"
+KIMPLS="${KIMPLS:-kernel_bf16,kernel_packed}"
 stamp start
 TAIL=40 run attn "${T_ATTN:-200}" $ATTN --contexts="${ATTN_CONTEXTS:-8192}" \
   --batches="${ATTN_BATCHES:-64,256}" --impls="${ATTN_IMPLS:-$KIMPLS,kernel_packed_bits}" \
   --reps=10 --inner=4 ${ATTN_EXTRA:-} --json_out="$OUT/attn${ATTN_TAG:-}.json"
-if [ "${T_PTX:-120}" -gt 1 ]; then
-  rm -rf /tmp/xd
-  TAIL=3 run ptx_run "$T_PTX" env XLA_FLAGS="--xla_dump_to=/tmp/xd" $ATTN --contexts=1024 \
-    --batches=8 --impls="$KIMPLS" --reps=1 --warmup=0 --inner=1 --check_seqs=1 \
-    --decoder_check=false --json_out=/tmp/ptx_run.json
-  find /tmp/xd -type f | sed 's|.*/||' | sed -E 's/[0-9]+/N/g' | sort | uniq -c | sort -rn \
-    | head -30 > "$OUT/xla_dump_files.log"
-  grep -l -r "decode_attention" /tmp/xd | head -20 >> "$OUT/xla_dump_files.log"
-  TAIL=12 run ptx 60 python3 -m experiments.ptx_report --dump_dir=/tmp/xd \
-    --kernels=decode_attention --json_out="$OUT/ptx.json" --bodies_out="$OUT/ptx_bodies.ptx.gz"
-fi
 TAIL=60 run ncu "${T_NCU:-150}" timeout -k 5 "$(( ${T_NCU:-150} - 10 ))" ncu --clock-control none \
   --kernel-name regex:decode_attention --launch-count "${NCU_COUNT:-12}" --metrics \
 gpu__time_duration.sum,smsp__inst_executed.sum,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum,smsp__inst_executed_op_ldsm.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__throughput.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread \
   $ATTN --contexts=8192 --batches="${NCU_BATCH:-256}" --impls="$KIMPLS" --reps=1 --warmup=0 \
   --inner=1 --check_seqs=1 --decoder_check=false --json_out=/tmp/ncu_run.json
+# T_SB: the scores kernel's key blocks per program (`score_blocks`, one process per SB entry:
+#   q staged once per program instead of once per key block), kernel_bf16 beside kernel_packed.
+for SBV in ${SB:-}; do
+  [ "${T_SB:-1}" -gt 1 ] || break
+  TAIL=12 run "sb_$SBV" "$T_SB" $ATTN --contexts="${SB_CONTEXTS:-1024,8192}" \
+    --batches="${SB_BATCHES:-64,256}" --impls=kernel_bf16,kernel_packed --reps=10 --inner=4 \
+    --decoder_check=false --score_blocks="$SBV" --json_out="$OUT/sb_$SBV.json"
+done
 # T_SASS: the packed kernels' SASS with per-instruction executed counts, shared-memory
 # wavefronts and bank conflicts (ncu's SourceCounters), gzipped.
 if [ "${T_SASS:-1}" -gt 1 ]; then

@@ -283,21 +283,17 @@ def _check_within_tolerance(out, ref, v, lengths, n):
 
 # Packed-cache variants: kind -> (codes as words, decode_attention options). "packed": the
 # default layout and decoder (words on the GPU, bytes and bits in interpret mode);
-# "packed_words" the words decoder (K in the MMA operand order where H % 64 == 0; "_keys_lhs":
-# the scores' dot as K q^T; "_v_mma": V in the MMA column order too);
+# "packed_words" the words decoder (K in the MMA operand order where H % 64 == 0);
 # "packed_bits" bytes and the bits decoder.
 PACKED_VARIANTS = {"packed": (None, {}), "packed_words": (True, {"decoder": "words"}),
                    "packed_words_exact": (True, {"decoder": "words", "table": "exact"}),
                    "packed_words_natural": (True, {"decoder": "words",
                                                    "words_order": "natural"}),
-                   "packed_words_keys_lhs": (True, {"decoder": "words", "keys_lhs": True}),
-                   "packed_words_v_mma": (True, {"decoder": "words", "v_order": "mma"}),
                    "packed_bits": (False, {"decoder": "bits"})}
 KERNEL_CASES = [(name, kind) for name in ATTN_CASES for kind in ("bf16", "packed",
                                                                    "packed_words")] + [
     ("full_r8", "packed_bits"), ("full_r8", "packed_words_exact"),
-    ("full_r8", "packed_words_natural"), ("mixed_lengths_r2_split3", "packed_words_keys_lhs"),
-    ("mixed_lengths_r2_split3", "packed_words_v_mma"),
+    ("full_r8", "packed_words_natural"),
     ("len1_r4", "packed_words_exact"), ("mixed_lengths_r2_split3", "packed_words_exact")]
 
 

@@ -249,39 +249,44 @@ def _kv_tile(refs, lyr, b, g, t0: int, ok: jax.Array, block_t: int, dtype, *, pa
 
 
 def _scores_kernel(layer_ref, len_ref, q_ref, *refs, packed: bool, decoder: str, asm: bool,
-                   table: str | None, order: str, keys_lhs: bool, r: int, block_t: int,
+                   table: str | None, order: str, r: int, block_t: int, blocks: int,
                    scale: float):
-  """Program (b, g, j): float32 scores of key block j for the R query heads of kv head g, as
-  `attention.attend` computes them (float32 dot times float32 H**-0.5); blocks at or beyond
-  the sequence's length are skipped (left unwritten). keys_lhs: the dot as K q^T (the key tile
-  the MMA's left operand, which Triton may take from registers), transposed after."""
+  """Program (b, g, i): float32 scores of key blocks i * blocks .. (i + 1) * blocks - 1 for the
+  R query heads of kv head g, as `attention.attend` computes them (float32 dot times float32
+  H**-0.5); blocks at or beyond the sequence's length are skipped (left unwritten)."""
   k_refs, s_ref = refs[:-1], refs[-1]
-  b, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  b, g, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = len_ref[b]
-  t0 = pl.multiple_of(j * block_t, block_t)
+  first = i * blocks
+  last = jnp.minimum(first + blocks, (length + block_t - 1) // block_t)
 
-  @pl.when(t0 < length)
+  @pl.when(first < last)
   def _():
-    ok = t0 + jnp.arange(block_t) < length
-    k = _kv_tile(k_refs, layer_ref[0], b, g, t0, ok, block_t, q_ref.dtype, packed=packed,
-                 decoder=decoder, asm=asm, table=table, order=order)
-    qt = q_ref[b, g]
-    dims = (((1,), (1,)), ((), ()))
-    if keys_lhs:
-      s = jax.lax.dot_general(k, qt, dims, preferred_element_type=jnp.float32).T
+    q = q_ref[b, g]
+    rp = q.shape[0]
+
+    def body(j, carry):
+      t0 = pl.multiple_of(j * block_t, block_t)
+      ok = t0 + jnp.arange(block_t) < length
+      k = _kv_tile(k_refs, layer_ref[0], b, g, t0, ok, block_t, q.dtype, packed=packed,
+                   decoder=decoder, asm=asm, table=table, order=order)
+      s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.float32)        # [Rp, block_t]
+      s = s * np.float32(scale)
+      mask = (jnp.arange(rp) < r)[:, None] & ok[None, :]
+      _store(s_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), s, mask)
+      return carry
+
+    if blocks == 1:
+      body(first, 0)
     else:
-      s = jax.lax.dot_general(qt, k, dims, preferred_element_type=jnp.float32)  # [Rp, bt]
-    s = s * np.float32(scale)
-    rp = s.shape[0]
-    mask = (jnp.arange(rp) < r)[:, None] & ok[None, :]
-    _store(s_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), s, mask)
+      jax.lax.fori_loop(first, last, body, 0)
 
 
 def _pv_kernel(layer_ref, len_ref, p_ref, *refs, packed: bool, decoder: str, asm: bool,
-               table: str | None, order: str, r: int, block_t: int, blocks_per_split: int,
-               splits: int):
+               table: str | None, r: int, block_t: int, blocks_per_split: int, splits: int):
   """Program (b, g, split): sum over this split's key blocks of probabilities x V in float32;
-  the output (one split) or the split's partial sums (columns in V's decode `order`)."""
+  the output (one split) or the split's partial sums."""
   v_refs, o_ref = refs[:-1], refs[-1]
   b, g, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = len_ref[b]
@@ -297,7 +302,7 @@ def _pv_kernel(layer_ref, len_ref, p_ref, *refs, packed: bool, decoder: str, asm
     p = _load(p_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), row_ok & ok[None, :])
     p = jnp.where(row_ok & ok[None, :], p, jnp.zeros((), dtype))
     v = _kv_tile(v_refs, layer_ref[0], b, g, t0, ok, block_t, dtype, packed=packed,
-                 decoder=decoder, asm=asm, table=table, order=order)
+                 decoder=decoder, asm=asm, table=table)
     return acc + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())),
                                      preferred_element_type=jnp.float32)
 
@@ -334,11 +339,11 @@ def _cache_arrays(cache, packed: bool) -> tuple[tuple[jax.Array, ...], tuple[jax
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_t", "num_splits", "num_warps",
                                              "num_stages", "decoder", "table", "words_order",
-                                             "keys_lhs", "v_order"))
+                                             "score_blocks"))
 def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int,
                       num_splits: int, num_warps: int, num_stages: int, decoder: str = "bits",
                       table: str | None = None, words_order: str = "mma",
-                      keys_lhs: bool = False, v_order: str = "natural"):
+                      score_blocks: int = 1):
   from trace_jax.model import attention  # here: trace_jax.model imports this module
 
   packed = isinstance(cache, PackedKVCache)
@@ -351,6 +356,7 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
   r = n // g
   rp = max(MIN_ROWS, _next_pow2(r))
   nblk = -(-t // block_t)
+  score_blocks = min(score_blocks, nblk)
   splits = max(1, min(num_splits, nblk))
   bps = -(-nblk // splits)
   splits = -(-nblk // bps)  # no split without blocks
@@ -362,20 +368,17 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
                       and h % fp4_decode.MMA_ORDER_SPAN == 0) else "natural"
   if k_order == "mma":
     qg = fp4_decode.mma_order_columns(qg)
-  v_order = "mma" if (decoder == "words" and v_order == "mma"
-                      and h % fp4_decode.MMA_ORDER_SPAN == 0) else "natural"
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
   params = None if interpret else _compiler_params(num_warps, num_stages)
   scores = pl.pallas_call(
       functools.partial(_scores_kernel, packed=packed, decoder=decoder,
-                        asm=not interpret, table=table, order=k_order, keys_lhs=keys_lhs,
-                        r=r, block_t=block_t,
-                        scale=attention.score_scale(h)),
-      grid=(b, g, nblk), out_shape=jax.ShapeDtypeStruct((b, g, r, t), jnp.float32),
+                        asm=not interpret, table=table, order=k_order, r=r, block_t=block_t,
+                        blocks=score_blocks, scale=attention.score_scale(h)),
+      grid=(b, g, -(-nblk // score_blocks)),
+      out_shape=jax.ShapeDtypeStruct((b, g, r, t), jnp.float32),
       interpret=interpret, compiler_params=params,
-      name=("decode_attention_scores_nvfp4" if packed else "decode_attention_scores")
-      + ("_keys_lhs" if keys_lhs else ""),
+      name="decode_attention_scores_nvfp4" if packed else "decode_attention_scores",
   )(lyr, lengths, qg, *ks)
   # `attend`'s probabilities from the same scores: masked beyond each length (blocks the
   # kernel skipped hold no data and are masked), float32 softmax, one rounding.
@@ -387,15 +390,13 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
     out_shape = jax.ShapeDtypeStruct((b, g, splits, rp, h), jnp.float32)
   out = pl.pallas_call(
       functools.partial(_pv_kernel, packed=packed, decoder=decoder,
-                        asm=not interpret, table=table, order=v_order, r=r,
-                        block_t=block_t, blocks_per_split=bps, splits=splits),
+                        asm=not interpret, table=table, r=r, block_t=block_t,
+                        blocks_per_split=bps, splits=splits),
       grid=(b, g, splits), out_shape=out_shape, interpret=interpret, compiler_params=params,
       name="decode_attention_pv_nvfp4" if packed else "decode_attention_pv",
   )(lyr, lengths, probs, *vs)
   if splits > 1:
     out = jnp.sum(out, axis=2).astype(q.dtype)
-  if v_order == "mma":  # the output's columns back in their natural order
-    out = jnp.take(out, np.argsort(fp4_decode.mma_columns(h)), axis=-1)
   return out[:, :, :r].reshape(b, n, h)
 
 
@@ -439,7 +440,7 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
                      block_t: int = DEFAULT_BLOCK_T, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, decoder: str | None = None,
                      table: str | None = None, words_order: str = "mma",
-                     keys_lhs: bool = False, v_order: str = "natural") -> jax.Array:
+                     score_blocks: int = 1) -> jax.Array:
   """Attention of one query token per sequence over its cache: q [B, N, H] -> [B, N, H].
 
   cache: a `PackedKVCache` (NVFP4) or BF16 (k, v), each [B, T, G, H]; with `layer` (int32
@@ -453,14 +454,11 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   one (for tests), "fast" always the fast one (only exact for row scales in
   `fp4_decode.tensor_scale_factors`' fast range). words_order (decoder "words"): K decoded in
   the "mma" operand order (head_dim a multiple of 64; q's columns permuted to match) or
-  "natural" (measured slower on the H200). keys_lhs: the scores' dot as K q^T instead of
-  q K^T (the same terms). v_order (decoder "words"): V decoded in "natural" or "mma" column
-  order (the output's columns put back outside). Output in q.dtype; numerics: the module's.
+  "natural" (measured slower on the H200). Output in q.dtype; numerics: the module's.
   """
   _check(q, cache, lengths, block_t, layer)
-  for name, value in (("words_order", words_order), ("v_order", v_order)):
-    if value not in ("mma", "natural"):
-      raise ValueError(f"{name} must be 'mma' or 'natural', got {value!r}")
+  if words_order not in ("mma", "natural"):
+    raise ValueError(f"words_order must be 'mma' or 'natural', got {words_order!r}")
   if interpret is None:
     interpret = _default_interpret()
   packed = isinstance(cache, PackedKVCache)
@@ -473,7 +471,7 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   return _decode_attention(q, cache, lengths, layer, interpret=bool(interpret),
                            block_t=block_t, num_splits=int(num_splits), num_warps=num_warps,
                            num_stages=num_stages, decoder=decoder, table=table,
-                           words_order=words_order, keys_lhs=bool(keys_lhs), v_order=v_order)
+                           words_order=words_order, score_blocks=score_blocks)
 
 
 # ----------------------------------------------------------------------------- references

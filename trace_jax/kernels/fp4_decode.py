@@ -588,11 +588,11 @@ def mma_order_columns(x: jax.Array) -> jax.Array:
   k = x.shape[-1]
   if k % MMA_ORDER_SPAN:
     raise ValueError(f"mma_order_columns: K={k} is not a multiple of {MMA_ORDER_SPAN}")
-  return jnp.take(x, mma_columns(k), axis=-1, unique_indices=True, mode="clip")
+  return jnp.take(x, _mma_columns(k), axis=-1, unique_indices=True, mode="clip")
 
 
 @functools.cache
-def mma_columns(k: int) -> np.ndarray:
+def _mma_columns(k: int) -> np.ndarray:
   """Tile column c of `mma_order` holds natural column [c] of this permutation of range(k)."""
   return np.arange(k, dtype=np.int32).reshape(k // 64, 4, 4, 2, 2).transpose(
       0, 2, 3, 1, 4).reshape(k)
