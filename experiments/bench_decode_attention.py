@@ -62,8 +62,6 @@ flags.DEFINE_integer("num_splits", 0, "Kernel key splits (0: the kernel's defaul
                      flag_values=FLAGS)
 flags.DEFINE_integer("num_warps", 4, "Kernel warps per program.", flag_values=FLAGS)
 flags.DEFINE_integer("num_stages", 2, "Kernel pipeline stages.", flag_values=FLAGS)
-flags.DEFINE_integer("score_blocks", 1, "Key blocks per program of the scores kernel.",
-                     flag_values=FLAGS)
 flags.DEFINE_enum("decoder", "auto", ["auto", "words", "bits"],
                   "kernel_packed's decoder (auto: words on the GPU, bits in interpret mode).",
                   flag_values=FLAGS)
@@ -164,12 +162,12 @@ def _cpu_reference(q: Any, cache: Any, lengths: Any, c: int) -> tuple[Any, Any]:
 
 
 def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stages: int,
-           decoder: str = "auto", score_blocks: int = 1) -> dict[str, Callable[..., Any]]:
+           decoder: str = "auto") -> dict[str, Callable[..., Any]]:
   from trace_jax.kernels import decode_attention as da
 
   kernel = functools.partial(da.decode_attention, block_t=block_t,
                              num_splits=num_splits or None, num_warps=num_warps,
-                             num_stages=num_stages, score_blocks=score_blocks or 1)
+                             num_stages=num_stages)
   ref = da.decode_attention_reference
   return {"xla_bf16": ref, "xla_fq_bf16": ref, "xla_packed_dequant": ref,
           "kernel_bf16": kernel,
@@ -385,7 +383,7 @@ def main(argv: Sequence[str]) -> dict[str, Any] | None:
   p = PRESETS[FLAGS.preset]
   kernel_args = dict(block_t=FLAGS.block_t, num_splits=FLAGS.num_splits,
                      num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages,
-                     decoder=FLAGS.decoder, score_blocks=FLAGS.score_blocks)
+                     decoder=FLAGS.decoder)
   res = run_bench(FLAGS.preset, [int(x) for x in FLAGS.contexts] or p["contexts"],
                   [int(x) for x in FLAGS.batches] or p["batches"], FLAGS.heads or p["heads"],
                   FLAGS.kv_heads or p["kv_heads"], FLAGS.head_dim or p["head_dim"], FLAGS.impls,

@@ -3,7 +3,10 @@
 # KV cache's attention kernels spend the L1/shared-memory pipe (ncu: 84-93% of it, DRAM 31-33%),
 # and what helps. Calls 1 and 3 (commit ae697a2) also timed `keys_lhs` (the scores' dot as
 # K q^T) and `v_order` (V decoded in the MMA column order) as kernel impls: neither was faster,
-# both removed.
+# both removed. Call 4 (commit 2da97ec) swept `score_blocks` (key blocks per program of the
+# scores kernel, q staged once per program; a T_SB loop of one bench_decode_attention process
+# per value, --score_blocks=1,2,4,8,16): slower for the packed cache, removed.
+# T_GPUTEST: the decode-attention kernels' pytest file on the GPU.
 # T_ATTN: bench_decode_attention at 8k contexts (its --decoder_check first: the packed cache's
 #   decoders bit for bit on the device); T_NCU: ncu's
 #   shared-memory wavefronts and bank conflicts per kernel at batch 256; T_OLD: the bytes'
@@ -25,14 +28,6 @@ TAIL=60 run ncu "${T_NCU:-150}" timeout -k 5 "$(( ${T_NCU:-150} - 10 ))" ncu --c
 gpu__time_duration.sum,smsp__inst_executed.sum,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum,smsp__inst_executed_op_ldsm.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__throughput.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread \
   $ATTN --contexts=8192 --batches="${NCU_BATCH:-256}" --impls="$KIMPLS" --reps=1 --warmup=0 \
   --inner=1 --check_seqs=1 --decoder_check=false --json_out=/tmp/ncu_run.json
-# T_SB: the scores kernel's key blocks per program (`score_blocks`, one process per SB entry:
-#   q staged once per program instead of once per key block), kernel_bf16 beside kernel_packed.
-for SBV in ${SB:-}; do
-  [ "${T_SB:-1}" -gt 1 ] || break
-  TAIL=12 run "sb_$SBV" "$T_SB" $ATTN --contexts="${SB_CONTEXTS:-1024,8192}" \
-    --batches="${SB_BATCHES:-64,256}" --impls=kernel_bf16,kernel_packed --reps=10 --inner=4 \
-    --decoder_check=false --score_blocks="$SBV" --json_out="$OUT/sb_$SBV.json"
-done
 # T_SASS: the packed kernels' SASS with per-instruction executed counts, shared-memory
 # wavefronts and bank conflicts (ncu's SourceCounters), gzipped.
 if [ "${T_SASS:-1}" -gt 1 ]; then
@@ -51,4 +46,6 @@ fi
 TAIL=24 run steady "${T_STEADY:-1}" python3 -m experiments.bench_rollout --impls=$I \
   --key_impl=$I --layers=24 --policies=fp4_rtn,fp4_trace --batches="${STEADY_BATCHES:-8,256}" \
   --reps="${REPS_STEADY:-5}" --budget_gb=0 --transformers=false --json_out="$OUT/steady.json"
+TAIL=30 run gputest "${T_GPUTEST:-1}" python3 -m pytest -q -x -p no:cacheprovider \
+  --durations=10 ${GPUTEST_FILES:-tests/kernels/test_decode_attention.py}
 stamp done

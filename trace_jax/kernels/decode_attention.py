@@ -249,38 +249,26 @@ def _kv_tile(refs, lyr, b, g, t0: int, ok: jax.Array, block_t: int, dtype, *, pa
 
 
 def _scores_kernel(layer_ref, len_ref, q_ref, *refs, packed: bool, decoder: str, asm: bool,
-                   table: str | None, order: str, r: int, block_t: int, blocks: int,
-                   scale: float):
-  """Program (b, g, i): float32 scores of key blocks i * blocks .. (i + 1) * blocks - 1 for the
-  R query heads of kv head g, as `attention.attend` computes them (float32 dot times float32
-  H**-0.5); blocks at or beyond the sequence's length are skipped (left unwritten)."""
+                   table: str | None, order: str, r: int, block_t: int, scale: float):
+  """Program (b, g, j): float32 scores of key block j for the R query heads of kv head g, as
+  `attention.attend` computes them (float32 dot times float32 H**-0.5); blocks at or beyond
+  the sequence's length are skipped (left unwritten)."""
   k_refs, s_ref = refs[:-1], refs[-1]
-  b, g, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  b, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = len_ref[b]
-  first = i * blocks
-  last = jnp.minimum(first + blocks, (length + block_t - 1) // block_t)
+  t0 = pl.multiple_of(j * block_t, block_t)
 
-  @pl.when(first < last)
+  @pl.when(t0 < length)
   def _():
-    q = q_ref[b, g]
-    rp = q.shape[0]
-
-    def body(j, carry):
-      t0 = pl.multiple_of(j * block_t, block_t)
-      ok = t0 + jnp.arange(block_t) < length
-      k = _kv_tile(k_refs, layer_ref[0], b, g, t0, ok, block_t, q.dtype, packed=packed,
-                   decoder=decoder, asm=asm, table=table, order=order)
-      s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                              preferred_element_type=jnp.float32)        # [Rp, block_t]
-      s = s * np.float32(scale)
-      mask = (jnp.arange(rp) < r)[:, None] & ok[None, :]
-      _store(s_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), s, mask)
-      return carry
-
-    if blocks == 1:
-      body(first, 0)
-    else:
-      jax.lax.fori_loop(first, last, body, 0)
+    ok = t0 + jnp.arange(block_t) < length
+    k = _kv_tile(k_refs, layer_ref[0], b, g, t0, ok, block_t, q_ref.dtype, packed=packed,
+                 decoder=decoder, asm=asm, table=table, order=order)
+    s = jax.lax.dot_general(q_ref[b, g], k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)        # [Rp, block_t]
+    s = s * np.float32(scale)
+    rp = s.shape[0]
+    mask = (jnp.arange(rp) < r)[:, None] & ok[None, :]
+    _store(s_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), s, mask)
 
 
 def _pv_kernel(layer_ref, len_ref, p_ref, *refs, packed: bool, decoder: str, asm: bool,
@@ -338,12 +326,10 @@ def _cache_arrays(cache, packed: bool) -> tuple[tuple[jax.Array, ...], tuple[jax
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_t", "num_splits", "num_warps",
-                                             "num_stages", "decoder", "table", "words_order",
-                                             "score_blocks"))
+                                             "num_stages", "decoder", "table", "words_order"))
 def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int,
                       num_splits: int, num_warps: int, num_stages: int, decoder: str = "bits",
-                      table: str | None = None, words_order: str = "mma",
-                      score_blocks: int = 1):
+                      table: str | None = None, words_order: str = "mma"):
   from trace_jax.model import attention  # here: trace_jax.model imports this module
 
   packed = isinstance(cache, PackedKVCache)
@@ -356,7 +342,6 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
   r = n // g
   rp = max(MIN_ROWS, _next_pow2(r))
   nblk = -(-t // block_t)
-  score_blocks = min(score_blocks, nblk)
   splits = max(1, min(num_splits, nblk))
   bps = -(-nblk // splits)
   splits = -(-nblk // bps)  # no split without blocks
@@ -374,9 +359,8 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
   scores = pl.pallas_call(
       functools.partial(_scores_kernel, packed=packed, decoder=decoder,
                         asm=not interpret, table=table, order=k_order, r=r, block_t=block_t,
-                        blocks=score_blocks, scale=attention.score_scale(h)),
-      grid=(b, g, -(-nblk // score_blocks)),
-      out_shape=jax.ShapeDtypeStruct((b, g, r, t), jnp.float32),
+                        scale=attention.score_scale(h)),
+      grid=(b, g, nblk), out_shape=jax.ShapeDtypeStruct((b, g, r, t), jnp.float32),
       interpret=interpret, compiler_params=params,
       name="decode_attention_scores_nvfp4" if packed else "decode_attention_scores",
   )(lyr, lengths, qg, *ks)
@@ -439,8 +423,7 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
                      layer: jax.Array | None = None, interpret: bool | None = None,
                      block_t: int = DEFAULT_BLOCK_T, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, decoder: str | None = None,
-                     table: str | None = None, words_order: str = "mma",
-                     score_blocks: int = 1) -> jax.Array:
+                     table: str | None = None, words_order: str = "mma") -> jax.Array:
   """Attention of one query token per sequence over its cache: q [B, N, H] -> [B, N, H].
 
   cache: a `PackedKVCache` (NVFP4) or BF16 (k, v), each [B, T, G, H]; with `layer` (int32
@@ -471,7 +454,7 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   return _decode_attention(q, cache, lengths, layer, interpret=bool(interpret),
                            block_t=block_t, num_splits=int(num_splits), num_warps=num_warps,
                            num_stages=num_stages, decoder=decoder, table=table,
-                           words_order=words_order, score_blocks=score_blocks)
+                           words_order=words_order)
 
 
 # ----------------------------------------------------------------------------- references
