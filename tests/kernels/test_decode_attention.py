@@ -1,8 +1,9 @@
 """trace_jax/kernels: the packed NVFP4 KV cache and the decode-attention kernel.
 
 On CPU the Pallas kernels run with interpret=True; on the GPU (`interpret=None` resolves to
-False there) the same tests run the Triton kernels. References are computed on the CPU device
-in both cases: `formats` (bit-exact on every backend, docs/numerics.md) for the cache, and
+False there) the same tests run the Triton kernels. References are computed on the CPU: the
+quantizer tests' numpy reference (`numpy_ref`) for what the trainer's site writes, and on the
+CPU device `formats` (bit-exact on every backend, docs/numerics.md) for the cache's values and
 `attention.attend` for attention, so XLA's GPU rewrites of the reference's bf16 roundings
 (excess precision) cannot move the target.
 """
@@ -14,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_ref
 import pytest
 
 from trace_jax.kernels import decode_attention as da
@@ -35,11 +37,15 @@ def _bits(x) -> np.ndarray:
   return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def _fake_quant(x: jax.Array, dtype) -> jax.Array:
-  """What the trainer's `k`/`v` site makes of rows x (RTN NVFP4, row second-level scale)."""
-  return formats.nvfp4_dequantize(formats.nvfp4_quantize(x, formats.nvfp4_row_scale(x))
-                                  ).astype(dtype)
+def _site_reference(x: jax.Array) -> dict[str, np.ndarray]:
+  """What the trainer's `k`/`v` site makes of rows x (RTN NVFP4, row second-level scale), by
+  the quantizer tests' numpy reference (`numpy_ref`: no XLA program to compile, so the GPU
+  machine's tests do not compile the quantizer for XLA's CPU backend, which stalled there):
+  codes, block-scale bytes, the row scale, and the values in bf16 (`dequant_bf16`)."""
+  x32 = np.asarray(x).astype(np.float32)
+  ref = numpy_ref.ref_nvfp4(x32, numpy_ref.ref_tensor_scale(x32, (-1,)))
+  ref["dequant_bf16"] = ref["dequant"].astype(jnp.bfloat16)
+  return ref
 
 
 _quantize_rows = jax.jit(kv_cache.quantize_rows)
@@ -98,8 +104,8 @@ LAYOUT_DECODERS = [(False, None), (True, "words")]
 @pytest.mark.parametrize("case", ROW_CASES)
 def test_write_dequantize_bit_equal(case, words, decoder):
   """Written rows dequantize to the trainer's fake-quantized values, bit for bit (XLA and the
-  kernel's in-register decoder); unwritten slots stay +0; bytes are `formats`'s, in either
-  codes layout."""
+  kernel's in-register decoder); unwritten slots stay +0; codes, block-scale bytes and row
+  scales are the numpy reference's, in either codes layout."""
   cache, rows = _written_cache(case, words=words)
   assert cache.words == words
   k, v = _on_cpu(lambda c: kv_cache.dequantize(c, jnp.bfloat16), cache)
@@ -110,15 +116,16 @@ def test_write_dequantize_bit_equal(case, words, decoder):
   bidx = np.arange(B)[:, None]
   for (xk, xv), pos in (((rows[0], rows[1]), POS1), ((rows[2], rows[3]), POS2)):
     for got, x in ((k, xk), (v, xv)):
-      want = _on_cpu(lambda a: _fake_quant(a, jnp.bfloat16), x)
-      np.testing.assert_array_equal(_bits(got[bidx, pos]), _bits(want))
-    q = _on_cpu(_quantize_rows, xk)
+      np.testing.assert_array_equal(_bits(got[bidx, pos]), _bits(_site_reference(x)[
+          "dequant_bf16"]))
+    ref = _site_reference(xk)
+    codes = ref["codes"].reshape(ref["codes"].shape[:-1] + (-1, 2))
     np.testing.assert_array_equal(np.asarray(cache.as_bytes().k_codes)[bidx, pos],
-                                  np.asarray(formats.pack_fp4(jnp.asarray(q.codes))))
+                                  codes[..., 0] | (codes[..., 1] << 4))  # element 2i: low
     np.testing.assert_array_equal(np.asarray(cache.k_block)[bidx, pos].view(np.uint8),
-                                  q.block_scale.view(np.uint8))
+                                  ref["block_scale"])
     np.testing.assert_array_equal(_bits(np.asarray(cache.k_row)[bidx, pos]),
-                                  _bits(q.tensor_scale[..., 0]))
+                                  _bits(ref["tensor_scale"][..., 0]))
     written[bidx, pos] = True
   assert not np.any(_bits(k)[~written]) and not np.any(_bits(v)[~written])
   if case == "zeros":  # -0 rows keep their sign through the cache

@@ -1,8 +1,9 @@
 """FP4/FP8 formats (`trace_jax.quant.formats`) against ml_dtypes and an independent reference.
 
-The reference below is written from docs/design.md §3.2-3.4 with numpy's IEEE float32 arithmetic,
-ml_dtypes' float8_e4m3fn / float4_e2m1fn casts and float64 products: the third implementation
-next to the JAX quantizers and the torch twin. JAX runs jitted on its default backend.
+The reference (`numpy_ref`) is written from docs/design.md §3.2-3.4 with numpy's IEEE float32
+arithmetic, ml_dtypes' float8_e4m3fn / float4_e2m1fn casts and float64 products: the third
+implementation next to the JAX quantizers and the torch twin. JAX runs jitted on its default
+backend.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import numpy_ref
 import pytest
+from numpy_ref import GRID16, ref_fp8, ref_mxfp4, ref_nvfp4, ref_tensor_scale
 
 import trace_jax.quant as quant
 from trace_jax.quant import formats
@@ -20,110 +23,9 @@ from trace_jax.quant import formats
 F32 = cases.F32
 E4M3 = cases.E4M3
 E2M1 = cases.E2M1
-GRID16 = np.concatenate([cases.E2M1_GRID, -cases.E2M1_GRID])
 
 
 # ----------------------------------------------------------------------------- reference
-
-def _flush(x: np.ndarray) -> np.ndarray:
-  """Documented edge behaviour: float32 subnormal inputs count as zeros of the same sign."""
-  x = np.asarray(x, F32)
-  sub = (np.abs(x) < 2.0**-126) & (x != 0)
-  return np.where(sub, np.copysign(F32(0), x), x).astype(F32)
-
-
-def _amax_bad(xb: np.ndarray, axis) -> tuple[np.ndarray, np.ndarray]:
-  finite = np.isfinite(xb)
-  return np.where(finite, np.abs(xb), F32(0)).max(axis=axis), ~finite.all(axis=axis)
-
-
-def _e2m1(y: np.ndarray) -> np.ndarray:
-  """ml_dtypes' E2M1 codes (RNE, saturating, sign kept: -0 and negatives that round to zero
-  are code 8)."""
-  return (np.asarray(y).astype(E2M1).view(np.uint8) & 0xF).astype(np.uint8)
-
-
-def _value(codes: np.ndarray) -> np.ndarray:
-  return GRID16[codes.astype(np.int64)]
-
-
-def ref_tensor_scale(x: np.ndarray, axes: tuple[int, ...] | None) -> np.ndarray:
-  """ts = max(amax, 2**-100) / (448 * 6) in IEEE float32; NaN if the reduced part is not finite."""
-  x = _flush(x)
-  axes = tuple(range(x.ndim)) if axes is None else axes
-  finite = np.isfinite(x)
-  amax = np.where(finite, np.abs(x), F32(0)).max(axis=axes, keepdims=True)
-  ts = np.maximum(amax, F32(2.0**-100)) / F32(2688.0)
-  return np.where(finite.all(axis=axes, keepdims=True), ts, F32(np.nan)).astype(F32)
-
-
-def ref_nvfp4(x: np.ndarray, ts: np.ndarray | None = None) -> dict[str, np.ndarray]:
-  """docs/design.md §3.2: bs = clamp(amax/6 [/ ts], 2**-6, 448) -> E4M3 RNE; y = x * (1/bs) or
-  x * ((1/ts)/bs); code = RNE_E2M1(clamp(y, -6, 6)); dequant = value * bs [* ts]."""
-  with np.errstate(all="ignore"):
-    xb = _flush(x).reshape(x.shape[:-1] + (x.shape[-1] // 16, 16))
-    amax, bad = _amax_bad(xb, -1)
-    bs = amax / F32(6)
-    if ts is not None:
-      ts = np.asarray(ts, F32)
-      bad = bad | ~np.isfinite(ts)
-      tsv = np.where(np.isfinite(ts), ts, F32(1))
-      bs = bs / tsv
-    bs8 = np.clip(bs, F32(2.0**-6), F32(448)).astype(F32).astype(E4M3)
-    bsf = bs8.astype(F32)
-    inv = F32(1) / bsf if ts is None else (F32(1) / tsv) / bsf
-    y = np.clip(xb * inv[..., None], F32(-6), F32(6))
-    codes = np.where(bad[..., None], 0, _e2m1(y)).astype(np.uint8)
-    scale_bytes = np.where(bad, 0x7F, bs8.view(np.uint8)).astype(np.uint8)
-    deq = _value(codes) * np.where(bad, np.nan, bsf.astype(np.float64))[..., None]
-    if ts is not None:
-      deq = deq * ts.astype(np.float64)[..., None]
-  out = {"codes": codes.reshape(x.shape), "block_scale": scale_bytes,
-         "dequant": deq.reshape(x.shape).astype(F32)}
-  if ts is not None:
-    out["tensor_scale"] = ts
-  return out
-
-
-def ref_mxfp4(x: np.ndarray) -> dict[str, np.ndarray]:
-  """docs/design.md §3.3 / OCP MX v1.0: scale 2**(floor(log2 amax) - 2), byte 0 for zero
-  blocks."""
-  with np.errstate(all="ignore"):
-    xb = _flush(x).reshape(x.shape[:-1] + (x.shape[-1] // 32, 32))
-    amax, bad = _amax_bad(xb, -1)
-    _, ex = np.frexp(amax.astype(np.float64))
-    e = np.where(amax == 0, -127, np.clip(ex - 1 - 2, -127, 127))
-    y = np.clip(np.ldexp(xb.astype(np.float64), -e[..., None]), -6.0, 6.0)
-    codes = np.where(bad[..., None], 0, _e2m1(y)).astype(np.uint8)
-    deq = _value(codes) * np.where(bad, np.nan, np.exp2(e.astype(np.float64)))[..., None]
-    deq = _flush(deq.astype(F32))  # documented: subnormal results flush to zero
-  return {"codes": codes.reshape(x.shape),
-          "block_scale": np.where(bad, 255, e + 127).astype(np.uint8),
-          "dequant": deq.reshape(x.shape)}
-
-
-def ref_fp8(x: np.ndarray, block_rows: int) -> dict[str, np.ndarray]:
-  """docs/design.md §3.4: s = max(amax, 2**-100) / 448 (IEEE float32),
-  v = E4M3(clamp(x * (1/s)))."""
-  with np.errstate(all="ignore"):
-    xf = _flush(x)
-    if block_rows == 1:
-      xb = xf.reshape(x.shape[:-1] + (x.shape[-1] // 128, 128))
-      axes, expand = (-1,), (..., None)
-    else:
-      n, k = x.shape[-2:]
-      xb = xf.reshape(x.shape[:-2] + (n // 128, 128, k // 128, 128))
-      axes, expand = (-3, -1), (..., slice(None), None, slice(None), None)
-    amax, bad = _amax_bad(xb, axes)
-    s = np.maximum(amax, F32(2.0**-100)) / F32(448)
-    inv = F32(1) / s
-    v = np.clip(xb * inv[expand], F32(-448), F32(448)).astype(E4M3).astype(F32)
-    v = np.where((v == 0) | bad[expand], F32(0), v)
-    deq = v.astype(np.float64) * np.where(bad, np.nan, s.astype(np.float64))[expand]
-  return {"values": v.astype(E4M3).view(np.uint8).reshape(x.shape),
-          "scale": np.where(bad, F32(np.nan), s).astype(F32),
-          "dequant": deq.astype(F32).reshape(x.shape)}
-
 
 def _as_experts(x: np.ndarray) -> np.ndarray:
   return x.reshape((cases.EXPERTS, x.shape[-2] // cases.EXPERTS) + x.shape[-1:])
@@ -303,7 +205,7 @@ def test_mxfp4_dequantize_smallest_scales(jit: bool) -> None:
   scale = np.array([[0], [1]], np.uint8).view(ml_dtypes.float8_e8m0fnu)
   q = quant.MXFP4Tensor(codes=jnp.asarray(codes), block_scale=jnp.asarray(scale))
   got = np.asarray((jax.jit(quant.mxfp4_dequantize) if jit else quant.mxfp4_dequantize)(q))
-  want = _flush((GRID16[codes] * np.exp2(np.array([[-127.0], [-126.0]]))).astype(F32))
+  want = numpy_ref.flush((GRID16[codes] * np.exp2(np.array([[-127.0], [-126.0]]))).astype(F32))
   cases.assert_bits_equal(got, want, f"mxfp4_dequantize ({'jit' if jit else 'eager'})",
                           {"code": codes})
 
@@ -366,7 +268,7 @@ def test_e2m1_codes_keep_sign_of_zero(fmt: str, dtype: str) -> None:
   ModelOpt, torchao and ml_dtypes write it; codes 0 and 8 are equal values. The data holds many
   of both (negative ties at 0.25, -0 blocks, negative subnormals)."""
   arr, index = cases.stacked()
-  x = _flush(cases.input_as_f32(arr, dtype))
+  x = numpy_ref.flush(cases.input_as_f32(arr, dtype))
   if fmt == "nvfp4_expert":
     x = np.stack([_as_experts(c) for c in x])
   codes = cases.jax_results(fmt, dtype)["codes"]
@@ -392,8 +294,8 @@ def test_e2m1_values_equal() -> None:
   """The flip-metric helper: codes are equal values iff equal codes or both zeros (0, 8), on
   numpy arrays, JAX arrays under jit and Python ints."""
   a, b = np.meshgrid(np.arange(16, dtype=np.uint8), np.arange(16, dtype=np.uint8))
-  want = cases.bits(_value(a)) == cases.bits(_value(b))
-  want |= (_value(a) == 0) & (_value(b) == 0)
+  want = cases.bits(numpy_ref.value(a)) == cases.bits(numpy_ref.value(b))
+  want |= (numpy_ref.value(a) == 0) & (numpy_ref.value(b) == 0)
   np.testing.assert_array_equal(formats.e2m1_values_equal(a, b), want)
   np.testing.assert_array_equal(
       np.asarray(jax.jit(formats.e2m1_values_equal)(jnp.asarray(a), jnp.asarray(b))), want)
