@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
 # H200 calls (device tool, `carry: [".whl"]`), 2026-12-04 (tenth session): where the packed
 # KV cache's attention kernels spend the L1/shared-memory pipe (ncu: 84-93% of it, DRAM 31-33%),
-# and what helps. Calls 1 and 3 (commit ae697a2) also timed `keys_lhs` (the scores' dot as
-# K q^T) and `v_order` (V decoded in the MMA column order) as kernel impls: neither was faster,
-# both removed. Call 4 (commit 2da97ec) swept `score_blocks` (key blocks per program of the
-# scores kernel, q staged once per program; a T_SB loop of one bench_decode_attention process
-# per value, --score_blocks=1,2,4,8,16): slower for the packed cache, removed.
-# T_GPUTEST: the decode-attention kernels' pytest file on the GPU.
+# and what helps. Steps (a limit of 1 skips one):
 # T_ATTN: bench_decode_attention at 8k contexts (its --decoder_check first: the packed cache's
-#   decoders bit for bit on the device); T_NCU: ncu's
-#   shared-memory wavefronts and bank conflicts per kernel at batch 256; T_OLD: the bytes'
-#   table decoder of 4074c55 (extracted to old/ beforehand: `mkdir old && git archive 4074c55
-#   trace_jax experiments | tar -x -C old`) at two contexts and batches, to see whether its
-#   failed check depends on the shape; T_STEADY: fp4_rtn vs fp4_trace at 24 layers, batches 8
-#   and 256, after bench_rollout's warm-up call (XLA's pinned host pool grows over the first
-#   two calls).
+#   decoders bit for bit on the device); T_NCU: ncu's shared-memory wavefronts and bank
+#   conflicts per kernel at batch 256 (KIMPLS); T_SASS: the packed kernels' SASS with
+#   per-instruction counts (ncu SourceCounters, gzipped); T_OLD: the bytes' table decoder of
+#   4074c55 (extracted to old/ beforehand: `mkdir old && git archive 4074c55 trace_jax
+#   experiments | tar -x -C old`; OLD_SHAPE for other head shapes); T_STEADY: fp4_rtn vs
+#   fp4_trace at 24 layers, batches 8 and 256, after bench_rollout's warm-up call; T_GPUTEST:
+#   the decode-attention kernels' pytest file on the GPU.
+# Calls 1 and 3 (commit ae697a2) also timed `keys_lhs` (the scores' dot as K q^T) and `v_order`
+# (V decoded in the MMA column order) as kernel impls, call 4 (commit 2da97ec) a T_SB loop of
+# one process per `--score_blocks` value (1, 2, 4, 8, 16: key blocks per scores program, q
+# staged once): none faster for the packed cache; all three removed.
 source "$(dirname "$0")/gpu_lib.sh"
 I="${IMPL:-kernel+unroll4}"
 ATTN="python3 -m experiments.bench_decode_attention"
