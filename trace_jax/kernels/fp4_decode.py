@@ -442,40 +442,14 @@ def decode_blocks(codes: jax.Array, block_bits: jax.Array, ts: jax.Array | None,
   [R] per row): `formats.nvfp4_dequantize(...).astype(dtype)` bit for bit. factors: the
   `tensor_scale_factors(ts)` computed once by the caller (then ts is unused); table: as in
   `block_tables`."""
-  [out] = decode_many([(codes, block_bits, ts, factors)], dtype, asm=asm, table=table)
-  return out
-
-
-def decode_many(items: Sequence[tuple], dtype: Any, *, asm: bool,
-                table: str | None = None) -> list[tuple[jax.Array, jax.Array]]:
-  """`decode_blocks` of several (codes, block_bits, ts, factors) tiles with one table branch
-  for all of them (table=None, bf16: the fast tables if every tile's scales allow them, else
-  the exact ones), so a kernel pays one branch."""
-  prepared = []
-  for codes, block_bits, ts, factors in items:
-    r = codes.shape[0]
-    factors = tensor_scale_factors(ts) if factors is None else factors
-    if jnp.ndim(factors[1]):  # per-row scales
-      factors = tuple(x.reshape(r, 1) for x in factors)
-    prepared.append((e4m3_to_f32(block_bits, asm=asm), factors))
-
-  def tables_of(kind):
-    return [block_tables(bs, f, dtype, asm=asm, table=kind) for bs, f in prepared]
-
-  if table is not None or not _is_bf16(dtype):
-    tabs_all = tables_of(table or "exact")
-  else:  # one branch; Pallas lowers no reduce_and: min of int flags
-    fast = functools.reduce(jnp.minimum, [jnp.min(f[0].astype(jnp.int32))
-                                          for _, f in prepared]) > 0
-    tabs_all = jax.lax.cond(fast, lambda: tables_of("fast"), lambda: tables_of("exact"))
-  outs = []
-  for (codes, *_), tabs in zip(items, tabs_all):
-    r, c = codes.shape
-    kb = c // (BLOCK // 2)
-    tabs = [x[:, :, None] for x in tabs]  # broadcast over each block's 8 bytes
-    lo, hi = lookup(codes.reshape(r, kb, BLOCK // 2), tabs, dtype, asm=asm)
-    outs.append((lo.reshape(r, c), hi.reshape(r, c)))
-  return outs
+  r, c = codes.shape
+  factors = tensor_scale_factors(ts) if factors is None else factors
+  if jnp.ndim(factors[1]):  # per-row scales
+    factors = tuple(x.reshape(r, 1) for x in factors)
+  tabs = block_tables(e4m3_to_f32(block_bits, asm=asm), factors, dtype, asm=asm, table=table)
+  tabs = [x[:, :, None] for x in tabs]  # broadcast over each block's 8 bytes
+  lo, hi = lookup(codes.reshape(r, c // (BLOCK // 2), BLOCK // 2), tabs, dtype, asm=asm)
+  return lo.reshape(r, c), hi.reshape(r, c)
 
 
 def reference_pairs(codes: jax.Array, block_bits: jax.Array, ts: jax.Array,
