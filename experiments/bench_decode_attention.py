@@ -84,12 +84,14 @@ PRESETS = {
     "cpu": dict(contexts=[64], batches=[2], heads=8, kv_heads=2, head_dim=64),
 }
 IMPLS = ("xla_bf16", "xla_fq_bf16", "xla_packed_dequant", "kernel_bf16", "kernel_packed",
-         "kernel_packed_natural", "kernel_packed_bits")
+         "kernel_packed_natural", "kernel_packed_bits", "kernel_packed_wgmma")
+GPU_ONLY = ("kernel_packed_wgmma",)  # Mosaic GPU + inline PTX: no interpret mode
 COPY = "copy"
 # The cache each path reads, and the contract its output is checked against.
 CACHE_OF = {"xla_bf16": "bf16", "xla_fq_bf16": "fq_bf16", "xla_packed_dequant": "packed",
             "kernel_bf16": "bf16", "kernel_packed": "packed",
-            "kernel_packed_natural": "packed", "kernel_packed_bits": "packed_bytes"}
+            "kernel_packed_natural": "packed", "kernel_packed_bits": "packed_bytes",
+            "kernel_packed_wgmma": "packed"}
 
 
 def _nbytes(tree: Any) -> int:
@@ -175,7 +177,8 @@ def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stag
                                              else decoder),
           "kernel_packed_natural": functools.partial(kernel, decoder=None if decoder == "auto"
                                                      else decoder, words_order="natural"),
-          "kernel_packed_bits": functools.partial(kernel, decoder="bits")}
+          "kernel_packed_bits": functools.partial(kernel, decoder="bits"),
+          "kernel_packed_wgmma": functools.partial(kernel, decoder="words", scores_impl="wgmma")}
 
 
 def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps: int,
@@ -242,6 +245,9 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
   case["ratios"] = {
       "kv_bytes_packed_over_bf16": kv_bytes["packed"] / kv_bytes["bf16"],
       "time_kernel_packed_over_kernel_bf16": ratio("kernel_packed", "kernel_bf16"),
+      "time_kernel_packed_wgmma_over_kernel_packed": ratio("kernel_packed_wgmma",
+                                                           "kernel_packed"),
+      "time_kernel_packed_wgmma_over_kernel_bf16": ratio("kernel_packed_wgmma", "kernel_bf16"),
       "time_kernel_packed_bits_over_kernel_bf16": ratio("kernel_packed_bits", "kernel_bf16"),
       "time_kernel_packed_over_kernel_packed_bits": ratio("kernel_packed",
                                                           "kernel_packed_bits"),
@@ -330,8 +336,8 @@ def run_bench(preset: str, contexts: Sequence[int], batches: Sequence[int], n: i
   unknown = sorted(set(impls) - set(IMPLS))
   if unknown:
     raise ValueError(f"unknown impls {unknown}; known: {list(IMPLS)}")
-  impls = [i for i in IMPLS if not impls or i in impls]
   on_gpu = jax.default_backend() == "gpu"
+  impls = [i for i in IMPLS if i in impls or not impls and (on_gpu or i not in GPU_ONLY)]
   reps = reps or (30 if on_gpu else 3)
   inner = inner or (8 if on_gpu else 1)
   dev = common.device_description()

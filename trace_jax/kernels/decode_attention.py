@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from trace_jax.kernels import fp4_decode
+from trace_jax.kernels import fp4_decode, wgmma_scores
 from trace_jax.kernels.kv_cache import PackedKVCache, dequantize
 from trace_jax.quant import formats
 
@@ -326,10 +326,12 @@ def _cache_arrays(cache, packed: bool) -> tuple[tuple[jax.Array, ...], tuple[jax
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_t", "num_splits", "num_warps",
-                                             "num_stages", "decoder", "table", "words_order"))
+                                             "num_stages", "decoder", "table", "words_order",
+                                             "scores_impl"))
 def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int,
                       num_splits: int, num_warps: int, num_stages: int, decoder: str = "bits",
-                      table: str | None = None, words_order: str = "mma"):
+                      table: str | None = None, words_order: str = "mma",
+                      scores_impl: str = "triton"):
   from trace_jax.model import attention  # here: trace_jax.model imports this module
 
   packed = isinstance(cache, PackedKVCache)
@@ -356,14 +358,21 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
   params = None if interpret else _compiler_params(num_warps, num_stages)
-  scores = pl.pallas_call(
-      functools.partial(_scores_kernel, packed=packed, decoder=decoder,
-                        asm=not interpret, table=table, order=k_order, r=r, block_t=block_t,
-                        scale=attention.score_scale(h)),
-      grid=(b, g, nblk), out_shape=jax.ShapeDtypeStruct((b, g, r, t), jnp.float32),
-      interpret=interpret, compiler_params=params,
-      name="decode_attention_scores_nvfp4" if packed else "decode_attention_scores",
-  )(lyr, lengths, qg, *ks)
+  if scores_impl == "wgmma":  # K decoded into wgmma's A registers (Mosaic GPU)
+    kc, kbits, krow = ks
+    qw = jnp.take(q.reshape(b, g, r, h), wgmma_scores.column_order(h), axis=-1)
+    scores = jnp.swapaxes(wgmma_scores.scores_t(
+        qw, kc.reshape(kc.shape[:4] + (h // 8,)), kbits, krow, lengths, lyr,
+        scale=float(attention.score_scale(h))), 2, 3)
+  else:
+    scores = pl.pallas_call(
+        functools.partial(_scores_kernel, packed=packed, decoder=decoder,
+                          asm=not interpret, table=table, order=k_order, r=r,
+                          block_t=block_t, scale=attention.score_scale(h)),
+        grid=(b, g, nblk), out_shape=jax.ShapeDtypeStruct((b, g, r, t), jnp.float32),
+        interpret=interpret, compiler_params=params,
+        name="decode_attention_scores_nvfp4" if packed else "decode_attention_scores",
+    )(lyr, lengths, qg, *ks)
   # `attend`'s probabilities from the same scores: masked beyond each length (blocks the
   # kernel skipped hold no data and are masked), float32 softmax, one rounding.
   mask = (jnp.arange(t)[None, :] < lengths[:, None])[:, None, None, None, :]
@@ -423,7 +432,8 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
                      layer: jax.Array | None = None, interpret: bool | None = None,
                      block_t: int = DEFAULT_BLOCK_T, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, decoder: str | None = None,
-                     table: str | None = None, words_order: str = "mma") -> jax.Array:
+                     table: str | None = None, words_order: str = "mma",
+                     scores_impl: str = "triton") -> jax.Array:
   """Attention of one query token per sequence over its cache: q [B, N, H] -> [B, N, H].
 
   cache: a `PackedKVCache` (NVFP4) or BF16 (k, v), each [B, T, G, H]; with `layer` (int32
@@ -437,9 +447,13 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   one (for tests), "fast" always the fast one (only exact for row scales in
   `fp4_decode.tensor_scale_factors`' fast range). words_order (decoder "words"): K decoded in
   the "mma" operand order (head_dim a multiple of 64; q's columns permuted to match) or
-  "natural" (measured slower on the H200). Output in q.dtype; numerics: the module's.
+  "natural" (measured slower on the H200). scores_impl: "triton" (the Pallas kernel above) or
+  "wgmma" (packed words cache on the GPU: `wgmma_scores`, K decoded in wgmma's registers with
+  the fast table; its `supported` shapes). Output in q.dtype; numerics: the module's.
   """
   _check(q, cache, lengths, block_t, layer)
+  if scores_impl not in ("triton", "wgmma"):
+    raise ValueError(f"scores_impl must be 'triton' or 'wgmma', got {scores_impl!r}")
   if words_order not in ("mma", "natural"):
     raise ValueError(f"words_order must be 'mma' or 'natural', got {words_order!r}")
   if interpret is None:
@@ -451,10 +465,18 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
     num_splits = default_num_splits(b, g, -(-t // block_t))
   decoder = resolve_decoder(decoder, q.dtype, bool(interpret),
                             words=cache.words) if packed else "bits"
+  if scores_impl == "wgmma":
+    h = q.shape[-1]
+    if not (packed and cache.words and not interpret
+            and wgmma_scores.supported(h, q.shape[1] // g, t, q.dtype)):
+      raise ValueError("scores_impl='wgmma' needs a packed cache of code words on the GPU, "
+                       f"bf16, {wgmma_scores.ROWS} query heads per kv head, head_dim a multiple "
+                       f"of {wgmma_scores.SPAN} and a context a multiple of "
+                       f"{wgmma_scores.TILE}; got q {q.shape} {q.dtype}, T={t}")
   return _decode_attention(q, cache, lengths, layer, interpret=bool(interpret),
                            block_t=block_t, num_splits=int(num_splits), num_warps=num_warps,
                            num_stages=num_stages, decoder=decoder, table=table,
-                           words_order=words_order)
+                           words_order=words_order, scores_impl=scores_impl)
 
 
 # ----------------------------------------------------------------------------- references

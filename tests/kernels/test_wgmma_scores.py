@@ -1,0 +1,83 @@
+"""The wgmma scores kernel's register map, checked on CPU against the numpy reference quantizer.
+
+The kernel itself runs only on a Hopper GPU (Mosaic GPU, inline PTX; `bench_decode_attention
+--impls=kernel_packed_wgmma` checks its outputs there). Here every thread's part of a K tile is
+rebuilt as the kernel builds it: its code words, block scales and row scales read at the
+kernel's addresses, the same table and lookup programs (`fp4_decode`'s, run as jnp integer ops)
+and its registers placed where Mosaic GPU's WGMMA layout puts them (lane // 4 + 16 warp + 8 half,
+columns 8 ct + 2 (lane % 4)); the tile must equal the dequantized K in `column_order`.
+"""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from trace_jax.kernels import fp4_decode, kv_cache, wgmma_scores
+
+
+def _tile_as_the_kernel_builds_it(codes: np.ndarray, scale_bits: np.ndarray,
+                                  rows: np.ndarray) -> np.ndarray:
+  """uint16 bits [64, H] of the A operand from one (sequence, kv head)'s 64 rows: codes uint8
+  [64, H/2], scale bytes [64, H/16], row scales float32 [64]. Thread (warp, lane), half: row
+  16 warp + lane // 4 + 8 half (any row), quad = lane % 4; all threads at once."""
+  h = 2 * codes.shape[1]
+  nb = 2 * h // wgmma_scores.SPAN
+  o = fp4_decode._JnpOps(jnp.bfloat16)
+  own = codes.astype(np.uint32).reshape(-1, 4, 2 * nb, 4)  # [row, quad, word, byte]
+  words = own[..., 0] | own[..., 1] << 8 | own[..., 2] << 16 | own[..., 3] << 24
+  bs = scale_bits.reshape(-1, 4, nb).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  ts = rows.astype(np.float32)[:, None]
+  out = np.zeros((codes.shape[0], h // 8, 4, 2), np.uint16)  # [row, ct, quad, j]
+  for i in range(nb):
+    p = jnp.asarray(bs[:, :, i] * ts)
+    q = jnp.asarray((bs[:, :, i] * np.float32(1.5)) * ts)
+    tabs = fp4_decode._fast_table_program(o, p, q)
+    for k in range(2):
+      res = fp4_decode._lookup_program(o, jnp.asarray(words[:, :, 2 * i + k]), tabs, tabs)
+      for m in range(4):
+        pair = np.asarray(res[m]).astype(np.uint32)
+        out[:, 8 * i + 4 * k + m, :, 0] = pair & 0xFFFF
+        out[:, 8 * i + 4 * k + m, :, 1] = pair >> 16
+  return out.reshape(codes.shape[0], h)  # column 8 ct + 2 quad + j
+
+
+@pytest.mark.parametrize("h", [128, 256], ids=["head_dim_128", "head_dim_256"])
+def test_column_order_is_a_permutation_of_whole_blocks_per_thread(h):
+  order = wgmma_scores.column_order(h)
+  assert sorted(order.tolist()) == list(range(h))
+  nb = 2 * h // wgmma_scores.SPAN
+  for quad in range(4):  # a thread's 8 ct + 2 quad + {0, 1} columns are its nb whole blocks
+    cols = [8 * ct + 2 * quad + j for ct in range(h // 8) for j in range(2)]
+    assert sorted(order[cols] // 16) == sorted(list(range(nb * quad, nb * (quad + 1))) * 16)
+
+
+@pytest.mark.parametrize("case", ["random", "zeros_and_extremes"])
+def test_register_tile_equals_the_dequantized_keys(case):
+  rng = np.random.default_rng(0)
+  h = 128
+  k = rng.standard_normal((1, wgmma_scores.TILE, 1, h)).astype(np.float32) * 3
+  if case == "zeros_and_extremes":
+    k[0, 0] = 0.0  # an all-zero row: row scale 0 (as unwritten cache rows)
+    k[0, 1, 0, ::2] = 0.0  # zero codes of both signs
+    k[0, 1, 0, 1::2] *= -1
+    k[0, 2] *= 1e30  # large and tiny rows: row scales far from 1
+    k[0, 3] *= 1e-30
+    k[0, 4, 0, :16] = 0.0  # one all-zero block in a nonzero row
+  k = jnp.asarray(k, jnp.bfloat16)
+  cache = kv_cache.pack_rows(k, k, words=False)
+  codes = np.asarray(cache.k_codes[0, :, 0])
+  bits = np.asarray(cache.k_block[0, :, 0]).view(np.uint8)
+  rows = np.asarray(cache.k_row[0, :, 0])
+  assert bool(np.all(np.asarray(fp4_decode.tensor_scale_factors(jnp.asarray(rows))[0])))
+  tile = _tile_as_the_kernel_builds_it(codes, bits, rows)
+  want = np.asarray(kv_cache.dequantize(cache, jnp.bfloat16)[0][0, :, 0]).view(np.uint16)
+  np.testing.assert_array_equal(tile, want[:, wgmma_scores.column_order(h)])
+
+
+def test_unsupported_shapes_are_refused():
+  assert wgmma_scores.supported(128, 8, 1024, jnp.bfloat16)
+  assert not wgmma_scores.supported(64, 8, 1024, jnp.bfloat16)
+  assert not wgmma_scores.supported(128, 4, 1024, jnp.bfloat16)
+  assert not wgmma_scores.supported(128, 8, 1000, jnp.bfloat16)
+  assert not wgmma_scores.supported(128, 8, 1024, jnp.float16)

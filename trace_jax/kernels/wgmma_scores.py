@@ -1,0 +1,222 @@
+"""Decode attention scores over a packed NVFP4 K cache with Hopper's wgmma, K decoded in registers.
+
+Why: the Pallas/Triton scores kernel (`decode_attention`) decodes each K tile into shared memory
+to reach the MMA's operand layout; on the H200 it is bound by that L1/shared-memory traffic
+(ncu, batch 256, 8k: 93% of the pipe, DRAM 33%; docs/benchmarks.md, 2026-12-04). Here the
+decoded tile never leaves registers: it is the A operand of `wgmma` (Mosaic GPU lowering), in
+the layout the instruction reads, and q is the B operand in shared memory:
+
+  scores^T [64 keys, R] = K [64 keys, H] @ q^T [H, R]   (R = 8 query heads per kv head).
+
+Each of the warpgroup's 128 threads owns two key rows of the tile and, in each, H / 64 whole
+NVFP4 blocks (two at H = 128: 16 code bytes, one 128-bit load). It builds one table per
+(row, block) and decodes its codes with byte permutes: the same PTX programs, bit for bit, as
+the Triton kernels' words decoder (`fp4_decode`: fast table, `_lookup_program`). The A operand's
+columns are a permutation of head_dim (`column_order`): each thread's registers hold whichever
+elements its lookups produce; q's columns are put in the same order outside the kernel, so the
+dot has the same terms (summed in another float32 order).
+
+Limits (checked by `supported`): bf16, head_dim a multiple of 128, R = 8 (the wgmma N), a
+context that is a multiple of the 64-key tile, the fast table (every row scale the quantizer
+makes: `fp4_decode.tensor_scale_factors`' `fast`; the caller checks), GPU only (no interpret
+mode: the decode is inline PTX). Keys at or beyond a sequence's length are computed like any
+other (their scores are masked by the softmax), tiles wholly beyond it are skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax.kernels import fp4_decode
+
+TILE = 64  # keys per wgmma (its M)
+ROWS = 8  # query heads per kv head (the wgmma N)
+SPAN = 128  # head_dim of 4 threads x 2 blocks (a row's 16-byte loads)
+
+
+def supported(h: int, r: int, t: int, dtype) -> bool:
+  """Whether the kernel runs this shape: see the module docstring."""
+  return (jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and h % SPAN == 0 and r == ROWS
+          and t % TILE == 0)
+
+
+# ----------------------------------------------------------------------------- the layout
+
+def _lookup_pairs() -> tuple[tuple[int, int], ...]:
+  """Elements (within a word's 8) of the 4 results of `fp4_decode._lookup_program`, in order:
+  each a 16-bit pair [low half, high half]."""
+  return ((0, 2), (4, 6), (1, 3), (5, 7))
+
+
+@functools.cache
+def column_order(h: int) -> np.ndarray:
+  """A operand column n holds head_dim element `column_order(h)[n]` (a permutation of range(h)).
+
+  Mosaic GPU's WGMMA layout gives thread c (= lane % 4) of a row the register pairs of columns
+  8 ct + 2c + {0, 1}, ct = 0 .. h/8 - 1. Thread c owns the nb = h/64 blocks nb c + i, i < nb
+  (its contiguous 8 nb code bytes); its register ct = 8i + 4k + m is result m of the lookup
+  of word k (elements 8k .. 8k+7) of block i."""
+  nb = 2 * h // SPAN  # blocks per thread
+  order = np.empty(h, np.int64)
+  pairs = _lookup_pairs()
+  for c in range(4):
+    for i in range(nb):
+      for k in range(2):
+        for m in range(4):
+          ct = 8 * i + 4 * k + m
+          for jj in range(2):
+            order[8 * ct + 2 * c + jj] = 16 * (nb * c + i) + 8 * k + pairs[m][jj]
+  if sorted(order.tolist()) != list(range(h)):  # pragma: no cover - a bug in the map above
+    raise AssertionError("column_order is not a permutation")
+  return order
+
+
+# ----------------------------------------------------------------------------- PTX
+
+def _block_ptx(half: int) -> str:
+  """PTX: one row's block -> its 16 values as 8 bf16 pairs, in `_lookup_pairs` order per word.
+
+  Operands: $0..$7 the results (word 0's 4, word 1's 4), $8, $9 the block's code words, $10
+  the 16-bit pair of scale bytes holding this block's in byte `half`, $11 the row scale."""
+  o = fp4_decode._PtxOps(jnp.bfloat16)
+  tabs = fp4_decode._fast_table_program(o, "%P", "%Q")
+  out = [*fp4_decode._lookup_program(o, "$8", tabs, tabs),
+         *fp4_decode._lookup_program(o, "$9", tabs, tabs)]
+  head = "\n".join([
+      ".reg .f32 %bs, %P, %Q, %b15;", ".reg .b32 %sc;", ".reg .b16 %s0, %s1;",
+      "cvt.rn.f16x2.e4m3x2 %sc, $10;",  # both scale bytes, exactly (NaN stays NaN)
+      "mov.b32 {%s0, %s1}, %sc;",
+      f"cvt.f32.f16 %bs, %s{half};",
+      "mul.rn.f32 %P, %bs, $11;",  # P = RN(bs * ts)
+      "mul.rn.f32 %b15, %bs, 0f3FC00000;",  # 1.5 bs, exact
+      "mul.rn.f32 %Q, %b15, $11;",  # Q = RN(1.5 bs * ts)
+  ])
+  return "{\n" + head + "\n" + o.render([f"${i}" for i in range(8)], out) + "\n}"
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+def _decode_tile(h: int, g: int):
+  """inline_mgpu function: (codes words [.., T, G, H/8], scale bytes [.., T, G, H/16], row
+  scales [.., T, G] refs, already indexed to (layer, sequence) and the tile's first key ...) ->
+  the tile's K [64, h] bf16 in the WGMMA layout, columns in `column_order`."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, gpu, llvm
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  nb = 2 * h // SPAN  # blocks per thread and row (even: 16-byte code loads)
+
+  def fn(ctx, codes, scales, rows):
+    del ctx
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    bf16 = ir.BF16Type.get()
+    i16, f32 = ir.IntegerType.get_signless(16), ir.F32Type.get()
+    c32 = lambda v: mu.c(v, i32)
+    c64 = lambda v: mu.c(v, i64)
+    tid = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), c32(128))
+    warp, lane = arith.divui(tid, c32(32)), arith.remui(tid, c32(32))
+    quad = arith.remui(lane, c32(4))
+    row0 = arith.addi(arith.muli(warp, c32(16)), arith.divui(lane, c32(4)))
+    addr = lambda ref: llvm.ptrtoint(i64, mu.memref_ptr(ref))
+    base_c, base_s, base_r = addr(codes), addr(scales), addr(rows)
+    layout = mgpu.WGMMA_LAYOUT
+    regs = np.empty(layout.registers_shape((TILE, h)), dtype=object)
+    assert regs.shape[1] == h // 8 and regs.shape[4] == 2, regs.shape  # (1, ct, 1, 1, half..)
+    pair_ty = ir.VectorType.get((2,), bf16)
+    for half in range(2):
+      row = arith.extui(i64, arith.addi(row0, c32(8 * half)))
+      q64 = arith.extui(i64, quad)
+      # codes: row pitch g * h/2 bytes; this thread's 8 nb bytes at quad * 8 nb
+      a_c = arith.addi(base_c, arith.addi(arith.muli(row, c64(g * h // 2)),
+                                          arith.muli(q64, c64(8 * nb))))
+      words = []
+      for v in range(nb // 2):  # 16-byte loads
+        a = arith.addi(a_c, c64(16 * v))
+        words += list(mu.inline_ptx("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", a,
+                                    result_types=[i32] * 4))
+      a_s = arith.addi(base_s, arith.addi(arith.muli(row, c64(g * h // 16)),
+                                          arith.muli(q64, c64(nb))))
+      a_r = arith.addi(base_r, arith.muli(row, c64(4 * g)))
+      ts = mu.inline_ptx("ld.global.nc.f32 $0, [$1];", a_r, result_types=f32)
+      for i in range(nb):
+        if i % 2 == 0:  # two scale bytes per 16-bit load
+          sp = mu.inline_ptx("ld.global.nc.u16 $0, [$1];", arith.addi(a_s, c64(i)),
+                             result_types=i16)
+        res = mu.inline_ptx(_block_ptx(i % 2), words[2 * i], words[2 * i + 1], sp, ts,
+                            result_types=[i32] * 8)
+        for k in range(2):
+          for m in range(4):
+            regs[0, 8 * i + 4 * k + m, 0, 0, half] = mu.bitcast(res[4 * k + m], pair_ty)
+    return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+  return fn
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tiles_per_program"))
+def scores_t(q: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Array,
+             lengths: jax.Array, layer: jax.Array, *, scale: float,
+             tiles_per_program: int = 4) -> jax.Array:
+  """float32 scores^T [B, G, T, R]: (q . K) * scale for every key of every sequence.
+
+  q: bf16 [B, G, R, H] with its columns in `column_order(H)`; codes: uint32 [L, B, T, G, H/8]
+  (the cache's words, `PackedKVCache.as_words` reshaped); scale_bits: uint8 [L, B, T, G, H/16];
+  rows: float32 [L, B, T, G]; layer: int32 [1]. Tiles at or beyond a sequence's length are
+  skipped (their scores are left unwritten, as the Triton kernel leaves them)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  b, g, r, h = q.shape
+  t = codes.shape[2]
+  if not supported(h, r, t, q.dtype):
+    raise ValueError(f"wgmma scores: unsupported shape/dtype {q.shape} {q.dtype}, T={t}")
+  n_tiles = t // TILE
+  per = max(1, min(tiles_per_program, n_tiles))
+  while n_tiles % per:
+    per -= 1
+  decode = plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
+      return_type=plgpu.ShapeDtypeStruct((TILE, h), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+  )(_decode_tile(h, g))
+  swz = 128
+  q_transforms = (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
+
+  def body(layer_ref, len_ref, q_ref, c_ref, s_ref, r_ref, o_ref, q_smem, o_smem, bar):
+    bi, gi, ji = (jax.lax.axis_index(n) for n in ("b", "g", "j"))
+    lyr = layer_ref[0]
+    length = len_ref[bi]
+    plgpu.copy_gmem_to_smem(q_ref.at[bi, gi], q_smem, bar)
+    plgpu.barrier_wait(bar)
+
+    def tile(t0):
+      keys = pl.ds(t0, TILE)
+      k = decode(c_ref.at[lyr, bi, keys, gi], s_ref.at[lyr, bi, keys, gi],
+                 r_ref.at[lyr, bi, keys, gi])
+
+      def mma(acc_ref):
+        plgpu.wgmma(acc_ref, k, q_smem.T)
+        return acc_ref[...]
+
+      acc = pl.run_scoped(mma, plgpu.ACC((TILE, r), jnp.float32))
+      o_smem[...] = acc * np.float32(scale)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bi, gi, keys])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    for i in range(per):
+      t0 = (ji * per + i) * TILE
+      pl.when(t0 < length)(functools.partial(tile, t0))
+
+  kernel = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((b, g, t, r), jnp.float32),
+      grid=(b, g, n_tiles // per), grid_names=("b", "g", "j"),
+      kernel_name="decode_attention_scores_wgmma",
+      scratch_types=[plgpu.SMEM((r, h), jnp.bfloat16, transforms=q_transforms),
+                     plgpu.SMEM((TILE, r), jnp.float32),
+                     plgpu.Barrier(num_arrivals=1)],
+  )
+  return kernel(layer.astype(jnp.int32), lengths.astype(jnp.int32), q, codes, scale_bits, rows)
