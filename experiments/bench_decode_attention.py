@@ -62,6 +62,8 @@ flags.DEFINE_integer("num_splits", 0, "Kernel key splits (0: the kernel's defaul
                      flag_values=FLAGS)
 flags.DEFINE_integer("num_warps", 4, "Kernel warps per program.", flag_values=FLAGS)
 flags.DEFINE_integer("num_stages", 2, "Kernel pipeline stages.", flag_values=FLAGS)
+flags.DEFINE_integer("wgmma_tiles", 4, "64-key tiles per program of the wgmma scores kernel.",
+                     flag_values=FLAGS)
 flags.DEFINE_enum("decoder", "auto", ["auto", "words", "bits"],
                   "kernel_packed's decoder (auto: words on the GPU, bits in interpret mode).",
                   flag_values=FLAGS)
@@ -164,7 +166,7 @@ def _cpu_reference(q: Any, cache: Any, lengths: Any, c: int) -> tuple[Any, Any]:
 
 
 def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stages: int,
-           decoder: str = "auto") -> dict[str, Callable[..., Any]]:
+           decoder: str = "auto", wgmma_tiles: int = 4) -> dict[str, Callable[..., Any]]:
   from trace_jax.kernels import decode_attention as da
 
   kernel = functools.partial(da.decode_attention, block_t=block_t,
@@ -178,7 +180,8 @@ def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stag
           "kernel_packed_natural": functools.partial(kernel, decoder=None if decoder == "auto"
                                                      else decoder, words_order="natural"),
           "kernel_packed_bits": functools.partial(kernel, decoder="bits"),
-          "kernel_packed_wgmma": functools.partial(kernel, decoder="words", scores_impl="wgmma")}
+          "kernel_packed_wgmma": functools.partial(kernel, decoder="words", scores_impl="wgmma",
+                                                   wgmma_tiles=wgmma_tiles)}
 
 
 def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps: int,
@@ -389,7 +392,7 @@ def main(argv: Sequence[str]) -> dict[str, Any] | None:
   p = PRESETS[FLAGS.preset]
   kernel_args = dict(block_t=FLAGS.block_t, num_splits=FLAGS.num_splits,
                      num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages,
-                     decoder=FLAGS.decoder)
+                     decoder=FLAGS.decoder, wgmma_tiles=FLAGS.wgmma_tiles)
   res = run_bench(FLAGS.preset, [int(x) for x in FLAGS.contexts] or p["contexts"],
                   [int(x) for x in FLAGS.batches] or p["batches"], FLAGS.heads or p["heads"],
                   FLAGS.kv_heads or p["kv_heads"], FLAGS.head_dim or p["head_dim"], FLAGS.impls,

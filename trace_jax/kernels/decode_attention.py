@@ -327,11 +327,11 @@ def _cache_arrays(cache, packed: bool) -> tuple[tuple[jax.Array, ...], tuple[jax
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_t", "num_splits", "num_warps",
                                              "num_stages", "decoder", "table", "words_order",
-                                             "scores_impl"))
+                                             "scores_impl", "wgmma_tiles"))
 def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int,
                       num_splits: int, num_warps: int, num_stages: int, decoder: str = "bits",
                       table: str | None = None, words_order: str = "mma",
-                      scores_impl: str = "triton"):
+                      scores_impl: str = "triton", wgmma_tiles: int = 4):
   from trace_jax.model import attention  # here: trace_jax.model imports this module
 
   packed = isinstance(cache, PackedKVCache)
@@ -361,9 +361,9 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
   if scores_impl == "wgmma":  # K decoded into wgmma's A registers (Mosaic GPU)
     kc, kbits, krow = ks
     qw = jnp.take(q.reshape(b, g, r, h), wgmma_scores.column_order(h), axis=-1)
-    scores = jnp.swapaxes(wgmma_scores.scores_t(
-        qw, kc.reshape(kc.shape[:4] + (h // 8,)), kbits, krow, lengths, lyr,
-        scale=float(attention.score_scale(h))), 2, 3)
+    scores = wgmma_scores.scores(qw, kc.reshape(kc.shape[:4] + (h // 8,)), kbits, krow,
+                                 lengths, lyr, scale=float(attention.score_scale(h)),
+                                 tiles_per_program=wgmma_tiles)
   else:
     scores = pl.pallas_call(
         functools.partial(_scores_kernel, packed=packed, decoder=decoder,
@@ -433,7 +433,7 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
                      block_t: int = DEFAULT_BLOCK_T, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, decoder: str | None = None,
                      table: str | None = None, words_order: str = "mma",
-                     scores_impl: str = "triton") -> jax.Array:
+                     scores_impl: str = "triton", wgmma_tiles: int = 4) -> jax.Array:
   """Attention of one query token per sequence over its cache: q [B, N, H] -> [B, N, H].
 
   cache: a `PackedKVCache` (NVFP4) or BF16 (k, v), each [B, T, G, H]; with `layer` (int32
@@ -449,7 +449,8 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   the "mma" operand order (head_dim a multiple of 64; q's columns permuted to match) or
   "natural" (measured slower on the H200). scores_impl: "triton" (the Pallas kernel above) or
   "wgmma" (packed words cache on the GPU: `wgmma_scores`, K decoded in wgmma's registers with
-  the fast table; its `supported` shapes). Output in q.dtype; numerics: the module's.
+  the fast table; its `supported` shapes; `wgmma_tiles` 64-key tiles per program). Output in
+  q.dtype; numerics: the module's.
   """
   _check(q, cache, lengths, block_t, layer)
   if scores_impl not in ("triton", "wgmma"):
@@ -476,7 +477,8 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   return _decode_attention(q, cache, lengths, layer, interpret=bool(interpret),
                            block_t=block_t, num_splits=int(num_splits), num_warps=num_warps,
                            num_stages=num_stages, decoder=decoder, table=table,
-                           words_order=words_order, scores_impl=scores_impl)
+                           words_order=words_order, scores_impl=scores_impl,
+                           wgmma_tiles=int(wgmma_tiles))
 
 
 # ----------------------------------------------------------------------------- references

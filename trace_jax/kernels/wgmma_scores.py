@@ -157,11 +157,44 @@ def _decode_tile(h: int, g: int):
   return fn
 
 
+def _store_transposed(t: int):
+  """inline_mgpu function: (scores^T [64, R] float32 in the WGMMA layout, the output's [R, 64]
+  window of a [R, T] row-major array) -> stores it transposed, straight from registers (8
+  consecutive keys per head and warp: whole 32-byte sectors)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, gpu, llvm
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  def fn(ctx, acc, out):
+    del ctx
+    i32, i64, f32 = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
+                     ir.F32Type.get())
+    tid = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), mu.c(128, i32))
+    warp, lane = arith.divui(tid, mu.c(32, i32)), arith.remui(tid, mu.c(32, i32))
+    row0 = arith.addi(arith.muli(warp, mu.c(16, i32)), arith.divui(lane, mu.c(4, i32)))
+    col0 = arith.muli(arith.remui(lane, mu.c(4, i32)), mu.c(2, i32))
+    base = llvm.ptrtoint(i64, mu.memref_ptr(out))
+    regs = acc.registers
+    assert regs.shape == (1, 1, 1, 1, 2, 1, 1, 1, 1), regs.shape
+    for half in range(2):
+      row = arith.addi(row0, mu.c(8 * half, i32))
+      for j in range(2):
+        col = arith.addi(col0, mu.c(j, i32))
+        off = arith.extui(i64, arith.muli(arith.addi(arith.muli(col, mu.c(t, i32)), row),
+                                          mu.c(4, i32)))
+        val = llvm.extractelement(regs[0, 0, 0, 0, half, 0, 0, 0, 0], mu.c(j, i32))
+        mu.inline_ptx("st.global.f32 [$0], $1;", arith.addi(base, off), val)
+    del f32
+    return ()
+
+  return fn
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "tiles_per_program"))
-def scores_t(q: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Array,
+def scores(q: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Array,
              lengths: jax.Array, layer: jax.Array, *, scale: float,
              tiles_per_program: int = 4) -> jax.Array:
-  """float32 scores^T [B, G, T, R]: (q . K) * scale for every key of every sequence.
+  """float32 scores [B, G, R, T]: (q . K) * scale for every key of every sequence.
 
   q: bf16 [B, G, R, H] with its columns in `column_order(H)`; codes: uint32 [L, B, T, G, H/8]
   (the cache's words, `PackedKVCache.as_words` reshaped); scale_bits: uint8 [L, B, T, G, H/16];
@@ -185,7 +218,10 @@ def scores_t(q: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Ar
   swz = 128
   q_transforms = (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
 
-  def body(layer_ref, len_ref, q_ref, c_ref, s_ref, r_ref, o_ref, q_smem, o_smem, bar):
+  store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
+      _store_transposed(t))
+
+  def body(layer_ref, len_ref, q_ref, c_ref, s_ref, r_ref, o_ref, q_smem, bar):
     bi, gi, ji = (jax.lax.axis_index(n) for n in ("b", "g", "j"))
     lyr = layer_ref[0]
     length = len_ref[bi]
@@ -202,21 +238,17 @@ def scores_t(q: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Ar
         return acc_ref[...]
 
       acc = pl.run_scoped(mma, plgpu.ACC((TILE, r), jnp.float32))
-      o_smem[...] = acc * np.float32(scale)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bi, gi, keys])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      store(acc * np.float32(scale), o_ref.at[bi, gi, :, keys])
 
     for i in range(per):
       t0 = (ji * per + i) * TILE
       pl.when(t0 < length)(functools.partial(tile, t0))
 
   kernel = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((b, g, t, r), jnp.float32),
+      body, out_type=jax.ShapeDtypeStruct((b, g, r, t), jnp.float32),
       grid=(b, g, n_tiles // per), grid_names=("b", "g", "j"),
       kernel_name="decode_attention_scores_wgmma",
       scratch_types=[plgpu.SMEM((r, h), jnp.bfloat16, transforms=q_transforms),
-                     plgpu.SMEM((TILE, r), jnp.float32),
                      plgpu.Barrier(num_arrivals=1)],
   )
   return kernel(layer.astype(jnp.int32), lengths.astype(jnp.int32), q, codes, scale_bits, rows)
