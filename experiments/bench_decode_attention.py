@@ -10,7 +10,10 @@ Per case (context T, batch B; every sequence at full length T, one query token e
   kernel_bf16         the kernel on the BF16 cache
   kernel_packed       the kernel on the packed cache as the engine holds it (reads ~3.4x fewer
                       KV bytes; on the GPU codes as words per block, decoder `--decoder`, auto:
-                      "words", one table per block, `fp4_decode.decode_words`)
+                      "words", one table per block, `fp4_decode.decode_words`), scores by the
+                      Pallas/Triton kernel
+  kernel_packed_wgmma  the same with the scores by `wgmma_scores` (K decoded into wgmma's
+                      registers; GPU only, the engine's default where it runs)
   kernel_packed_natural  kernel_packed with the K tile decoded in natural column order instead
                       of the MMA operand order (`words_order="natural"`; words only)
   kernel_packed_bits  the same cache with the codes as bytes and the bit-arithmetic decoder
@@ -173,12 +176,12 @@ def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stag
                              num_splits=num_splits or None, num_warps=num_warps,
                              num_stages=num_stages)
   ref = da.decode_attention_reference
+  dec = None if decoder == "auto" else decoder
   return {"xla_bf16": ref, "xla_fq_bf16": ref, "xla_packed_dequant": ref,
           "kernel_bf16": kernel,
-          "kernel_packed": functools.partial(kernel, decoder=None if decoder == "auto"
-                                             else decoder),
-          "kernel_packed_natural": functools.partial(kernel, decoder=None if decoder == "auto"
-                                                     else decoder, words_order="natural"),
+          "kernel_packed": functools.partial(kernel, decoder=dec, scores_impl="triton"),
+          "kernel_packed_natural": functools.partial(kernel, decoder=dec, words_order="natural",
+                                                     scores_impl="triton"),
           "kernel_packed_bits": functools.partial(kernel, decoder="bits"),
           "kernel_packed_wgmma": functools.partial(kernel, decoder="words", scores_impl="wgmma",
                                                    wgmma_tiles=wgmma_tiles)}

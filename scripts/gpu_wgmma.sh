@@ -6,7 +6,9 @@
 #   against the CPU reference, then timed side by side (ATTN_IMPLS);
 # T_NCU: ncu per scores kernel (duration, DRAM and L1 throughput, instructions, registers) at
 #   batch 256 (NCU_IMPLS);
-# T_GPUTEST: pytest files on the GPU (GPUTEST_FILES).
+# T_BUDGET: bench_rollout's 60 GB case (8k contexts, BUDGET_POLICIES) with the engine's default
+#   decode attention (the wgmma scores where they run); T_GPUTEST: pytest files on the GPU
+#   (GPUTEST_FILES).
 source "$(dirname "$0")/gpu_lib.sh"
 ATTN="python3 -m experiments.bench_decode_attention"
 stamp start
@@ -20,6 +22,11 @@ TAIL=60 run ncu "${T_NCU:-1}" timeout -k 5 "$(( ${T_NCU:-1} - 10 ))" ncu --clock
   $ATTN --contexts=8192 --batches="${NCU_BATCH:-256}" \
   --impls="${NCU_IMPLS:-kernel_packed,kernel_packed_wgmma}" --reps=1 --warmup=0 \
   --inner=1 --check_seqs=1 --decoder_check=false --json_out=/tmp/ncu_run.json
+I="${IMPL:-kernel+unroll4}"
+TAIL=30 run budget "${T_BUDGET:-1}" python3 -m experiments.bench_rollout --impls=$I --key_impl=$I \
+  --budget_impl=$I --cases=none --transformers=false --budget_gb=60 \
+  --budget_policies="${BUDGET_POLICIES:-bf16,fp4_rtn}" --reps="${BUDGET_REPS:-3}" \
+  --json_out="$OUT/budget${BUDGET_TAG:-}.json"
 TAIL=30 run gputest "${T_GPUTEST:-1}" python3 -m pytest -q -x -p no:cacheprovider \
   --durations=10 ${GPUTEST_FILES:-tests/kernels/test_decode_attention.py}
 stamp done

@@ -81,3 +81,24 @@ def test_unsupported_shapes_are_refused():
   assert not wgmma_scores.supported(128, 4, 1024, jnp.bfloat16)
   assert not wgmma_scores.supported(128, 8, 1000, jnp.bfloat16)
   assert not wgmma_scores.supported(128, 8, 1024, jnp.float16)
+
+
+def test_every_row_scale_the_quantizer_makes_takes_the_fast_table():
+  """The kernel builds the fast table only: exact for row scales in `tensor_scale_factors`'
+  fast range, which every cache row the quantizer writes must be in (the amax floor keeps
+  all-zero and tiny rows inside it, bf16's range the largest; NaN/inf rows give NaN)."""
+  big, tiny = float(jnp.finfo(jnp.bfloat16).max), float(jnp.finfo(jnp.bfloat16).tiny)
+  rows = np.zeros((8, 128), np.float32)
+  rows[1] = big
+  rows[2, 0] = tiny
+  rows[3, 0] = tiny / 4  # subnormal: flushed
+  rows[4, 0] = np.nan
+  rows[5, 0] = np.inf
+  rows[6] = -big
+  rows[7] = np.linspace(-1, 1, 128)
+  k = jnp.asarray(rows, jnp.bfloat16).reshape(1, 8, 1, 128)
+  cache = kv_cache.pack_rows(k, k, words=False)
+  fast = np.asarray(fp4_decode.tensor_scale_factors(cache.k_row)[0])
+  assert fast.all(), np.asarray(cache.k_row)
+  # and a row scale outside the range is told apart (the check can fail)
+  assert not bool(fp4_decode.tensor_scale_factors(jnp.float32(2.0**-120))[0])

@@ -433,7 +433,7 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
                      block_t: int = DEFAULT_BLOCK_T, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, decoder: str | None = None,
                      table: str | None = None, words_order: str = "mma",
-                     scores_impl: str = "triton", wgmma_tiles: int = 4) -> jax.Array:
+                     scores_impl: str | None = None, wgmma_tiles: int = 4) -> jax.Array:
   """Attention of one query token per sequence over its cache: q [B, N, H] -> [B, N, H].
 
   cache: a `PackedKVCache` (NVFP4) or BF16 (k, v), each [B, T, G, H]; with `layer` (int32
@@ -447,14 +447,15 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   one (for tests), "fast" always the fast one (only exact for row scales in
   `fp4_decode.tensor_scale_factors`' fast range). words_order (decoder "words"): K decoded in
   the "mma" operand order (head_dim a multiple of 64; q's columns permuted to match) or
-  "natural" (measured slower on the H200). scores_impl: "triton" (the Pallas kernel above) or
+  "natural" (measured slower on the H200). scores_impl: "triton" (the Pallas kernel above),
   "wgmma" (packed words cache on the GPU: `wgmma_scores`, K decoded in wgmma's registers with
-  the fast table; its `supported` shapes; `wgmma_tiles` 64-key tiles per program). Output in
-  q.dtype; numerics: the module's.
+  the fast table, exact for every row scale the quantizer makes; its `supported` shapes;
+  `wgmma_tiles` 64-key tiles per program) or None: "wgmma" where it runs (and table is not
+  "exact"), else "triton". Output in q.dtype; numerics: the module's.
   """
   _check(q, cache, lengths, block_t, layer)
-  if scores_impl not in ("triton", "wgmma"):
-    raise ValueError(f"scores_impl must be 'triton' or 'wgmma', got {scores_impl!r}")
+  if scores_impl not in (None, "triton", "wgmma"):
+    raise ValueError(f"scores_impl must be 'triton', 'wgmma' or None, got {scores_impl!r}")
   if words_order not in ("mma", "natural"):
     raise ValueError(f"words_order must be 'mma' or 'natural', got {words_order!r}")
   if interpret is None:
@@ -466,10 +467,12 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
     num_splits = default_num_splits(b, g, -(-t // block_t))
   decoder = resolve_decoder(decoder, q.dtype, bool(interpret),
                             words=cache.words) if packed else "bits"
+  wgmma_ok = (packed and not interpret and cache.words and wgmma_scores.available()
+              and wgmma_scores.supported(q.shape[-1], q.shape[1] // g, t, q.dtype))
+  if scores_impl is None:
+    scores_impl = "wgmma" if wgmma_ok and decoder == "words" and table != "exact" else "triton"
   if scores_impl == "wgmma":
-    h = q.shape[-1]
-    if not (packed and cache.words and not interpret
-            and wgmma_scores.supported(h, q.shape[1] // g, t, q.dtype)):
+    if not wgmma_ok:
       raise ValueError("scores_impl='wgmma' needs a packed cache of code words on the GPU, "
                        f"bf16, {wgmma_scores.ROWS} query heads per kv head, head_dim a multiple "
                        f"of {wgmma_scores.SPAN} and a context a multiple of "

@@ -38,6 +38,19 @@ ROWS = 8  # query heads per kv head (the wgmma N)
 SPAN = 128  # head_dim of 4 threads x 2 blocks (a row's 16-byte loads)
 
 
+def available() -> bool:
+  """Whether this jax has the Mosaic GPU Pallas API the kernel is written against (jax 0.11:
+  `plgpu.kernel(out_type=...)`, `inline_mgpu`)."""
+  try:
+    import inspect
+
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+  except ImportError:  # pragma: no cover
+    return False
+  return (hasattr(plgpu, "inline_mgpu")
+          and "out_type" in inspect.signature(plgpu.kernel).parameters)
+
+
 def supported(h: int, r: int, t: int, dtype) -> bool:
   """Whether the kernel runs this shape: see the module docstring."""
   return (jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and h % SPAN == 0 and r == ROWS
