@@ -27,6 +27,6 @@ TAIL=30 run budget "${T_BUDGET:-1}" python3 -m experiments.bench_rollout --impls
   --budget_impl=$I --cases=none --transformers=false --budget_gb=60 \
   --budget_policies="${BUDGET_POLICIES:-bf16,fp4_rtn}" --reps="${BUDGET_REPS:-3}" \
   --json_out="$OUT/budget${BUDGET_TAG:-}.json"
-TAIL=30 run gputest "${T_GPUTEST:-1}" python3 -m pytest -q -x -p no:cacheprovider \
+TAIL=30 run gputest "${T_GPUTEST:-1}" python3 -m pytest -q -p no:cacheprovider \
   --durations=10 ${GPUTEST_FILES:-tests/kernels/test_decode_attention.py}
 stamp done

@@ -153,10 +153,11 @@ def test_pack_rows_equals_write(words):
 
 
 def test_dequantize_float32_bit_equal():
-  """The decoder's float32 values (before any cast) are `formats.nvfp4_dequantize`'s."""
+  """The bits decoder's float32 values (before any cast) are `formats.nvfp4_dequantize`'s (it
+  reads the codes as bytes; the words decoder makes bf16/f16 only)."""
   cache, _ = _written_cache("random", seed=1)
   k, v = _on_cpu(lambda c: kv_cache.dequantize(c, jnp.float32), cache)
-  kp, vp = da.dequantize_pallas(cache, jnp.float32)
+  kp, vp = da.dequantize_pallas(cache.as_bytes(), jnp.float32)
   np.testing.assert_array_equal(_bits(kp), _bits(k))
   np.testing.assert_array_equal(_bits(vp), _bits(v))
 
