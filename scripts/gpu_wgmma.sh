@@ -7,7 +7,8 @@
 # T_NCU: ncu per scores kernel (duration, DRAM and L1 throughput, instructions, registers) at
 #   batch 256 (NCU_IMPLS);
 # T_BUDGET: bench_rollout's 60 GB case (8k contexts, BUDGET_POLICIES) with the engine's default
-#   decode attention (the wgmma scores where they run); T_GPUTEST: pytest files on the GPU
+#   decode attention (the wgmma scores where they run; up to 1536 sequences, all FP4 fits);
+#   T_ROLL: 8-layer decode at fixed batches; T_GPUTEST: pytest files on the GPU
 #   (GPUTEST_FILES).
 source "$(dirname "$0")/gpu_lib.sh"
 ATTN="python3 -m experiments.bench_decode_attention"
@@ -24,9 +25,14 @@ TAIL=60 run ncu "${T_NCU:-1}" timeout -k 5 "$(( ${T_NCU:-1} - 10 ))" ncu --clock
   --inner=1 --check_seqs=1 --decoder_check=false --json_out=/tmp/ncu_run.json
 I="${IMPL:-kernel+unroll4}"
 TAIL=30 run budget "${T_BUDGET:-1}" python3 -m experiments.bench_rollout --impls=$I --key_impl=$I \
-  --budget_impl=$I --cases=none --transformers=false --budget_gb=60 \
+  --budget_impl=$I --cases=none --transformers=false --budget_gb=60 --budget_max_batch=1536 \
   --budget_policies="${BUDGET_POLICIES:-bf16,fp4_rtn}" --reps="${BUDGET_REPS:-3}" \
   --json_out="$OUT/budget${BUDGET_TAG:-}.json"
+# T_ROLL: the 8-layer decode at batches ROLL_BATCHES, every policy (the engine's default
+# attention: the wgmma scores at the issue model's 32/4 heads of 128).
+TAIL=30 run roll "${T_ROLL:-1}" python3 -m experiments.bench_rollout --impls=$I --key_impl=$I \
+  --policies=bf16,fp4_rtn,fp4_trace --batches="${ROLL_BATCHES:-64,256}" --reps=3 \
+  --budget_gb=0 --transformers=false --json_out="$OUT/roll.json"
 TAIL=30 run gputest "${T_GPUTEST:-1}" python3 -m pytest -q -p no:cacheprovider \
   --durations=10 ${GPUTEST_FILES:-tests/kernels/test_decode_attention.py}
 stamp done
