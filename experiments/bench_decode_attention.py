@@ -11,9 +11,11 @@ Per case (context T, batch B; every sequence at full length T, one query token e
   kernel_packed       the kernel on the packed cache as the engine holds it (reads ~3.4x fewer
                       KV bytes; on the GPU codes as words per block, decoder `--decoder`, auto:
                       "words", one table per block, `fp4_decode.decode_words`), scores by the
-                      Pallas/Triton kernel
-  kernel_packed_wgmma  the same with the scores by `wgmma_scores` (K decoded into wgmma's
-                      registers; GPU only, the engine's default where it runs)
+                      Pallas/Triton kernels (`impl="triton"`)
+  kernel_packed_wgmma  the same with `wgmma_attention`'s kernels (K decoded into wgmma's A
+                      registers for the scores, V into shared memory for PV; GPU only; the
+                      engine's default where it runs, `impl="wgmma"`)
+  kernel_packed_wgmma_scores  the wgmma scores with the Triton PV kernel (`impl="wgmma_scores"`)
   kernel_packed_natural  kernel_packed with the K tile decoded in natural column order instead
                       of the MMA operand order (`words_order="natural"`; words only)
   kernel_packed_bits  the same cache with the codes as bytes and the bit-arithmetic decoder
@@ -89,14 +91,15 @@ PRESETS = {
     "cpu": dict(contexts=[64], batches=[2], heads=8, kv_heads=2, head_dim=64),
 }
 IMPLS = ("xla_bf16", "xla_fq_bf16", "xla_packed_dequant", "kernel_bf16", "kernel_packed",
-         "kernel_packed_natural", "kernel_packed_bits", "kernel_packed_wgmma")
-GPU_ONLY = ("kernel_packed_wgmma",)  # Mosaic GPU + inline PTX: no interpret mode
+         "kernel_packed_natural", "kernel_packed_bits", "kernel_packed_wgmma",
+         "kernel_packed_wgmma_scores")
+GPU_ONLY = ("kernel_packed_wgmma", "kernel_packed_wgmma_scores")  # Mosaic GPU + inline PTX
 COPY = "copy"
 # The cache each path reads, and the contract its output is checked against.
 CACHE_OF = {"xla_bf16": "bf16", "xla_fq_bf16": "fq_bf16", "xla_packed_dequant": "packed",
             "kernel_bf16": "bf16", "kernel_packed": "packed",
             "kernel_packed_natural": "packed", "kernel_packed_bits": "packed_bytes",
-            "kernel_packed_wgmma": "packed"}
+            "kernel_packed_wgmma": "packed", "kernel_packed_wgmma_scores": "packed"}
 
 
 def _nbytes(tree: Any) -> int:
@@ -179,12 +182,15 @@ def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stag
   dec = None if decoder == "auto" else decoder
   return {"xla_bf16": ref, "xla_fq_bf16": ref, "xla_packed_dequant": ref,
           "kernel_bf16": kernel,
-          "kernel_packed": functools.partial(kernel, decoder=dec, scores_impl="triton"),
+          "kernel_packed": functools.partial(kernel, decoder=dec, impl="triton"),
           "kernel_packed_natural": functools.partial(kernel, decoder=dec, words_order="natural",
-                                                     scores_impl="triton"),
+                                                     impl="triton"),
           "kernel_packed_bits": functools.partial(kernel, decoder="bits"),
-          "kernel_packed_wgmma": functools.partial(kernel, decoder="words", scores_impl="wgmma",
-                                                   wgmma_tiles=wgmma_tiles)}
+          "kernel_packed_wgmma": functools.partial(kernel, decoder="words", impl="wgmma",
+                                                   wgmma_tiles=wgmma_tiles),
+          "kernel_packed_wgmma_scores": functools.partial(kernel, decoder="words",
+                                                          impl="wgmma_scores",
+                                                          wgmma_tiles=wgmma_tiles)}
 
 
 def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps: int,
@@ -254,6 +260,8 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
       "time_kernel_packed_wgmma_over_kernel_packed": ratio("kernel_packed_wgmma",
                                                            "kernel_packed"),
       "time_kernel_packed_wgmma_over_kernel_bf16": ratio("kernel_packed_wgmma", "kernel_bf16"),
+      "time_kernel_packed_wgmma_scores_over_kernel_packed": ratio("kernel_packed_wgmma_scores",
+                                                                  "kernel_packed"),
       "time_kernel_packed_bits_over_kernel_bf16": ratio("kernel_packed_bits", "kernel_bf16"),
       "time_kernel_packed_over_kernel_packed_bits": ratio("kernel_packed",
                                                           "kernel_packed_bits"),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 calls (device tool, `carry: [".whl"]`), 2026-12-04 (eleventh session): the packed
-# cache's attention scores with K decoded into wgmma's A registers (`kernels/wgmma_scores.py`,
+# cache's attention scores with K decoded into wgmma's A registers (`kernels/wgmma_attention.py`,
 # Mosaic GPU) against the Pallas/Triton scores kernel. Steps (a limit of 1 skips one):
 # T_ATTN: bench_decode_attention at 8k contexts (decoder check first), every path checked
 #   against the CPU reference, then timed side by side (ATTN_IMPLS);
@@ -15,10 +15,10 @@ ATTN="python3 -m experiments.bench_decode_attention"
 stamp start
 TAIL=40 run attn "${T_ATTN:-200}" $ATTN --contexts="${ATTN_CONTEXTS:-8192}" \
   --batches="${ATTN_BATCHES:-64,256}" \
-  --impls="${ATTN_IMPLS:-kernel_bf16,kernel_packed,kernel_packed_wgmma}" \
+  --impls="${ATTN_IMPLS:-kernel_bf16,kernel_packed,kernel_packed_wgmma_scores,kernel_packed_wgmma}" \
   --reps=10 --inner=4 ${ATTN_EXTRA:-} --json_out="$OUT/attn${ATTN_TAG:-}.json"
 TAIL=60 run ncu "${T_NCU:-1}" timeout -k 5 "$(( ${T_NCU:-1} - 10 ))" ncu --clock-control none \
-  --kernel-name regex:"${NCU_KERNELS:-decode_attention_scores}" --launch-count "${NCU_COUNT:-4}" \
+  --kernel-name regex:"${NCU_KERNELS:-decode_attention}" --launch-count "${NCU_COUNT:-4}" \
   --metrics gpu__time_duration.sum,smsp__inst_executed.sum,l1tex__throughput.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum \
   $ATTN --contexts=8192 --batches="${NCU_BATCH:-256}" \
   --impls="${NCU_IMPLS:-kernel_packed,kernel_packed_wgmma}" --reps=1 --warmup=0 \

@@ -296,12 +296,18 @@ PACKED_VARIANTS = {"packed": (None, {}), "packed_words": (True, {"decoder": "wor
                    "packed_words_exact": (True, {"decoder": "words", "table": "exact"}),
                    "packed_words_natural": (True, {"decoder": "words",
                                                    "words_order": "natural"}),
-                   "packed_bits": (False, {"decoder": "bits"})}
+                   "packed_bits": (False, {"decoder": "bits"}),
+                   "packed_wgmma": (True, {"decoder": "words", "impl": "wgmma"}),
+                   "packed_wgmma_scores": (True, {"decoder": "words", "impl": "wgmma_scores"})}
+WGMMA_KINDS = ("packed_wgmma", "packed_wgmma_scores")  # GPU only (Mosaic GPU, inline PTX)
 KERNEL_CASES = [(name, kind) for name in ATTN_CASES for kind in ("bf16", "packed",
                                                                    "packed_words")] + [
     ("full_r8", "packed_bits"), ("full_r8", "packed_words_exact"),
     ("full_r8", "packed_words_natural"),
-    ("len1_r4", "packed_words_exact"), ("mixed_lengths_r2_split3", "packed_words_exact")]
+    ("len1_r4", "packed_words_exact"), ("mixed_lengths_r2_split3", "packed_words_exact")] + [
+    (name, kind) for name in ("full_r8", "mixed_r8") for kind in WGMMA_KINDS]
+# R = 8 and head_dim 128, the wgmma kernels' shape (GPU only): lengths 1, mid-tile, full.
+ATTN_CASES_GPU = {"mixed_r8": (3, 192, 4, 32, 128, [1, 70, 192], 64, 1)}
 
 
 @pytest.mark.parametrize("name,kind", KERNEL_CASES, ids=[f"{n}-{k}" for n, k in KERNEL_CASES])
@@ -311,7 +317,9 @@ def test_kernel_matches_reference(name, kind):
   unnormalized ones, is far from that); a sequence of
   length 1 gets its single V row exactly (softmax weight 1, so the kernel's in-register V
   decode shows through; compared as values, since the PV dot turns -0 into +0)."""
-  b, t, g, n, h, lengths, block_t, splits = ATTN_CASES[name]
+  if kind in WGMMA_KINDS and da._default_interpret():
+    pytest.skip("the wgmma kernels run on a Hopper GPU only")
+  b, t, g, n, h, lengths, block_t, splits = {**ATTN_CASES, **ATTN_CASES_GPU}[name]
   words, opts = PACKED_VARIANTS.get(kind, (None, {}))
   q, kv, pos = _attn_inputs(b, t, g, n, h)
   cache = _cache("bf16" if kind == "bf16" else "packed", kv, pos, words=words)
@@ -329,16 +337,18 @@ def test_kernel_matches_reference(name, kind):
     np.testing.assert_array_equal(np.asarray(out)[bi].astype(np.float32), want)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "packed", "packed_words"])
+@pytest.mark.parametrize("kind", ["bf16", "packed", "packed_words", "packed_wgmma"])
 def test_stacked_layer_is_read_in_place(kind):
   """A stack of layers [L, ...] read at a (traced) layer gives that layer's result bit for bit,
   and the other layers' rows (NaN here) never reach it."""
-  b, t, g, n, h, lengths, block_t, splits = ATTN_CASES["mixed_lengths_r2_split3"]
+  if kind in WGMMA_KINDS and da._default_interpret():
+    pytest.skip("the wgmma kernels run on a Hopper GPU only")
+  case = "mixed_r8" if kind in WGMMA_KINDS else "mixed_lengths_r2_split3"
+  b, t, g, n, h, lengths, block_t, splits = {**ATTN_CASES, **ATTN_CASES_GPU}[case]
   q, kv, pos = _attn_inputs(b, t, g, n, h, seed=6)
   lengths = jnp.asarray(lengths, jnp.int32)
-  words = kind == "packed_words"
-  one = _cache(kind.removesuffix("_words"), kv, pos, words=True if words else None)
-  opts = {"decoder": "words"} if words else {}
+  words, opts = PACKED_VARIANTS.get(kind, (None, {}))
+  one = _cache("bf16" if kind == "bf16" else "packed", kv, pos, words=words)
   want = np.asarray(da.decode_attention(q, one, lengths, block_t=block_t, num_splits=splits,
                                         **opts))
   poison = lambda a: jnp.full_like(a, np.nan) if a.dtype in (jnp.bfloat16, jnp.float32) else a

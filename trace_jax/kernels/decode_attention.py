@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from trace_jax.kernels import fp4_decode, wgmma_scores
+from trace_jax.kernels import fp4_decode, wgmma_attention
 from trace_jax.kernels.kv_cache import PackedKVCache, dequantize
 from trace_jax.quant import formats
 
@@ -73,6 +73,7 @@ except ImportError:  # pragma: no cover
   plgpu = None
 
 BF16Cache = tuple[jax.Array, jax.Array]
+IMPLS = ("triton", "wgmma", "wgmma_scores")  # `decode_attention(impl=...)`
 MIN_ROWS = 16  # Triton's smallest dot tile along M (and N, K)
 DEFAULT_BLOCK_T = 64
 
@@ -304,13 +305,18 @@ def _next_pow2(x: int) -> int:
   return 1 << max(int(x) - 1, 0).bit_length()
 
 
+def _sm_count() -> int:
+  """The device's SM count (132, an H100/H200's, off-GPU)."""
+  try:
+    return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+  except Exception:  # pragma: no cover
+    return 132
+
+
 def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int) -> int:
   """Key splits of the PV kernel so that about 2 programs per SM run (132 SMs assumed
   off-GPU), with at least 4 key blocks per split."""
-  try:
-    sms = int(getattr(jax.devices()[0], "core_count", 0)) or 132
-  except Exception:  # pragma: no cover
-    sms = 132
+  sms = _sm_count()
   want = -(-2 * sms // max(batch * num_kv_heads, 1))
   return int(max(1, min(want, num_blocks // 4)))
 
@@ -327,11 +333,11 @@ def _cache_arrays(cache, packed: bool) -> tuple[tuple[jax.Array, ...], tuple[jax
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_t", "num_splits", "num_warps",
                                              "num_stages", "decoder", "table", "words_order",
-                                             "scores_impl", "wgmma_tiles"))
+                                             "impl", "wgmma_tiles"))
 def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int,
                       num_splits: int, num_warps: int, num_stages: int, decoder: str = "bits",
                       table: str | None = None, words_order: str = "mma",
-                      scores_impl: str = "triton", wgmma_tiles: int = 4):
+                      impl: str = "triton", wgmma_tiles: int = 4):
   from trace_jax.model import attention  # here: trace_jax.model imports this module
 
   packed = isinstance(cache, PackedKVCache)
@@ -358,10 +364,10 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
   params = None if interpret else _compiler_params(num_warps, num_stages)
-  if scores_impl == "wgmma":  # K decoded into wgmma's A registers (Mosaic GPU)
+  if impl in ("wgmma", "wgmma_scores"):  # K decoded into wgmma's A registers (Mosaic GPU)
     kc, kbits, krow = ks
-    qw = jnp.take(q.reshape(b, g, r, h), wgmma_scores.column_order(h), axis=-1)
-    scores = wgmma_scores.scores(qw, kc.reshape(kc.shape[:4] + (h // 8,)), kbits, krow,
+    qw = jnp.take(q.reshape(b, g, r, h), wgmma_attention.column_order(h), axis=-1)
+    scores = wgmma_attention.scores(qw, kc.reshape(kc.shape[:4] + (h // 8,)), kbits, krow,
                                  lengths, lyr, scale=float(attention.score_scale(h)),
                                  tiles_per_program=wgmma_tiles)
   else:
@@ -377,6 +383,12 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
   # kernel skipped hold no data and are masked), float32 softmax, one rounding.
   mask = (jnp.arange(t)[None, :] < lengths[:, None])[:, None, None, None, :]
   probs = attention.attention_probs(scores[:, :, :, None, :], mask, q.dtype)[:, :, :, 0, :]
+  if impl == "wgmma":  # V decoded into shared memory, probabilities in wgmma's A registers
+    vc, vbits, vrow = vs
+    out = wgmma_attention.pv(probs, vc.reshape(vc.shape[:4] + (h // 8,)), vbits, vrow,
+                             lengths, lyr)
+    inverse = np.argsort(wgmma_attention.column_order(h))
+    return jnp.take(out, inverse, axis=-1).reshape(b, n, h)
   if splits == 1:
     out_shape = jax.ShapeDtypeStruct((b, g, rp, h), q.dtype)
   else:
@@ -433,7 +445,7 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
                      block_t: int = DEFAULT_BLOCK_T, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, decoder: str | None = None,
                      table: str | None = None, words_order: str = "mma",
-                     scores_impl: str | None = None, wgmma_tiles: int = 4) -> jax.Array:
+                     impl: str | None = None, wgmma_tiles: int = 4) -> jax.Array:
   """Attention of one query token per sequence over its cache: q [B, N, H] -> [B, N, H].
 
   cache: a `PackedKVCache` (NVFP4) or BF16 (k, v), each [B, T, G, H]; with `layer` (int32
@@ -447,15 +459,17 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   one (for tests), "fast" always the fast one (only exact for row scales in
   `fp4_decode.tensor_scale_factors`' fast range). words_order (decoder "words"): K decoded in
   the "mma" operand order (head_dim a multiple of 64; q's columns permuted to match) or
-  "natural" (measured slower on the H200). scores_impl: "triton" (the Pallas kernel above),
-  "wgmma" (packed words cache on the GPU: `wgmma_scores`, K decoded in wgmma's registers with
-  the fast table, exact for every row scale the quantizer makes; its `supported` shapes;
-  `wgmma_tiles` 64-key tiles per program) or None: "wgmma" where it runs (and table is not
-  "exact"), else "triton". Output in q.dtype; numerics: the module's.
+  "natural" (measured slower on the H200). impl: "triton" (the Pallas kernels above), "wgmma"
+  (packed words cache on the GPU, `wgmma_attention`'s shapes: K decoded into wgmma's A
+  registers for the scores, V into shared memory for the PV sum, with the fast table, exact for
+  every row scale the quantizer makes; `wgmma_tiles` 64-key tiles per scores program),
+  "wgmma_scores" (the wgmma scores, the Triton PV kernel with its key splits) or None: "wgmma"
+  where it runs with at least one PV program per SM (B x G), "wgmma_scores" where it runs with
+  fewer, else "triton" (also for table="exact"). Output in q.dtype; numerics: the module's.
   """
   _check(q, cache, lengths, block_t, layer)
-  if scores_impl not in (None, "triton", "wgmma"):
-    raise ValueError(f"scores_impl must be 'triton', 'wgmma' or None, got {scores_impl!r}")
+  if impl not in (None, *IMPLS):
+    raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
   if words_order not in ("mma", "natural"):
     raise ValueError(f"words_order must be 'mma' or 'natural', got {words_order!r}")
   if interpret is None:
@@ -467,20 +481,22 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
     num_splits = default_num_splits(b, g, -(-t // block_t))
   decoder = resolve_decoder(decoder, q.dtype, bool(interpret),
                             words=cache.words) if packed else "bits"
-  wgmma_ok = (packed and not interpret and cache.words and wgmma_scores.available()
-              and wgmma_scores.supported(q.shape[-1], q.shape[1] // g, t, q.dtype))
-  if scores_impl is None:
-    scores_impl = "wgmma" if wgmma_ok and decoder == "words" and table != "exact" else "triton"
-  if scores_impl == "wgmma":
+  wgmma_ok = (packed and not interpret and cache.words and wgmma_attention.available()
+              and wgmma_attention.supported(q.shape[-1], q.shape[1] // g, t, q.dtype))
+  if impl is None:
+    impl = "triton"
+    if wgmma_ok and decoder == "words" and table != "exact":
+      impl = "wgmma" if b * g >= _sm_count() else "wgmma_scores"
+  if impl != "triton":
     if not wgmma_ok:
-      raise ValueError("scores_impl='wgmma' needs a packed cache of code words on the GPU, "
-                       f"bf16, {wgmma_scores.ROWS} query heads per kv head, head_dim a multiple "
-                       f"of {wgmma_scores.SPAN} and a context a multiple of "
-                       f"{wgmma_scores.TILE}; got q {q.shape} {q.dtype}, T={t}")
+      raise ValueError(f"impl={impl!r} needs a packed cache of code words on the GPU, "
+                       f"bf16, {wgmma_attention.ROWS} query heads per kv head, head_dim a multiple "
+                       f"of {wgmma_attention.SPAN} and a context a multiple of "
+                       f"{wgmma_attention.TILE}; got q {q.shape} {q.dtype}, T={t}")
   return _decode_attention(q, cache, lengths, layer, interpret=bool(interpret),
                            block_t=block_t, num_splits=int(num_splits), num_warps=num_warps,
                            num_stages=num_stages, decoder=decoder, table=table,
-                           words_order=words_order, scores_impl=scores_impl,
+                           words_order=words_order, impl=impl,
                            wgmma_tiles=int(wgmma_tiles))
 
 

@@ -113,10 +113,12 @@ def _block_ptx(half: int) -> str:
 
 # ----------------------------------------------------------------------------- the kernel
 
-def _decode_tile(h: int, g: int):
+def _decode_tile(h: int, g: int, masked: bool = False):
   """inline_mgpu function: (codes words [.., T, G, H/8], scale bytes [.., T, G, H/16], row
-  scales [.., T, G] refs, already indexed to (layer, sequence) and the tile's first key ...) ->
-  the tile's K [64, h] bf16 in the WGMMA layout, columns in `column_order`."""
+  scales [.., T, G] refs, already indexed to (layer, sequence) and the tile's first key ...[,
+  valid: int32 scalar]) -> the tile's K (or V) [64, h] bf16 in the WGMMA layout, columns in
+  `column_order`. masked: rows at or beyond `valid` decode to +-0 (their scales taken as 0, so
+  no NaN or inf of an unwritten or stale row reaches a product)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, gpu, llvm
   from jax.experimental.mosaic import gpu as mgpu
@@ -124,8 +126,9 @@ def _decode_tile(h: int, g: int):
 
   nb = 2 * h // SPAN  # blocks per thread and row (even: 16-byte code loads)
 
-  def fn(ctx, codes, scales, rows):
+  def fn(ctx, codes, scales, rows, *valid):
     del ctx
+    assert len(valid) == int(masked)
     i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
     bf16 = ir.BF16Type.get()
     i16, f32 = ir.IntegerType.get_signless(16), ir.F32Type.get()
@@ -142,7 +145,8 @@ def _decode_tile(h: int, g: int):
     assert regs.shape[1] == h // 8 and regs.shape[4] == 2, regs.shape  # (1, ct, 1, 1, half..)
     pair_ty = ir.VectorType.get((2,), bf16)
     for half in range(2):
-      row = arith.extui(i64, arith.addi(row0, c32(8 * half)))
+      row32 = arith.addi(row0, c32(8 * half))
+      row = arith.extui(i64, row32)
       q64 = arith.extui(i64, quad)
       # codes: row pitch g * h/2 bytes; this thread's 8 nb bytes at quad * 8 nb
       a_c = arith.addi(base_c, arith.addi(arith.muli(row, c64(g * h // 2)),
@@ -156,10 +160,16 @@ def _decode_tile(h: int, g: int):
                                           arith.muli(q64, c64(nb))))
       a_r = arith.addi(base_r, arith.muli(row, c64(4 * g)))
       ts = mu.inline_ptx("ld.global.nc.f32 $0, [$1];", a_r, result_types=f32)
+      ok = None
+      if masked:
+        ok = arith.cmpi(arith.CmpIPredicate.slt, row32, valid[0].registers.item())
+        ts = arith.select(ok, ts, mu.c(0.0, f32))
       for i in range(nb):
         if i % 2 == 0:  # two scale bytes per 16-bit load
           sp = mu.inline_ptx("ld.global.nc.u16 $0, [$1];", arith.addi(a_s, c64(i)),
                              result_types=i16)
+          if masked:
+            sp = arith.select(ok, sp, mu.c(0, i16))
         res = mu.inline_ptx(_block_ptx(i % 2), words[2 * i], words[2 * i + 1], sp, ts,
                             result_types=[i32] * 8)
         for k in range(2):
@@ -201,6 +211,149 @@ def _store_transposed(t: int):
     return ()
 
   return fn
+
+
+def _thread_coords():
+  """(warp, lane, row0, quad) of this thread in its warpgroup (int32): WGMMA layout row
+  16 warp + lane // 4 (+ 8 for the second half), column pair 2 quad (+ 8 ct)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, gpu
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  i32 = ir.IntegerType.get_signless(32)
+  c32 = lambda v: mu.c(v, i32)
+  tid = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), c32(128))
+  warp, lane = arith.divui(tid, c32(32)), arith.remui(tid, c32(32))
+  return warp, lane, arith.addi(arith.muli(warp, c32(16)), arith.divui(lane, c32(4))), \
+      arith.remui(lane, c32(4))
+
+
+def _probs_tile(t: int, r: int):
+  """inline_mgpu function: (probabilities' [R, 64] window of a [R, T] bf16 array) -> the A
+  operand [64, 64] bf16 in the WGMMA layout: rows < R the probabilities (columns = keys in
+  order), the other rows zero (wgmma's M is 64; R = 8 rows are warp 0's first half)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  def fn(ctx, probs):
+    del ctx
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    _, _, row0, quad = _thread_coords()
+    base = llvm.ptrtoint(i64, mu.memref_ptr(probs))
+    layout = mgpu.WGMMA_LAYOUT
+    regs = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
+    pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
+    zero = mu.bitcast(mu.c(0, i32), pair_ty)
+    live = arith.cmpi(arith.CmpIPredicate.ult, row0, mu.c(r, i32))  # rows >= r stay zero
+    flag = arith.extui(i32, live)
+    row = arith.select(live, row0, mu.c(0, i32))  # a valid address for every thread
+    off = arith.addi(arith.muli(row, mu.c(t, i32)), arith.muli(quad, mu.c(2, i32)))
+    a0 = arith.addi(base, arith.extui(i64, arith.muli(off, mu.c(2, i32))))
+    for ct in range(TILE // 8):
+      v = mu.inline_ptx("{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\nmov.b32 $0, 0;\n"
+                        "@p ld.global.nc.b32 $0, [$1];\n}", arith.addi(a0, mu.c(16 * ct, i64)),
+                        flag, result_types=i32)
+      regs[0, ct, 0, 0, 0] = mu.bitcast(v, pair_ty)
+      regs[0, ct, 0, 0, 1] = zero  # rows 8 + ..: >= r
+    return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+  return fn
+
+
+def _store_rows(h: int, r: int):
+  """inline_mgpu function: (the PV accumulator [64, h] float32 in the WGMMA layout, the
+  output's [R, h] bf16 window) -> rows < R rounded to bf16 (nearest even) and stored, columns
+  in `column_order` (each thread's pairs: 4-byte stores, 16 contiguous bytes per quad)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  def fn(ctx, acc, out):
+    del ctx
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    _, _, row0, quad = _thread_coords()
+    base = llvm.ptrtoint(i64, mu.memref_ptr(out))
+    live = arith.cmpi(arith.CmpIPredicate.ult, row0, mu.c(r, i32))
+    flag = arith.extui(i32, live)
+    row = arith.select(live, row0, mu.c(0, i32))
+    off = arith.addi(arith.muli(row, mu.c(h, i32)), arith.muli(quad, mu.c(2, i32)))
+    a0 = arith.addi(base, arith.extui(i64, arith.muli(off, mu.c(2, i32))))
+    regs = acc.registers
+    assert regs.shape == (1, h // 8, 1, 1, 2, 1, 1, 1, 1), regs.shape
+    for ct in range(h // 8):
+      pair = regs[0, ct, 0, 0, 0, 0, 0, 0, 0]
+      lo, hi = (llvm.extractelement(pair, mu.c(j, i32)) for j in (0, 1))
+      bits = mu.inline_ptx("cvt.rn.bf16x2.f32 $0, $1, $2;", hi, lo, result_types=i32)
+      mu.inline_ptx("{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\n@p st.global.b32 [$0], $1;\n}",
+                    arith.addi(a0, mu.c(16 * ct, i64)), bits, flag)
+    return ()
+
+  return fn
+
+
+@functools.partial(jax.jit, static_argnames=())
+def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Array,
+       lengths: jax.Array, layer: jax.Array) -> jax.Array:
+  """bf16 [B, G, R, H] (columns in `column_order(H)`): probabilities x V summed in float32 over
+  each sequence's keys below its length (wgmma's order), rounded once.
+
+  probs: bf16 [B, G, R, T] (zero beyond each length, as the softmax makes them); codes,
+  scale_bits, rows: V's, as `scores` takes K's. V rows at or beyond the length are decoded as
+  zeros; tiles beyond it are not read. One program per (sequence, kv head): the PV kernel
+  for batches of at least one program per SM (`decode_attention` picks it)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  b, g, r, t = probs.shape
+  h = 16 * scale_bits.shape[-1]
+  if not supported(h, r, t, probs.dtype):
+    raise ValueError(f"wgmma PV: unsupported shape/dtype {probs.shape} {probs.dtype}, H={h}")
+  decode = plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
+                 plgpu.Layout.WG_SPLAT(shape=())),
+      return_type=plgpu.ShapeDtypeStruct((TILE, h), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+  )(_decode_tile(h, g, masked=True))
+  load_probs = plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(),),
+      return_type=plgpu.ShapeDtypeStruct((TILE, TILE), jnp.bfloat16,
+                                         layout=plgpu.Layout.WGMMA),
+  )(_probs_tile(t, r))
+  store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(_store_rows(h, r))
+  v_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def body(layer_ref, len_ref, p_ref, c_ref, s_ref, r_ref, o_ref, v_smem):
+    bi, gi = jax.lax.axis_index("b"), jax.lax.axis_index("g")
+    lyr = layer_ref[0]
+    length = len_ref[bi]
+
+    def run(acc_ref):
+      def step(i, carry):
+        t0 = pl.multiple_of(i * TILE, TILE)
+        keys = pl.ds(t0, TILE)
+        v = decode(c_ref.at[lyr, bi, keys, gi], s_ref.at[lyr, bi, keys, gi],
+                   r_ref.at[lyr, bi, keys, gi], length - t0)
+        p = load_probs(p_ref.at[bi, gi, :, keys])
+        plgpu.wgmma_wait(0)  # the previous tile's wgmma has read v_smem
+        v_smem[...] = v
+        plgpu.commit_smem()
+        plgpu.wgmma(acc_ref, p, v_smem)
+        return carry
+
+      jax.lax.fori_loop(0, (length + TILE - 1) // TILE, step, 0)
+      return acc_ref[...]
+
+    acc = pl.run_scoped(run, plgpu.ACC((TILE, h), jnp.float32))
+    store(acc, o_ref.at[bi, gi])
+
+  kernel = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((b, g, r, h), jnp.bfloat16),
+      grid=(b, g), grid_names=("b", "g"), kernel_name="decode_attention_pv_wgmma",
+      scratch_types=[plgpu.SMEM((TILE, h), jnp.bfloat16, transforms=v_transforms)],
+  )
+  return kernel(layer.astype(jnp.int32), lengths.astype(jnp.int32), probs, codes, scale_bits,
+                rows)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles_per_program"))
