@@ -330,19 +330,19 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
 
     def run(acc_ref):
       def step(i, carry):
+        # The previous tile's wgmma is done in every warp before this tile's registers are
+        # made (wgmma reads its A registers while in flight: new values must not reuse them)
+        # and before its V buffer is overwritten (the barrier: the other warps' reads too).
+        plgpu.wgmma_wait(0)
+        plgpu.commit_smem()
         t0 = pl.multiple_of(i * TILE, TILE)
         keys = pl.ds(t0, TILE)
         v = decode(c_ref.at[lyr, bi, keys, gi], s_ref.at[lyr, bi, keys, gi],
                    r_ref.at[lyr, bi, keys, gi], length - t0)
         p = load_probs(p_ref.at[bi, gi, :, keys])
-        buf = v_smem.at[jax.lax.rem(i, 2)]
-        # The wgmma of tile i - 2 (same buffer) is done in every warp before any overwrites
-        # it: each warp waits for its own groups, the barrier for the other warps'.
-        plgpu.wgmma_wait(1)
-        plgpu.commit_smem()
-        buf[...] = v
+        v_smem[...] = v
         plgpu.commit_smem()  # the stores visible to wgmma (async proxy), in every warp
-        plgpu.wgmma(acc_ref, p, buf)
+        plgpu.wgmma(acc_ref, p, v_smem)
         return carry
 
       jax.lax.fori_loop(0, (length + TILE - 1) // TILE, step, 0)
@@ -354,7 +354,7 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((b, g, r, h), jnp.bfloat16),
       grid=(b, g), grid_names=("b", "g"), kernel_name="decode_attention_pv_wgmma",
-      scratch_types=[plgpu.SMEM((2, TILE, h), jnp.bfloat16, transforms=v_transforms)],
+      scratch_types=[plgpu.SMEM((TILE, h), jnp.bfloat16, transforms=v_transforms)],
   )
   return kernel(layer.astype(jnp.int32), lengths.astype(jnp.int32), probs, codes, scale_bits,
                 rows)
