@@ -125,3 +125,19 @@ def test_every_row_scale_the_quantizer_makes_takes_the_fast_table():
   assert fast.all(), np.asarray(cache.k_row)
   # and a row scale outside the range is told apart (the check can fail)
   assert not bool(fp4_decode.tensor_scale_factors(jnp.float32(2.0**-120))[0])
+
+
+def test_decode_attention_refuses_wgmma_where_it_cannot_run():
+  """impl="wgmma" off the GPU (or on another shape) fails loudly instead of falling back;
+  an unknown impl is named."""
+  from trace_jax.kernels import decode_attention as da
+
+  b, t, g, n, h = 1, 64, 1, 8, 128
+  q = jnp.zeros((b, n, h), jnp.bfloat16)
+  cache = kv_cache.init_packed_cache(b, t, g, h, words=True)
+  lengths = jnp.full((b,), t, jnp.int32)
+  for impl in ("wgmma", "wgmma_scores"):
+    with pytest.raises(ValueError, match="needs a packed cache of code words on the GPU"):
+      da.decode_attention(q, cache, lengths, interpret=True, impl=impl)
+  with pytest.raises(ValueError, match="impl must be one of"):
+    da.decode_attention(q, cache, lengths, interpret=True, impl="cuda")

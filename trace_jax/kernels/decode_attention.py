@@ -43,6 +43,11 @@ decoder passes (0.145, the BF16 kernel 0.136) and runs 1.08-1.13x faster. H200 (
 its peak; DRAM 31-33%), not by the decode's instructions: the decoded tile reaches the MMA
 through shared memory.
 
+On a Hopper GPU the packed cache's attention takes `wgmma_attention`'s Mosaic GPU kernels
+where the shape allows (`impl`): the same probabilities and K/V values, with K decoded straight
+into wgmma's A registers and V into its shared-memory B tile (0.66x the Triton pair's time at
+batch 256, 8k).
+
 Numerics against `attention.attend` (the model's decode path, `decode_attention_reference`):
 the same float32 scores up to the dot's float32 accumulation order, the same probabilities
 from them (same function), and the PV sum in float32 in another order, rounded once. On CPU

@@ -1,26 +1,33 @@
-"""Decode attention scores over a packed NVFP4 K cache with Hopper's wgmma, K decoded in registers.
+"""Decode attention over a packed NVFP4 KV cache with Hopper's wgmma, K and V decoded for it.
 
-Why: the Pallas/Triton scores kernel (`decode_attention`) decodes each K tile into shared memory
-to reach the MMA's operand layout; on the H200 it is bound by that L1/shared-memory traffic
-(ncu, batch 256, 8k: 93% of the pipe, DRAM 33%; docs/benchmarks.md, 2026-12-04). Here the
-decoded tile never leaves registers: it is the A operand of `wgmma` (Mosaic GPU lowering), in
-the layout the instruction reads, and q is the B operand in shared memory:
+Why: the Pallas/Triton kernels (`decode_attention`) decode each K/V tile into shared memory to
+reach mma.sync's operand layout; on the H200 they are bound by that L1/shared-memory traffic
+(ncu, batch 256, 8k: 93% / 84% of the pipe, DRAM 31-33%). wgmma (Mosaic GPU lowering) takes its
+A operand from registers in a layout Mosaic documents (`WGMMA_LAYOUT`) and its B operand from
+shared memory, read by the instruction itself:
 
-  scores^T [64 keys, R] = K [64 keys, H] @ q^T [H, R]   (R = 8 query heads per kv head).
+  scores: scores^T [64 keys, R] = K [64 keys, H] @ q^T [H, R]   (K decoded into A registers)
+  PV:     out [64 (R used), H]  = P [64, 64 keys] @ V [64 keys, H]   (V decoded into B, shared)
 
-Each of the warpgroup's 128 threads owns two key rows of the tile and, in each, H / 64 whole
-NVFP4 blocks (two at H = 128: 16 code bytes, one 128-bit load). It builds one table per
-(row, block) and decodes its codes with byte permutes: the same PTX programs, bit for bit, as
-the Triton kernels' words decoder (`fp4_decode`: fast table, `_lookup_program`). The A operand's
-columns are a permutation of head_dim (`column_order`): each thread's registers hold whichever
-elements its lookups produce; q's columns are put in the same order outside the kernel, so the
-dot has the same terms (summed in another float32 order).
+with R = 8 query heads per kv head. Each of the warpgroup's 128 threads owns two key rows of a
+tile and, in each, H / 64 whole NVFP4 blocks (two at H = 128: 16 code bytes, one 128-bit
+load). It builds one table per (row, block) and decodes its codes with byte permutes: the same
+PTX programs, bit for bit, as the Triton kernels' words decoder (`fp4_decode`: fast table,
+`_lookup_program`). The decoded columns are a permutation of head_dim (`column_order`): each
+register holds whichever elements its lookups produce; q's columns are put in the same order
+outside the kernel, and PV's output columns are put back, so the dots have the same terms
+(summed in the tensor cores' float32 order). H200, 8k contexts, against the Triton pair: the
+scores kernel 316 vs 585 us (batch 256; DRAM 59%), the attention 0.81x / 0.66x the time at
+batch 64 / 256 (docs/benchmarks.md, 2026-12-04, eleventh session).
 
-Limits (checked by `supported`): bf16, head_dim a multiple of 128, R = 8 (the wgmma N), a
-context that is a multiple of the 64-key tile, the fast table (every row scale the quantizer
-makes: `fp4_decode.tensor_scale_factors`' `fast`; the caller checks), GPU only (no interpret
-mode: the decode is inline PTX). Keys at or beyond a sequence's length are computed like any
-other (their scores are masked by the softmax), tiles wholly beyond it are skipped.
+Limits (checked by `supported`): bf16, head_dim a multiple of 128, R = 8 (the scores' wgmma N),
+a context that is a multiple of the 64-key tile, the fast table (exact for every row scale the
+quantizer makes: `fp4_decode.tensor_scale_factors`' `fast`, tested), GPU only (no interpret
+mode: the decode is inline PTX; `tests/kernels/test_wgmma_attention.py` rebuilds the
+registers on CPU). Scores of keys at or beyond a sequence's length are computed like any other
+(the softmax masks them); PV decodes those V rows as zeros; tiles wholly beyond it are skipped.
+wgmma reads its A registers while in flight: PV waits for the previous tile's wgmma before it
+makes the next tile's registers (without that its outputs were wrong on the H200).
 """
 
 from __future__ import annotations
