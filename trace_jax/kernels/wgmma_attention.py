@@ -127,7 +127,7 @@ def _decode_tile(h: int, g: int, masked: bool = False):
   `column_order`. masked: rows at or beyond `valid` decode to +-0 (their scales taken as 0, so
   no NaN or inf of an unwritten or stale row reaches a product)."""
   from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, gpu, llvm
+  from jax._src.lib.mlir.dialects import arith, llvm
   from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mu
 
@@ -141,10 +141,7 @@ def _decode_tile(h: int, g: int, masked: bool = False):
     i16, f32 = ir.IntegerType.get_signless(16), ir.F32Type.get()
     c32 = lambda v: mu.c(v, i32)
     c64 = lambda v: mu.c(v, i64)
-    tid = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), c32(128))
-    warp, lane = arith.divui(tid, c32(32)), arith.remui(tid, c32(32))
-    quad = arith.remui(lane, c32(4))
-    row0 = arith.addi(arith.muli(warp, c32(16)), arith.divui(lane, c32(4)))
+    row0, quad = _thread_coords()
     addr = lambda ref: llvm.ptrtoint(i64, mu.memref_ptr(ref))
     base_c, base_s, base_r = addr(codes), addr(scales), addr(rows)
     layout = mgpu.WGMMA_LAYOUT
@@ -192,17 +189,14 @@ def _store_transposed(t: int):
   window of a [R, T] row-major array) -> stores it transposed, straight from registers (8
   consecutive keys per head and warp: whole 32-byte sectors)."""
   from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, gpu, llvm
+  from jax._src.lib.mlir.dialects import arith, llvm
   from jax.experimental.mosaic.gpu import utils as mu
 
   def fn(ctx, acc, out):
     del ctx
-    i32, i64, f32 = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
-                     ir.F32Type.get())
-    tid = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), mu.c(128, i32))
-    warp, lane = arith.divui(tid, mu.c(32, i32)), arith.remui(tid, mu.c(32, i32))
-    row0 = arith.addi(arith.muli(warp, mu.c(16, i32)), arith.divui(lane, mu.c(4, i32)))
-    col0 = arith.muli(arith.remui(lane, mu.c(4, i32)), mu.c(2, i32))
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    row0, quad = _thread_coords()
+    col0 = arith.muli(quad, mu.c(2, i32))
     base = llvm.ptrtoint(i64, mu.memref_ptr(out))
     regs = acc.registers
     assert regs.shape == (1, 1, 1, 1, 2, 1, 1, 1, 1), regs.shape
@@ -214,15 +208,14 @@ def _store_transposed(t: int):
                                           mu.c(4, i32)))
         val = llvm.extractelement(regs[0, 0, 0, 0, half, 0, 0, 0, 0], mu.c(j, i32))
         mu.inline_ptx("st.global.f32 [$0], $1;", arith.addi(base, off), val)
-    del f32
     return ()
 
   return fn
 
 
 def _thread_coords():
-  """(warp, lane, row0, quad) of this thread in its warpgroup (int32): WGMMA layout row
-  16 warp + lane // 4 (+ 8 for the second half), column pair 2 quad (+ 8 ct)."""
+  """(row0, quad) of this thread in its warpgroup (int32): its WGMMA-layout rows are
+  row0 = 16 warp + lane // 4 and row0 + 8, its column pairs 8 ct + 2 quad, quad = lane % 4."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, gpu
   from jax.experimental.mosaic.gpu import utils as mu
@@ -231,7 +224,7 @@ def _thread_coords():
   c32 = lambda v: mu.c(v, i32)
   tid = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), c32(128))
   warp, lane = arith.divui(tid, c32(32)), arith.remui(tid, c32(32))
-  return warp, lane, arith.addi(arith.muli(warp, c32(16)), arith.divui(lane, c32(4))), \
+  return arith.addi(arith.muli(warp, c32(16)), arith.divui(lane, c32(4))), \
       arith.remui(lane, c32(4))
 
 
@@ -247,7 +240,7 @@ def _probs_tile(t: int, r: int):
   def fn(ctx, probs):
     del ctx
     i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-    _, _, row0, quad = _thread_coords()
+    row0, quad = _thread_coords()
     base = llvm.ptrtoint(i64, mu.memref_ptr(probs))
     layout = mgpu.WGMMA_LAYOUT
     regs = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
@@ -280,7 +273,7 @@ def _store_rows(h: int, r: int):
   def fn(ctx, acc, out):
     del ctx
     i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-    _, _, row0, quad = _thread_coords()
+    row0, quad = _thread_coords()
     base = llvm.ptrtoint(i64, mu.memref_ptr(out))
     live = arith.cmpi(arith.CmpIPredicate.ult, row0, mu.c(r, i32))
     flag = arith.extui(i32, live)
