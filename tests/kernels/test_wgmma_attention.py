@@ -141,3 +141,5 @@ def test_decode_attention_refuses_wgmma_where_it_cannot_run():
       da.decode_attention(q, cache, lengths, interpret=True, impl=impl)
   with pytest.raises(ValueError, match="impl must be one of"):
     da.decode_attention(q, cache, lengths, interpret=True, impl="cuda")
+  with pytest.raises(ValueError, match="needs impl='triton'"):
+    da.decode_attention(q, cache, lengths, interpret=True, impl="wgmma", table="exact")

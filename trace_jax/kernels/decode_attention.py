@@ -493,6 +493,9 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
     if wgmma_ok and decoder == "words" and table != "exact":
       impl = "wgmma" if b * g >= _sm_count() else "wgmma_scores"
   if impl != "triton":
+    if table == "exact":
+      raise ValueError(f"impl={impl!r} builds the fast table only (exact for every row scale "
+                       "the quantizer makes); table='exact' needs impl='triton'")
     if not wgmma_ok:
       raise ValueError(f"impl={impl!r} needs a packed cache of code words on the GPU, "
                        f"bf16, {wgmma_attention.ROWS} query heads per kv head, head_dim a multiple "
