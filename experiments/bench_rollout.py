@@ -187,8 +187,10 @@ PRESETS = {
                             num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768,
                             max_position_embeddings=4096, moe_impl="kernel"),
                  batches=(8, 64, 256), key_batch=64,
-                 budget_gb=60.0, budget_context=8192, budget_max_batch=512, budget_policies=None,
-                 transformers=True, warmup_calls=1),
+                 # every sequence FP4 fits in 60 GB decodes at once (1457; it was 512 until
+                 # 2026-12-04: FP4 ran a third of its sequences)
+                 budget_gb=60.0, budget_context=8192, budget_max_batch=2048,
+                 budget_policies=None, transformers=True, warmup_calls=1),
     # Budget: 1.6 MB holds the BF16 weights (1.12 MB) and 3 sequences of 256 tokens, FP4 7;
     # fixed memory for two policies only (each FP4 program compiles for ~15 s on CPU).
     "cpu": dict(model=dict(vocab_size=256, hidden_size=128, num_hidden_layers=2,

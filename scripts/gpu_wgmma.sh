@@ -4,10 +4,11 @@
 # Mosaic GPU) against the Pallas/Triton scores kernel. Steps (a limit of 1 skips one):
 # T_ATTN: bench_decode_attention at 8k contexts (decoder check first), every path checked
 #   against the CPU reference, then timed side by side (ATTN_IMPLS);
-# T_NCU: ncu per scores kernel (duration, DRAM and L1 throughput, instructions, registers) at
+# T_NCU: ncu per attention kernel (duration, DRAM and L1 throughput, instructions, registers) at
 #   batch 256 (NCU_IMPLS);
 # T_BUDGET: bench_rollout's 60 GB case (8k contexts, BUDGET_POLICIES) with the engine's default
-#   decode attention (the wgmma scores where they run; up to 1536 sequences, all FP4 fits);
+#   decode attention (the wgmma kernels where they run; calls 6-12 passed
+#   --budget_max_batch=1536, the GPU preset's cap is 2048 now: every sequence FP4 fits);
 #   T_ROLL: 8-layer decode at fixed batches; T_GPUTEST: pytest files on the GPU
 #   (GPUTEST_FILES).
 source "$(dirname "$0")/gpu_lib.sh"
@@ -25,7 +26,7 @@ TAIL=60 run ncu "${T_NCU:-1}" timeout -k 5 "$(( ${T_NCU:-1} - 10 ))" ncu --clock
   --inner=1 --check_seqs=1 --decoder_check=false --json_out=/tmp/ncu_run.json
 I="${IMPL:-kernel+unroll4}"
 TAIL=30 run budget "${T_BUDGET:-1}" python3 -m experiments.bench_rollout --impls=$I --key_impl=$I \
-  --budget_impl=$I --cases=none --transformers=false --budget_gb=60 --budget_max_batch=1536 \
+  --budget_impl=$I --cases=none --transformers=false --budget_gb=60 \
   --budget_policies="${BUDGET_POLICIES:-bf16,fp4_rtn}" --reps="${BUDGET_REPS:-3}" \
   --json_out="$OUT/budget${BUDGET_TAG:-}.json"
 # T_ROLL: the 8-layer decode at batches ROLL_BATCHES, every policy (the engine's default
