@@ -319,7 +319,8 @@ def test_kernel_matches_reference(name, kind):
   length 1 gets its single V row exactly (softmax weight 1, so the kernel's in-register V
   decode shows through; compared as values, since the PV dot turns -0 into +0)."""
   if kind in WGMMA_KINDS and da._default_interpret():
-    pytest.skip("the wgmma kernels run on a Hopper GPU only")
+    pytest.skip("wgmma_attention runs on a Hopper GPU only: Mosaic GPU with inline PTX, no "
+                "interpret mode (its CPU coverage: tests/kernels/test_wgmma_attention.py)")
   b, t, g, n, h, lengths, block_t, splits = {**ATTN_CASES, **ATTN_CASES_GPU}[name]
   words, opts = PACKED_VARIANTS.get(kind, (None, {}))
   q, kv, pos = _attn_inputs(b, t, g, n, h)
@@ -343,7 +344,8 @@ def test_stacked_layer_is_read_in_place(kind):
   """A stack of layers [L, ...] read at a (traced) layer gives that layer's result bit for bit,
   and the other layers' rows (NaN here) never reach it."""
   if kind in WGMMA_KINDS and da._default_interpret():
-    pytest.skip("the wgmma kernels run on a Hopper GPU only")
+    pytest.skip("wgmma_attention runs on a Hopper GPU only: Mosaic GPU with inline PTX, no "
+                "interpret mode (its CPU coverage: tests/kernels/test_wgmma_attention.py)")
   case = "mixed_r8" if kind in WGMMA_KINDS else "mixed_lengths_r2_split3"
   b, t, g, n, h, lengths, block_t, splits = {**ATTN_CASES, **ATTN_CASES_GPU}[case]
   q, kv, pos = _attn_inputs(b, t, g, n, h, seed=6)

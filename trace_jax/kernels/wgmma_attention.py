@@ -184,6 +184,17 @@ def _decode_tile(h: int, g: int, masked: bool = False):
   return fn
 
 
+def _inline_decode(h: int, g: int, masked: bool):
+  """`_decode_tile` as a Pallas function of (codes, scale bytes, row scales refs[, valid])."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  refs = (plgpu.RefType(),) * 3
+  return plgpu.inline_mgpu(
+      arg_types=refs + ((plgpu.Layout.WG_SPLAT(shape=()),) if masked else ()),
+      return_type=plgpu.ShapeDtypeStruct((TILE, h), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+  )(_decode_tile(h, g, masked=masked))
+
+
 def _store_transposed(t: int):
   """inline_mgpu function: (scores^T [64, R] float32 in the WGMMA layout, the output's [R, 64]
   window of a [R, T] row-major array) -> stores it transposed, straight from registers (8
@@ -228,29 +239,41 @@ def _thread_coords():
       arith.remui(lane, c32(4))
 
 
+def _live_row_address(ref, pitch: int, r: int):
+  """(address, flag) of this thread's first column pair (row row0, column 2 quad) in a
+  row-major 2-byte [R, pitch] window `ref`; flag (int32) is 1 for rows < r, the WGMMA-layout
+  rows that hold data there, and those of other threads point at row 0 (a valid address)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+  row0, quad = _thread_coords()
+  base = llvm.ptrtoint(i64, mu.memref_ptr(ref))
+  live = arith.cmpi(arith.CmpIPredicate.ult, row0, mu.c(r, i32))
+  row = arith.select(live, row0, mu.c(0, i32))
+  off = arith.addi(arith.muli(row, mu.c(pitch, i32)), arith.muli(quad, mu.c(2, i32)))
+  return arith.addi(base, arith.extui(i64, arith.muli(off, mu.c(2, i32)))), \
+      arith.extui(i32, live)
+
+
 def _probs_tile(t: int, r: int):
   """inline_mgpu function: (probabilities' [R, 64] window of a [R, T] bf16 array) -> the A
   operand [64, 64] bf16 in the WGMMA layout: rows < R the probabilities (columns = keys in
   order), the other rows zero (wgmma's M is 64; R = 8 rows are warp 0's first half)."""
   from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, llvm
+  from jax._src.lib.mlir.dialects import arith
   from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mu
 
   def fn(ctx, probs):
     del ctx
     i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-    row0, quad = _thread_coords()
-    base = llvm.ptrtoint(i64, mu.memref_ptr(probs))
     layout = mgpu.WGMMA_LAYOUT
     regs = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
     pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
     zero = mu.bitcast(mu.c(0, i32), pair_ty)
-    live = arith.cmpi(arith.CmpIPredicate.ult, row0, mu.c(r, i32))  # rows >= r stay zero
-    flag = arith.extui(i32, live)
-    row = arith.select(live, row0, mu.c(0, i32))  # a valid address for every thread
-    off = arith.addi(arith.muli(row, mu.c(t, i32)), arith.muli(quad, mu.c(2, i32)))
-    a0 = arith.addi(base, arith.extui(i64, arith.muli(off, mu.c(2, i32))))
+    a0, flag = _live_row_address(probs, t, r)  # rows >= r stay zero
     for ct in range(TILE // 8):
       v = mu.inline_ptx("{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\nmov.b32 $0, 0;\n"
                         "@p ld.global.nc.b32 $0, [$1];\n}", arith.addi(a0, mu.c(16 * ct, i64)),
@@ -273,13 +296,7 @@ def _store_rows(h: int, r: int):
   def fn(ctx, acc, out):
     del ctx
     i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-    row0, quad = _thread_coords()
-    base = llvm.ptrtoint(i64, mu.memref_ptr(out))
-    live = arith.cmpi(arith.CmpIPredicate.ult, row0, mu.c(r, i32))
-    flag = arith.extui(i32, live)
-    row = arith.select(live, row0, mu.c(0, i32))
-    off = arith.addi(arith.muli(row, mu.c(h, i32)), arith.muli(quad, mu.c(2, i32)))
-    a0 = arith.addi(base, arith.extui(i64, arith.muli(off, mu.c(2, i32))))
+    a0, flag = _live_row_address(out, h, r)
     regs = acc.registers
     assert regs.shape == (1, h // 8, 1, 1, 2, 1, 1, 1, 1), regs.shape
     for ct in range(h // 8):
@@ -293,7 +310,7 @@ def _store_rows(h: int, r: int):
   return fn
 
 
-@functools.partial(jax.jit, static_argnames=())
+@jax.jit
 def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Array,
        lengths: jax.Array, layer: jax.Array) -> jax.Array:
   """bf16 [B, G, R, H] (columns in `column_order(H)`): probabilities x V summed in float32 over
@@ -310,11 +327,7 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   h = 16 * scale_bits.shape[-1]
   if not supported(h, r, t, probs.dtype):
     raise ValueError(f"wgmma PV: unsupported shape/dtype {probs.shape} {probs.dtype}, H={h}")
-  decode = plgpu.inline_mgpu(
-      arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                 plgpu.Layout.WG_SPLAT(shape=())),
-      return_type=plgpu.ShapeDtypeStruct((TILE, h), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-  )(_decode_tile(h, g, masked=True))
+  decode = _inline_decode(h, g, masked=True)
   load_probs = plgpu.inline_mgpu(
       arg_types=(plgpu.RefType(),),
       return_type=plgpu.ShapeDtypeStruct((TILE, TILE), jnp.bfloat16,
@@ -381,10 +394,7 @@ def scores(q: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   per = max(1, min(tiles_per_program, n_tiles))
   while n_tiles % per:
     per -= 1
-  decode = plgpu.inline_mgpu(
-      arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
-      return_type=plgpu.ShapeDtypeStruct((TILE, h), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-  )(_decode_tile(h, g))
+  decode = _inline_decode(h, g, masked=False)
   swz = 128
   q_transforms = (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
 
