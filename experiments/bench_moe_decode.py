@@ -13,13 +13,17 @@ side by side in one process:
 - kernel_fp4: `fp4_moe.grouped_matmul_decode` on the packed weights (`PackedNVFP4Weights`),
   decoder `--decoder` (auto: the table decoder, `fp4_decode`);
 - kernel_fp4_words: the same kernel on the codes held as words per block
-  (`PackedNVFP4Weights.as_words`, prepared once), decoder "words": one table per block;
+  (`PackedNVFP4Weights.as_words`, prepared once), decoder "words": one table per block
+  (impl="triton");
 - kernel_fp4_words_natural: the same with the decoded tile's columns in natural order
   (`words_order="natural"`) instead of the MMA operand order;
 - kernel_fp4_words_noprefetch: the words case without loading the next K tile ahead;
 - kernel_fp4_words_prefetch2: the words case loading two K tiles ahead (`prefetch=2`);
 - kernel_fp4_float16: the same kernel with the previous decoder (`decoder="float16"`, the
-  float16 bit trick), for the before/after ratio in one process.
+  float16 bit trick), for the before/after ratio in one process;
+- kernel_fp4_wgmma (GPU only): the words on Hopper's wgmma (`wgmma_moe`, impl="wgmma", the
+  exact table; rows per pass `--block_m` or its default), the engine's default there;
+- kernel_fp4_wgmma_fast (GPU only): the same with the fast table.
 
 Before timing, each kernel case's output is checked against its reference (kernel_bf16 against
 ragged_bf16, the FP4 kernels against dq_ragged_fp4 and fq_ragged_fp4) within the float32-summation
@@ -99,13 +103,18 @@ flags.DEFINE_integer("copy_mib", 0, "Bandwidth-reference array size in MiB (0: "
 flags.DEFINE_string("json_out", "runs/bench_moe_decode/bench.json",
                     "JSON output path ('' = none).", flag_values=FLAGS)
 
+flags.DEFINE_integer("wgmma_prefetch", -1, "kernel_fp4_wgmma*: K chunks loaded ahead (-1: the "
+                     "kernel's default).", flag_values=FLAGS)
+
 PRESETS = {
     "qwen3_30b": dict(experts=(64, 128), batches=(8, 64, 256), hidden=2048, width=768, top_k=8),
     "cpu": dict(experts=(8,), batches=(4,), hidden=128, width=64, top_k=2),
 }
 CASES = ("ragged_bf16", "tiled_bf16", "kernel_bf16", "fq_ragged_fp4", "dq_ragged_fp4",
          "kernel_fp4", "kernel_fp4_words", "kernel_fp4_words_natural",
-         "kernel_fp4_words_noprefetch", "kernel_fp4_words_prefetch2", "kernel_fp4_float16")
+         "kernel_fp4_words_noprefetch", "kernel_fp4_words_prefetch2", "kernel_fp4_float16",
+         "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast")
+GPU_ONLY = ("kernel_fp4_wgmma", "kernel_fp4_wgmma_fast")  # Mosaic GPU with inline PTX
 BASELINE = "ragged_bf16"
 # kernel case -> the cases whose outputs it must match (same weights, float32 sums).
 VERIFY = {"kernel_bf16": ("ragged_bf16",), "kernel_fp4": ("dq_ragged_fp4", "fq_ragged_fp4"),
@@ -113,7 +122,9 @@ VERIFY = {"kernel_bf16": ("ragged_bf16",), "kernel_fp4": ("dq_ragged_fp4", "fq_r
           "kernel_fp4_words_natural": ("dq_ragged_fp4",),
           "kernel_fp4_words_noprefetch": ("dq_ragged_fp4",),
           "kernel_fp4_words_prefetch2": ("dq_ragged_fp4", "kernel_fp4_words"),
-          "kernel_fp4_float16": ("dq_ragged_fp4",)}
+          "kernel_fp4_float16": ("dq_ragged_fp4",),
+          "kernel_fp4_wgmma": ("dq_ragged_fp4", "kernel_fp4_words"),
+          "kernel_fp4_wgmma_fast": ("dq_ragged_fp4", "kernel_fp4_wgmma")}
 _TRI = {"auto": None, "true": True, "false": False}
 
 
@@ -149,6 +160,9 @@ def _fns(opts: dict[str, Any]) -> dict[str, Callable[..., Any]]:
   from trace_jax.model import grouped
   from trace_jax.quant import qat
 
+  words = {**opts, "decoder": None, "split": None, "impl": "triton"}
+  wgmma = {"impl": "wgmma", "block_m": opts["block_m"],
+           "prefetch": FLAGS.wgmma_prefetch if FLAGS.wgmma_prefetch >= 0 else None}
   return {
       "ragged_bf16": jax.jit(lambda x, w, gs: grouped.grouped_matmul(x, w[0], gs, "ragged_dot")),
       "tiled_bf16": jax.jit(lambda x, w, gs: grouped.grouped_matmul(x, w[0], gs, "tiled")),
@@ -160,13 +174,17 @@ def _fns(opts: dict[str, Any]) -> dict[str, Callable[..., Any]]:
       "kernel_fp4": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(x, w[1], gs,
                                                                            **opts)),
       "kernel_fp4_words": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
-          x, w[2], gs, **{**opts, "decoder": None, "split": None})),
+          x, w[2], gs, **words)),
       "kernel_fp4_words_natural": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
-          x, w[2], gs, **{**opts, "decoder": None, "split": None, "words_order": "natural"})),
+          x, w[2], gs, **{**words, "words_order": "natural"})),
       "kernel_fp4_words_noprefetch": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
-          x, w[2], gs, **{**opts, "decoder": None, "split": None, "prefetch": 0})),
+          x, w[2], gs, **{**words, "prefetch": 0})),
       "kernel_fp4_words_prefetch2": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
-          x, w[2], gs, **{**opts, "decoder": None, "split": None, "prefetch": 2})),
+          x, w[2], gs, **{**words, "prefetch": 2})),
+      "kernel_fp4_wgmma": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
+          x, w[2], gs, **wgmma)),
+      "kernel_fp4_wgmma_fast": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
+          x, w[2], gs, **wgmma, table="fast")),
       "kernel_fp4_float16": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
           x, w[1], gs, **{**opts, "decoder": "float16"})),
   }
@@ -266,10 +284,12 @@ def run_bench(seed: int = 0) -> dict[str, Any]:
   d, f = FLAGS.hidden or preset["hidden"], FLAGS.width or preset["width"]
   top_k = FLAGS.top_k or preset["top_k"]
   reps, inner = FLAGS.reps or (50 if on_gpu else 2), FLAGS.inner or (20 if on_gpu else 1)
-  cases = list(FLAGS.cases) or list(CASES)
+  cases = list(FLAGS.cases) or [c for c in CASES if on_gpu or c not in GPU_ONLY]
   unknown = sorted(set(cases) - set(CASES))
   if unknown:
     raise ValueError(f"unknown cases {unknown}; known: {CASES}")
+  if not on_gpu and set(cases) & set(GPU_ONLY):
+    raise ValueError(f"cases {sorted(set(cases) & set(GPU_ONLY))} run on a Hopper GPU only")
   opts = _kernel_opts()
   dev = common.device_description()
   res: dict[str, Any] = {**dev, "preset": FLAGS.preset, "hidden": d, "width": f,
@@ -382,16 +402,21 @@ def format_shape(shape: dict[str, Any]) -> str:
            common.format_table(head, rows)]
   cs = shape["cases"]
   for num in ("kernel_fp4", "kernel_fp4_words", "kernel_fp4_words_natural", "kernel_fp4_float16",
-              "kernel_bf16"):
+              "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast", "kernel_bf16"):
     if num in cs and BASELINE in cs:
       r = cs[num]["median_ms"] / cs[BASELINE]["median_ms"]
       lines.append(f"  {num} / {BASELINE} time: {r:.3f} (speed-up {1 / r:.2f}x)")
   for num in ("kernel_fp4", "kernel_fp4_words", "kernel_fp4_words_natural",
-              "kernel_fp4_words_noprefetch", "kernel_fp4_words_prefetch2", "kernel_fp4_float16"):
+              "kernel_fp4_words_noprefetch", "kernel_fp4_words_prefetch2", "kernel_fp4_float16",
+              "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast"):
     if num in cs and "kernel_bf16" in cs:
       r = cs[num]["median_ms"] / cs["kernel_bf16"]["median_ms"]
       lines.append(f"  {num} / kernel_bf16 time: {r:.3f} (FP4 kernel {1 / r:.2f}x the BF16 "
                    f"kernel's speed)")
+  if "kernel_fp4_wgmma" in cs and "kernel_fp4_words" in cs:
+    r = cs["kernel_fp4_wgmma"]["median_ms"] / cs["kernel_fp4_words"]["median_ms"]
+    lines.append(f"  kernel_fp4_wgmma / kernel_fp4_words time: {r:.3f} (wgmma {1 / r:.2f}x "
+                 f"the Triton words kernel's speed)")
   for kind, s in shape.get("sweep", {}).items():
     if s["best"]:
       best = s["configs"][s["best"]]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from experiments import bench_moe_decode
 
 
@@ -18,7 +20,12 @@ def test_cpu_preset_runs_and_verifies(tmp_path):
     assert key in res, key
   [shape] = res["shapes"]
   assert (shape["experts"], shape["batch"], shape["projection"]) == (8, 4, "down")
-  assert list(shape["cases"]) == list(bench_moe_decode.CASES)
+  # off the GPU every case but the GPU-only ones (the wgmma kernel), which are refused there
+  assert list(shape["cases"]) == [c for c in bench_moe_decode.CASES
+                                  if c not in bench_moe_decode.GPU_ONLY]
+  with pytest.raises(ValueError, match="run on a Hopper GPU only"):
+    bench_moe_decode.main(["bench_moe_decode", "--preset=cpu", "--projections=down",
+                           "--cases=kernel_fp4_wgmma", "--copy_mib=4"])
   v = shape["verify"]
   assert v["dequant_bits_equal_fake_quant"]
   for name in ("kernel_bf16_vs_ragged_bf16", "kernel_fp4_vs_dq_ragged_fp4",

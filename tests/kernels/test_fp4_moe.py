@@ -54,11 +54,22 @@ VARIANTS = [
     ("fp4_table_exact", "fp4", {"decoder": "table", "table": "exact"}),
     ("fp4_float16", "fp4", {"decoder": "float16"}),
     ("fp4_float16_split", "fp4", {"decoder": "float16", "split": True}),
-    ("fp4_words", "fp4_words", {}),  # codes held as words: one table per block
-    ("fp4_words_exact", "fp4_words", {"table": "exact"}),
-    ("fp4_words_natural", "fp4_words", {"words_order": "natural"}),
-    ("fp4_words_no_prefetch", "fp4_words", {"prefetch": False}),
+    ("fp4_words", "fp4_words", {}),  # codes as words: the wgmma kernel on the GPU, else Triton
+    ("fp4_words_triton", "fp4_words", {"impl": "triton"}),  # one table per block
+    ("fp4_words_exact", "fp4_words", {"impl": "triton", "table": "exact"}),
+    ("fp4_words_natural", "fp4_words", {"impl": "triton", "words_order": "natural"}),
+    ("fp4_words_no_prefetch", "fp4_words", {"impl": "triton", "prefetch": False}),
 ]
+# The wgmma kernel (`wgmma_moe`: Mosaic GPU, inline PTX) runs on a Hopper GPU only; its CPU
+# coverage is tests/kernels/test_wgmma_moe.py (every thread's registers from its PTX text).
+WGMMA_VARIANTS = [
+    ("fp4_wgmma", "fp4_words", {"impl": "wgmma"}),  # the exact table
+    ("fp4_wgmma_fast", "fp4_words", {"impl": "wgmma", "table": "fast"}),
+    ("fp4_wgmma_rows_8", "fp4_words", {"impl": "wgmma", "block_m": 8}),  # passes of 8 rows
+]
+ON_GPU = jax.default_backend() == "gpu"
+_NO_WGMMA = ("wgmma_moe runs on a Hopper GPU only (its CPU coverage: "
+             "tests/kernels/test_wgmma_moe.py)")
 # Lowered only (test_lowers_to_triton): the deeper carry's loop must pass Triton's lowering.
 LOWERING_ONLY = [("fp4_words_prefetch2", "fp4_words", {"prefetch": 2})]
 
@@ -111,7 +122,7 @@ def _run(kind: str, sizes, opts: dict, x=None):
   w = _weights_of(kind)
   x = _x(M) if x is None else x
   gs = jnp.asarray(sizes, jnp.int32)
-  return x, w, gs, fp4_moe.grouped_matmul_decode(x, w, gs, **BLOCKS, **opts)
+  return x, w, gs, fp4_moe.grouped_matmul_decode(x, w, gs, **opts)
 
 
 def _kind(w) -> str:
@@ -287,6 +298,60 @@ def test_kernel_dequantizes_bit_exactly(name, opts, block_n, block_k):
   assert (np.asarray(scale_bytes) & 0x78 == 0).any()  # subnormal E4M3 scales were covered
 
 
+WGMMA_DEQUANT_CASES = [("exact", "exact", 128), ("exact_rows_16", "exact", 16),
+                       ("fast", "fast", 128)]
+
+
+@pytest.mark.parametrize("name,table,rows", WGMMA_DEQUANT_CASES,
+                         ids=[c[0] for c in WGMMA_DEQUANT_CASES])
+def test_wgmma_kernel_dequantizes_bit_exactly(name, table, rows):
+  """The wgmma kernel's weights through one-hot rows (as above), over 5 K chunks (its x ring
+  of 4 refilled, its loads 2 chunks ahead) and 2 feature tiles: random code and scale bytes
+  under tensor scales across the exact table's branches (2**-130 and 1.5 * 2**126 scaled by
+  powers of two, 2**-118 below the fast range) for the exact table; for the fast one, scales
+  inside its range. The reference is numpy's IEEE float32 (`_dequantized_ieee`), which the
+  GPU's XLA agrees with (no flushing)."""
+  if not ON_GPU:
+    pytest.skip(_NO_WGMMA)
+  e, n, k = 4, 128, 640
+  rng = np.random.default_rng(7)
+  # (tensor scale, E4M3 scale byte range): every weight normal and finite (a one-hot row
+  # multiplies all of its weight row, so one NaN or inf would hide the others); any sign.
+  experts = [(2.0**-130, 0x60, 0x7E), (2.0**-118, 0x08, 0x7E), (1.5 * 2.0**126, 0x01, 0x2C),
+             (0.37, 0x00, 0x7E)] if table == "exact" else \
+      [(2.0**-12, 0x00, 0x7E), (2.0**-7, 0x00, 0x7E), (0.37, 0x00, 0x7E), (3.0, 0x00, 0x7E)]
+  scale_bytes = np.stack([rng.integers(lo, hi + 1, (n, k // 16)) for _, lo, hi in experts])
+  scale_bytes |= rng.integers(0, 2, scale_bytes.shape) << 7
+  p = fp4_moe.PackedNVFP4Weights(
+      codes=jnp.asarray(rng.integers(0, 256, (e, n, k // 2)), jnp.uint8),
+      block_scale=jax.lax.bitcast_convert_type(jnp.asarray(scale_bytes, jnp.uint8),
+                                               jnp.float8_e4m3fn),
+      tensor_scale=jnp.asarray([t for t, _, _ in experts], jnp.float32)).as_words()
+  x = jnp.tile(jnp.eye(k, dtype=jnp.bfloat16), (e, 1))
+  y = fp4_moe.grouped_matmul_decode(x, p, jnp.full((e,), k, jnp.int32), block_m=rows,
+                                    impl="wgmma", table=table)
+  want = _dequantized_ieee(p).astype(np.float32).transpose(0, 2, 1)
+  assert np.isfinite(want).all() and not (np.abs(want) < 2.0**-126)[want != 0].any()
+  got = np.asarray(y, np.float32).reshape(e, k, n)
+  bad = got != want
+  assert not bad.any(), f"{name}: {int(bad.sum())} weights differ, first {np.argwhere(bad)[0]}"
+
+
+def _dequantized_ieee(p: fp4_moe.PackedNVFP4Weights) -> np.ndarray:
+  """[E, N, K] bf16 of `formats.nvfp4_dequantize`'s order in numpy's IEEE float32, without
+  compiling an XLA program (subnormal products kept, as on the GPU)."""
+  import ml_dtypes
+  import numpy_ref
+
+  b = np.asarray(p.as_bytes().codes)
+  codes = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
+  bs = np.asarray(p.block_scale).astype(np.float32)
+  v = numpy_ref.value(codes).astype(np.float32).reshape(*bs.shape, 16) * bs[..., None]
+  with np.errstate(all="ignore"):
+    w = v.reshape(codes.shape) * np.asarray(p.tensor_scale, np.float32)[:, None, None]
+  return w.astype(ml_dtypes.bfloat16)
+
+
 def test_decoder_choice(monkeypatch):
   """With `fp4_decode.TABLE_BY_DEFAULT`, None picks the table decoder on the GPU for bf16/f16
   rows on a supported tile, float16 otherwise (and in interpret mode); without it (the default
@@ -312,10 +377,13 @@ def test_decoder_choice(monkeypatch):
 
 # ----------------------------------------------------------------------------- matmul
 
-@pytest.mark.parametrize("variant,kind,opts", VARIANTS, ids=[v[0] for v in VARIANTS])
+@pytest.mark.parametrize("variant,kind,opts", VARIANTS + WGMMA_VARIANTS,
+                         ids=[v[0] for v in VARIANTS + WGMMA_VARIANTS])
 @pytest.mark.parametrize("group,sizes", GROUPS, ids=[g[0] for g in GROUPS])
 def test_matches_reference(group, sizes, variant, kind, opts):
-  x, w, gs, y = _run(kind, sizes, opts)
+  if opts.get("impl") == "wgmma" and not ON_GPU:
+    pytest.skip(_NO_WGMMA)
+  x, w, gs, y = _run(kind, sizes, {**BLOCKS, **opts})
   assert y.shape == (M, N) and y.dtype == x.dtype
   wd = _dequantized(w)
   _check_close(y, x, wd, sizes, f"{variant}/{group} vs float64")
@@ -335,7 +403,7 @@ def test_prefetch_depth_changes_no_bits():
   sizes = GROUPS[0][1]
   x, gs, p = _x(M), jnp.asarray(sizes, jnp.int32), _packed().as_words()
   run = lambda d: np.asarray(fp4_moe.grouped_matmul_decode(
-      x, p, gs, block_m=16, block_n=32, block_k=32, prefetch=d), np.float32)
+      x, p, gs, block_m=16, block_n=32, block_k=32, prefetch=d, impl="triton"), np.float32)
   ys = {d: run(d) for d in (0, 1, 2, 3)}
   for d in (0, 2, 3):
     assert np.array_equal(ys[d], ys[1]), f"prefetch={d} differs from prefetch=1"

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from trace_jax.kernels import fp4_decode, kv_cache, wgmma_attention
+from trace_jax.kernels import fp4_decode, kv_cache, wgmma_attention, wgmma_decode
 
 
 def _tile_as_the_kernel_builds_it(codes: np.ndarray, scale_bits: np.ndarray,
@@ -23,7 +23,7 @@ def _tile_as_the_kernel_builds_it(codes: np.ndarray, scale_bits: np.ndarray,
   16 warp + lane // 4 + 8 half (any row), quad = lane % 4; all threads at once. valid (the
   PV kernel's mask): rows at or beyond it get scales 0."""
   h = 2 * codes.shape[1]
-  nb = 2 * h // wgmma_attention.SPAN
+  nb = 2 * h // wgmma_decode.SPAN
   o = fp4_decode._JnpOps(jnp.bfloat16)
   own = codes.astype(np.uint32).reshape(-1, 4, 2 * nb, 4)  # [row, quad, word, byte]
   words = own[..., 0] | own[..., 1] << 8 | own[..., 2] << 16 | own[..., 3] << 24
@@ -49,9 +49,9 @@ def _tile_as_the_kernel_builds_it(codes: np.ndarray, scale_bits: np.ndarray,
 
 @pytest.mark.parametrize("h", [128, 256], ids=["head_dim_128", "head_dim_256"])
 def test_column_order_is_a_permutation_of_whole_blocks_per_thread(h):
-  order = wgmma_attention.column_order(h)
+  order = wgmma_decode.column_order(h)
   assert sorted(order.tolist()) == list(range(h))
-  nb = 2 * h // wgmma_attention.SPAN
+  nb = 2 * h // wgmma_decode.SPAN
   for quad in range(4):  # a thread's 8 ct + 2 quad + {0, 1} columns are its nb whole blocks
     cols = [8 * ct + 2 * quad + j for ct in range(h // 8) for j in range(2)]
     assert sorted(order[cols] // 16) == sorted(list(range(nb * quad, nb * (quad + 1))) * 16)
@@ -61,7 +61,7 @@ def test_column_order_is_a_permutation_of_whole_blocks_per_thread(h):
 def test_register_tile_equals_the_dequantized_keys(case):
   rng = np.random.default_rng(0)
   h = 128
-  k = rng.standard_normal((1, wgmma_attention.TILE, 1, h)).astype(np.float32) * 3
+  k = rng.standard_normal((1, wgmma_decode.TILE, 1, h)).astype(np.float32) * 3
   if case == "zeros_and_extremes":
     k[0, 0] = 0.0  # an all-zero row: row scale 0 (as unwritten cache rows)
     k[0, 1, 0, ::2] = 0.0  # zero codes of both signs
@@ -77,7 +77,7 @@ def test_register_tile_equals_the_dequantized_keys(case):
   assert bool(np.all(np.asarray(fp4_decode.tensor_scale_factors(jnp.asarray(rows))[0])))
   tile = _tile_as_the_kernel_builds_it(codes, bits, rows)
   want = np.asarray(kv_cache.dequantize(cache, jnp.bfloat16)[0][0, :, 0]).view(np.uint16)
-  np.testing.assert_array_equal(tile, want[:, wgmma_attention.column_order(h)])
+  np.testing.assert_array_equal(tile, want[:, wgmma_decode.column_order(h)])
 
 
 @pytest.mark.parametrize("valid", [0, 1, 37, 64, 100], ids=lambda v: f"valid_{v}")
@@ -85,7 +85,7 @@ def test_masked_rows_decode_to_zero(valid):
   """The PV kernel's V tile: rows below `valid` exactly as unmasked, the rest +-0 (also rows
   whose stale scales are NaN or inf)."""
   rng = np.random.default_rng(1)
-  k = jnp.asarray(rng.standard_normal((1, wgmma_attention.TILE, 1, 128)) * 3, jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((1, wgmma_decode.TILE, 1, 128)) * 3, jnp.bfloat16)
   cache = kv_cache.pack_rows(k, k, words=False)
   codes = np.asarray(cache.k_codes[0, :, 0])
   bits = np.asarray(cache.k_block[0, :, 0]).view(np.uint8).copy()
@@ -93,7 +93,7 @@ def test_masked_rows_decode_to_zero(valid):
   bits[-1, 0], rows[-2] = 0x7F, np.inf  # NaN scale byte, infinite row scale in masked rows
   full = _tile_as_the_kernel_builds_it(codes, bits, rows)
   tile = _tile_as_the_kernel_builds_it(codes, bits, rows, valid=valid)
-  live = min(valid, wgmma_attention.TILE)
+  live = min(valid, wgmma_decode.TILE)
   np.testing.assert_array_equal(tile[:live], full[:live])
   assert np.all(tile[live:].view(jnp.bfloat16).astype(np.float32) == 0.0)
 

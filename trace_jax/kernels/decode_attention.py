@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from trace_jax.kernels import fp4_decode, wgmma_attention
+from trace_jax.kernels import fp4_decode, wgmma_attention, wgmma_decode
 from trace_jax.kernels.kv_cache import PackedKVCache, dequantize
 from trace_jax.quant import formats
 
@@ -371,7 +371,7 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
   params = None if interpret else _compiler_params(num_warps, num_stages)
   if impl in ("wgmma", "wgmma_scores"):  # K decoded into wgmma's A registers (Mosaic GPU)
     kc, kbits, krow = ks
-    qw = jnp.take(q.reshape(b, g, r, h), wgmma_attention.column_order(h), axis=-1)
+    qw = jnp.take(q.reshape(b, g, r, h), wgmma_decode.column_order(h), axis=-1)
     scores = wgmma_attention.scores(qw, kc.reshape(kc.shape[:4] + (h // 8,)), kbits, krow,
                                  lengths, lyr, scale=float(attention.score_scale(h)),
                                  tiles_per_program=wgmma_tiles)
@@ -392,7 +392,7 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
     vc, vbits, vrow = vs
     out = wgmma_attention.pv(probs, vc.reshape(vc.shape[:4] + (h // 8,)), vbits, vrow,
                              lengths, lyr)
-    inverse = np.argsort(wgmma_attention.column_order(h))
+    inverse = np.argsort(wgmma_decode.column_order(h))
     return jnp.take(out, inverse, axis=-1).reshape(b, n, h)
   if splits == 1:
     out_shape = jax.ShapeDtypeStruct((b, g, rp, h), q.dtype)
@@ -486,7 +486,7 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
     num_splits = default_num_splits(b, g, -(-t // block_t))
   decoder = resolve_decoder(decoder, q.dtype, bool(interpret),
                             words=cache.words) if packed else "bits"
-  wgmma_ok = (packed and not interpret and cache.words and wgmma_attention.available()
+  wgmma_ok = (packed and not interpret and cache.words and wgmma_decode.available()
               and wgmma_attention.supported(q.shape[-1], q.shape[1] // g, t, q.dtype))
   if impl is None:
     impl = "triton"
@@ -499,8 +499,8 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
     if not wgmma_ok:
       raise ValueError(f"impl={impl!r} needs a packed cache of code words on the GPU, "
                        f"bf16, {wgmma_attention.ROWS} query heads per kv head, head_dim a multiple "
-                       f"of {wgmma_attention.SPAN} and a context a multiple of "
-                       f"{wgmma_attention.TILE}; got q {q.shape} {q.dtype}, T={t}")
+                       f"of {wgmma_decode.SPAN} and a context a multiple of "
+                       f"{wgmma_decode.TILE}; got q {q.shape} {q.dtype}, T={t}")
   return _decode_attention(q, cache, lengths, layer, interpret=bool(interpret),
                            block_t=block_t, num_splits=int(num_splits), num_warps=num_warps,
                            num_stages=num_stages, decoder=decoder, table=table,

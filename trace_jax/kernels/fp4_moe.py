@@ -76,7 +76,7 @@ import numpy as np
 from flax import struct
 from jax.experimental import pallas as pl
 
-from trace_jax.kernels import fp4_decode
+from trace_jax.kernels import fp4_decode, wgmma_decode, wgmma_moe
 from trace_jax.quant import exact, formats
 
 try:  # Triton-specific Pallas names (masked load/store, compiler params)
@@ -467,7 +467,10 @@ def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_
 
 
 _STATIC = ("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages", "split",
-           "swap_ab", "decoder", "table", "words_order", "prefetch", "debug")
+           "swap_ab", "decoder", "table", "words_order", "prefetch", "debug", "impl")
+IMPLS = ("triton", "wgmma")
+# Whether packed words on the GPU take the wgmma kernel when impl=None (`wgmma_moe`).
+WGMMA_BY_DEFAULT = True
 
 
 def _tiles(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:
@@ -505,7 +508,8 @@ def _resolve_packed_decoder(w: PackedNVFP4Weights, decoder: str | None, dtype: A
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _decode(x, w, group_sizes, layer, *, interpret, block_m, block_n, block_k, num_warps,
-            num_stages, split, swap_ab, decoder, table, words_order, prefetch, debug):
+            num_stages, split, swap_ab, decoder, table, words_order, prefetch, debug,
+            impl="triton"):
   m, k = x.shape
   fp4 = isinstance(w, PackedNVFP4Weights)
   if layer is None:  # one layer: a leading axis of 1 (a free reshape)
@@ -514,6 +518,10 @@ def _decode(x, w, group_sizes, layer, *, interpret, block_m, block_n, block_k, n
   e, n = (w.codes if fp4 else w).shape[1:3]
   if m == 0:
     return jnp.zeros((0, n), x.dtype)
+  if impl == "wgmma":  # the weights decoded into wgmma's A registers (Mosaic GPU)
+    return wgmma_moe.grouped_matmul(
+        x, w.codes, jax.lax.bitcast_convert_type(w.block_scale, jnp.uint8), w.tensor_scale,
+        group_sizes, layer, rows=block_m, table=table or "exact", prefetch=prefetch)
   gs = group_sizes.astype(jnp.int32)
   offs = jnp.cumsum(gs) - gs
   bn, bk = _tiles(n, k, block_n, block_k)
@@ -565,7 +573,8 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
                           num_warps: int = 4, num_stages: int = 3, split: bool | None = None,
                           swap_ab: bool | None = None, debug: bool = False,
                           decoder: str | None = None, table: str | None = None,
-                          words_order: str = "mma", prefetch: int = 1) -> jax.Array:
+                          words_order: str = "mma", prefetch: int | None = None,
+                          impl: str | None = None) -> jax.Array:
   """Rows x [M, K] sorted by expert times w [E, N, K] (dense or packed NVFP4) -> [M, N].
 
   layer: with it, w holds a stack of layers ([L, E, N, K]; packed: every field with a leading
@@ -593,10 +602,19 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
   block stays in the thread that decodes it; "natural" keeps the columns in order.
   prefetch: codes held as words: how many K tiles ahead the codes and scales are loaded (into
   registers) before tile t is decoded, so their latency overlaps the decode; 0 (or False)
-  loads each tile where it is decoded. True counts as 1.
+  loads each tile where it is decoded. True counts as 1. None: 1 (Triton), `wgmma_moe.PREFETCH`
+  K chunks of 128 (wgmma).
+  impl: "triton" (the Pallas kernel above), "wgmma" (packed words on a Hopper GPU, bf16, N a
+  multiple of 64 and K of 128: `wgmma_moe`, the weights decoded into wgmma's A registers;
+  block_m is its rows per pass, a multiple of 8 up to `wgmma_moe.MAX_ROWS`, default
+  `wgmma_moe.default_rows`; table None or "exact": the exact table, "fast" the fast one; the
+  Triton launch parameters do not apply) or None: "wgmma" where it runs (while
+  `WGMMA_BY_DEFAULT`), else "triton".
   """
-  prefetch = int(prefetch)
-  if prefetch < 0:
+  if impl not in (None, *IMPLS):
+    raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
+  prefetch = None if prefetch is None else int(prefetch)
+  if prefetch is not None and prefetch < 0:
     raise ValueError(f"prefetch must be >= 0 K tiles, got {prefetch}")
   if words_order not in ("mma", "natural"):
     raise ValueError(f"words_order must be 'mma' or 'natural', got {words_order!r}")
@@ -619,15 +637,35 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
                      f"{group_sizes.shape}")
   if n % 16 or k % 16:
     raise ValueError(f"grouped_matmul_decode: N={n} and K={k} must be multiples of 16")
-  block_m = default_block_m(x.shape[0], e) if block_m is None else block_m
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
+  packed = isinstance(w, PackedNVFP4Weights)
+  wgmma_ok = (packed and w.words and not interpret and jax.default_backend() == "gpu"
+              and wgmma_decode.available() and wgmma_moe.supported(n, k, x.dtype))
+  if impl is None:
+    impl = "wgmma" if wgmma_ok and WGMMA_BY_DEFAULT else "triton"
+  if impl == "wgmma":
+    if not wgmma_ok:
+      raise ValueError("impl='wgmma' needs packed weights held as words on a Hopper GPU, bf16 "
+                       f"rows, N a multiple of {wgmma_decode.TILE} and K of "
+                       f"{wgmma_decode.SPAN}; got x {x.shape} {x.dtype}, w {w.shape}")
+    if table not in (None, *wgmma_decode.TABLES):
+      raise ValueError(f"table must be one of {wgmma_decode.TABLES} or None, got {table!r}")
+    rows = wgmma_moe.default_rows(x.shape[0], e) if block_m is None else block_m
+    if rows % 8 or not 8 <= rows <= wgmma_moe.MAX_ROWS:
+      raise ValueError(f"impl='wgmma' takes block_m (rows per pass) a multiple of 8 in "
+                       f"[8, {wgmma_moe.MAX_ROWS}], got {rows}")
+    return _decode(x, w, group_sizes, layer, interpret=False, block_m=rows, block_n=64,
+                   block_k=wgmma_decode.SPAN, num_warps=4, num_stages=1, split=False,
+                   swap_ab=True, decoder="words", table=table, words_order="mma",
+                   prefetch=wgmma_moe.PREFETCH if prefetch is None else prefetch,
+                   debug=debug, impl="wgmma")
+  block_m = default_block_m(x.shape[0], e) if block_m is None else block_m
   if block_n is None:  # the interpreter runs programs one by one: fewer, larger tiles there
     block_n = 64 if interpret else default_block_n(n, e)
   _check_block("block_m", block_m, 16)
   _check_block("block_n", block_n, 16)
   _check_block("block_k", block_k, 16)
-  packed = isinstance(w, PackedNVFP4Weights)
   if swap_ab is None:
     swap_ab = packed
   decoder = _resolve_packed_decoder(w, decoder, x.dtype, n, k, block_n, block_k, num_warps,
@@ -637,5 +675,5 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
   return _decode(x, w, group_sizes, layer, interpret=bool(interpret), block_m=block_m,
                  block_n=block_n, block_k=block_k, num_warps=num_warps,
                  num_stages=num_stages, split=bool(split), swap_ab=bool(swap_ab),
-                 decoder=decoder, table=table, words_order=words_order, prefetch=prefetch,
-                 debug=debug)
+                 decoder=decoder, table=table, words_order=words_order,
+                 prefetch=1 if prefetch is None else prefetch, debug=debug)

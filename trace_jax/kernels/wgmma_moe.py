@@ -1,0 +1,302 @@
+"""The decode MoE grouped matmul on Hopper's wgmma, packed NVFP4 weights decoded into its A
+registers (Mosaic GPU lowering).
+
+Why: the Triton kernel (`fp4_moe`, decoder "words") reaches mma.sync's operand layout through
+shared memory and streams the packed weights at ~1.45 TB/s on the H200 (docs/benchmarks.md,
+2026-12-03); the attention kernels gained 1.5-1.9x from decoding into wgmma's registers
+instead (`wgmma_attention`). Here each program computes one expert's output tile transposed:
+
+  out^T [64 features, R rows] = W [64 features, K] @ x^T [K, R]   (W decoded into A registers)
+
+K in chunks of SPAN = 128 columns (`wgmma_decode`: each thread two weight rows and, in each,
+two whole NVFP4 blocks per chunk), x's rows of the expert the B operand in shared memory (TMA,
+a ring of `STAGES` chunks), x's columns put in the decoded order (`wgmma_decode.span_order`)
+outside the kernel. The codes and scales of the chunks `PREFETCH` ahead are loaded before a
+chunk is decoded, so their latency overlaps the decode.
+
+Grid (E, N / 64); an expert with no rows returns before reading anything; one with more than R
+rows runs several passes over its weights (the later ones from L2). Weights: the tables
+"exact" (default: exact for any tensor scale, `fp4_decode.exact_entries`' factors computed in
+the kernel) or "fast" (the caller's promise that every tensor scale is in the fast range).
+Rows past sum(group_sizes) come out zero (the last expert's programs write them), as
+ragged_dot's. Runs on a Hopper GPU only (inline PTX; `tests/kernels/test_wgmma_moe.py`
+rebuilds every thread's registers on CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax.kernels import wgmma_decode
+from trace_jax.kernels.wgmma_decode import SPAN, TILE
+
+STAGES = 4  # x chunks in shared memory (TMA ring)
+PREFETCH = 2  # chunks whose codes and scales are loaded ahead of the decode
+MAX_ROWS = 128  # rows per pass at most (wgmma N; the accumulator is R / 2 registers)
+_RAW_COLS = 24  # the loaded chunk carried as a [64, 24] int32 WGMMA-layout array: per row 6
+
+
+def supported(n: int, k: int, dtype) -> bool:
+  """Whether the kernel runs this shape: bf16 rows, N a multiple of 64, K of 128."""
+  return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and n % TILE == 0 and k % SPAN == 0
+
+
+def default_rows(m: int, num_experts: int) -> int:
+  """Rows per pass (wgmma N): about twice the mean group size, a multiple of 8 in [16,
+  MAX_ROWS] (at decode nearly every expert takes one pass)."""
+  mean = -(-m // max(num_experts, 1))
+  return int(min(MAX_ROWS, max(16, -(-2 * mean // 8) * 8)))
+
+
+# ----------------------------------------------------------------------------- inline pieces
+
+def _load_chunk(k: int):
+  """inline_mgpu function: (codes words [64 rows, K/8] window at the chunk, scale bytes
+  [64, K/16] window at the chunk) -> this thread's raw chunk as a [64, 24] int32 WGMMA-layout
+  array: per row half, its 4 code words (2 blocks) and its 16-bit pair of scale bytes."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  def fn(ctx, codes, scales):
+    del ctx
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    i16 = ir.IntegerType.get_signless(16)
+    c64 = lambda v: mu.c(v, i64)
+    row0, quad = wgmma_decode.thread_coords()
+    base_c = llvm.ptrtoint(i64, mu.memref_ptr(codes))
+    base_s = llvm.ptrtoint(i64, mu.memref_ptr(scales))
+    layout = mgpu.WGMMA_LAYOUT
+    regs = np.empty(layout.registers_shape((TILE, _RAW_COLS)), dtype=object)
+    vec = ir.VectorType.get((2,), i32)
+    q64 = arith.extui(i64, quad)
+    for half in range(2):
+      row = arith.extui(i64, arith.addi(row0, mu.c(8 * half, i32)))
+      a_c = arith.addi(base_c, arith.addi(arith.muli(row, c64(k // 2)), arith.muli(q64, c64(16))))
+      w = mu.inline_ptx("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", a_c,
+                        result_types=[i32] * 4)
+      a_s = arith.addi(base_s, arith.addi(arith.muli(row, c64(k // 16)), arith.muli(q64, c64(2))))
+      sp = mu.inline_ptx("ld.global.nc.u16 $0, [$1];", a_s, result_types=i16)
+      vals = [*w, arith.extui(i32, sp), mu.c(0, i32)]
+      for ct in range(3):
+        v = llvm.mlir_undef(vec)
+        for j in range(2):
+          v = llvm.insertelement(v, vals[2 * ct + j], mu.c(j, i32))
+        regs[0, ct, 0, 0, half] = v
+    return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=True)
+
+  return fn
+
+
+def _decode_chunk(table: str):
+  """inline_mgpu function: (a `_load_chunk` array, the expert's tensor scale ref [1]) -> the
+  chunk's weights [64, SPAN] bf16 in the WGMMA layout, columns in `column_order(SPAN)`."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  def fn(ctx, raw, ts_ref):
+    del ctx
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    i16, f32 = ir.IntegerType.get_signless(16), ir.F32Type.get()
+    ts = mu.inline_ptx("ld.global.nc.f32 $0, [$1];",
+                       llvm.ptrtoint(i64, mu.memref_ptr(ts_ref)), result_types=f32)
+    scale_args = (ts,) if table == "fast" else \
+        mu.inline_ptx(wgmma_decode.factors_ptx(), ts, result_types=[f32] * 6)
+    layout = mgpu.WGMMA_LAYOUT
+    regs = np.empty(layout.registers_shape((TILE, SPAN)), dtype=object)
+    rr = raw.registers
+    for half in range(2):
+      vals = [llvm.extractelement(rr[0, ct, 0, 0, half].item(), mu.c(j, i32))
+              for ct in range(3) for j in range(2)]
+      sp = arith.trunci(i16, vals[4])
+      for i in range(2):
+        wgmma_decode.decode_block(regs, half, i, vals[2 * i], vals[2 * i + 1], sp, scale_args,
+                                  table)
+    return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+  return fn
+
+
+def _store_transposed(n: int):
+  """inline_mgpu function: (out^T [64 features, W rows] float32 in the WGMMA layout, the
+  output's [W, 64] bf16 window of a row-major [M, n] array, lo, hi: int32) -> rows lo .. hi - 1
+  of the window rounded to bf16 (nearest even) and stored."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  def fn(ctx, acc, out, lo, hi):
+    del ctx
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    i16 = ir.IntegerType.get_signless(16)
+    row0, quad = wgmma_decode.thread_coords()
+    base = llvm.ptrtoint(i64, mu.memref_ptr(out))
+    lo, hi = lo.registers.item(), hi.registers.item()
+    regs = acc.registers
+    for half in range(2):
+      feat = arith.addi(row0, mu.c(8 * half, i32))
+      for ct in range(regs.shape[1]):
+        pair = regs[0, ct, 0, 0, half].item()
+        for j in range(2):
+          col = arith.addi(arith.muli(quad, mu.c(2, i32)), mu.c(8 * ct + j, i32))
+          ok = arith.extui(i32, arith.andi(arith.cmpi(arith.CmpIPredicate.sge, col, lo),
+                                           arith.cmpi(arith.CmpIPredicate.slt, col, hi)))
+          off = arith.extui(i64, arith.muli(arith.addi(arith.muli(col, mu.c(n, i32)), feat),
+                                            mu.c(2, i32)))
+          val = llvm.extractelement(pair, mu.c(j, i32))
+          bits = mu.inline_ptx("cvt.rn.bf16.f32 $0, $1;", val, result_types=i16)
+          mu.inline_ptx("{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\n@p st.global.b16 [$0], $1;\n}",
+                        arith.addi(base, off), bits, ok)
+    return ()
+
+  return fn
+
+
+def _zero_rows(n: int, m: int):
+  """inline_mgpu function: (the output's [M, 64] column window of a row-major [M, n] bf16
+  array, the first row no group holds: int32) -> rows from it to M zeroed (16 bytes a
+  thread, 16 rows per step of the warpgroup)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, gpu, llvm
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  def fn(ctx, out, total):
+    del ctx
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    tid = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), mu.c(128, i32))
+    base = llvm.ptrtoint(i64, mu.memref_ptr(out))
+    first = total.registers.item()
+    steps = arith.divui(arith.addi(arith.subi(mu.c(m, i32), first), mu.c(15, i32)),
+                        mu.c(16, i32))
+    steps = arith.select(arith.cmpi(arith.CmpIPredicate.slt, first, mu.c(m, i32)), steps,
+                         mu.c(0, i32))
+
+    @mu.fori(steps, ())
+    def _(s, carry):
+      row = arith.addi(first, arith.addi(arith.muli(s, mu.c(16, i32)),
+                                         arith.divui(tid, mu.c(8, i32))))
+      ok = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.slt, row, mu.c(m, i32)))
+      col = arith.muli(arith.remui(tid, mu.c(8, i32)), mu.c(8, i32))
+      off = arith.extui(i64, arith.muli(arith.addi(arith.muli(row, mu.c(n, i32)), col),
+                                        mu.c(2, i32)))
+      mu.inline_ptx("{\n.reg .pred p;\nsetp.ne.u32 p, $1, 0;\n"
+                    "@p st.global.v4.b32 [$0], {0, 0, 0, 0};\n}", arith.addi(base, off), ok)
+      return carry
+
+    return ()
+
+  return fn
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+@functools.partial(jax.jit, static_argnames=("rows", "table", "prefetch"))
+def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
+                   tensor_scale: jax.Array, group_sizes: jax.Array, layer: jax.Array, *,
+                   rows: int, table: str = "exact", prefetch: int = PREFETCH) -> jax.Array:
+  """bf16 [M, N]: rows x [M, K] (sorted by expert) times each group's expert weights,
+  products summed in float32 (wgmma's order), rounded once.
+
+  codes: uint32 [L, E, N, K/16, 2] (`PackedNVFP4Weights.as_words`); scale_bits: uint8
+  [L, E, N, K/16] (the E4M3 block scales' bytes); tensor_scale: float32 [L, E]; group_sizes:
+  int [E]; layer: int32 scalar. rows: rows per pass (`default_rows`); prefetch: K chunks whose
+  codes and scales are loaded ahead of the decode (>= 0)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  m, k = x.shape
+  num_layers, e, n = codes.shape[:3]
+  if not supported(n, k, x.dtype) or rows % 8 or not 8 <= rows <= MAX_ROWS:
+    raise ValueError(f"wgmma MoE: unsupported x {x.shape} {x.dtype}, N={n}, rows={rows}")
+  if table not in wgmma_decode.TABLES:
+    raise ValueError(f"table must be one of {wgmma_decode.TABLES}, got {table!r}")
+  nk = k // SPAN
+  stages = min(STAGES, nk)
+  gs = group_sizes.astype(jnp.int32)
+  offs = jnp.cumsum(gs) - gs
+  # A pass reads rows row0 .. row0 + rows - 1 through a TMA window of `width` rows from row0
+  # rounded down to a multiple of 8 (the shared tile's rows: TMA windows start on them). x's
+  # columns go in the decoded order, and `width` zero rows after the last keep every window
+  # inside the array.
+  width = rows + 8
+  xs = jnp.pad(jnp.take(x, wgmma_decode.span_order(k), axis=1), ((0, width), (0, 0)))
+  words = codes.reshape(num_layers, e, n, k // 8)
+  load = plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(),) * 2,
+      return_type=plgpu.ShapeDtypeStruct((TILE, _RAW_COLS), jnp.int32,
+                                         layout=plgpu.Layout.WGMMA))(_load_chunk(k))
+  decode = plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+      return_type=plgpu.ShapeDtypeStruct((TILE, SPAN), jnp.bfloat16,
+                                         layout=plgpu.Layout.WGMMA))(_decode_chunk(table))
+  store = plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=()),
+                 plgpu.Layout.WG_SPLAT(shape=())))(
+          _store_transposed(n))
+  zero = plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())))(_zero_rows(n, m))
+  x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def body(layer_ref, offs_ref, sizes_ref, x_ref, c_ref, s_ref, ts_ref, o_ref, x_smem, bars):
+    ei, ji = jax.lax.axis_index("e"), jax.lax.axis_index("j")
+    lyr = layer_ref[0]
+    start, size = offs_ref[ei], sizes_ref[ei]
+    feats = pl.ds(pl.multiple_of(ji * TILE, TILE), TILE)
+    ts = ts_ref.at[lyr, pl.ds(ei, 1)]
+
+    def window(c):
+      return pl.ds(c * (SPAN // 8), SPAN // 8), pl.ds(c * (SPAN // 16), SPAN // 16)
+
+    def fetch(row_a, c):
+      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row_a, width), pl.ds(c * SPAN, SPAN)],
+                              x_smem.at[c % stages], bars.at[c % stages])
+
+    def one_pass(p, carry):
+      row0 = start + p * rows
+      row_a = pl.multiple_of(row0 - row0 % 8, 8)
+      plgpu.commit_smem()  # the previous pass's wgmma reads done in every warp
+      for c in range(stages):
+        fetch(row_a, c)
+
+      def mma(acc_ref):
+        raws = []
+        for c in range(nk):
+          while len(raws) < min(c + prefetch + 1, nk):
+            cw, sw = window(len(raws))
+            raws.append(load(c_ref.at[lyr, ei, feats, cw], s_ref.at[lyr, ei, feats, sw]))
+          w = decode(raws[c], ts)
+          plgpu.barrier_wait(bars.at[c % stages])
+          plgpu.wgmma(acc_ref, w, x_smem.at[c % stages].T)
+          # wgmma reads its A registers and the x chunk while in flight: wait before the
+          # next chunk's registers are made and before the slot is refilled.
+          plgpu.wgmma_wait(0)
+          if c + stages < nk:
+            plgpu.commit_smem()
+            fetch(row_a, c + stages)
+        return acc_ref[...]
+
+      acc = pl.run_scoped(mma, plgpu.ACC((TILE, width), jnp.float32))
+      lo = row0 - row_a
+      store(acc, o_ref.at[pl.ds(row_a, width), feats], lo,
+            lo + jnp.minimum(rows, start + size - row0))
+      return carry
+
+    jax.lax.fori_loop(0, (size + rows - 1) // rows, one_pass, 0)
+    total = offs_ref[e - 1] + sizes_ref[e - 1]
+    pl.when(ei == e - 1)(lambda: zero(o_ref.at[:, feats], total))
+
+  kernel = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+      grid=(e, n // TILE), grid_names=("e", "j"), kernel_name="grouped_matmul_fp4_wgmma",
+      scratch_types=[plgpu.SMEM((stages, width, SPAN), jnp.bfloat16, transforms=x_transforms),
+                     plgpu.Barrier(num_arrivals=1, num_barriers=stages)],
+  )
+  return kernel(jnp.reshape(layer, (1,)).astype(jnp.int32), offs, gs, xs, words, scale_bits,
+                tensor_scale)
