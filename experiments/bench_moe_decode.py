@@ -113,8 +113,9 @@ PRESETS = {
 CASES = ("ragged_bf16", "tiled_bf16", "kernel_bf16", "fq_ragged_fp4", "dq_ragged_fp4",
          "kernel_fp4", "kernel_fp4_words", "kernel_fp4_words_natural",
          "kernel_fp4_words_noprefetch", "kernel_fp4_words_prefetch2", "kernel_fp4_float16",
-         "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast")
-GPU_ONLY = ("kernel_fp4_wgmma", "kernel_fp4_wgmma_fast")  # Mosaic GPU with inline PTX
+         "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast", "kernel_fp4_wgmma_unrolled")
+GPU_ONLY = ("kernel_fp4_wgmma", "kernel_fp4_wgmma_fast",
+            "kernel_fp4_wgmma_unrolled")  # Mosaic GPU with inline PTX
 BASELINE = "ragged_bf16"
 # kernel case -> the cases whose outputs it must match (same weights, float32 sums).
 VERIFY = {"kernel_bf16": ("ragged_bf16",), "kernel_fp4": ("dq_ragged_fp4", "fq_ragged_fp4"),
@@ -124,7 +125,8 @@ VERIFY = {"kernel_bf16": ("ragged_bf16",), "kernel_fp4": ("dq_ragged_fp4", "fq_r
           "kernel_fp4_words_prefetch2": ("dq_ragged_fp4", "kernel_fp4_words"),
           "kernel_fp4_float16": ("dq_ragged_fp4",),
           "kernel_fp4_wgmma": ("dq_ragged_fp4", "kernel_fp4_words"),
-          "kernel_fp4_wgmma_fast": ("dq_ragged_fp4", "kernel_fp4_wgmma")}
+          "kernel_fp4_wgmma_fast": ("dq_ragged_fp4", "kernel_fp4_wgmma"),
+          "kernel_fp4_wgmma_unrolled": ("dq_ragged_fp4", "kernel_fp4_wgmma")}
 _TRI = {"auto": None, "true": True, "false": False}
 
 
@@ -155,8 +157,9 @@ def _dense_opts(opts: dict[str, Any]) -> dict[str, Any]:
 def _fns(opts: dict[str, Any]) -> dict[str, Callable[..., Any]]:
   """case -> jitted fn(x, weights, group_sizes); weights is (bf16, packed, packed as words)."""
   import jax
+  import jax.numpy as jnp
 
-  from trace_jax.kernels import fp4_moe
+  from trace_jax.kernels import fp4_moe, wgmma_moe
   from trace_jax.model import grouped
   from trace_jax.quant import qat
 
@@ -185,6 +188,12 @@ def _fns(opts: dict[str, Any]) -> dict[str, Callable[..., Any]]:
           x, w[2], gs, **wgmma)),
       "kernel_fp4_wgmma_fast": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
           x, w[2], gs, **wgmma, table="fast")),
+      "kernel_fp4_wgmma_unrolled": jax.jit(lambda x, w, gs: wgmma_moe.grouped_matmul(
+          x, w[2].codes[None], jax.lax.bitcast_convert_type(w[2].block_scale, jnp.uint8)[None],
+          w[2].tensor_scale[None], gs, jnp.zeros((), jnp.int32),
+          rows=opts["block_m"] or wgmma_moe.default_rows(x.shape[0], gs.shape[0]),
+          prefetch=wgmma_moe.PREFETCH if wgmma["prefetch"] is None else wgmma["prefetch"],
+          rolled=False)),
       "kernel_fp4_float16": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
           x, w[1], gs, **{**opts, "decoder": "float16"})),
   }

@@ -23,7 +23,8 @@ against the device's read and copy bandwidths measured in the same process
 decode over XLA's, and an impl with options over the plain one (`--impls=kernel,kernel+unroll2`:
 the layer scans two layers per iteration, `ModelConfig.scan_unroll`; `+unrolled`: every layer
 compiled apart; `+sync4`: the decode loop's condition checked once per 4 steps,
-`ModelConfig.decode_steps_per_sync`), and fp4_trace over fp4_rtn per impl.
+`ModelConfig.decode_steps_per_sync`; `+moetriton` / `+moewgmma`: the packed experts' kernel,
+`ModelConfig.decode_moe_kernel`), and fp4_trace over fp4_rtn per impl.
 
 Fixed memory (`--budget_gb`, 0 skips it; `--budget_context`, `--budget_max_batch`,
 `--budget_policies` (CPU preset: bf16 and fp4_rtn), `--budget_impl`): per policy, how many
@@ -85,7 +86,8 @@ flags.DEFINE_list("policies", ["bf16", "fp4_rtn", "fp4_trace"], "Forwards of the
 flags.DEFINE_list("impls", ["xla", "kernel"],
                   "decode_impl values (and fp8_gemm's, for fp8_unified), each optionally with "
                   "`+unrolled` (scan_layers=False), `+unroll<N>` (scan_unroll=N) and "
-                  "`+sync<N>` (decode_steps_per_sync=N), timed beside the plain impl; "
+                  "`+sync<N>` (decode_steps_per_sync=N), `+moetriton` / `+moewgmma` "
+                  "(decode_moe_kernel), timed beside the plain impl; "
                   "\"kernel_bytes\": "
                   "decode_impl kernel with packed NVFP4 codes held as bytes instead of words "
                   "(`fp4_moe.WORDS_BY_DEFAULT` off for the case), for the side-by-side ratio.",
@@ -143,7 +145,7 @@ flags.DEFINE_string("profile_timeline", "", "With --profile_dir: also print each
 def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
   """An `--impls` entry -> (its decode_impl, the ModelConfig fields it sets): "kernel_bytes"
   decodes with "kernel"; `+unrolled` sets scan_layers=False, `+unroll<N>` scan_unroll=N,
-  `+sync<N>` decode_steps_per_sync=N."""
+  `+sync<N>` decode_steps_per_sync=N, `+moetriton` / `+moewgmma` decode_moe_kernel."""
   from trace_jax.model.config import DECODE_IMPLS
 
   base, *mods = impl.split("+")
@@ -159,9 +161,11 @@ def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
       fields["scan_unroll"] = int(mod[6:])
     elif mod.startswith("sync") and mod[4:].isdigit() and int(mod[4:]) >= 1:
       fields["decode_steps_per_sync"] = int(mod[4:])
+    elif mod in ("moetriton", "moewgmma"):
+      fields["decode_moe_kernel"] = mod[3:]
     else:
-      raise ValueError(f"--impls entry {impl!r}: options are +unrolled, +unroll<N> and "
-                       f"+sync<N> (N >= 1), got +{mod}")
+      raise ValueError(f"--impls entry {impl!r}: options are +unrolled, +unroll<N>, "
+                       f"+sync<N> (N >= 1), +moetriton and +moewgmma, got +{mod}")
   return decode_impl, fields
 
 

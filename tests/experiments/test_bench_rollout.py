@@ -167,6 +167,10 @@ def test_summary_keys():
     pytest.param("xla+unrolled", ("xla", {"scan_layers": False}), id="unrolled"),
     pytest.param("kernel+unroll4+sync8", ("kernel", {"scan_unroll": 4,
                                                      "decode_steps_per_sync": 8}), id="both"),
+    pytest.param("kernel+unroll4+moetriton", ("kernel", {"scan_unroll": 4,
+                                                         "decode_moe_kernel": "triton"}),
+                 id="moe_triton"),
+    pytest.param("kernel+moewgmma", ("kernel", {"decode_moe_kernel": "wgmma"}), id="moe_wgmma"),
 ])
 def test_impl_options(impl, want):
   assert br.impl_options(impl) == want

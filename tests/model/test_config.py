@@ -41,6 +41,8 @@ def test_presets():
     pytest.param({"moe_impl": "kernel", "moe_intermediate_size": 40},
                  'moe_impl="kernel" needs', id="kernel_multiple_of_16"),
     pytest.param({"moe_impl": "pallas"}, "moe_impl must be one of", id="moe_impl"),
+    pytest.param({"decode_moe_kernel": "cuda"}, "decode_moe_kernel must be one of",
+                 id="decode_moe_kernel"),
 ])
 def test_validation_errors(overrides, pattern):
   with pytest.raises(ValueError, match=pattern):

@@ -10,9 +10,13 @@ instead (`wgmma_attention`). Here each program computes one expert's output tile
 
 K in chunks of SPAN = 128 columns (`wgmma_decode`: each thread two weight rows and, in each,
 two whole NVFP4 blocks per chunk), x's rows of the expert the B operand in shared memory (TMA,
-a ring of `STAGES` chunks), x's columns put in the decoded order (`wgmma_decode.span_order`)
-outside the kernel. The codes and scales of the chunks `PREFETCH` ahead are loaded before a
-chunk is decoded, so their latency overlaps the decode.
+a ring of `STAGES` chunks; a pass's window of R + 8 rows starts at its first row rounded down
+to a multiple of 8, as TMA into the tiled shared layout needs, and the columns outside the
+expert's rows are not stored), x's columns put in the decoded order
+(`wgmma_decode.span_order`) outside the kernel. The codes and scales of the chunks `PREFETCH`
+ahead are loaded before a chunk is decoded (the carry of a loop over chunks), so their latency
+overlaps the decode. wgmma reads its A registers while in flight: each chunk waits for its
+wgmma before the next chunk's registers are made (as `wgmma_attention`'s PV kernel).
 
 Grid (E, N / 64); an expert with no rows returns before reading anything; one with more than R
 rows runs several passes over its weights (the later ones from L2). Weights: the tables
@@ -197,17 +201,19 @@ def _zero_rows(n: int, m: int):
 
 # ----------------------------------------------------------------------------- the kernel
 
-@functools.partial(jax.jit, static_argnames=("rows", "table", "prefetch"))
+@functools.partial(jax.jit, static_argnames=("rows", "table", "prefetch", "rolled"))
 def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
                    tensor_scale: jax.Array, group_sizes: jax.Array, layer: jax.Array, *,
-                   rows: int, table: str = "exact", prefetch: int = PREFETCH) -> jax.Array:
+                   rows: int, table: str = "exact", prefetch: int = PREFETCH,
+                   rolled: bool = True) -> jax.Array:
   """bf16 [M, N]: rows x [M, K] (sorted by expert) times each group's expert weights,
   products summed in float32 (wgmma's order), rounded once.
 
   codes: uint32 [L, E, N, K/16, 2] (`PackedNVFP4Weights.as_words`); scale_bits: uint8
   [L, E, N, K/16] (the E4M3 block scales' bytes); tensor_scale: float32 [L, E]; group_sizes:
   int [E]; layer: int32 scalar. rows: rows per pass (`default_rows`); prefetch: K chunks whose
-  codes and scales are loaded ahead of the decode (>= 0)."""
+  codes and scales are loaded ahead of the decode (>= 0); rolled: the K chunks as a loop
+  (the prefetched chunks its carry) rather than unrolled."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -251,12 +257,26 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
     feats = pl.ds(pl.multiple_of(ji * TILE, TILE), TILE)
     ts = ts_ref.at[lyr, pl.ds(ei, 1)]
 
-    def window(c):
-      return pl.ds(c * (SPAN // 8), SPAN // 8), pl.ds(c * (SPAN // 16), SPAN // 16)
+    def start_of(c, size):  # chunk c's first index along an axis of `size` per chunk
+      return c * size if isinstance(c, int) else pl.multiple_of(c * size, size)
+
+    def load_chunk(c):
+      cw = pl.ds(start_of(c, SPAN // 8), SPAN // 8)
+      sw = pl.ds(start_of(c, SPAN // 16), SPAN // 16)
+      return load(c_ref.at[lyr, ei, feats, cw], s_ref.at[lyr, ei, feats, sw])
 
     def fetch(row_a, c):
-      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row_a, width), pl.ds(c * SPAN, SPAN)],
-                              x_smem.at[c % stages], bars.at[c % stages])
+      cols = pl.ds(start_of(c, SPAN), SPAN)
+      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row_a, width), cols], x_smem.at[c % stages],
+                              bars.at[c % stages])
+
+    def chunk_mma(acc_ref, row_a, c, raw):
+      w = decode(raw, ts)
+      plgpu.barrier_wait(bars.at[c % stages])
+      plgpu.wgmma(acc_ref, w, x_smem.at[c % stages].T)
+      # wgmma reads its A registers and the x chunk while in flight: wait before the next
+      # chunk's registers are made and before the slot is refilled.
+      plgpu.wgmma_wait(0)
 
     def one_pass(p, carry):
       row0 = start + p * rows
@@ -265,21 +285,27 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
       for c in range(stages):
         fetch(row_a, c)
 
+      def refill(c):
+        plgpu.commit_smem()
+        fetch(row_a, c + stages)
+
       def mma(acc_ref):
-        raws = []
-        for c in range(nk):
-          while len(raws) < min(c + prefetch + 1, nk):
-            cw, sw = window(len(raws))
-            raws.append(load(c_ref.at[lyr, ei, feats, cw], s_ref.at[lyr, ei, feats, sw]))
-          w = decode(raws[c], ts)
-          plgpu.barrier_wait(bars.at[c % stages])
-          plgpu.wgmma(acc_ref, w, x_smem.at[c % stages].T)
-          # wgmma reads its A registers and the x chunk while in flight: wait before the
-          # next chunk's registers are made and before the slot is refilled.
-          plgpu.wgmma_wait(0)
-          if c + stages < nk:
-            plgpu.commit_smem()
-            fetch(row_a, c + stages)
+        if rolled:  # chunks 0 .. prefetch - 1 loaded first, then c + prefetch in step c
+          def step(c, raws):
+            nxt = load_chunk(jnp.minimum(c + prefetch, nk - 1)) if prefetch else None
+            chunk_mma(acc_ref, row_a, c, raws[0] if prefetch else load_chunk(c))
+            pl.when(c + stages < nk)(functools.partial(refill, c))
+            return (*raws[1:], nxt) if prefetch else raws
+
+          jax.lax.fori_loop(0, nk, step, tuple(load_chunk(i) for i in range(min(prefetch, nk))))
+        else:
+          raws = []
+          for c in range(nk):
+            while len(raws) < min(c + prefetch + 1, nk):
+              raws.append(load_chunk(len(raws)))
+            chunk_mma(acc_ref, row_a, c, raws[c])
+            if c + stages < nk:
+              refill(c)
         return acc_ref[...]
 
       acc = pl.run_scoped(mma, plgpu.ACC((TILE, width), jnp.float32))

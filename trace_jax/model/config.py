@@ -17,6 +17,7 @@ GUIDANCE_MODES = ("compact", "full")
 DTYPES = ("float32", "bfloat16")
 MOE_IMPLS = ("ragged_dot", "tiled", "kernel")  # trace_jax.model.grouped
 DECODE_IMPLS = ("xla", "kernel")  # the rollout's one-token decode steps (trace_jax.kernels)
+DECODE_MOE_KERNELS = ("auto", "triton", "wgmma")  # decode_impl="kernel"'s packed experts
 FP8_GEMMS = ("xla", "kernel")  # fp8_unified's GEMMs (trace_jax.model.fp8_linear)
 # The activation sites an FP4 policy quantizes in each layer (docs/design.md §3), in the order
 # the guidance store and the metrics list them.
@@ -52,6 +53,9 @@ class ModelConfig:
     grouped matmul reading packed NVFP4 / BF16 weights in place, and the decode-attention
     kernels reading the layer's cache in place, packed NVFP4 under NVFP4 forwards:
     `packed_kv_cache`); training never uses it.
+  decode_moe_kernel: under decode_impl="kernel", the packed NVFP4 experts' kernel
+    (`fp4_moe.grouped_matmul_decode(impl=)`): "auto" (Hopper's wgmma where it runs, else
+    Triton), "triton" or "wgmma"; the same weights, sums in another float32 order.
   fp8_gemm: how forwards with FP8 linears (`fp8_unified`) run their block-scaled FP8 GEMMs
     (`trace_jax.model.fp8_linear`): "xla" (the plain-JAX reference: dequantized float32
     operands) or "kernel" (Pallas on the FP8 tensor cores); the same sums up to order.
@@ -88,6 +92,7 @@ class ModelConfig:
   guidance_mode: str = "compact"
   moe_impl: str = "tiled"
   decode_impl: str = "xla"
+  decode_moe_kernel: str = "auto"
   fp8_gemm: str = "xla"
   fp8_backward: bool = False
   scan_layers: bool = True
@@ -139,6 +144,9 @@ class ModelConfig:
                     f"moe_intermediate_size ({self.moe_intermediate_size}) multiples of 16")
     if self.decode_impl not in DECODE_IMPLS:
       errors.append(f"decode_impl must be one of {DECODE_IMPLS}, got {self.decode_impl!r}")
+    if self.decode_moe_kernel not in DECODE_MOE_KERNELS:
+      errors.append(f"decode_moe_kernel must be one of {DECODE_MOE_KERNELS}, got "
+                    f"{self.decode_moe_kernel!r}")
     if self.fp8_gemm not in FP8_GEMMS:
       errors.append(f"fp8_gemm must be one of {FP8_GEMMS}, got {self.fp8_gemm!r}")
     if not isinstance(self.fp8_backward, bool):

@@ -83,6 +83,7 @@ class MoE(nnx.Module):
     self.norm_topk_prob = config.norm_topk_prob
     self.impl = config.moe_impl
     self.decode_impl = config.decode_impl
+    self.decode_moe_kernel = config.decode_moe_kernel
 
   def __call__(self, x: jax.Array, prec: Precision, layer: int,
                rollout_ids: jax.Array | None = None, replay: bool = False,
@@ -152,13 +153,16 @@ class MoE(nnx.Module):
       return expert_parallel.Experts(arrays, self.num_experts, local, specs)
     kernel = one_token and self.decode_impl == "kernel"
     impl = self.impl
+    kernel_impl = None if self.decode_moe_kernel == "auto" else self.decode_moe_kernel
 
     def local_prepared(ws: Any, sizes: jax.Array) -> Any:
       gate_up, down, index = ws
       if isinstance(down, formats.FP8Tensor):  # quantized once per update, read in place
         mm = lambda a, w: prec.grouped(a, w, sizes, layer=index)
       elif kernel:  # the decode kernel reads this layer's weights in place in the run's stack
-        mm = lambda a, w: fp4_moe.grouped_matmul_decode(a, w, sizes, layer=index)
+        mm = lambda a, w: fp4_moe.grouped_matmul_decode(
+            a, w, sizes, layer=index,
+            impl=kernel_impl if isinstance(w, fp4_moe.PackedNVFP4Weights) else None)
       else:  # the XLA paths (prefill): the layer's weights sliced out of the stack
         gate_up, down = at_layer((gate_up, down), index)
         mm = lambda a, w: grouped_matmul(a, expert_weights.dense(w, a.dtype), sizes, impl)
