@@ -469,8 +469,11 @@ def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_
 _STATIC = ("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages", "split",
            "swap_ab", "decoder", "table", "words_order", "prefetch", "debug", "impl")
 IMPLS = ("triton", "wgmma")
-# Whether packed words on the GPU take the wgmma kernel when impl=None (`wgmma_moe`).
-WGMMA_BY_DEFAULT = True
+# Whether packed words on the GPU take the wgmma kernel when impl=None (`wgmma_moe`). Off: on
+# the H200 (2026-12-04, twelfth session) it ran gate/up at batch 64 in 80.5 us against the Triton
+# words kernel's 77.9 (ncu), and the 8-layer engine at 0.97x / 1.00x the tokens/s of
+# `decode_moe_kernel="triton"` at batch 64 / 256 (docs/benchmarks.md).
+WGMMA_BY_DEFAULT = False
 
 
 def _tiles(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:
