@@ -103,6 +103,10 @@ flags.DEFINE_integer("copy_mib", 0, "Bandwidth-reference array size in MiB (0: "
 flags.DEFINE_string("json_out", "runs/bench_moe_decode/bench.json",
                     "JSON output path ('' = none).", flag_values=FLAGS)
 
+flags.DEFINE_integer("wgmma_stream", 4, "kernel_fp4_wgmma_stream: K chunks of codes in its "
+                     "shared-memory ring.", flag_values=FLAGS)
+flags.DEFINE_integer("wgmma_group", 1, "kernel_fp4_wgmma_stream: K chunks decoded before their "
+                     "wgmmas are issued.", flag_values=FLAGS)
 flags.DEFINE_integer("wgmma_prefetch", -1, "kernel_fp4_wgmma*: K chunks loaded ahead (-1: the "
                      "kernel's default).", flag_values=FLAGS)
 
@@ -113,9 +117,10 @@ PRESETS = {
 CASES = ("ragged_bf16", "tiled_bf16", "kernel_bf16", "fq_ragged_fp4", "dq_ragged_fp4",
          "kernel_fp4", "kernel_fp4_words", "kernel_fp4_words_natural",
          "kernel_fp4_words_noprefetch", "kernel_fp4_words_prefetch2", "kernel_fp4_float16",
-         "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast", "kernel_fp4_wgmma_unrolled")
-GPU_ONLY = ("kernel_fp4_wgmma", "kernel_fp4_wgmma_fast",
-            "kernel_fp4_wgmma_unrolled")  # Mosaic GPU with inline PTX
+         "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast", "kernel_fp4_wgmma_unrolled",
+         "kernel_fp4_wgmma_stream")
+GPU_ONLY = ("kernel_fp4_wgmma", "kernel_fp4_wgmma_fast", "kernel_fp4_wgmma_unrolled",
+            "kernel_fp4_wgmma_stream")  # Mosaic GPU with inline PTX
 BASELINE = "ragged_bf16"
 # kernel case -> the cases whose outputs it must match (same weights, float32 sums).
 VERIFY = {"kernel_bf16": ("ragged_bf16",), "kernel_fp4": ("dq_ragged_fp4", "fq_ragged_fp4"),
@@ -126,7 +131,8 @@ VERIFY = {"kernel_bf16": ("ragged_bf16",), "kernel_fp4": ("dq_ragged_fp4", "fq_r
           "kernel_fp4_float16": ("dq_ragged_fp4",),
           "kernel_fp4_wgmma": ("dq_ragged_fp4", "kernel_fp4_words"),
           "kernel_fp4_wgmma_fast": ("dq_ragged_fp4", "kernel_fp4_wgmma"),
-          "kernel_fp4_wgmma_unrolled": ("dq_ragged_fp4", "kernel_fp4_wgmma")}
+          "kernel_fp4_wgmma_unrolled": ("dq_ragged_fp4", "kernel_fp4_wgmma"),
+          "kernel_fp4_wgmma_stream": ("dq_ragged_fp4", "kernel_fp4_wgmma")}
 _TRI = {"auto": None, "true": True, "false": False}
 
 
@@ -194,6 +200,11 @@ def _fns(opts: dict[str, Any]) -> dict[str, Callable[..., Any]]:
           rows=opts["block_m"] or wgmma_moe.default_rows(x.shape[0], gs.shape[0]),
           prefetch=wgmma_moe.PREFETCH if wgmma["prefetch"] is None else wgmma["prefetch"],
           rolled=False)),
+      "kernel_fp4_wgmma_stream": jax.jit(lambda x, w, gs: wgmma_moe.grouped_matmul(
+          x, w[2].codes[None], jax.lax.bitcast_convert_type(w[2].block_scale, jnp.uint8)[None],
+          w[2].tensor_scale[None], gs, jnp.zeros((), jnp.int32),
+          rows=opts["block_m"] or wgmma_moe.default_rows(x.shape[0], gs.shape[0]),
+          stream=FLAGS.wgmma_stream, group=FLAGS.wgmma_group)),
       "kernel_fp4_float16": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
           x, w[1], gs, **{**opts, "decoder": "float16"})),
   }

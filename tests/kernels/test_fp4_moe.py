@@ -54,7 +54,7 @@ VARIANTS = [
     ("fp4_table_exact", "fp4", {"decoder": "table", "table": "exact"}),
     ("fp4_float16", "fp4", {"decoder": "float16"}),
     ("fp4_float16_split", "fp4", {"decoder": "float16", "split": True}),
-    ("fp4_words", "fp4_words", {}),  # codes as words: the wgmma kernel on the GPU, else Triton
+    ("fp4_words", "fp4_words", {}),  # codes as words (impl=None: `fp4_moe.WGMMA_BY_DEFAULT`)
     ("fp4_words_triton", "fp4_words", {"impl": "triton"}),  # one table per block
     ("fp4_words_exact", "fp4_words", {"impl": "triton", "table": "exact"}),
     ("fp4_words_natural", "fp4_words", {"impl": "triton", "words_order": "natural"}),

@@ -524,7 +524,8 @@ def _decode(x, w, group_sizes, layer, *, interpret, block_m, block_n, block_k, n
   if impl == "wgmma":  # the weights decoded into wgmma's A registers (Mosaic GPU)
     return wgmma_moe.grouped_matmul(
         x, w.codes, jax.lax.bitcast_convert_type(w.block_scale, jnp.uint8), w.tensor_scale,
-        group_sizes, layer, rows=block_m, table=table or "exact", prefetch=prefetch)
+        group_sizes, layer, rows=block_m, table=table or "exact", prefetch=prefetch,
+        stream=wgmma_moe.STREAM if k % 256 == 0 else 0, group=wgmma_moe.GROUP)
   gs = group_sizes.astype(jnp.int32)
   offs = jnp.cumsum(gs) - gs
   bn, bk = _tiles(n, k, block_n, block_k)

@@ -34,15 +34,17 @@ TABLES = ("fast", "exact")
 
 
 def available() -> bool:
-  """Whether this jax has the Mosaic GPU Pallas API the kernels are written against (jax 0.11:
-  `plgpu.kernel(out_type=...)`, `inline_mgpu`)."""
+  """Whether this jax has the Mosaic GPU API the kernels are written against (jax 0.11:
+  `plgpu.kernel(out_type=...)`, `inline_mgpu`, `mosaic.gpu.utils.inline_ptx`; jax 0.10.2 has
+  the first two only)."""
   try:
     import inspect
 
+    from jax.experimental.mosaic.gpu import utils as mu
     from jax.experimental.pallas import mosaic_gpu as plgpu
   except ImportError:  # pragma: no cover
     return False
-  return (hasattr(plgpu, "inline_mgpu")
+  return (hasattr(plgpu, "inline_mgpu") and hasattr(mu, "inline_ptx")
           and "out_type" in inspect.signature(plgpu.kernel).parameters)
 
 

@@ -40,6 +40,8 @@ from trace_jax.kernels.wgmma_decode import SPAN, TILE
 
 STAGES = 4  # x chunks in shared memory (TMA ring)
 PREFETCH = 2  # chunks whose codes and scales are loaded ahead of the decode
+STREAM = 0  # `grouped_matmul_decode`'s stream (codes through a shared ring; 0: registers)
+GROUP = 1  # and its group
 MAX_ROWS = 128  # rows per pass at most (wgmma N; the accumulator is R / 2 registers)
 _RAW_COLS = 24  # the loaded chunk carried as a [64, 24] int32 WGMMA-layout array: per row 6
 
@@ -58,10 +60,11 @@ def default_rows(m: int, num_experts: int) -> int:
 
 # ----------------------------------------------------------------------------- inline pieces
 
-def _load_chunk(k: int):
-  """inline_mgpu function: (codes words [64 rows, K/8] window at the chunk, scale bytes
-  [64, K/16] window at the chunk) -> this thread's raw chunk as a [64, 24] int32 WGMMA-layout
-  array: per row half, its 4 code words (2 blocks) and its 16-bit pair of scale bytes."""
+def _load_chunk(code_pitch: int, scale_pitch: int, shared: bool = False):
+  """inline_mgpu function: (codes words window at the chunk, scale bytes window at the chunk,
+  rows `code_pitch` / `scale_pitch` bytes apart, in global or `shared` memory) -> this
+  thread's raw chunk as a [64, 24] int32 WGMMA-layout array: per row half, its 4 code words
+  (2 blocks) and its 16-bit pair of scale bytes."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm
   from jax.experimental.mosaic import gpu as mgpu
@@ -71,21 +74,24 @@ def _load_chunk(k: int):
     del ctx
     i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
     i16 = ir.IntegerType.get_signless(16)
-    c64 = lambda v: mu.c(v, i64)
+    at = i32 if shared else i64  # shared-memory addresses are 32-bit
+    space = "shared" if shared else "global.nc"
+    ca = lambda v: mu.c(v, at)
     row0, quad = wgmma_decode.thread_coords()
-    base_c = llvm.ptrtoint(i64, mu.memref_ptr(codes))
-    base_s = llvm.ptrtoint(i64, mu.memref_ptr(scales))
+    base_c = llvm.ptrtoint(at, mu.memref_ptr(codes))
+    base_s = llvm.ptrtoint(at, mu.memref_ptr(scales))
     layout = mgpu.WGMMA_LAYOUT
     regs = np.empty(layout.registers_shape((TILE, _RAW_COLS)), dtype=object)
     vec = ir.VectorType.get((2,), i32)
-    q64 = arith.extui(i64, quad)
+    qa = quad if shared else arith.extui(i64, quad)
     for half in range(2):
-      row = arith.extui(i64, arith.addi(row0, mu.c(8 * half, i32)))
-      a_c = arith.addi(base_c, arith.addi(arith.muli(row, c64(k // 2)), arith.muli(q64, c64(16))))
-      w = mu.inline_ptx("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", a_c,
+      row = arith.addi(row0, mu.c(8 * half, i32))
+      row = row if shared else arith.extui(i64, row)
+      a_c = arith.addi(base_c, arith.addi(arith.muli(row, ca(code_pitch)), arith.muli(qa, ca(16))))
+      w = mu.inline_ptx(f"ld.{space}.v4.u32 {{$0, $1, $2, $3}}, [$4];", a_c,
                         result_types=[i32] * 4)
-      a_s = arith.addi(base_s, arith.addi(arith.muli(row, c64(k // 16)), arith.muli(q64, c64(2))))
-      sp = mu.inline_ptx("ld.global.nc.u16 $0, [$1];", a_s, result_types=i16)
+      a_s = arith.addi(base_s, arith.addi(arith.muli(row, ca(scale_pitch)), arith.muli(qa, ca(2))))
+      sp = mu.inline_ptx(f"ld.{space}.u16 $0, [$1];", a_s, result_types=i16)
       vals = [*w, arith.extui(i32, sp), mu.c(0, i32)]
       for ct in range(3):
         v = llvm.mlir_undef(vec)
@@ -201,11 +207,12 @@ def _zero_rows(n: int, m: int):
 
 # ----------------------------------------------------------------------------- the kernel
 
-@functools.partial(jax.jit, static_argnames=("rows", "table", "prefetch", "rolled"))
+@functools.partial(jax.jit, static_argnames=("rows", "table", "prefetch", "rolled", "stream",
+                                             "group"))
 def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
                    tensor_scale: jax.Array, group_sizes: jax.Array, layer: jax.Array, *,
                    rows: int, table: str = "exact", prefetch: int = PREFETCH,
-                   rolled: bool = True) -> jax.Array:
+                   rolled: bool = True, stream: int = 0, group: int = 1) -> jax.Array:
   """bf16 [M, N]: rows x [M, K] (sorted by expert) times each group's expert weights,
   products summed in float32 (wgmma's order), rounded once.
 
@@ -213,7 +220,11 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
   [L, E, N, K/16] (the E4M3 block scales' bytes); tensor_scale: float32 [L, E]; group_sizes:
   int [E]; layer: int32 scalar. rows: rows per pass (`default_rows`); prefetch: K chunks whose
   codes and scales are loaded ahead of the decode (>= 0); rolled: the K chunks as a loop
-  (the prefetched chunks its carry) rather than unrolled."""
+  (the prefetched chunks its carry) rather than unrolled. stream > 0: the codes go through a
+  ring of that many chunks in shared memory by TMA and the scales of the pass by one TMA (K a
+  multiple of 256), instead of into registers (prefetch and rolled then do not apply); group
+  (stream only, dividing K / 128): chunks decoded before their wgmmas are issued and waited
+  for together."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -223,8 +234,13 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
     raise ValueError(f"wgmma MoE: unsupported x {x.shape} {x.dtype}, N={n}, rows={rows}")
   if table not in wgmma_decode.TABLES:
     raise ValueError(f"table must be one of {wgmma_decode.TABLES}, got {table!r}")
+  if stream and k % 256:
+    raise ValueError(f"wgmma MoE: stream needs K a multiple of 256 (TMA rows of 16-byte "
+                     f"multiples of scale bytes), got {k}")
   nk = k // SPAN
   stages = min(STAGES, nk)
+  if stream and (nk % group or group > min(stream, stages)):
+    raise ValueError(f"wgmma MoE: group {group} must divide K / 128 = {nk} and fit the rings")
   gs = group_sizes.astype(jnp.int32)
   offs = jnp.cumsum(gs) - gs
   # A pass reads rows row0 .. row0 + rows - 1 through a TMA window of `width` rows from row0
@@ -237,7 +253,8 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
   load = plgpu.inline_mgpu(
       arg_types=(plgpu.RefType(),) * 2,
       return_type=plgpu.ShapeDtypeStruct((TILE, _RAW_COLS), jnp.int32,
-                                         layout=plgpu.Layout.WGMMA))(_load_chunk(k))
+                                         layout=plgpu.Layout.WGMMA))(
+          _load_chunk(SPAN // 2, k // 16, True) if stream else _load_chunk(k // 2, k // 16))
   decode = plgpu.inline_mgpu(
       arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
       return_type=plgpu.ShapeDtypeStruct((TILE, SPAN), jnp.bfloat16,
@@ -250,7 +267,8 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
       arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())))(_zero_rows(n, m))
   x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-  def body(layer_ref, offs_ref, sizes_ref, x_ref, c_ref, s_ref, ts_ref, o_ref, x_smem, bars):
+  def body(layer_ref, offs_ref, sizes_ref, x_ref, c_ref, s_ref, ts_ref, o_ref, x_smem, bars,
+           *ring):
     ei, ji = jax.lax.axis_index("e"), jax.lax.axis_index("j")
     lyr = layer_ref[0]
     start, size = offs_ref[ei], sizes_ref[ei]
@@ -269,6 +287,11 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
       cols = pl.ds(start_of(c, SPAN), SPAN)
       plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row_a, width), cols], x_smem.at[c % stages],
                               bars.at[c % stages])
+
+    def fetch_codes(c):  # stream: chunk c's codes into ring slot c % stream
+      c_smem, cbars = ring[0], ring[2]
+      plgpu.copy_gmem_to_smem(c_ref.at[lyr, ei, feats, pl.ds(start_of(c, SPAN // 8), SPAN // 8)],
+                              c_smem.at[c % stream], cbars.at[c % stream])
 
     def chunk_mma(acc_ref, row_a, c, raw):
       w = decode(raw, ts)
@@ -290,7 +313,35 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
         fetch(row_a, c + stages)
 
       def mma(acc_ref):
-        if rolled:  # chunks 0 .. prefetch - 1 loaded first, then c + prefetch in step c
+        if stream:  # codes by TMA through a ring of `stream` chunks; scales once per pass
+          c_smem, s_smem, cbars, sbar = ring
+          plgpu.copy_gmem_to_smem(s_ref.at[lyr, ei, feats], s_smem, sbar)
+          for c in range(min(stream, nk)):
+            fetch_codes(c)
+          plgpu.barrier_wait(sbar)
+
+          def step(g, carry):
+            ws = []
+            for i in range(group):
+              c = g * group + i
+              plgpu.barrier_wait(cbars.at[c % stream])
+              raw = load(c_smem.at[c % stream], s_smem.at[:, pl.ds(start_of(c, SPAN // 16),
+                                                                   SPAN // 16)])
+              ws.append(decode(raw, ts))
+            for i in range(group):
+              c = g * group + i
+              plgpu.barrier_wait(bars.at[c % stages])
+              plgpu.wgmma(acc_ref, ws[i], x_smem.at[c % stages].T)
+            plgpu.wgmma_wait(0)  # before new registers and the slots' refills (see above)
+            plgpu.commit_smem()  # every warp's reads of the slots done before refills
+            for i in range(group):
+              c = g * group + i
+              pl.when(c + stream < nk)(functools.partial(fetch_codes, c + stream))
+              pl.when(c + stages < nk)(functools.partial(fetch, row_a, c + stages))
+            return carry
+
+          jax.lax.fori_loop(0, nk // group, step, 0)
+        elif rolled:  # chunks 0 .. prefetch - 1 loaded first, then c + prefetch in step c
           def step(c, raws):
             nxt = load_chunk(jnp.minimum(c + prefetch, nk - 1)) if prefetch else None
             chunk_mma(acc_ref, row_a, c, raws[0] if prefetch else load_chunk(c))
@@ -322,7 +373,11 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
       body, out_type=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
       grid=(e, n // TILE), grid_names=("e", "j"), kernel_name="grouped_matmul_fp4_wgmma",
       scratch_types=[plgpu.SMEM((stages, width, SPAN), jnp.bfloat16, transforms=x_transforms),
-                     plgpu.Barrier(num_arrivals=1, num_barriers=stages)],
+                     plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+                     *([plgpu.SMEM((stream, TILE, SPAN // 8), jnp.uint32),
+                        plgpu.SMEM((TILE, k // 16), jnp.uint8),
+                        plgpu.Barrier(num_arrivals=1, num_barriers=stream),
+                        plgpu.Barrier(num_arrivals=1)] if stream else [])],
   )
   return kernel(jnp.reshape(layer, (1,)).astype(jnp.int32), offs, gs, xs, words, scale_bits,
                 tensor_scale)
