@@ -22,8 +22,10 @@ side by side in one process:
 - kernel_fp4_float16: the same kernel with the previous decoder (`decoder="float16"`, the
   float16 bit trick), for the before/after ratio in one process;
 - kernel_fp4_wgmma (GPU only): the words on Hopper's wgmma (`wgmma_moe`, impl="wgmma", the
-  exact table; rows per pass `--block_m` or its default), the engine's default there;
-- kernel_fp4_wgmma_fast (GPU only): the same with the fast table.
+  exact table; rows per pass `--block_m` or its default, `--wgmma_prefetch`);
+- kernel_fp4_wgmma_fast (GPU only): the same with the fast table;
+- kernel_fp4_wgmma_stream (GPU only): `wgmma_moe.grouped_matmul` with its codes through a
+  shared-memory ring of `--wgmma_stream` chunks, decoded `--wgmma_group` at a time.
 
 Before timing, each kernel case's output is checked against its reference (kernel_bf16 against
 ragged_bf16, the FP4 kernels against dq_ragged_fp4 and fq_ragged_fp4) within the float32-summation
@@ -117,9 +119,8 @@ PRESETS = {
 CASES = ("ragged_bf16", "tiled_bf16", "kernel_bf16", "fq_ragged_fp4", "dq_ragged_fp4",
          "kernel_fp4", "kernel_fp4_words", "kernel_fp4_words_natural",
          "kernel_fp4_words_noprefetch", "kernel_fp4_words_prefetch2", "kernel_fp4_float16",
-         "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast", "kernel_fp4_wgmma_unrolled",
-         "kernel_fp4_wgmma_stream")
-GPU_ONLY = ("kernel_fp4_wgmma", "kernel_fp4_wgmma_fast", "kernel_fp4_wgmma_unrolled",
+         "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast", "kernel_fp4_wgmma_stream")
+GPU_ONLY = ("kernel_fp4_wgmma", "kernel_fp4_wgmma_fast",
             "kernel_fp4_wgmma_stream")  # Mosaic GPU with inline PTX
 BASELINE = "ragged_bf16"
 # kernel case -> the cases whose outputs it must match (same weights, float32 sums).
@@ -131,7 +132,6 @@ VERIFY = {"kernel_bf16": ("ragged_bf16",), "kernel_fp4": ("dq_ragged_fp4", "fq_r
           "kernel_fp4_float16": ("dq_ragged_fp4",),
           "kernel_fp4_wgmma": ("dq_ragged_fp4", "kernel_fp4_words"),
           "kernel_fp4_wgmma_fast": ("dq_ragged_fp4", "kernel_fp4_wgmma"),
-          "kernel_fp4_wgmma_unrolled": ("dq_ragged_fp4", "kernel_fp4_wgmma"),
           "kernel_fp4_wgmma_stream": ("dq_ragged_fp4", "kernel_fp4_wgmma")}
 _TRI = {"auto": None, "true": True, "false": False}
 
@@ -194,12 +194,6 @@ def _fns(opts: dict[str, Any]) -> dict[str, Callable[..., Any]]:
           x, w[2], gs, **wgmma)),
       "kernel_fp4_wgmma_fast": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
           x, w[2], gs, **wgmma, table="fast")),
-      "kernel_fp4_wgmma_unrolled": jax.jit(lambda x, w, gs: wgmma_moe.grouped_matmul(
-          x, w[2].codes[None], jax.lax.bitcast_convert_type(w[2].block_scale, jnp.uint8)[None],
-          w[2].tensor_scale[None], gs, jnp.zeros((), jnp.int32),
-          rows=opts["block_m"] or wgmma_moe.default_rows(x.shape[0], gs.shape[0]),
-          prefetch=wgmma_moe.PREFETCH if wgmma["prefetch"] is None else wgmma["prefetch"],
-          rolled=False)),
       "kernel_fp4_wgmma_stream": jax.jit(lambda x, w, gs: wgmma_moe.grouped_matmul(
           x, w[2].codes[None], jax.lax.bitcast_convert_type(w[2].block_scale, jnp.uint8)[None],
           w[2].tensor_scale[None], gs, jnp.zeros((), jnp.int32),

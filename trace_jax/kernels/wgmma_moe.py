@@ -207,22 +207,22 @@ def _zero_rows(n: int, m: int):
 
 # ----------------------------------------------------------------------------- the kernel
 
-@functools.partial(jax.jit, static_argnames=("rows", "table", "prefetch", "rolled", "stream",
-                                             "group"))
+@functools.partial(jax.jit, static_argnames=("rows", "table", "prefetch", "stream", "group"))
 def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
                    tensor_scale: jax.Array, group_sizes: jax.Array, layer: jax.Array, *,
                    rows: int, table: str = "exact", prefetch: int = PREFETCH,
-                   rolled: bool = True, stream: int = 0, group: int = 1) -> jax.Array:
+                   stream: int = 0, group: int = 1) -> jax.Array:
   """bf16 [M, N]: rows x [M, K] (sorted by expert) times each group's expert weights,
   products summed in float32 (wgmma's order), rounded once.
 
   codes: uint32 [L, E, N, K/16, 2] (`PackedNVFP4Weights.as_words`); scale_bits: uint8
   [L, E, N, K/16] (the E4M3 block scales' bytes); tensor_scale: float32 [L, E]; group_sizes:
   int [E]; layer: int32 scalar. rows: rows per pass (`default_rows`); prefetch: K chunks whose
-  codes and scales are loaded ahead of the decode (>= 0); rolled: the K chunks as a loop
-  (the prefetched chunks its carry) rather than unrolled. stream > 0: the codes go through a
-  ring of that many chunks in shared memory by TMA and the scales of the pass by one TMA (K a
-  multiple of 256), instead of into registers (prefetch and rolled then do not apply); group
+  codes and scales are loaded ahead of the decode (>= 0; the carry of the loop over chunks:
+  unrolled, the loop took 213 registers a thread against 142 and ran no faster on the H200).
+  stream > 0: the codes go through a ring of that many chunks in shared memory by TMA and the
+  scales of the pass by one TMA (K a multiple of 256), instead of into registers (prefetch
+  then does not apply; not yet run on a GPU: `STREAM` keeps it off by default); group
   (stream only, dividing K / 128): chunks decoded before their wgmmas are issued and waited
   for together."""
   from jax.experimental import pallas as pl
@@ -341,7 +341,7 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
             return carry
 
           jax.lax.fori_loop(0, nk // group, step, 0)
-        elif rolled:  # chunks 0 .. prefetch - 1 loaded first, then c + prefetch in step c
+        else:  # chunks 0 .. prefetch - 1 loaded first, then c + prefetch in step c
           def step(c, raws):
             nxt = load_chunk(jnp.minimum(c + prefetch, nk - 1)) if prefetch else None
             chunk_mma(acc_ref, row_a, c, raws[0] if prefetch else load_chunk(c))
@@ -349,14 +349,6 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
             return (*raws[1:], nxt) if prefetch else raws
 
           jax.lax.fori_loop(0, nk, step, tuple(load_chunk(i) for i in range(min(prefetch, nk))))
-        else:
-          raws = []
-          for c in range(nk):
-            while len(raws) < min(c + prefetch + 1, nk):
-              raws.append(load_chunk(len(raws)))
-            chunk_mma(acc_ref, row_a, c, raws[c])
-            if c + stages < nk:
-              refill(c)
         return acc_ref[...]
 
       acc = pl.run_scoped(mma, plgpu.ACC((TILE, width), jnp.float32))
