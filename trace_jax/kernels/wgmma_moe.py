@@ -25,6 +25,10 @@ the kernel) or "fast" (the caller's promise that every tensor scale is in the fa
 Rows past sum(group_sizes) come out zero (the last expert's programs write them), as
 ragged_dot's. Runs on a Hopper GPU only (inline PTX; `tests/kernels/test_wgmma_moe.py`
 rebuilds every thread's registers on CPU).
+
+H200 (docs/benchmarks.md, 2026-12-04, twelfth session): correct, but no faster than the Triton
+words kernel (gate/up at batch 64: 80.5 vs 77.9 us; both ~31% of DRAM's peak with ~3 programs
+per SM, waiting on the load-and-decode latency), so `fp4_moe` does not pick it by default.
 """
 
 from __future__ import annotations
