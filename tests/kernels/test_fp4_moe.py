@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_ref
 import pytest
 from cases import adversarial_cases, assert_bits_equal
 
@@ -338,18 +339,10 @@ def test_wgmma_kernel_dequantizes_bit_exactly(name, table, rows):
 
 
 def _dequantized_ieee(p: fp4_moe.PackedNVFP4Weights) -> np.ndarray:
-  """[E, N, K] bf16 of `formats.nvfp4_dequantize`'s order in numpy's IEEE float32, without
-  compiling an XLA program (subnormal products kept, as on the GPU)."""
-  import ml_dtypes
-  import numpy_ref
-
-  b = np.asarray(p.as_bytes().codes)
-  codes = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
-  bs = np.asarray(p.block_scale).astype(np.float32)
-  v = numpy_ref.value(codes).astype(np.float32).reshape(*bs.shape, 16) * bs[..., None]
-  with np.errstate(all="ignore"):
-    w = v.reshape(codes.shape) * np.asarray(p.tensor_scale, np.float32)[:, None, None]
-  return w.astype(ml_dtypes.bfloat16)
+  """`numpy_ref.dequantize_packed_nvfp4` of packed weights (IEEE float32, subnormals kept)."""
+  return numpy_ref.dequantize_packed_nvfp4(
+      np.asarray(p.as_bytes().codes),
+      np.asarray(jax.lax.bitcast_convert_type(p.block_scale, jnp.uint8)), p.tensor_scale)
 
 
 def test_decoder_choice(monkeypatch):

@@ -13,7 +13,6 @@ table), and the interpreter must tell a wrong program apart.
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import numpy_ref
 import ptx_sim
@@ -54,17 +53,10 @@ def _chunk_as_the_kernel_builds_it(p: fp4_moe.PackedNVFP4Weights, e: int, j: int
 
 
 def _dequantized_ieee(p: fp4_moe.PackedNVFP4Weights) -> np.ndarray:
-  """bf16 [E, N, K] of `formats.nvfp4_dequantize`'s order in numpy's IEEE float32 (code value
-  * block scale, exact; * tensor scale, one rounding; one rounding to bf16), subnormals kept
-  as the GPU keeps them (XLA's CPU runtime flushes them, so `fp4_moe.dequantize` is not the
-  reference for raw bytes under tiny tensor scales)."""
-  b = np.asarray(p.as_bytes().codes)
-  codes = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
-  bs = np.asarray(p.block_scale).astype(np.float32)
-  v = (numpy_ref.value(codes).astype(np.float32).reshape(*bs.shape, 16) * bs[..., None])
-  with np.errstate(all="ignore"):
-    w = v.reshape(codes.shape) * np.asarray(p.tensor_scale, np.float32)[:, None, None]
-  return w.astype(ml_dtypes.bfloat16)
+  """`numpy_ref.dequantize_packed_nvfp4` of packed weights (IEEE float32, subnormals kept)."""
+  return numpy_ref.dequantize_packed_nvfp4(
+      np.asarray(p.as_bytes().codes),
+      np.asarray(jax.lax.bitcast_convert_type(p.block_scale, jnp.uint8)), p.tensor_scale)
 
 
 def _want(p, e, j, c) -> np.ndarray:

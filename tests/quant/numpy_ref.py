@@ -114,3 +114,22 @@ def ref_fp8(x: np.ndarray, block_rows: int) -> dict[str, np.ndarray]:
   return {"values": v.astype(E4M3).view(np.uint8).reshape(x.shape),
           "scale": np.where(bad, F32(np.nan), s).astype(F32),
           "dequant": deq.astype(F32).reshape(x.shape)}
+
+
+def dequantize_packed_nvfp4(packed: np.ndarray, scale_bytes: np.ndarray,
+                            tensor_scale: np.ndarray) -> np.ndarray:
+  """bf16 values of packed NVFP4 [..., N, K]: packed uint8 [..., N, K/2] (element 2i in the low
+  nibble), E4M3 scale bytes [..., N, K/16], one float32 tensor scale per leading index [...].
+  `formats.nvfp4_dequantize`'s order in IEEE float32 (code value * block scale, exact; *
+  tensor scale, one rounding; one rounding to bf16), subnormals kept as the GPU keeps them
+  (XLA's CPU runtime flushes them)."""
+  import ml_dtypes
+
+  b = np.asarray(packed, np.uint8)
+  codes = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
+  bs = np.asarray(scale_bytes, np.uint8).view(E4M3).astype(F32)
+  v = value(codes).astype(F32).reshape(*bs.shape, 16) * bs[..., None]
+  ts = np.asarray(tensor_scale, F32).reshape(*bs.shape[:-2], 1, 1)
+  with np.errstate(all="ignore"):
+    w = v.reshape(codes.shape) * ts
+  return w.astype(ml_dtypes.bfloat16)
