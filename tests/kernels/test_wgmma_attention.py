@@ -143,3 +143,35 @@ def test_decode_attention_refuses_wgmma_where_it_cannot_run():
     da.decode_attention(q, cache, lengths, interpret=True, impl="cuda")
   with pytest.raises(ValueError, match="needs impl='triton'"):
     da.decode_attention(q, cache, lengths, interpret=True, impl="wgmma", table="exact")
+
+
+@pytest.mark.parametrize("half", [0, 1], ids=["low_scale_byte", "high_scale_byte"])
+def test_block_ptx_text_runs_as_the_emulated_program(half):
+  """The attention kernels' block PTX (`wgmma_decode.block_ptx`, fast table), run as text by
+  the numpy PTX interpreter, equals the jnp emulation of the same programs used above, on every
+  scale byte and random code words (so the register tests above hold for the text the kernel
+  runs)."""
+  import ptx_sim
+
+  rng = np.random.default_rng(3)
+  n = 256 * 4
+  w0, w1 = (rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+  byte = np.repeat(np.arange(256, dtype=np.uint32), 4)
+  other = rng.integers(0, 256, n).astype(np.uint32)
+  pair = (byte << 8 | other) if half else (other << 8 | byte)
+  ts = np.float32(0.37)
+  got = ptx_sim.run(wgmma_decode.block_ptx(half, "fast"),
+                    {8: w0, 9: w1, 10: pair, 11: np.full(n, ts).view(np.uint32)})
+  o = fp4_decode._JnpOps(jnp.bfloat16)
+  bs = byte.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  tabs = fp4_decode._fast_table_program(o, jnp.asarray(bs * ts),
+                                        jnp.asarray((bs * np.float32(1.5)) * ts))
+  want = [*fp4_decode._lookup_program(o, jnp.asarray(w0), tabs, tabs),
+          *fp4_decode._lookup_program(o, jnp.asarray(w1), tabs, tabs)]
+  for i in range(8):
+    g, w = got[i].astype(np.uint32), np.asarray(want[i]).astype(np.uint32)
+    for s in (0, 16):  # NaN results compare by NaN-ness (either side's NaN bits)
+      gh, wh = (g >> s) & 0xFFFF, (w >> s) & 0xFFFF
+      nan = ((wh & 0x7F80) == 0x7F80) & ((wh & 0x7F) != 0)
+      assert np.array_equal(((gh & 0x7F80) == 0x7F80) & ((gh & 0x7F) != 0), nan)
+      assert np.array_equal(gh[~nan], wh[~nan]), f"result {i}, half {s}"
