@@ -197,8 +197,8 @@ def _fns(opts: dict[str, Any]) -> dict[str, Callable[..., Any]]:
       "kernel_fp4_wgmma_fast": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
           x, w[2], gs, **wgmma, table="fast")),
       "kernel_fp4_wgmma_stream": jax.jit(lambda x, w, gs: wgmma_moe.grouped_matmul(
-          x, w[2].codes[None], jax.lax.bitcast_convert_type(w[2].block_scale, jnp.uint8)[None],
-          w[2].tensor_scale[None], gs, jnp.zeros((), jnp.int32),
+          x, w[2].codes[None], w[2].block_scale[None], w[2].tensor_scale[None], gs,
+          jnp.zeros((), jnp.int32),
           rows=opts["block_m"] or wgmma_moe.default_rows(x.shape[0], gs.shape[0]),
           stream=FLAGS.wgmma_stream, group=FLAGS.wgmma_group)),
       "kernel_fp4_float16": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(

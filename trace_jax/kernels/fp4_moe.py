@@ -467,7 +467,7 @@ def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_
 
 
 _STATIC = ("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages", "split",
-           "swap_ab", "decoder", "table", "words_order", "prefetch", "debug", "impl")
+           "swap_ab", "decoder", "table", "words_order", "prefetch", "debug")
 IMPLS = ("triton", "wgmma")
 # Whether packed words on the GPU take the wgmma kernel when impl=None (`wgmma_moe`). Off: on
 # the H200 (2026-12-04, twelfth session) it ran gate/up at batch 64 in 80.5 us against the Triton
@@ -511,8 +511,7 @@ def _resolve_packed_decoder(w: PackedNVFP4Weights, decoder: str | None, dtype: A
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _decode(x, w, group_sizes, layer, *, interpret, block_m, block_n, block_k, num_warps,
-            num_stages, split, swap_ab, decoder, table, words_order, prefetch, debug,
-            impl="triton"):
+            num_stages, split, swap_ab, decoder, table, words_order, prefetch, debug):
   m, k = x.shape
   fp4 = isinstance(w, PackedNVFP4Weights)
   if layer is None:  # one layer: a leading axis of 1 (a free reshape)
@@ -521,11 +520,6 @@ def _decode(x, w, group_sizes, layer, *, interpret, block_m, block_n, block_k, n
   e, n = (w.codes if fp4 else w).shape[1:3]
   if m == 0:
     return jnp.zeros((0, n), x.dtype)
-  if impl == "wgmma":  # the weights decoded into wgmma's A registers (Mosaic GPU)
-    return wgmma_moe.grouped_matmul(
-        x, w.codes, jax.lax.bitcast_convert_type(w.block_scale, jnp.uint8), w.tensor_scale,
-        group_sizes, layer, rows=block_m, table=table or "exact", prefetch=prefetch,
-        stream=wgmma_moe.STREAM if k % 256 == 0 else 0, group=wgmma_moe.GROUP)
   gs = group_sizes.astype(jnp.int32)
   offs = jnp.cumsum(gs) - gs
   bn, bk = _tiles(n, k, block_n, block_k)
@@ -659,11 +653,14 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
     if rows % 8 or not 8 <= rows <= wgmma_moe.MAX_ROWS:
       raise ValueError(f"impl='wgmma' takes block_m (rows per pass) a multiple of 8 in "
                        f"[8, {wgmma_moe.MAX_ROWS}], got {rows}")
-    return _decode(x, w, group_sizes, layer, interpret=False, block_m=rows, block_n=64,
-                   block_k=wgmma_decode.SPAN, num_warps=4, num_stages=1, split=False,
-                   swap_ab=True, decoder="words", table=table, words_order="mma",
-                   prefetch=wgmma_moe.PREFETCH if prefetch is None else prefetch,
-                   debug=debug, impl="wgmma")
+    if x.shape[0] == 0:
+      return jnp.zeros((0, n), x.dtype)
+    if layer is None:  # one layer: a leading axis of 1 (a free reshape)
+      w, layer = jax.tree.map(lambda a: a[None], w), jnp.zeros((), jnp.int32)
+    return wgmma_moe.grouped_matmul(
+        x, w.codes, w.block_scale, w.tensor_scale, group_sizes, layer, rows=rows,
+        table=table or "exact", prefetch=wgmma_moe.PREFETCH if prefetch is None else prefetch,
+        stream=wgmma_moe.STREAM if k % 256 == 0 else 0, group=wgmma_moe.GROUP)
   block_m = default_block_m(x.shape[0], e) if block_m is None else block_m
   if block_n is None:  # the interpreter runs programs one by one: fewer, larger tiles there
     block_n = 64 if interpret else default_block_n(n, e)

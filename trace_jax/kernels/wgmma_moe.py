@@ -212,15 +212,15 @@ def _zero_rows(n: int, m: int):
 # ----------------------------------------------------------------------------- the kernel
 
 @functools.partial(jax.jit, static_argnames=("rows", "table", "prefetch", "stream", "group"))
-def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
+def grouped_matmul(x: jax.Array, codes: jax.Array, block_scale: jax.Array,
                    tensor_scale: jax.Array, group_sizes: jax.Array, layer: jax.Array, *,
                    rows: int, table: str = "exact", prefetch: int = PREFETCH,
                    stream: int = 0, group: int = 1) -> jax.Array:
   """bf16 [M, N]: rows x [M, K] (sorted by expert) times each group's expert weights,
   products summed in float32 (wgmma's order), rounded once.
 
-  codes: uint32 [L, E, N, K/16, 2] (`PackedNVFP4Weights.as_words`); scale_bits: uint8
-  [L, E, N, K/16] (the E4M3 block scales' bytes); tensor_scale: float32 [L, E]; group_sizes:
+  codes: uint32 [L, E, N, K/16, 2] (`PackedNVFP4Weights.as_words`); block_scale:
+  float8_e4m3fn [L, E, N, K/16] (read as its bytes); tensor_scale: float32 [L, E]; group_sizes:
   int [E]; layer: int32 scalar. rows: rows per pass (`default_rows`); prefetch: K chunks whose
   codes and scales are loaded ahead of the decode (>= 0; the carry of the loop over chunks:
   unrolled, the loop took 213 registers a thread against 142 and ran no faster on the H200).
@@ -254,6 +254,7 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
   width = rows + 8
   xs = jnp.pad(jnp.take(x, wgmma_decode.span_order(k), axis=1), ((0, width), (0, 0)))
   words = codes.reshape(num_layers, e, n, k // 8)
+  scale_bits = jax.lax.bitcast_convert_type(block_scale, jnp.uint8)
   load = plgpu.inline_mgpu(
       arg_types=(plgpu.RefType(),) * 2,
       return_type=plgpu.ShapeDtypeStruct((TILE, _RAW_COLS), jnp.int32,
@@ -297,12 +298,14 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
       plgpu.copy_gmem_to_smem(c_ref.at[lyr, ei, feats, pl.ds(start_of(c, SPAN // 8), SPAN // 8)],
                               c_smem.at[c % stream], cbars.at[c % stream])
 
-    def chunk_mma(acc_ref, row_a, c, raw):
-      w = decode(raw, ts)
-      plgpu.barrier_wait(bars.at[c % stages])
-      plgpu.wgmma(acc_ref, w, x_smem.at[c % stages].T)
+    def chunks_mma(acc_ref, chunks):
+      """Decodes [(chunk c, its raw load)], then issues their wgmmas and waits for them."""
+      ws = [decode(raw, ts) for _, raw in chunks]
+      for (c, _), w in zip(chunks, ws):
+        plgpu.barrier_wait(bars.at[c % stages])
+        plgpu.wgmma(acc_ref, w, x_smem.at[c % stages].T)
       # wgmma reads its A registers and the x chunk while in flight: wait before the next
-      # chunk's registers are made and before the slot is refilled.
+      # chunk's registers are made and before a slot is refilled.
       plgpu.wgmma_wait(0)
 
     def one_pass(p, carry):
@@ -312,9 +315,14 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
       for c in range(stages):
         fetch(row_a, c)
 
-      def refill(c):
+      def refill(cs):  # after chunks cs: their slots refilled, every warp's reads done first
         plgpu.commit_smem()
-        fetch(row_a, c + stages)
+        for c in cs:
+          if stream:  # the caller checked cs[0] only
+            pl.when(c + stream < nk)(functools.partial(fetch_codes, c + stream))
+            pl.when(c + stages < nk)(functools.partial(fetch, row_a, c + stages))
+          else:  # the caller checked c + stages < nk
+            fetch(row_a, c + stages)
 
       def mma(acc_ref):
         if stream:  # codes by TMA through a ring of `stream` chunks; scales once per pass
@@ -324,32 +332,23 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale_bits: jax.Array,
             fetch_codes(c)
           plgpu.barrier_wait(sbar)
 
+          def raw_of(c):
+            plgpu.barrier_wait(cbars.at[c % stream])
+            return load(c_smem.at[c % stream],
+                        s_smem.at[:, pl.ds(start_of(c, SPAN // 16), SPAN // 16)])
+
           def step(g, carry):
-            ws = []
-            for i in range(group):
-              c = g * group + i
-              plgpu.barrier_wait(cbars.at[c % stream])
-              raw = load(c_smem.at[c % stream], s_smem.at[:, pl.ds(start_of(c, SPAN // 16),
-                                                                   SPAN // 16)])
-              ws.append(decode(raw, ts))
-            for i in range(group):
-              c = g * group + i
-              plgpu.barrier_wait(bars.at[c % stages])
-              plgpu.wgmma(acc_ref, ws[i], x_smem.at[c % stages].T)
-            plgpu.wgmma_wait(0)  # before new registers and the slots' refills (see above)
-            plgpu.commit_smem()  # every warp's reads of the slots done before refills
-            for i in range(group):
-              c = g * group + i
-              pl.when(c + stream < nk)(functools.partial(fetch_codes, c + stream))
-              pl.when(c + stages < nk)(functools.partial(fetch, row_a, c + stages))
+            cs = [g * group + i for i in range(group)]
+            chunks_mma(acc_ref, [(c, raw_of(c)) for c in cs])
+            pl.when(cs[0] + min(stream, stages) < nk)(functools.partial(refill, cs))
             return carry
 
           jax.lax.fori_loop(0, nk // group, step, 0)
         else:  # chunks 0 .. prefetch - 1 loaded first, then c + prefetch in step c
           def step(c, raws):
             nxt = load_chunk(jnp.minimum(c + prefetch, nk - 1)) if prefetch else None
-            chunk_mma(acc_ref, row_a, c, raws[0] if prefetch else load_chunk(c))
-            pl.when(c + stages < nk)(functools.partial(refill, c))
+            chunks_mma(acc_ref, [(c, raws[0] if prefetch else load_chunk(c))])
+            pl.when(c + stages < nk)(functools.partial(refill, [c]))
             return (*raws[1:], nxt) if prefetch else raws
 
           jax.lax.fori_loop(0, nk, step, tuple(load_chunk(i) for i in range(min(prefetch, nk))))
