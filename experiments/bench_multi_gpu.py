@@ -1,18 +1,23 @@
 """Expert parallelism on 1 vs N devices of one host, side by side in one process (issue 16):
-the SFT training step's tokens/s and the rollout engine's decode tokens/s.
+the training step's tokens/s and the rollout engine's decode tokens/s.
 
   python -m experiments.bench_multi_gpu --preset=h200 --devices=1,2 --json_out=/tmp/mg.json
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.bench_multi_gpu \\
       --preset=cpu                                                  # CPU smoke run
 
 For each device count n: a mesh of n devices along `expert` (`--mesh_axis=expert`; `data`
-splits the batch instead), or no mesh for n = 1. The training step is `train.step.sft_step`
-(forward, backward and AdamW; its MoE blocks expert-parallel on the mesh, `ShardedStep`) on
-`--train_batch` x `--seq` tokens with the params placed by `sharding.shard_params`; decode is
-`InProcessEngine(mesh=)` greedily generating `--new_tokens` after `--prompt_len`-token prompts
-at `--decode_batch` (prefill included, as `bench_rollout` counts it). Every timing is the
-median of `--reps` calls after one compiling call. Side-by-side checks: each n's first loss
-against n = 1's (relative difference) and its greedy tokens' agreement with n = 1's.
+splits the batch instead), or no mesh for n = 1. Decode is `InProcessEngine(mesh=)` greedily
+generating `--new_tokens` after `--prompt_len`-token prompts at `--decode_batch` (prefill
+included, as `bench_rollout` counts it). The training step (`--train_step`) is
+`train.step.grpo_step` on the first count's rollout (its tokens and log-probs, and under a
+guided policy its guidance records and the expert ids that match them: the same batch for
+every n), or `train.step.sft_step` on `--train_batch` x `--seq` random tokens; forward,
+backward and AdamW, its MoE blocks expert-parallel on the mesh (`ShardedStep`), the params
+placed by `sharding.shard_params`. Every timing is the median of `--reps` calls after one
+compiling call. Side-by-side checks against the first count: each n's first loss and grad
+norm (relative difference), its greedy tokens' agreement, and, where the engine records
+(guided policies), the share of its records' elements (guidance and routing, per layer) equal
+bit for bit over the tokens both runs generated alike.
 
 Top-level plain numbers: `n_gpu_over_one` {n: train tokens/s over n = 1's},
 `n_gpu_decode_over_one`, and for n = 2 `two_gpu_over_one` and `two_gpu_decode_over_one`
@@ -43,10 +48,14 @@ flags.DEFINE_enum("mesh_axis", "expert", ["expert", "data"], "The mesh axis the 
                   "form.", flag_values=FLAGS)
 flags.DEFINE_integer("layers", 0, "Decoder layers (0: per preset).", flag_values=FLAGS)
 flags.DEFINE_integer("experts", 0, "Routed experts (0: per preset).", flag_values=FLAGS)
-flags.DEFINE_string("policy", "bf16", "Forward of both parts.", flag_values=FLAGS)
-flags.DEFINE_integer("train_batch", 0, "Training sequences per step (0: per preset).",
+flags.DEFINE_string("policy", "bf16", "Forward of both parts (a guided one, e.g. fp4_trace: "
+                    "the engine records guidance and the GRPO step rounds under it).",
+                    flag_values=FLAGS)
+flags.DEFINE_enum("train_step", "grpo", ["grpo", "sft"], "The training step timed: GRPO on the "
+                  "first device count's rollout, or SFT on random tokens.", flag_values=FLAGS)
+flags.DEFINE_integer("train_batch", 0, "SFT sequences per step (0: per preset).",
                      flag_values=FLAGS)
-flags.DEFINE_integer("seq", 0, "Training sequence length (0: per preset).", flag_values=FLAGS)
+flags.DEFINE_integer("seq", 0, "SFT sequence length (0: per preset).", flag_values=FLAGS)
 flags.DEFINE_integer("decode_batch", 0, "Decode batch (0: per preset).", flag_values=FLAGS)
 flags.DEFINE_integer("prompt_len", 0, "Prompt tokens (0: per preset).", flag_values=FLAGS)
 flags.DEFINE_integer("new_tokens", 0, "Generated tokens per sequence (0: per preset).",
@@ -86,37 +95,69 @@ def make_mesh(n: int) -> Any:
   return None if n == 1 else sharding.make_mesh({FLAGS.mesh_axis: n}, jax.devices()[:n])
 
 
-def time_train(config: Any, params: Any, mesh: Any) -> dict[str, Any]:
-  """Median seconds of `sft_step` (state donated, so each call feeds the last one's state)."""
+def sft_batch(config: Any) -> tuple[dict[str, Any], int]:
+  """`--train_batch` x `--seq` random tokens as an SFT batch, and its token count."""
   import jax
   import jax.numpy as jnp
+  b, s = _size("train_batch"), _size("seq")
+  toks = jax.random.randint(jax.random.key(1), (b, s + 1), 0, config.vocab_size)
+  return dict(inputs=toks[:, :-1], targets=toks[:, 1:],
+              loss_mask=jnp.ones((b, s), jnp.int32)), b * s
+
+
+def grpo_batch(config: Any, samples: list[Any], records: dict[str, Any] | None) -> Any:
+  """The GRPO step's batch from a rollout: its samples (tokens, log-probs), advantages +-1
+  (seeded), and under a guided policy the records the learner hands the training forward
+  (guidance, and the guided layers' expert ids that match it)."""
+  from trace_jax.train import batch as batch_lib
+  adv = np.random.default_rng(2).choice([-1.0, 1.0], len(samples))
+  guidance = routing = None
+  if config.forward.guided:
+    if records is None:
+      raise RuntimeError(f"policy {config.policy!r} is guided, but the engine recorded nothing")
+    guidance = records["guidance"]
+    routing = {layer: records["routing"][layer] for layer in config.guided_layers} or None
+  return batch_lib.rl_batch(samples, adv, _size("prompt_len") + _size("new_tokens"), guidance,
+                            routing)
+
+
+def time_train(config: Any, params: Any, mesh: Any, batch: Any, tokens: int
+               ) -> dict[str, Any]:
+  """Median seconds of `--train_step` on `batch` (the state donated, so each call feeds the last
+  one's state), its first call's loss and grad norm."""
+  import jax
 
   from trace_jax.model import sharding
   from trace_jax.train import step as step_lib
-  b, s = _size("train_batch"), _size("seq")
   placed = (jax.device_put(params, jax.devices()[0]) if mesh is None
             else sharding.shard_params(params, mesh))
   tx = step_lib.make_optimizer(step_lib.OptimConfig(lr=1e-5, total_steps=100))
   state = step_lib.init_state(placed, tx)
-  toks = jax.random.randint(jax.random.key(1), (b, s + 1), 0, config.vocab_size)
-  batch = dict(inputs=toks[:, :-1], targets=toks[:, 1:], loss_mask=jnp.ones((b, s), jnp.int32))
+  if FLAGS.train_step == "grpo":
+    rl = step_lib.RLConfig()
+    call = lambda st: step_lib.grpo_step(st, batch, config=config, tx=tx, rl=rl)[:2]
+  else:
+    call = lambda st: step_lib.sft_step(st, batch, config=config, tx=tx)
   t0 = time.perf_counter()
-  state, out = step_lib.sft_step(state, batch, config=config, tx=tx)
-  first_loss = float(out["loss"])
+  state, out = call(state)
+  first = {k: float(out[k]) for k in ("loss", "grad_norm")}
   first_s = time.perf_counter() - t0
   times = []
   for _ in range(FLAGS.reps):
     t0 = time.perf_counter()
-    state, out = step_lib.sft_step(state, batch, config=config, tx=tx)
+    state, out = call(state)
     jax.block_until_ready(out)
     times.append(time.perf_counter() - t0)
   med = float(np.median(times))
-  return dict(first_loss=first_loss, first_call_s=first_s, median_s=med,
-              tokens_per_s=b * s / med)
+  return dict(step=FLAGS.train_step, first_loss=first["loss"],
+              first_grad_norm=first["grad_norm"], first_call_s=first_s, median_s=med,
+              tokens=tokens, tokens_per_s=tokens / med)
 
 
-def time_decode(config: Any, params: Any, mesh: Any) -> tuple[dict[str, Any], list[list[int]]]:
-  """Median seconds of one greedy `generate` call of the whole batch, and its tokens."""
+def time_decode(config: Any, params: Any, mesh: Any
+                ) -> tuple[dict[str, Any], list[Any], dict[str, Any] | None]:
+  """Median seconds of one greedy `generate` call of the whole batch; the first call's samples
+  and records (`InProcessEngine.last_guidance`: None where the engine records nothing)."""
   from trace_jax.rollout.engine import InProcessEngine
   from trace_jax.rollout.protocol import SamplingParams
   b, p, new = _size("decode_batch"), _size("prompt_len"), _size("new_tokens")
@@ -125,19 +166,59 @@ def time_decode(config: Any, params: Any, mesh: Any) -> tuple[dict[str, Any], li
   sp = SamplingParams(max_new_tokens=new, temperature=0.0)
   engine = InProcessEngine(params, config, max_batch=b, mesh=mesh)
   t0 = time.perf_counter()
-  out = engine.generate(prompts, sp)
+  samples = engine.generate(prompts, sp)
+  records = engine.last_guidance
   first_s = time.perf_counter() - t0
   times = []
   for _ in range(FLAGS.reps):
     t0 = time.perf_counter()
     out = engine.generate(prompts, sp)
     times.append(time.perf_counter() - t0)
+  engine.close()
   tokens = sum(len(s.tokens) for s in out)
   if tokens != b * new:  # greedy without stop ids: every row runs to the end
     raise RuntimeError(f"generated {tokens} tokens, expected {b} x {new}")
   med = float(np.median(times))
-  return (dict(first_call_s=first_s, median_s=med, tokens_per_s=tokens / med),
-          [s.tokens for s in out])
+  return (dict(first_call_s=first_s, median_s=med, tokens_per_s=tokens / med), samples,
+          records)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+  """Elements as unsigned integers of their width (NaN payloads and signed zeros compare as
+  bits)."""
+  return a.view(f"u{a.dtype.itemsize}")
+
+
+def records_agreement(records: dict[str, Any], ref: dict[str, Any], rows: list[int],
+                      counts: list[int], ref_counts: list[int]) -> dict[str, float]:
+  """{layer: share of elements equal bit for bit} of the guidance and routing records of two
+  rollouts of the same prompts, over each sequence's first rows[i] rows (those both runs
+  produced from the same tokens). Records are ragged rows in sequence order (counts[i] rows of
+  sequence i here, ref_counts[i] there), as `InProcessEngine.last_guidance` gives them."""
+  import jax
+
+  def starts(c):
+    return np.concatenate([[0], np.cumsum(c)[:-1]]).astype(int)
+  mine, theirs = starts(counts), starts(ref_counts)
+  take = np.concatenate([np.arange(k) for k in rows]).astype(int)
+  seq = np.repeat(np.arange(len(rows)), rows)
+  idx, ref_idx = mine[seq] + take, theirs[seq] + take
+  out: dict[str, float] = {}
+  for layer in sorted(set(ref.get("guidance", {})) | set(ref.get("routing", {}))):
+    equal = total = 0
+    trees = [(records.get(k, {}).get(layer), ref.get(k, {}).get(layer))
+             for k in ("guidance", "routing")]
+    for mine_t, ref_t in trees:
+      if ref_t is None:
+        continue
+      if mine_t is None:
+        raise ValueError(f"layer {layer}: the reference has records this rollout lacks")
+      for x, y in zip(jax.tree.leaves(mine_t), jax.tree.leaves(ref_t)):
+        x, y = _bits(np.asarray(x)[idx]), _bits(np.asarray(y)[ref_idx])
+        equal += int(np.sum(x == y))
+        total += x.size
+    out[str(layer)] = equal / total if total else float("nan")
+  return out
 
 
 def run_bench() -> dict[str, Any]:
@@ -147,10 +228,14 @@ def run_bench() -> dict[str, Any]:
   counts = [int(n) for n in FLAGS.devices] or sorted({1, len(jax.devices())})
   if max(counts) > len(jax.devices()) or min(counts) < 1:
     raise ValueError(f"--devices {counts}: this host has {len(jax.devices())} devices")
+  if FLAGS.train and FLAGS.train_step == "grpo" and not FLAGS.decode:
+    raise ValueError("--train_step=grpo trains on the first device count's rollout: it needs "
+                     "--decode (or --train_step=sft)")
   config = model_config()
   if FLAGS.mesh_axis == "expert" and any(config.num_experts % n for n in counts):
     raise ValueError(f"--devices {counts} must divide the {config.num_experts} experts")
   res: dict[str, Any] = dict(common.device_description(), model=config.shape_fields(),
+                             policy=config.policy, train_step=FLAGS.train_step,
                              sizes={k: _size(k) for k in PRESETS["cpu"]})
   res.update(common.bandwidth_gbps(), **common.matmul_tflops())
   params = M.init_params(config, 0, param_dtype="float32")
@@ -158,27 +243,48 @@ def run_bench() -> dict[str, Any]:
   print(f"bench_multi_gpu: {res['device_kind']} x {len(jax.devices())}, copy "
         f"{res['copy_gbps']:.0f} GB/s, BF16 matmul {res['bf16_tflops']:.0f} TFLOP/s (device 0); "
         f"{config.num_hidden_layers} layers, {config.num_experts} experts, {n_params / 1e9:.2f}B "
-        f"params; mesh axis {FLAGS.mesh_axis}", flush=True)
+        f"params; policy {config.policy}; mesh axis {FLAGS.mesh_axis}", flush=True)
   cases: dict[str, Any] = {}
-  ref_tokens = None
+  first: dict[str, Any] = {}  # the first count's rollout: reference tokens, records, batch
   for n in counts:
     mesh = make_mesh(n)
     case: dict[str, Any] = {}
-    if FLAGS.train:
-      case["train"] = time_train(config, params, mesh)
-      t = case["train"]
-      print(f"  {n} device(s) train : {t['tokens_per_s']:>12,.0f} tok/s  "
-            f"{t['median_s'] * 1e3:8.1f} ms/step  first call {t['first_call_s']:6.1f} s  "
-            f"loss {t['first_loss']:.6f}", flush=True)
     if FLAGS.decode:
-      case["decode"], tokens = time_decode(config, params, mesh)
-      ref_tokens = ref_tokens or tokens
-      agree = float(np.mean([a == b for x, y in zip(tokens, ref_tokens) for a, b in zip(x, y)]))
-      case["decode"]["token_agreement_with_first"] = agree
+      case["decode"], samples, records = time_decode(config, params, mesh)
+      tokens = [s.tokens for s in samples]
+      if not first:
+        first = dict(tokens=tokens, samples=samples, records=records)
+      same = [int(np.argmin(np.asarray(x) == np.asarray(y))) if x != y else len(x)
+              for x, y in zip(tokens, first["tokens"])]  # leading tokens equal
+      agree = float(np.mean([a == b for x, y in zip(tokens, first["tokens"])
+                             for a, b in zip(x, y)]))
       d = case["decode"]
+      d["token_agreement_with_first"] = agree
+      if records is not None:
+        # rows of a sequence's records: its prompt's and the tokens fed before a difference
+        rows = [min(len(s.prompt) + k, s.num_rows) for s, k in zip(samples, same)]
+        d["records_equal_with_first"] = records_agreement(
+            records, first["records"], rows, [s.num_rows for s in samples],
+            [s.num_rows for s in first["samples"]])
       print(f"  {n} device(s) decode: {d['tokens_per_s']:>12,.0f} tok/s  first call "
             f"{d['first_call_s']:6.1f} s  greedy tokens equal to {counts[0]} device(s)': "
             f"{100 * agree:.1f}%", flush=True)
+      if "records_equal_with_first" in d:
+        print("    records equal bit for bit to the first count's, by layer: " + ", ".join(
+            f"{k} {100 * v:.2f}%" for k, v in d["records_equal_with_first"].items()),
+            flush=True)
+    if FLAGS.train:
+      if FLAGS.train_step == "grpo":
+        if "batch" not in first:
+          first["batch"] = grpo_batch(config, first["samples"], first["records"])
+        batch, tokens = first["batch"], int(np.asarray(first["batch"].valid).sum())
+      else:
+        batch, tokens = sft_batch(config)
+      case["train"] = time_train(config, params, mesh, batch, tokens)
+      t = case["train"]
+      print(f"  {n} device(s) train ({t['step']}): {t['tokens_per_s']:>12,.0f} tok/s  "
+            f"{t['median_s'] * 1e3:8.1f} ms/step  first call {t['first_call_s']:6.1f} s  "
+            f"loss {t['first_loss']:.6f}  grad norm {t['first_grad_norm']:.6f}", flush=True)
     cases[str(n)] = case
   res["cases"] = cases
   res.update(summary(cases, counts))
@@ -189,7 +295,7 @@ def run_bench() -> dict[str, Any]:
 
 
 def summary(cases: dict[str, Any], counts: Sequence[int]) -> dict[str, Any]:
-  """Ratios of every device count's tokens/s to the first count's, and the loss check."""
+  """Ratios of every device count's tokens/s to the first count's, and the loss checks."""
   out: dict[str, Any] = {}
   base = cases[str(counts[0])]
   for part, key in (("train", "n_gpu_over_one"), ("decode", "n_gpu_decode_over_one")):
@@ -200,9 +306,12 @@ def summary(cases: dict[str, Any], counts: Sequence[int]) -> dict[str, Any]:
     if counts[0] == 1 and "2" in out[key]:
       out["two_gpu_over_one" if part == "train" else "two_gpu_decode_over_one"] = out[key]["2"]
   if "train" in base:
-    ref = base["train"]["first_loss"]
-    out["first_loss_rel_diff"] = {str(n): abs(cases[str(n)]["train"]["first_loss"] - ref)
-                                  / abs(ref) for n in counts}
+    for name, field in (("first_loss_rel_diff", "first_loss"),
+                        ("first_grad_norm_rel_diff", "first_grad_norm")):
+      ref = base["train"].get(field)
+      if ref is not None:
+        out[name] = {str(n): abs(cases[str(n)]["train"][field] - ref) / abs(ref)
+                     for n in counts}
   return out
 
 
