@@ -21,6 +21,8 @@ MESHES = [
     pytest.param(dict(data=1, fsdp=2, expert=2, tensor=2), id="fsdp2_ep2_tp2"),
     pytest.param(dict(data=2, fsdp=1, expert=4, tensor=1), id="dp2_ep4"),
     pytest.param(dict(data=1, fsdp=1, expert=8, tensor=1), id="ep8"),
+    # expert 1: the block data-parallel (every expert on each device, weights gathered over fsdp)
+    pytest.param(dict(data=2, fsdp=2, expert=1, tensor=2), id="dp2_fsdp2_tp2"),
 ]
 
 

@@ -607,3 +607,24 @@ def count_eqns(jaxpr, primitive: str | None = None) -> int:
         elif isinstance(sub, jax.extend.core.Jaxpr):
           n += count_eqns(sub, primitive)
   return n
+
+
+def pallas_calls(jaxpr, inside: bool = False) -> list[tuple[str, bool]]:
+  """(kernel name, whether it is inside a shard_map body) of every pallas_call of a jaxpr and
+  of the jaxprs nested in it: on a mesh a Pallas kernel outside one runs on the whole batch on
+  every device (`trace_jax.model.batch_local`)."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      name = eqn.params.get("name")  # jax 0.10; later versions: name_and_src_info.name
+      if name is None:
+        name = getattr(eqn.params.get("name_and_src_info"), "name", None)
+      out.append((str(name), inside))
+    nested = inside or eqn.primitive.name == "shard_map"
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          out += pallas_calls(sub.jaxpr, nested)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          out += pallas_calls(sub, nested)
+  return out

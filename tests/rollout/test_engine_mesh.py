@@ -11,7 +11,7 @@ import functools
 import jax
 import numpy as np
 import pytest
-from cases import assert_bits_equal, count_eqns
+from cases import assert_bits_equal, count_eqns, pallas_calls
 from jax.sharding import PartitionSpec
 
 from trace_jax import model as M
@@ -72,6 +72,7 @@ def _expert_matrices(hlo: str, config) -> list:
 MESHES = [
     pytest.param(dict(data=2, expert=2, tensor=2), id="dp2_ep2_tp2"),
     pytest.param(dict(expert=8), id="ep8"),
+    pytest.param(dict(data=4, tensor=2), id="dp4_tp2"),  # expert 1: the block data-parallel
 ]
 
 
@@ -169,6 +170,9 @@ def test_fp4_trace_kernel_decode_records_match_one_device(monkeypatch):
   sp = SamplingParams(max_new_tokens=32, temperature=0.0)
   want = ref.generate(prompts, sp)
   assert not traced
+  _assert_kernels_run_per_shard(eng, prompts, sp, {
+      "nvfp4_quantize_rows", "grouped_matmul_decode", "grouped_matmul_decode_fp4",
+      "decode_attention_scores_nvfp4", "decode_attention_pv_nvfp4"})
   got = eng.generate(prompts, sp)
   assert traced
   same = []  # per sequence: positions fed the same tokens (prompt + the common completion)
@@ -196,6 +200,32 @@ def test_fp4_trace_kernel_decode_records_match_one_device(monkeypatch):
       other = gb["audit"]["guidance"][layer][site]
       assert [(u.shape, u.dtype) for u in jax.tree.leaves(other)] == [
           (u.shape, u.dtype) for u in jax.tree.leaves(rec)], (layer, site)
+
+
+def _assert_kernels_run_per_shard(eng, prompts, sp, names: set[str]) -> None:
+  """Every Pallas kernel of the engine's generation program runs inside a shard_map body (the
+  expert-parallel block's or `batch_local`'s): on the GPU a kernel outside one would run on the
+  whole batch on every device, its operands (the KV cache) gathered first. names: the kernels
+  the program must hold."""
+  calls = pallas_calls(eng.trace_generate(prompts, sp).jaxpr)
+  assert {n for n, _ in calls} == names, calls
+  outside = sorted({n for n, inside in calls if not inside})
+  assert not outside, f"kernels outside any shard_map: {outside}"
+
+
+@needs_8
+def test_fp8_kernel_engine_runs_every_kernel_per_shard():
+  """fp8_unified with the FP8 GEMM kernel (`fp8_gemm="kernel"`) and the decode kernels on dp2 x
+  ep4 at batch 4 (a device per sequence and expert group): the dense FP8 projections, the
+  attention kernels and lm_head run on each device's own sequences, the grouped FP8 experts in
+  the expert-parallel block."""
+  config = M.tiny(policy="fp8_unified", dtype="bfloat16", num_hidden_layers=2, vocab_size=128,
+                  decode_impl="kernel", fp8_gemm="kernel", moe_intermediate_size=128,
+                  head_dim=64)
+  eng = InProcessEngine(_params(config), config, max_batch=4, mesh=_mesh(dict(data=2, expert=4)))
+  _assert_kernels_run_per_shard(eng, _prompts(4, 9, 128), SamplingParams(max_new_tokens=4), {
+      "fp8_gemm", "fp8_grouped_gemm", "grouped_matmul_decode", "decode_attention_scores",
+      "decode_attention_pv"})
 
 
 @needs_8

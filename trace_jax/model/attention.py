@@ -18,6 +18,7 @@ from flax import nnx, struct
 
 from trace_jax.kernels import decode_attention, fp4_moe, kv_cache
 from trace_jax.kernels.kv_cache import PackedKVCache
+from trace_jax.model import batch_local
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import Linear, RMSNorm, apply_rope
 from trace_jax.model.precision import Precision
@@ -77,8 +78,10 @@ class Attention(nnx.Module):
       # One-token decode: qkv and o each as one "expert" of the decode kernel, which reads
       # the layer's weights in place in the run's stack (no per-step copy of a slice).
       def proj(a, name):
-        out = fp4_moe.matmul_decode(a.reshape(b, a.shape[-1]), quantized.run.attention[name],
-                                    layer=quantized.index)
+        mm = lambda rows, w, i: fp4_moe.matmul_decode(rows, w, layer=i)
+        out = batch_local.on_batch_shards(
+            mm, (a.reshape(b, a.shape[-1]), quantized.run.attention[name], quantized.index),
+            (0, None, None), b)
         return out.reshape(b, s, -1)
       qkv = proj(x, "qkv")
       o_proj = lambda a: proj(a, "o_proj")
@@ -109,8 +112,10 @@ class Attention(nnx.Module):
     if decode and s == 1 and prec.config.decode_impl == "kernel":
       # One-token decode: the decode-attention kernels read this layer's cache in place in
       # the run's stack, with `attend`'s scores and probabilities.
-      out = decode_attention.decode_attention(q[:, 0], new_cache, positions[:, 0] + 1,
-                                              layer=i)[:, None]
+      # On a mesh each device attends for its own sequences (`batch_local`).
+      attn = lambda q1, c, lens, j: decode_attention.decode_attention(q1, c, lens, layer=j)
+      out = batch_local.on_batch_shards(attn, (q[:, 0], new_cache, positions[:, 0] + 1, i),
+                                        (0, 0 if i is None else 1, 0, None), b)[:, None]
     else:
       if decode:
         if packed:  # the XLA path: the layer's cache dequantized (at every call)

@@ -30,7 +30,10 @@ included): the gathered record equals the one-device record bit for bit.
 
 Enabled by `use_mesh(mesh)` around the tracing of a forward (the training steps enter it for
 their state's mesh, `train.step.ShardedStep`; the rollout engine for its mesh,
-`InProcessEngine(mesh=)`) when the mesh's `expert` axis is > 1 and divides the expert count.
+`InProcessEngine(mesh=)`) when the mesh's `expert` axis is > 1 and divides the expert count;
+with an `expert` axis of 1 the same block runs data-parallel wherever the tokens split over
+the mesh (each device every expert and its own tokens: no all-gather, and the sums over the
+axis of one are the local ones).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +50,16 @@ from jax.sharding import Mesh, PartitionSpec
 
 from trace_jax.model import sharding
 from trace_jax.model.grouped import inverse_permutation
-from trace_jax.model.precision import Precision
+
+if TYPE_CHECKING:  # precision runs its site kernels through `batch_local`, which imports this
+  from trace_jax.model.precision import Precision
 
 AXIS = "expert"
 _MESH: contextvars.ContextVar[tuple[Mesh, Mapping[str, tuple[str, ...]]] | None] = (
     contextvars.ContextVar("expert_mesh", default=None))
+# True while a shard_map body over the entered mesh is traced (its arrays are local): the MoE
+# block's here, `batch_local`'s; nothing in it starts another shard_map.
+_MANUAL: contextvars.ContextVar[bool] = contextvars.ContextVar("manual_body", default=False)
 
 Fn = Callable[[jax.Array], jax.Array]
 
@@ -87,13 +95,40 @@ def use_mesh(mesh: Mesh | None,
     _MESH.reset(token)
 
 
-def active_mesh(num_experts: int) -> Mesh | None:
-  """The mesh to run an MoE block of `num_experts` over, or None (no mesh entered, `expert`
-  axis of size 1, or one that does not divide the experts)."""
+def entered() -> tuple[Mesh, Mapping[str, tuple[str, ...]]] | None:
+  """(mesh, rules) entered with `use_mesh`, or None."""
+  return _MESH.get()
+
+
+@contextlib.contextmanager
+def manual_body() -> Iterator[None]:
+  """Marks the tracing of a shard_map body over the entered mesh (`in_manual_body`)."""
+  token = _MANUAL.set(True)
+  try:
+    yield
+  finally:
+    _MANUAL.reset(token)
+
+
+def in_manual_body() -> bool:
+  """Whether a shard_map body over the entered mesh is being traced."""
+  return _MANUAL.get()
+
+
+def active_mesh(num_experts: int, tokens: int | None = None) -> Mesh | None:
+  """The mesh to run an MoE block of `num_experts` over, or None: the entered mesh when its
+  `expert` axis is > 1 (it must divide the experts), or, with `expert` of 1, when the block's
+  `tokens` split over the mesh's batch axes (data-parallel: each device all the experts and its
+  own tokens; the experts' kernels are Pallas calls, which XLA's partitioner would run on every
+  token on every device). None outside `use_mesh` and inside a shard_map body."""
   entered = _MESH.get()
-  mesh = None if entered is None else entered[0]
-  if mesh is None or AXIS not in mesh.shape or mesh.shape[AXIS] == 1:
+  if entered is None or _MANUAL.get() or AXIS not in entered[0].shape:
     return None
+  mesh, rules = entered
+  if mesh.shape[AXIS] == 1:
+    if tokens is None or sharding.logical_to_spec(("batch",), (tokens,), mesh, rules)[0] is None:
+      return None
+    return mesh
   if num_experts % mesh.shape[AXIS]:
     raise ValueError(f"expert parallelism: {num_experts} experts do not split over the mesh's "
                      f"expert axis of {mesh.shape[AXIS]}")
@@ -160,7 +195,11 @@ def moe(prec: Precision, layer: int, xq: jax.Array, ids: jax.Array, weights: jax
   is_spec = lambda s: isinstance(s, PartitionSpec)
   rec_dtypes: list[Any] = []  # the record's field dtypes, found while tracing the body
 
-  def body(xq, ids, wts, arrays, rids, g):
+  def body(*args):
+    with manual_body():
+      return local_block(*args)
+
+  def local_block(xq, ids, wts, arrays, rids, g):
     arrays = jax.tree.map(lambda s, w: _gather_weight(w, s), specs, arrays, is_leaf=is_spec)
     if gathered:  # this expert group's tokens
       xq, ids, wts, rids, g = jax.tree.map(

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax.kernels import fp8_gemm
+from trace_jax.model import batch_local
 from trace_jax.model import grouped as grouped_mm
 from trace_jax.model.layer_runs import at_layer
 from trace_jax.quant import formats
@@ -90,9 +91,16 @@ def apply(x: jax.Array, qw: formats.FP8Tensor, impl: str = "xla",
   """The forward of `linear` (group_sizes None; x [..., K], qw [N, K]) or `grouped` (rows
   [M, K], qw [E, N, K]) with the weight already quantized (the rollout engine's weights, made
   once per update; `expert_weights.prepare`). layer: qw is the stack of a run's layers, read
-  at that layer (in place by the kernel). No gradient: rollout only."""
+  at that layer (in place by the kernel). No gradient: rollout only. On a mesh the dense
+  kernel runs on each device's own rows (`batch_local`; the grouped one runs in the
+  expert-parallel block)."""
   _check(impl, "bf16")
-  return _forward(x, qw, impl, group_sizes, moe_impl, layer)[0]
+  fwd = lambda x, qw, layer: _forward(x, qw, impl, group_sizes, moe_impl, layer)[0]
+  if impl != "kernel" or group_sizes is not None:
+    return fwd(x, qw, layer)
+  rows = x.reshape(-1, x.shape[-1])
+  y = batch_local.on_batch_shards(fwd, (rows, qw, layer), (0, None, None), rows.shape[0])
+  return y.reshape(x.shape[:-1] + (y.shape[-1],))
 
 
 def _wgrad_fp8_grouped(dy: jax.Array, xq: jax.Array, gs: jax.Array, impl: str) -> jax.Array:

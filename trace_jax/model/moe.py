@@ -96,7 +96,8 @@ class MoE(nnx.Module):
     per weight update) instead of the params' expert weights; one-token decode steps then run
     the decode kernel (`trace_jax.kernels.fp4_moe`) when `config.decode_impl` is "kernel".
     Traced inside `expert_parallel.use_mesh` (a mesh with `expert` > 1), either kind of
-    weights runs expert-parallel, each device its own experts (the same local computation).
+    weights runs expert-parallel, each device its own experts (the same local computation);
+    on a mesh whose `expert` axis is 1, data-parallel where the tokens split over it.
     """
     b, s, d = x.shape
     e, k = self.num_experts, self.k
@@ -109,9 +110,9 @@ class MoE(nnx.Module):
     prec.tap_route(layer, ids.reshape(b, s, k))
 
     xq = prec.site(layer, "moe_in", x).reshape(b * s, d)
-    mesh = expert_parallel.active_mesh(e)
+    mesh = expert_parallel.active_mesh(e, b * s)
     ex = self._experts(prec, x.dtype, experts, decode and s == 1, mesh)
-    if mesh is not None:  # experts sharded over the mesh's `expert` axis, tokens sent to them
+    if mesh is not None:  # experts over the mesh's `expert` axis (or data-parallel: one)
       out = expert_parallel.moe(prec, layer, xq, ids, weights, ex,
                                 None if rollout_ids is None else rollout_ids.reshape(b * s, k),
                                 mesh, (b, s, k))

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.kernels import nvfp4_act
-from trace_jax.model import byte_rows, fp8_linear
+from trace_jax.model import batch_local, byte_rows, fp8_linear
 from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.model.grouped import grouped_matmul
 from trace_jax.quant import formats, guided, qat
@@ -302,7 +302,9 @@ def quantize_rows(x: jax.Array, mantissa: bool = False) -> tuple[Any, ...]:
   """`kernels.nvfp4_act.quantize_rows` of rows x [..., K] (the kernel takes [M, K]):
   (y, q) or, with `mantissa`, (y, q, bits), every field in x's leading shape."""
   lead, k = x.shape[:-1], x.shape[-1]
-  y, *rest = nvfp4_act.quantize_rows(x.reshape(-1, k), mantissa=mantissa)
+  rows = x.reshape(-1, k)  # on a mesh: each device its own rows (`batch_local`)
+  y, *rest = batch_local.on_batch_shards(
+      lambda r: nvfp4_act.quantize_rows(r, mantissa=mantissa), (rows,), (0,), rows.shape[0])
   return (y.reshape(x.shape),) + tuple(
       jax.tree.map(lambda a: a.reshape(lead + a.shape[-1:]), r) for r in rest)
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax.kernels import fp4_moe
-from trace_jax.model import byte_rows, expert_weights
+from trace_jax.model import batch_local, byte_rows, expert_weights
 from trace_jax.model.attention import Attention, CacheSlot, LayerCache
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layer_runs import layer_runs, stack
@@ -146,7 +146,9 @@ class Transformer(nnx.Module):
       # One-token decode: lm_head as one "expert" of the decode kernel, whose grid spreads
       # the vocabulary over every SM (XLA's GEMM read it at ~1.4 TB/s on the H200).
       b = h.shape[0]
-      logits = fp4_moe.matmul_decode(h.reshape(b, -1), self.lm_head.kernel[...]).reshape(b, 1, -1)
+      logits = batch_local.on_batch_shards(fp4_moe.matmul_decode,
+                                           (h.reshape(b, -1), self.lm_head.kernel[...]),
+                                           (0, None), b).reshape(b, 1, -1)
     else:
       logits = self.lm_head(h)
     return ForwardOut(logits=logits, cache=new_cache, router_logits=router_logits,

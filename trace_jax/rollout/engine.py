@@ -13,7 +13,8 @@ records hold exactly what the rollout computed for every token of the transcript
 
 On a mesh (`InProcessEngine(mesh=)`) the routed experts are split over the mesh's `expert`
 axis and every program runs its MoE blocks expert-parallel (`model.expert_parallel`);
-everything else is replicated (`sharding.ENGINE_RULES`).
+every other weight is replicated (`sharding.ENGINE_RULES`), the batch split over the mesh, and
+the decode kernels run on each device's own sequences (`model.batch_local`).
 """
 
 from __future__ import annotations
@@ -197,14 +198,21 @@ class InProcessEngine:
     self.layers = self._programs.stack(params)
     self.params = self._programs.replicate(_drop_layers(params))
 
-  def lower_generate(self, prompts: Sequence[Sequence[int]],
+  def trace_generate(self, prompts: Sequence[Sequence[int]],
                      sampling: SamplingParams | Sequence[SamplingParams]) -> Any:
-    """The generation program of one batch (at most `max_batch` requests) lowered as the
-    engine runs it (`jax.stages.Lowered`: `.compile().as_text()` is its HLO), to inspect."""
+    """The generation program of one batch (at most `max_batch` requests) traced as the engine
+    runs it (`jax.stages.Traced`: `.jaxpr` its jaxpr), to inspect."""
     prompts, sampling = normalize_request(prompts, sampling)
     args, kw = self._generate_args(prompts, sampling)
     with self._programs.traced():
-      return self._programs.generate.lower(*args, **kw)
+      return self._programs.generate.trace(*args, **kw)
+
+  def lower_generate(self, prompts: Sequence[Sequence[int]],
+                     sampling: SamplingParams | Sequence[SamplingParams]) -> Any:
+    """`trace_generate`'s program lowered (`jax.stages.Lowered`: `.compile().as_text()` is its
+    HLO)."""
+    with self._programs.traced():
+      return self.trace_generate(prompts, sampling).lower()
 
   def _generate_args(self, prompts: list[list[int]], sampling: list[SamplingParams]
                      ) -> tuple[tuple[Any, ...], dict[str, Any]]:
