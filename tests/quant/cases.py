@@ -594,37 +594,37 @@ def input_as_f32(x: np.ndarray, dtype: str) -> np.ndarray:
   return to_bf16(x).astype(F32) if dtype == "bfloat16" else np.asarray(x, F32)
 
 
-def count_eqns(jaxpr, primitive: str | None = None) -> int:
-  """Equations of a jaxpr (only those of `primitive`, if given), every jaxpr nested in it
-  (scan, jit, custom-rule bodies) counted at each of its calls."""
-  n = 0
+def walk_eqns(jaxpr, inside: bool = False):
+  """(eqn, inside) of every equation of a jaxpr and of the jaxprs nested in it (scan, jit,
+  shard_map and custom-rule bodies, each at each of its calls); inside: whether the equation
+  lies in a shard_map body."""
   for eqn in jaxpr.eqns:
-    n += primitive is None or eqn.primitive.name == primitive
+    yield eqn, inside
+    nested = inside or eqn.primitive.name == "shard_map"
     for v in eqn.params.values():
       for sub in v if isinstance(v, (tuple, list)) else (v,):
         if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          n += count_eqns(sub.jaxpr, primitive)
+          yield from walk_eqns(sub.jaxpr, nested)
         elif isinstance(sub, jax.extend.core.Jaxpr):
-          n += count_eqns(sub, primitive)
-  return n
+          yield from walk_eqns(sub, nested)
 
 
-def pallas_calls(jaxpr, inside: bool = False) -> list[tuple[str, bool]]:
+def count_eqns(jaxpr, primitive: str | None = None) -> int:
+  """Equations of a jaxpr (only those of `primitive`, if given), every jaxpr nested in it
+  (scan, jit, custom-rule bodies) counted at each of its calls."""
+  return sum(primitive is None or eqn.primitive.name == primitive
+             for eqn, _ in walk_eqns(jaxpr))
+
+
+def pallas_calls(jaxpr) -> list[tuple[str, bool]]:
   """(kernel name, whether it is inside a shard_map body) of every pallas_call of a jaxpr and
   of the jaxprs nested in it: on a mesh a Pallas kernel outside one runs on the whole batch on
   every device (`trace_jax.model.batch_local`)."""
   out = []
-  for eqn in jaxpr.eqns:
+  for eqn, inside in walk_eqns(jaxpr):
     if eqn.primitive.name == "pallas_call":
       name = eqn.params.get("name")  # jax 0.10; later versions: name_and_src_info.name
       if name is None:
         name = getattr(eqn.params.get("name_and_src_info"), "name", None)
       out.append((str(name), inside))
-    nested = inside or eqn.primitive.name == "shard_map"
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, (tuple, list)) else (v,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          out += pallas_calls(sub.jaxpr, nested)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          out += pallas_calls(sub, nested)
   return out
