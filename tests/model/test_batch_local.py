@@ -77,3 +77,20 @@ def test_inside_a_shard_map_body_it_is_the_call():
   assert count_eqns(jaxpr, "shard_map") == 0
   with expert_parallel.use_mesh(mesh, sharding.ENGINE_RULES):
     assert batch_local.batch_axes(8) == ("data", "expert")
+
+
+@needs_8
+def test_summed_over_batch_shards_adds_each_devices_partial():
+  """A kernel that contracts over the batch (a weight gradient): each device its own rows'
+  partial, the partials summed; integers, so any order of the sum is exact."""
+  x = jnp.asarray(np.random.default_rng(2).integers(-9, 9, (8, 3)), jnp.int32)
+  gram = lambda r: r.T @ r
+  mesh = sharding.make_mesh(dict(data=2, expert=4), jax.devices()[:8])
+  seen = []
+  fn = lambda r: seen.append(r.shape) or gram(r)
+  with expert_parallel.use_mesh(mesh, sharding.ENGINE_RULES):
+    got = jax.jit(lambda a: batch_local.summed_over_batch_shards(fn, (a,), (0,), 8))(x)
+  assert seen == [(1, 3)]
+  np.testing.assert_array_equal(got, gram(x))
+  assert got.sharding.is_fully_replicated
+  assert batch_local.summed_over_batch_shards(gram, (x,), (0,), 8).shape == (3, 3)  # off a mesh

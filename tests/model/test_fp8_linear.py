@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import pallas_calls
 
 from trace_jax import model as M
 from trace_jax.kernels import fp8_gemm
-from trace_jax.model import fp8_linear, grouped
+from trace_jax.model import expert_parallel, fp8_linear, grouped, sharding
 from trace_jax.quant import formats, qat
 
 T, D, N, E = 200, 256, 384, 4  # T: not a multiple of 128 (the WGrad's 128x1 groups pad it)
@@ -109,6 +110,35 @@ def test_fp8_grouped_backward_kernel_matches_reference():
   assert dw1.shape == w.shape and dw1.dtype == jnp.float32
   assert _rel(dx1, dx0) < 1e-6, _rel(dx1, dx0)
   assert _rel(dw1, dw0) < 1e-6, _rel(dw1, dw0)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices: run with "
+                    "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+def test_dense_kernel_on_a_mesh_runs_on_each_devices_rows():
+  """On a mesh (data 2 x expert 2, the rows split 4 ways: 128 each) the dense FP8 kernels run
+  per device (forward, DGrad on its rows; WGrad on its own 128-row groups, float32 partials
+  summed over the devices): every kernel inside a shard_map, y and dx the one-device kernel's
+  bit for bit (each row's sum is the same), dw up to float32 summation order."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((512, D)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((N, D)) * 0.05, jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((512, N)), jnp.float32)
+
+  def fwd_bwd(a, b, d):  # a new function per use: jit's trace cache does not see the mesh
+    y, vjp = jax.vjp(lambda u, v: fp8_linear.linear(u, v, "kernel", "fp8"), a, b)
+    return (y, *vjp(d))
+
+  want = jax.jit(fwd_bwd)(x, w, dy)
+  mesh = sharding.make_mesh(dict(data=2, expert=2), jax.devices()[:4])
+  rows = lambda a: jax.device_put(a, sharding.activation_sharding(mesh, a.shape))
+  on_mesh = lambda *a: fwd_bwd(*a)
+  with expert_parallel.use_mesh(mesh):
+    calls = pallas_calls(jax.make_jaxpr(on_mesh)(x, w, dy).jaxpr)
+    got = jax.jit(on_mesh)(rows(x), w, rows(dy))
+  assert len(calls) == 3 and all(inside for _, inside in calls), calls
+  for name, g, r in zip(("y", "dx"), got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=name)
+  assert _rel(got[2], want[2]) < 1e-6, _rel(got[2], want[2])
 
 
 def test_fp8_backward_detects_a_wrong_gradient():

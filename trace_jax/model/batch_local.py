@@ -44,6 +44,20 @@ def on_batch_shards(fn: Callable[..., Any], args: Sequence[Any],
   argument replicated: weights, a layer index); arguments are arrays or pytrees of them
   (static ones go in fn's closure). fn's outputs are indexed by the batch on their first
   axis."""
+  return _shard_map(fn, args, batch_dims, size, summed=False)
+
+
+def summed_over_batch_shards(fn: Callable[..., Any], args: Sequence[Any],
+                             batch_dims: Sequence[int | None], size: int) -> Any:
+  """The sum over the entered mesh's batch shards of fn(*local args): for a kernel that
+  contracts over the batch (a weight gradient), each device its own rows' partial, summed over
+  the batch axes (`psum`; return float32 partials for a float32 sum). size: the extent along
+  batch_dims that must split evenly (e.g. a count of row groups). Off a mesh: fn(*args)."""
+  return _shard_map(fn, args, batch_dims, size, summed=True)
+
+
+def _shard_map(fn: Callable[..., Any], args: Sequence[Any], batch_dims: Sequence[int | None],
+               size: int, summed: bool) -> Any:
   axes = batch_axes(size)
   if axes is None:
     return fn(*args)
@@ -53,7 +67,9 @@ def on_batch_shards(fn: Callable[..., Any], args: Sequence[Any],
 
   def body(*local: Any) -> Any:
     with expert_parallel.manual_body():
-      return fn(*local)
+      out = fn(*local)
+    return jax.tree.map(lambda a: jax.lax.psum(a, axes), out) if summed else out
 
-  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axes),
+  return jax.shard_map(body, mesh=mesh, in_specs=in_specs,
+                       out_specs=PartitionSpec() if summed else PartitionSpec(axes),
                        check_vma=False)(*args)

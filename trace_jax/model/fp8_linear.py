@@ -70,10 +70,17 @@ def _pad_rows(a: jax.Array) -> jax.Array:
 
 
 def _wgrad_fp8(dy: jax.Array, xq: jax.Array, impl: str) -> jax.Array:
-  """dy [M, N]^T @ xq [M, K] on FP8 operands quantized in 128x1 groups along M -> [N, K]."""
+  """dy [M, N]^T @ xq [M, K] on FP8 operands quantized in 128x1 groups along M -> [N, K].
+
+  On a mesh whose batch axes split the 128-row groups evenly the kernel runs per device on its
+  own groups (float32 partials, summed over the devices: `batch_local`); otherwise whole."""
   dyt = formats.fp8_quantize_act(_pad_rows(dy).T)
   xt = formats.fp8_quantize_act(_pad_rows(xq).T)
-  return _gemm(dyt, xt, impl, dy.dtype)
+  groups = dyt.values.shape[1] // _G
+  if impl != "kernel" or batch_local.batch_axes(groups) is None:
+    return _gemm(dyt, xt, impl, dy.dtype)
+  return batch_local.summed_over_batch_shards(
+      lambda a, b: _gemm(a, b, impl, jnp.float32), (dyt, xt), (1, 1), groups).astype(dy.dtype)
 
 
 def _forward(x: jax.Array, qw: formats.FP8Tensor, impl: str, group_sizes: jax.Array | None,
@@ -95,12 +102,21 @@ def apply(x: jax.Array, qw: formats.FP8Tensor, impl: str = "xla",
   kernel runs on each device's own rows (`batch_local`; the grouped one runs in the
   expert-parallel block)."""
   _check(impl, "bf16")
-  fwd = lambda x, qw, layer: _forward(x, qw, impl, group_sizes, moe_impl, layer)[0]
-  if impl != "kernel" or group_sizes is not None:
-    return fwd(x, qw, layer)
+  if group_sizes is None:
+    return _dense_forward(x, qw, impl, layer)[0]
+  return _forward(x, qw, impl, group_sizes, moe_impl, layer)[0]
+
+
+def _dense_forward(x: jax.Array, qw: formats.FP8Tensor, impl: str,
+                   layer: jax.Array | None = None) -> tuple[jax.Array, formats.FP8Tensor]:
+  """`_forward` of a dense layer; on a mesh the kernel runs on each device's own rows
+  (`batch_local`: XLA cannot split a kernel call)."""
+  if impl != "kernel":
+    return _forward(x, qw, impl, None, "tiled", layer)
   rows = x.reshape(-1, x.shape[-1])
-  y = batch_local.on_batch_shards(fwd, (rows, qw, layer), (0, None, None), rows.shape[0])
-  return y.reshape(x.shape[:-1] + (y.shape[-1],))
+  y, qx = batch_local.on_batch_shards(lambda r, w, i: _forward(r, w, impl, None, "tiled", i),
+                                      (rows, qw, layer), (0, None, None), rows.shape[0])
+  return y.reshape(x.shape[:-1] + (y.shape[-1],)), qx
 
 
 def _wgrad_fp8_grouped(dy: jax.Array, xq: jax.Array, gs: jax.Array, impl: str) -> jax.Array:
@@ -135,7 +151,7 @@ def linear(x: jax.Array, w: jax.Array, impl: str = "xla", backward: str = "bf16"
 def _linear_fwd(x, w, impl, backward):
   _check(impl, backward)
   qw = formats.fp8_quantize_weight(w)
-  y, qx = _forward(x, qw, impl, None, "tiled")
+  y, qx = _dense_forward(x, qw, impl)
   # Dtypes ride along as empty arrays (residuals must be arrays).
   return y, (qx, qw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
@@ -151,7 +167,10 @@ def _linear_bwd(impl, backward, res, dy):
     _, vjp = jax.vjp(lambda a, b: jnp.einsum("mk,nk->mn", a, b), xq, wq)
     dx, dw = vjp(dy)
   else:
-    dx = _gemm(formats.fp8_quantize_act(dy), fp8_gemm.transpose_weight(qw), impl, dtype)
+    dgrad = lambda d, wt: _gemm(formats.fp8_quantize_act(d), wt, impl, dtype)
+    wt = fp8_gemm.transpose_weight(qw)
+    dx = (batch_local.on_batch_shards(dgrad, (dy, wt), (0, None), dy.shape[0])
+          if impl == "kernel" else dgrad(dy, wt))
     dw = _wgrad_fp8(dy, xq, impl)
   return dx.reshape(shape), dw.astype(wdtype)
 
