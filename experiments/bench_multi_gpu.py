@@ -17,7 +17,9 @@ placed by `sharding.shard_params`. Every timing is the median of `--reps` calls 
 compiling call. Side-by-side checks against the first count: each n's first loss and grad
 norm (relative difference), its greedy tokens' agreement, and, where the engine records
 (guided policies), the share of its records' elements (guidance and routing, per layer) equal
-bit for bit over the tokens both runs generated alike.
+bit for bit over the tokens both runs generated alike. Each part also records its devices'
+allocator counters (GB in use and the process's peak, the largest over the case's devices;
+none on CPU).
 
 Top-level plain numbers: `n_gpu_over_one` {n: train tokens/s over n = 1's},
 `n_gpu_decode_over_one`, and for n = 2 `two_gpu_over_one` and `two_gpu_decode_over_one`
@@ -151,7 +153,7 @@ def time_train(config: Any, params: Any, mesh: Any, batch: Any, tokens: int
   med = float(np.median(times))
   return dict(step=FLAGS.train_step, first_loss=first["loss"],
               first_grad_norm=first["grad_norm"], first_call_s=first_s, median_s=med,
-              tokens=tokens, tokens_per_s=tokens / med)
+              tokens=tokens, tokens_per_s=tokens / med, memory=_memory(mesh))
 
 
 def time_decode(config: Any, params: Any, mesh: Any
@@ -179,8 +181,14 @@ def time_decode(config: Any, params: Any, mesh: Any
   if tokens != b * new:  # greedy without stop ids: every row runs to the end
     raise RuntimeError(f"generated {tokens} tokens, expected {b} x {new}")
   med = float(np.median(times))
-  return (dict(first_call_s=first_s, median_s=med, tokens_per_s=tokens / med), samples,
-          records)
+  return (dict(first_call_s=first_s, median_s=med, tokens_per_s=tokens / med,
+               memory=_memory(mesh)), samples, records)
+
+
+def _memory(mesh: Any) -> dict[str, float] | None:
+  """The allocator's counters of the case's devices (`common.device_memory`; None on CPU)."""
+  import jax
+  return common.device_memory(jax.devices()[:1] if mesh is None else mesh.devices.flat)
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -268,7 +276,7 @@ def run_bench() -> dict[str, Any]:
             [s.num_rows for s in first["samples"]])
       print(f"  {n} device(s) decode: {d['tokens_per_s']:>12,.0f} tok/s  first call "
             f"{d['first_call_s']:6.1f} s  greedy tokens equal to {counts[0]} device(s)': "
-            f"{100 * agree:.1f}%", flush=True)
+            f"{100 * agree:.1f}%{_memory_text(d)}", flush=True)
       if "records_equal_with_first" in d:
         print("    records equal bit for bit to the first count's, by layer: " + ", ".join(
             f"{k} {100 * v:.2f}%" for k, v in d["records_equal_with_first"].items()),
@@ -284,7 +292,8 @@ def run_bench() -> dict[str, Any]:
       t = case["train"]
       print(f"  {n} device(s) train ({t['step']}): {t['tokens_per_s']:>12,.0f} tok/s  "
             f"{t['median_s'] * 1e3:8.1f} ms/step  first call {t['first_call_s']:6.1f} s  "
-            f"loss {t['first_loss']:.6f}  grad norm {t['first_grad_norm']:.6f}", flush=True)
+            f"loss {t['first_loss']:.6f}  grad norm {t['first_grad_norm']:.6f}"
+            f"{_memory_text(t)}", flush=True)
     cases[str(n)] = case
   res["cases"] = cases
   res.update(summary(cases, counts))
@@ -292,6 +301,12 @@ def run_bench() -> dict[str, Any]:
     if k.endswith("_over_one") and not isinstance(v, dict):
       print(f"  {k}: {v:.3f}")
   return res
+
+
+def _memory_text(part: dict[str, Any]) -> str:
+  m = part.get("memory")
+  return "" if m is None else (f"  memory per device (max) {m['bytes_in_use_gb_max']:.1f} GB, "
+                               f"peak {m['peak_bytes_in_use_gb_max']:.1f} GB")
 
 
 def summary(cases: dict[str, Any], counts: Sequence[int]) -> dict[str, Any]:

@@ -63,6 +63,17 @@ def device_description() -> dict[str, Any]:
   }
 
 
+def device_memory(devices: Sequence[Any]) -> dict[str, float] | None:
+  """The largest `bytes_in_use` and `peak_bytes_in_use` (GB) over `devices` (their allocator's
+  counters: the peak is since the process started), or None where the backend keeps none (CPU).
+  """
+  stats = [d.memory_stats() for d in devices]
+  if not stats or any(s is None for s in stats):
+    return None
+  return {f"{k}_gb_max": max(s.get(k, 0) for s in stats) / 1e9
+          for k in ("bytes_in_use", "peak_bytes_in_use")}
+
+
 def median_seconds(fn: Callable[[], Any], sync: Callable[[Any], Any], warmup: int,
                    reps: int) -> tuple[float, float]:
   """Median and minimum wall time of fn() over reps calls after warmup calls.

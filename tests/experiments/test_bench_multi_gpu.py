@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from experiments import bench_multi_gpu as bm
+from experiments import common
 
 
 def test_summary_ratios():
@@ -20,6 +21,23 @@ def test_summary_ratios():
   assert s["two_gpu_decode_over_one"] == pytest.approx(0.8)  # a slower mesh reads below 1
   assert s["first_loss_rel_diff"]["2"] == pytest.approx(1e-3)
   assert s["first_grad_norm_rel_diff"]["2"] == pytest.approx(0.25)
+
+
+class _Device:
+  def __init__(self, stats):
+    self.stats = stats
+
+  def memory_stats(self):
+    return self.stats
+
+
+def test_device_memory_is_the_largest_over_the_devices():
+  devs = [_Device({"bytes_in_use": 3e9, "peak_bytes_in_use": 5e9}),
+          _Device({"bytes_in_use": 4e9, "peak_bytes_in_use": 4.5e9})]
+  assert common.device_memory(devs) == {"bytes_in_use_gb_max": 4.0,
+                                        "peak_bytes_in_use_gb_max": 5.0}
+  assert common.device_memory(devs + [_Device(None)]) is None  # a backend without counters
+  assert common.device_memory(jax.devices()[:1]) is None  # CPU
 
 
 def _records(rows: int, seed: int) -> dict:
@@ -77,6 +95,7 @@ def test_cpu_run(tmp_path):
   assert res["first_grad_norm_rel_diff"]["2"] < 1e-2
   assert res["cases"]["2"]["decode"]["token_agreement_with_first"] >= 0.75
   assert "records_equal_with_first" not in res["cases"]["2"]["decode"]  # bf16 records nothing
+  assert res["cases"]["2"]["train"]["memory"] is None  # CPU keeps no allocator counters
   assert (tmp_path / "mg.json").exists()
   with pytest.raises(ValueError, match="divide"):
     bm.main(["prog", "--preset=cpu", "--devices=3", "--layers=1"])
