@@ -50,3 +50,25 @@ def test_sft_and_rl_on_a_mesh_compile_each_step_once(tmp_path, monkeypatch):
   assert meshes and meshes[0] is not None and meshes[0].shape["expert"] == 2, meshes
   assert step_lib.grpo_step._cache_size() - grpo_before == 1
   assert len(out["history"]) == 2 and all(np.isfinite(r["loss"]) for r in out["history"])
+
+
+@needs_8
+def test_reference_logprobs_run_expert_parallel_on_the_params_mesh(monkeypatch):
+  """The KL term's reference log-probs on params sharded over a mesh run the MoE blocks
+  expert-parallel (a jit of their own per mesh: one traced off the mesh would leave the
+  experts to XLA's partitioner), within float32 summation order of one device's."""
+  from trace_jax import model as M
+  from trace_jax.model import sharding
+  config = M.tiny(num_hidden_layers=1, vocab_size=128)
+  params = M.init_params(config, 0)
+  toks = np.random.default_rng(0).integers(0, 128, (8, 9)).astype(np.int32)
+  want = step_lib.reference_logprobs(params, config, toks[:, :-1], toks[:, 1:])
+  traced = []
+  ep_moe = expert_parallel.moe
+  monkeypatch.setattr(expert_parallel, "moe", lambda *a, **k: traced.append(1) or ep_moe(*a, **k))
+  mesh = sharding.make_mesh(dict(data=2, expert=4), jax.devices()[:8])
+  got = step_lib.reference_logprobs(sharding.shard_params(params, mesh), config, toks[:, :-1],
+                                    toks[:, 1:])
+  assert traced, "the reference forward did not run its MoE blocks expert-parallel"
+  assert got.shape == want.shape == (8, 8)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)

@@ -7,11 +7,9 @@ step's old-policy pass and by the mismatch measurement.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -24,12 +22,14 @@ from trace_jax.train import step as step_lib
 _MIN_SEQ_BUCKET = 16
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tap_layers", "tap_mode", "replay"))
-def _score(params, config: ModelConfig, inputs, targets, guidance, routing, *,
-           tap_layers: tuple[int, ...], tap_mode: str | None, replay: bool):
+def _score_fn(params, inputs, targets, guidance, routing, *, config: ModelConfig,
+              tap_layers: tuple[int, ...], tap_mode: str | None, replay: bool):
   logp, out = step_lib.token_logprobs(params, config, inputs, targets, guidance, routing,
                                       tap_layers, tap_mode, replay)
   return logp, out.taps
+
+
+_score = step_lib.OnParamsMesh(_score_fn)  # on sharded params: expert-parallel on their mesh
 
 
 def score(params: Any, config: ModelConfig, sequences: Sequence[Sequence[int]], *,
@@ -52,7 +52,7 @@ def score(params: Any, config: ModelConfig, sequences: Sequence[Sequence[int]], 
   g = guidance_layout.pad_tree(guidance, counts, s) if guidance else {}
   r = ({int(k): guidance_layout.pad_routing(v, counts, s) for k, v in routing.items()}
        if routing else {})
-  logp, taps = _score(params, config, jnp.asarray(inputs), jnp.asarray(targets), g, r,
+  logp, taps = _score(params, jnp.asarray(inputs), jnp.asarray(targets), g, r, config=config,
                       tap_layers=tuple(tap_layers), tap_mode=tap_mode, replay=replay)
   logp = np.asarray(logp)
   ragged_taps = {

@@ -105,14 +105,38 @@ class ShardedStep:
       self._jits[key] = jax.jit(
           functools.partial(self._fn, **static), in_shardings=(shardings, None),
           out_shardings=(shardings,) + (None,) * (self._n - 1), donate_argnums=0)
-    # On a mesh with an `expert` axis the MoE blocks run expert-parallel (traced here).
-    mesh = next((s.mesh for s in jax.tree.leaves(shardings)
-                 if isinstance(s, jax.sharding.NamedSharding)), None)
-    with expert_parallel.use_mesh(mesh):
+    # On a mesh the MoE blocks run expert-parallel, the kernels per shard (traced here).
+    with expert_parallel.use_mesh(_mesh_of(shardings)):
       return self._jits[key](state, batch)
 
   def _cache_size(self) -> int:
     return sum(j._cache_size() for j in self._jits.values())
+
+
+def _mesh_of(shardings: Any) -> jax.sharding.Mesh | None:
+  """The mesh of the first NamedSharding in a tree of shardings (None: not on a mesh)."""
+  return next((s.mesh for s in jax.tree.leaves(shardings)
+               if isinstance(s, jax.sharding.NamedSharding)), None)
+
+
+class OnParamsMesh:
+  """`fn(params, *args, **static)` under `jax.jit`, traced inside `expert_parallel.use_mesh`
+  for the mesh the params lie on (none off a mesh): one jit per (mesh, static arguments), as
+  jit's trace cache does not see `use_mesh`. Off the mesh's context a forward would leave its
+  MoE blocks and kernels to XLA's partitioner (expert weights gathered, kernels replicated)."""
+
+  def __init__(self, fn: Any):
+    self._fn = fn
+    self._jits: dict[Any, Any] = {}
+    functools.update_wrapper(self, fn)
+
+  def __call__(self, params: Any, *args: Any, **static: Any) -> Any:
+    mesh = _mesh_of(jax.tree.map(lambda a: getattr(a, "sharding", None), params))
+    key = (mesh, tuple(sorted(static.items())))
+    if key not in self._jits:
+      self._jits[key] = jax.jit(functools.partial(self._fn, **static))
+    with expert_parallel.use_mesh(mesh):
+      return self._jits[key](params, *args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,11 +209,15 @@ def _grpo_step(state: TrainState, batch: RLBatch, *, config: ModelConfig,
 grpo_step = ShardedStep(_grpo_step, 3)
 
 
-@functools.partial(jax.jit, static_argnames="config")
 def reference_logprobs(params: Any, config: ModelConfig, inputs: jax.Array,
                        targets: jax.Array) -> jax.Array:
-  """log pi_ref(targets | inputs) [B, S] of the reference policy's params (the KL term's)."""
-  return token_logprobs(params, config, inputs, targets)[0]
+  """log pi_ref(targets | inputs) [B, S] of the reference policy's params (the KL term's); on
+  the params' mesh, expert-parallel (`OnParamsMesh`)."""
+  return _reference_logprobs(params, inputs, targets, config=config)
+
+
+_reference_logprobs = OnParamsMesh(
+    lambda params, inputs, targets, config: token_logprobs(params, config, inputs, targets)[0])
 
 
 def _sft_loss(params, config: ModelConfig, batch: dict[str, Any]):
