@@ -7,7 +7,8 @@ batch-sharded KV cache at every step and every device would attend for every seq
 Pallas interpreter (CPU) hides this: its kernels are plain HLO, which XLA partitions.
 
 `on_batch_shards` runs a kernel whose work is independent per batch row (decode attention per
-sequence, the decode projections, lm_head and NVFP4 sites per token row) under `jax.shard_map`
+sequence; the decode projections, lm_head, NVFP4 sites and dense FP8 GEMMs per token row;
+`summed_over_batch_shards` one that contracts over the rows, the FP8 WGrad) under `jax.shard_map`
 over the mesh entered with `expert_parallel.use_mesh`: its batch-indexed operands split as the
 entered rules split the batch (the `batch` logical axis), every other operand replicated (the
 engine's dense weights are: `sharding.ENGINE_RULES`), each output split along its first axis.
