@@ -117,10 +117,11 @@ def test_generate_matches_one_device(shape, monkeypatch):
 @needs_8
 def test_session_matches_one_device_and_compiles_each_turn_shape_once():
   """A three-turn session on dp2 x ep4 (bf16 policy in float32): the one-device engine's
-  greedy tokens and routing records. The session's cache and records stay replicated between
-  turns (XLA would hand the first turn's back batch-sharded, and the next turn would compile
-  again): the turns' two chunk shapes (a prompt-length chunk, then the pending token alone)
-  compile two programs, as on one device."""
+  greedy tokens and routing records. Between turns the session's cache and records lie split
+  along the batch as `open_session` placed them (the 2 sequences over `data`: each device
+  holds its own sequence's cache), so each turn's inputs have the last turn's shardings: the
+  turns' two chunk shapes (a prompt-length chunk, then the pending token alone) compile two
+  programs, as on one device."""
   config = M.tiny(vocab_size=128)
   params = _params(config)
   sp = [SamplingParams(max_new_tokens=6, temperature=0.0)] * 2
@@ -134,7 +135,10 @@ def test_session_matches_one_device_and_compiles_each_turn_shape_once():
     eng.close_session(s, [[1], [2]])
     results.append(([x.tokens for x in out], eng.last_guidance["routing"]))
   assert eng._programs.extend._cache_size() == 2 and eng._programs.feed._cache_size() == 1
-  assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves((s.cache, s.taps)))
+  for tree, dim in ((s.cache, 1), (s.taps, 0)):  # runs' stacks [L, B, ...]; records [B, ...]
+    for a in jax.tree.leaves(tree):
+      assert a.sharding.spec == PartitionSpec(*([None] * dim), "data"), a.sharding
+      assert a.addressable_shards[0].data.shape[dim] == 1, a.shape
   (want, ra), (got, rb) = results
   assert got == want
   for layer in ra:

@@ -293,10 +293,9 @@ class InProcessEngine:
                                  tap_mode=tap_mode, tap_routing=self.record_routing,
                                  experts=self.experts, layers=self.layers)
               if tap_layers or self.record_routing else {})
-    cache = model_lib.init_cache(self.config, b, total)
-    return Session(n=n, batch=b, total=total, cache=self._programs.replicate(cache),
-                   taps=self._programs.replicate(taps), lens=np.zeros(b, np.int32),
-                   pending=[None] * b)
+    cache, taps = self._programs.place_session(model_lib.init_cache(self.config, b, total), taps)
+    return Session(n=n, batch=b, total=total, cache=cache, taps=taps,
+                   lens=np.zeros(b, np.int32), pending=[None] * b)
 
   def extend(self, session: Session, rows: Sequence[int], chunks: Sequence[Sequence[int]],
              sampling: Sequence[SamplingParams]) -> list[Sample]:
@@ -500,7 +499,8 @@ class _Programs:
   Without a mesh: `decode`'s programs (shared by every such engine) and the weights where the
   jits put them. On a mesh: programs of this engine's own, traced inside
   `expert_parallel.use_mesh` (`traced`), and the weights placed by `sharding.ENGINE_RULES` as
-  the programs' MoE blocks read them; a session's KV cache and records are held replicated.
+  the programs' MoE blocks read them; a session's KV cache and records are split along the
+  batch between turns (`session_shardings`).
   Own programs because jit's trace cache does not see `use_mesh`: it is keyed by the function
   (not the jit object) and the arguments' types, and reuses a trace made without it or for
   another mesh on the same devices; a jit of a new function object (a `functools.partial`, a
@@ -530,17 +530,34 @@ class _Programs:
 
   def _pinned(self, program: Any) -> Any:
     """A session program's function (a new one: its own trace cache) with the cache and records
-    it carries (its last two outputs) replicated, as `open_session` places them: each turn's
-    inputs then have the previous turn's shardings and the program compiles once."""
+    it carries (its last two outputs) laid out as `open_session` places them
+    (`session_shardings`): each turn's inputs then have the previous turn's shardings and the
+    program compiles once."""
     fn = program.__wrapped__
-    replicated = NamedSharding(self.mesh, PartitionSpec())
 
     @functools.wraps(fn)
     def pinned(*args: Any, **kw: Any) -> Any:
       *out, cache, taps = fn(*args, **kw)
-      return (*out, *jax.lax.with_sharding_constraint((cache, taps), replicated))
+      return (*out, *jax.lax.with_sharding_constraint(
+          (cache, taps), self.session_shardings(cache, taps)))
 
     return pinned
+
+  def session_shardings(self, cache: Any, taps: Any) -> Any:
+    """A session's (cache, taps) shardings on the mesh: each split along the batch as the rules
+    split the batch (the cache's stacked runs [L, B, ...], the records [B, ...]), so a device
+    holds its own sequences' cache between turns; replicated where the batch does not split."""
+    b = jax.tree.leaves(cache)[0].shape[1]
+    axes = sharding.logical_to_spec(("batch",), (b,), self.mesh, sharding.ENGINE_RULES)[0]
+    along = lambda dim: NamedSharding(self.mesh, PartitionSpec(*([None] * dim), axes))
+    return jax.tree.map(lambda _: along(1), cache), jax.tree.map(lambda _: along(0), taps)
+
+  def place_session(self, cache: Any, taps: Any) -> tuple[Any, Any]:
+    """A new session's cache and records placed by `session_shardings` (as they are without a
+    mesh)."""
+    if self.mesh is None:
+      return cache, taps
+    return jax.device_put((cache, taps), self.session_shardings(cache, taps))
 
   def traced(self) -> contextlib.AbstractContextManager[None]:
     """The context the programs are called (and traced) in."""
