@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 from test_rl_loop import tiny_cfg  # tests/train is on sys.path (pytest's prepend mode)
 
 from trace_jax.model import expert_parallel
@@ -72,3 +72,18 @@ def test_reference_logprobs_run_expert_parallel_on_the_params_mesh(monkeypatch):
   assert traced, "the reference forward did not run its MoE blocks expert-parallel"
   assert got.shape == want.shape == (8, 8)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+
+
+@needs_8
+def test_step_takes_the_batch_split_along_the_batch_axes():
+  """On a mesh a step's batch goes in split over data x fsdp x expert (data parallel), not
+  replicated: an elementwise output keeps its input's layout (8 rows: one per device)."""
+  from trace_jax.model import sharding
+  mesh = sharding.make_mesh(dict(data=2, fsdp=2, expert=2), jax.devices()[:8])
+  counter = jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, PartitionSpec()))
+  state = step_lib.TrainState(step=counter, params={}, opt_state=())
+  probe = step_lib.ShardedStep(lambda st, b: (st, b["x"] + 1), 2)
+  _, y = probe(state, {"x": np.arange(8 * 3, dtype=np.float32).reshape(8, 3)})
+  assert y.sharding.spec == PartitionSpec(("data", "fsdp", "expert"))
+  assert y.addressable_shards[0].data.shape == (1, 3)
+  np.testing.assert_array_equal(np.asarray(y), np.arange(24, dtype=np.float32).reshape(8, 3) + 1)

@@ -17,11 +17,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
 from trace_jax import model as model_lib
-from trace_jax.model import expert_parallel
+from trace_jax.model import expert_parallel, sharding
 from trace_jax.model.config import ModelConfig
 from trace_jax.rl import losses
 from trace_jax.train.batch import RLBatch
@@ -87,9 +88,10 @@ class ShardedStep:
   Without declared output shardings XLA's propagation gives some outputs (norm scales,
   counters) other shardings than their inputs on a mesh, and the next call would compile
   again. One jit per (state sharding layout, static arguments), the static arguments bound
-  (jit takes no keyword arguments with declared shardings); the batch and the other outputs
-  are left to JAX (replicated in, XLA's choice out). `_cache_size()` counts the compiled
-  programs of all.
+  (jit takes no keyword arguments with declared shardings). On a mesh the batch goes in split
+  along its first axis as the rules split the batch (`sharding.activation_sharding`: data
+  parallel over data x fsdp x expert, as the MoE blocks take their tokens), not replicated;
+  the other outputs are XLA's choice. `_cache_size()` counts the compiled programs of all.
   """
 
   def __init__(self, fn: Any, num_outputs: int):
@@ -106,7 +108,11 @@ class ShardedStep:
           functools.partial(self._fn, **static), in_shardings=(shardings, None),
           out_shardings=(shardings,) + (None,) * (self._n - 1), donate_argnums=0)
     # On a mesh the MoE blocks run expert-parallel, the kernels per shard (traced here).
-    with expert_parallel.use_mesh(_mesh_of(shardings)):
+    mesh = _mesh_of(shardings)
+    if mesh is not None:
+      batch = jax.tree.map(lambda a: jax.device_put(a, sharding.activation_sharding(
+          mesh, np.shape(a))) if np.ndim(a) else a, batch)
+    with expert_parallel.use_mesh(mesh):
       return self._jits[key](state, batch)
 
   def _cache_size(self) -> int:
