@@ -218,15 +218,17 @@ def _assert_kernels_run_per_shard(eng, prompts, sp, names: set[str]) -> None:
 
 
 @needs_8
-def test_fp8_kernel_engine_runs_every_kernel_per_shard():
-  """fp8_unified with the FP8 GEMM kernel (`fp8_gemm="kernel"`) and the decode kernels on dp2 x
-  ep4 at batch 4 (a device per sequence and expert group): the dense FP8 projections, the
-  attention kernels and lm_head run on each device's own sequences, the grouped FP8 experts in
-  the expert-parallel block."""
+@pytest.mark.parametrize("shape", [pytest.param(dict(data=2, expert=4), id="dp2_ep4"),
+                                   pytest.param(dict(data=4), id="dp4")])
+def test_fp8_kernel_engine_runs_every_kernel_per_shard(shape):
+  """fp8_unified with the FP8 GEMM kernel (`fp8_gemm="kernel"`) and the decode kernels at batch
+  4: the dense FP8 projections, the attention kernels and lm_head run on each device's own
+  sequences, the grouped FP8 experts in the MoE block (expert-parallel on dp2 x ep4,
+  data-parallel on dp4: every expert on each device)."""
   config = M.tiny(policy="fp8_unified", dtype="bfloat16", num_hidden_layers=2, vocab_size=128,
                   decode_impl="kernel", fp8_gemm="kernel", moe_intermediate_size=128,
                   head_dim=64)
-  eng = InProcessEngine(_params(config), config, max_batch=4, mesh=_mesh(dict(data=2, expert=4)))
+  eng = InProcessEngine(_params(config), config, max_batch=4, mesh=_mesh(shape))
   _assert_kernels_run_per_shard(eng, _prompts(4, 9, 128), SamplingParams(max_new_tokens=4), {
       "fp8_gemm", "fp8_grouped_gemm", "grouped_matmul_decode", "decode_attention_scores",
       "decode_attention_pv"})
