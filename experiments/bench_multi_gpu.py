@@ -191,12 +191,6 @@ def _memory(mesh: Any) -> dict[str, float] | None:
   return common.device_memory(jax.devices()[:1] if mesh is None else mesh.devices.flat)
 
 
-def _bits(a: np.ndarray) -> np.ndarray:
-  """Elements as unsigned integers of their width (NaN payloads and signed zeros compare as
-  bits)."""
-  return a.view(f"u{a.dtype.itemsize}")
-
-
 def records_agreement(records: dict[str, Any], ref: dict[str, Any], rows: list[int],
                       counts: list[int], ref_counts: list[int]) -> dict[str, float]:
   """{layer: share of elements equal bit for bit} of the guidance and routing records of two
@@ -222,7 +216,7 @@ def records_agreement(records: dict[str, Any], ref: dict[str, Any], rows: list[i
       if mine_t is None:
         raise ValueError(f"layer {layer}: the reference has records this rollout lacks")
       for x, y in zip(jax.tree.leaves(mine_t), jax.tree.leaves(ref_t)):
-        x, y = _bits(np.asarray(x)[idx]), _bits(np.asarray(y)[ref_idx])
+        x, y = common.bits(np.asarray(x)[idx]), common.bits(np.asarray(y)[ref_idx])
         equal += int(np.sum(x == y))
         total += x.size
     out[str(layer)] = equal / total if total else float("nan")

@@ -63,6 +63,14 @@ def device_description() -> dict[str, Any]:
   }
 
 
+def bits(a: np.ndarray) -> np.ndarray:
+  """The bit patterns of an array as unsigned integers of its width (exact comparison: -0 !=
+  +0, NaN payloads compared)."""
+  if a.dtype == np.bool_:
+    return a.astype(np.uint8)
+  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
 def device_memory(devices: Sequence[Any]) -> dict[str, float] | None:
   """The largest `bytes_in_use` and `peak_bytes_in_use` (GB) over `devices` (their allocator's
   counters: the peak is since the process started), or None where the backend keeps none (CPU).

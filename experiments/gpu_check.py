@@ -97,7 +97,7 @@ class Checks:
     code arrays) also reports how many mismatches are only that sign of zero (equal values,
     `formats.e2m1_values_equal`), which tells a sign-of-zero bug from a rounding bug.
     """
-    g, w = _bits(np.asarray(got)), _bits(np.asarray(want))
+    g, w = common.bits(np.asarray(got)), common.bits(np.asarray(want))
     if g.shape != w.shape:
       return bool(self.add(name, False, f"shape {g.shape} != {w.shape}"))
     bad = int(np.sum(g != w))
@@ -127,13 +127,6 @@ class Checks:
   @property
   def failed(self) -> list[str]:
     return [r["name"] for r in self.results if r["status"] == "FAIL"]
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-  """The bit patterns of an array as unsigned integers (exact comparison, -0 != 0)."""
-  if a.dtype == np.bool_:
-    return a.astype(np.uint8)
-  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
 
 
 # ----------------------------------------------------------------------------- 1. info

@@ -33,8 +33,7 @@ def batch_axes(size: int) -> Any:
   entered = expert_parallel.entered()
   if entered is None or expert_parallel.in_manual_body():
     return None
-  mesh, rules = entered
-  return sharding.logical_to_spec(("batch",), (size,), mesh, rules)[0]
+  return sharding.batch_axes(size, *entered)
 
 
 def on_batch_shards(fn: Callable[..., Any], args: Sequence[Any],

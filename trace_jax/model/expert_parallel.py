@@ -126,7 +126,7 @@ def active_mesh(num_experts: int, tokens: int | None = None) -> Mesh | None:
     return None
   mesh, rules = entered
   if mesh.shape[AXIS] == 1:
-    if tokens is None or sharding.logical_to_spec(("batch",), (tokens,), mesh, rules)[0] is None:
+    if tokens is None or sharding.batch_axes(tokens, mesh, rules) is None:
       return None
     return mesh
   if num_experts % mesh.shape[AXIS]:

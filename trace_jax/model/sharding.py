@@ -134,6 +134,13 @@ def param_shardings(params: Any, mesh: Mesh,
   return jax.tree_util.tree_map_with_path(one, params)
 
 
+def batch_axes(size: int, mesh: Mesh,
+               rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES) -> Any:
+  """The mesh axes a batch of `size` rows splits over by the `batch` rule (a PartitionSpec
+  entry: None, one axis name or a tuple of them)."""
+  return logical_to_spec(("batch",), (size,), mesh, rules)[0]
+
+
 def activation_sharding(mesh: Mesh, shape: Sequence[int],
                         rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES) -> NamedSharding:
   """Sharding of a [B, ...] activation or token array: batch over the `batch` rule's axes

@@ -548,7 +548,7 @@ class _Programs:
     split the batch (the cache's stacked runs [L, B, ...], the records [B, ...]), so a device
     holds its own sequences' cache between turns; replicated where the batch does not split."""
     b = jax.tree.leaves(cache)[0].shape[1]
-    axes = sharding.logical_to_spec(("batch",), (b,), self.mesh, sharding.ENGINE_RULES)[0]
+    axes = sharding.batch_axes(b, self.mesh, sharding.ENGINE_RULES)
     along = lambda dim: NamedSharding(self.mesh, PartitionSpec(*([None] * dim), axes))
     return jax.tree.map(lambda _: along(1), cache), jax.tree.map(lambda _: along(0), taps)
 
