@@ -24,7 +24,8 @@ decode over XLA's, and an impl with options over the plain one (`--impls=kernel,
 the layer scans two layers per iteration, `ModelConfig.scan_unroll`; `+unrolled`: every layer
 compiled apart; `+sync4`: the decode loop's condition checked once per 4 steps,
 `ModelConfig.decode_steps_per_sync`; `+moetriton` / `+moewgmma`: the packed experts' kernel,
-`ModelConfig.decode_moe_kernel`), and fp4_trace over fp4_rtn per impl.
+`ModelConfig.decode_moe_kernel`; `+stream4`: the wgmma experts' codes through a shared-memory
+ring of 4 chunks, `wgmma_moe.STREAM`), and fp4_trace over fp4_rtn per impl.
 
 Fixed memory (`--budget_gb`, 0 skips it; `--budget_context`, `--budget_max_batch`,
 `--budget_policies` (CPU preset: bf16 and fp4_rtn), `--budget_impl`): per policy, how many
@@ -163,9 +164,11 @@ def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
       fields["decode_steps_per_sync"] = int(mod[4:])
     elif mod in ("moetriton", "moewgmma"):
       fields["decode_moe_kernel"] = mod[3:]
+    elif mod.startswith("stream") and mod[6:].isdigit():
+      pass  # the wgmma experts' codes ring: `_wgmma_stream` sets it, not the config
     else:
       raise ValueError(f"--impls entry {impl!r}: options are +unrolled, +unroll<N>, "
-                       f"+sync<N> (N >= 1), +moetriton and +moewgmma, got +{mod}")
+                       f"+sync<N> (N >= 1), +moetriton, +moewgmma and +stream<S>, got +{mod}")
   return decode_impl, fields
 
 
@@ -669,8 +672,31 @@ def _impl_case(base: Any, policy: str, impl: str) -> Iterator[Any]:
   FP8 GEMMs on the Pallas kernel with FP8 weights made once per update; "xla": the
   references."""
   decode_impl, fields = impl_options(impl)
-  with _codes_as_words(impl.split("+")[0] != "kernel_bytes"):
+  stream = [int(m[6:]) for m in impl.split("+")[1:] if m.startswith("stream")]
+  with _codes_as_words(impl.split("+")[0] != "kernel_bytes"), _wgmma_stream(*stream[-1:]):
     yield base.replace(policy=policy, decode_impl=decode_impl, fp8_gemm=decode_impl, **fields)
+
+
+@contextlib.contextmanager
+def _wgmma_stream(stages: int | None = None):
+  """The wgmma experts' codes through a shared-memory ring of `stages` chunks
+  (`wgmma_moe.STREAM`) for the cases run inside; None leaves the default. Caches are cleared
+  around a change, as the engine traces the choice in."""
+  import jax
+
+  from trace_jax.kernels import wgmma_moe
+
+  old = wgmma_moe.STREAM
+  if stages is None or stages == old:
+    yield
+    return
+  wgmma_moe.STREAM = stages
+  jax.clear_caches()
+  try:
+    yield
+  finally:
+    wgmma_moe.STREAM = old
+    jax.clear_caches()
 
 
 @contextlib.contextmanager

@@ -12,7 +12,8 @@
 #   >= 128 (block_t 32 x 4, 64 x 8). If only the < 1-word-per-thread tiles fail, decode_attention
 #   should cap num_warps by the words per tile.
 # T_UNROLL: the engine with every layer in one scan iteration (+unroll8 at 8 layers: the layer
-#   loop's host round trips gone) beside +unroll4, bf16 and fp4_rtn at batch 64.
+#   loop's host round trips gone) beside +unroll4, bf16 and fp4_rtn at batch 64 (ROLL_IMPLS;
+#   `+stream4`: the wgmma experts' codes through a ring of 4 chunks).
 source "$(dirname "$0")/gpu_lib.sh"
 stamp start
 for cfg in ${STREAM_CFGS:-"4:1" "4:2" "8:2"}; do
@@ -53,6 +54,6 @@ for name in ("len1_r4", "mixed_lengths_r2_split3"):
               f"threads={32 * warps}: {r}", flush=True)
 PY
 TAIL=12 run unroll "${T_UNROLL:-240}" python3 -m experiments.bench_rollout \
-  --impls=kernel+unroll4,kernel+unroll8 --key_impl=kernel+unroll4 --policies=bf16,fp4_rtn \
+  --impls="${ROLL_IMPLS:-kernel+unroll4,kernel+unroll8}" --key_impl=kernel+unroll4 --policies=bf16,fp4_rtn \
   --batches=64 --reps=3 --budget_gb=0 --transformers=false --json_out="$OUT/unroll.json"
 stamp done

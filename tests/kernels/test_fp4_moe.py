@@ -27,7 +27,7 @@ import numpy_ref
 import pytest
 from cases import adversarial_cases, assert_bits_equal
 
-from trace_jax.kernels import fp4_moe
+from trace_jax.kernels import fp4_moe, wgmma_moe
 from trace_jax.quant import exact, formats, qat
 
 E, N, K = 8, 64, 128
@@ -299,22 +299,26 @@ def test_kernel_dequantizes_bit_exactly(name, opts, block_n, block_k):
   assert (np.asarray(scale_bytes) & 0x78 == 0).any()  # subnormal E4M3 scales were covered
 
 
-WGMMA_DEQUANT_CASES = [("exact", "exact", 128), ("exact_rows_16", "exact", 16),
-                       ("fast", "fast", 128)]
+# (name, table, rows per pass, stream: the codes' shared-memory ring, 0 for registers).
+WGMMA_DEQUANT_CASES = [("exact", "exact", 128, 0), ("exact_rows_16", "exact", 16, 0),
+                       ("fast", "fast", 128, 0), ("exact_stream4", "exact", 128, 4),
+                       ("exact_stream2_rows_16", "exact", 16, 2)]
 
 
-@pytest.mark.parametrize("name,table,rows", WGMMA_DEQUANT_CASES,
+@pytest.mark.parametrize("name,table,rows,stream", WGMMA_DEQUANT_CASES,
                          ids=[c[0] for c in WGMMA_DEQUANT_CASES])
-def test_wgmma_kernel_dequantizes_bit_exactly(name, table, rows):
+def test_wgmma_kernel_dequantizes_bit_exactly(name, table, rows, stream, monkeypatch):
   """The wgmma kernel's weights through one-hot rows (as above), over 5 K chunks (its x ring
-  of 4 refilled, its loads 2 chunks ahead) and 2 feature tiles: random code and scale bytes
+  of 4 refilled, its loads 2 chunks ahead; 6 chunks with the codes' ring, which needs K a
+  multiple of 256, refilled too) and 2 feature tiles: random code and scale bytes
   under tensor scales across the exact table's branches (2**-130 and 1.5 * 2**126 scaled by
   powers of two, 2**-118 below the fast range) for the exact table; for the fast one, scales
   inside its range. The reference is numpy's IEEE float32 (`_dequantized_ieee`), which the
   GPU's XLA agrees with (no flushing)."""
   if not ON_GPU:
     pytest.skip(_NO_WGMMA)
-  e, n, k = 4, 128, 640
+  monkeypatch.setattr(wgmma_moe, "STREAM", stream)
+  e, n, k = 4, 128, 768 if stream else 640
   rng = np.random.default_rng(7)
   # (tensor scale, E4M3 scale byte range): every weight normal and finite (a one-hot row
   # multiplies all of its weight row, so one NaN or inf would hide the others); any sign.
