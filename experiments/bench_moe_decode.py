@@ -22,11 +22,12 @@ side by side in one process:
 - kernel_fp4_float16: the same kernel with the previous decoder (`decoder="float16"`, the
   float16 bit trick), for the before/after ratio in one process;
 - kernel_fp4_wgmma (GPU only): the words on Hopper's wgmma (`wgmma_moe`, impl="wgmma", the
-  exact table; rows per pass `--block_m` or its default, `--wgmma_prefetch`);
+  exact table, the codes through its default ring `wgmma_moe.STREAM` where K is a multiple of
+  256; rows per pass `--block_m` or its default, `--wgmma_prefetch`);
 - kernel_fp4_wgmma_fast (GPU only): the same with the fast table;
-- kernel_fp4_wgmma_stream (GPU only; not yet run on a GPU, so only when `--cases` names it):
+- kernel_fp4_wgmma_stream (GPU only, and only when `--cases` names it):
   `wgmma_moe.grouped_matmul` with its codes through a shared-memory ring of `--wgmma_stream`
-  chunks, decoded `--wgmma_group` at a time.
+  chunks (0: in registers, the kernel before 2026-12-05), decoded `--wgmma_group` at a time.
 
 Before timing, each kernel case's output is checked against its reference (kernel_bf16 against
 ragged_bf16, the FP4 kernels against dq_ragged_fp4 and fq_ragged_fp4) within the float32-summation
@@ -123,7 +124,7 @@ CASES = ("ragged_bf16", "tiled_bf16", "kernel_bf16", "fq_ragged_fp4", "dq_ragged
          "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast", "kernel_fp4_wgmma_stream")
 GPU_ONLY = ("kernel_fp4_wgmma", "kernel_fp4_wgmma_fast",
             "kernel_fp4_wgmma_stream")  # Mosaic GPU with inline PTX
-NAMED_ONLY = ("kernel_fp4_wgmma_stream",)  # not yet run on a GPU: only when --cases names it
+NAMED_ONLY = ("kernel_fp4_wgmma_stream",)  # the default's twin at default flags: when named
 BASELINE = "ragged_bf16"
 # kernel case -> the cases whose outputs it must match (same weights, float32 sums).
 VERIFY = {"kernel_bf16": ("ragged_bf16",), "kernel_fp4": ("dq_ragged_fp4", "fq_ragged_fp4"),

@@ -24,8 +24,9 @@ decode over XLA's, and an impl with options over the plain one (`--impls=kernel,
 the layer scans two layers per iteration, `ModelConfig.scan_unroll`; `+unrolled`: every layer
 compiled apart; `+sync4`: the decode loop's condition checked once per 4 steps,
 `ModelConfig.decode_steps_per_sync`; `+moetriton` / `+moewgmma`: the packed experts' kernel,
-`ModelConfig.decode_moe_kernel`; `+stream4`: the wgmma experts' codes through a shared-memory
-ring of 4 chunks, `wgmma_moe.STREAM`), and fp4_trace over fp4_rtn per impl.
+`ModelConfig.decode_moe_kernel`; `+stream<S>`: the wgmma experts' codes through a shared
+ring of S chunks, `wgmma_moe.STREAM`, default 4; `+stream0`: in registers), and fp4_trace over
+fp4_rtn per impl.
 
 Fixed memory (`--budget_gb`, 0 skips it; `--budget_context`, `--budget_max_batch`,
 `--budget_policies` (CPU preset: bf16 and fp4_rtn), `--budget_impl`): per policy, how many

@@ -469,11 +469,12 @@ def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_
 _STATIC = ("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages", "split",
            "swap_ab", "decoder", "table", "words_order", "prefetch", "debug")
 IMPLS = ("triton", "wgmma")
-# Whether packed words on the GPU take the wgmma kernel when impl=None (`wgmma_moe`). Off: on
-# the H200 (2026-12-04, twelfth session) it ran gate/up at batch 64 in 80.5 us against the Triton
-# words kernel's 77.9 (ncu), and the 8-layer engine at 0.97x / 1.00x the tokens/s of
-# `decode_moe_kernel="triton"` at batch 64 / 256 (docs/benchmarks.md).
-WGMMA_BY_DEFAULT = False
+# Whether packed words on the GPU take the wgmma kernel when impl=None (`wgmma_moe`). On since
+# its codes go through a shared ring (`wgmma_moe.STREAM`): on the H200 (2026-12-05, ncu, one
+# process) gate/up at batch 64 in 61.5-61.7 us against the Triton words kernel's 76.9-79.3, and the
+# 8-layer engine's fp4_rtn decode at 1.054x the tokens/s of `decode_moe_kernel="triton"` at
+# batch 64 (docs/benchmarks.md). With the codes in registers it was no faster (80.5 us).
+WGMMA_BY_DEFAULT = True
 
 
 def _tiles(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:

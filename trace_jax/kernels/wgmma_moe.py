@@ -26,9 +26,12 @@ Rows past sum(group_sizes) come out zero (the last expert's programs write them)
 ragged_dot's. Runs on a Hopper GPU only (inline PTX; `tests/kernels/test_wgmma_moe.py`
 rebuilds every thread's registers on CPU).
 
-H200 (docs/benchmarks.md, 2026-12-04, twelfth session): correct, but no faster than the Triton
-words kernel (gate/up at batch 64: 80.5 vs 77.9 us; both ~31% of DRAM's peak with ~3 programs
-per SM, waiting on the load-and-decode latency), so `fp4_moe` does not pick it by default.
+H200 (docs/benchmarks.md): with the codes in registers, correct but no faster than the Triton
+words kernel (2026-12-04, gate/up at batch 64: 80.5 vs 77.9 us; both ~31% of DRAM's peak with
+~3 programs per SM, waiting on the load-and-decode latency). With the codes through a shared
+ring of `STREAM` = 4 chunks (2026-12-05; 96 registers a thread against 142), 61.5-61.7 us against
+the Triton kernel's 76.9-79.3 in one process, and the 8-layer engine's fp4_rtn decode 1.054x its
+tokens/s at batch 64, so `fp4_moe` picks it on Hopper where K is a multiple of 256.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ from trace_jax.kernels.wgmma_decode import SPAN, TILE
 
 STAGES = 4  # x chunks in shared memory (TMA ring)
 PREFETCH = 2  # chunks whose codes and scales are loaded ahead of the decode
-STREAM = 0  # `grouped_matmul_decode`'s stream (codes through a shared ring; 0: registers)
-GROUP = 1  # and its group
+STREAM = 4  # `grouped_matmul_decode`'s stream (codes through a shared ring; 0: registers)
+GROUP = 1  # and its group (2 has not completed on the H200: its first run hung the call)
 MAX_ROWS = 128  # rows per pass at most (wgmma N; the accumulator is R / 2 registers)
 _RAW_COLS = 24  # the loaded chunk carried as a [64, 24] int32 WGMMA-layout array: per row 6
 
@@ -226,9 +229,8 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, block_scale: jax.Array,
   unrolled, the loop took 213 registers a thread against 142 and ran no faster on the H200).
   stream > 0: the codes go through a ring of that many chunks in shared memory by TMA and the
   scales of the pass by one TMA (K a multiple of 256), instead of into registers (prefetch
-  then does not apply; not yet run on a GPU: `STREAM` keeps it off by default); group
-  (stream only, dividing K / 128): chunks decoded before their wgmmas are issued and waited
-  for together."""
+  then does not apply); group (stream only, dividing K / 128): chunks decoded before their
+  wgmmas are issued and waited for together (only 1 has run to completion on a GPU)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 

@@ -54,9 +54,9 @@ class ModelConfig:
     kernels reading the layer's cache in place, packed NVFP4 under NVFP4 forwards:
     `packed_kv_cache`); training never uses it.
   decode_moe_kernel: under decode_impl="kernel", the packed NVFP4 experts' kernel
-    (`fp4_moe.grouped_matmul_decode(impl=)`): "auto" (`fp4_moe`'s default: Triton, as the
-    wgmma kernel measured no faster; `fp4_moe.WGMMA_BY_DEFAULT`), "triton" or "wgmma"
-    (Hopper only); the same weights, sums in another float32 order.
+    (`fp4_moe.grouped_matmul_decode(impl=)`): "auto" (`fp4_moe`'s default: the wgmma kernel
+    on a Hopper GPU, else Triton; `fp4_moe.WGMMA_BY_DEFAULT`), "triton" or "wgmma" (Hopper
+    only); the same weights, sums in another float32 order.
   fp8_gemm: how forwards with FP8 linears (`fp8_unified`) run their block-scaled FP8 GEMMs
     (`trace_jax.model.fp8_linear`): "xla" (the plain-JAX reference: dequantized float32
     operands) or "kernel" (Pallas on the FP8 tensor cores); the same sums up to order.
