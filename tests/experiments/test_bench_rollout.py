@@ -171,15 +171,30 @@ def test_summary_keys():
                                                          "decode_moe_kernel": "triton"}),
                  id="moe_triton"),
     pytest.param("kernel+moewgmma", ("kernel", {"decode_moe_kernel": "wgmma"}), id="moe_wgmma"),
+    pytest.param("kernel+moewgmma+stream0", ("kernel", {"decode_moe_kernel": "wgmma"}),
+                 id="stream_not_a_config_field"),
 ])
 def test_impl_options(impl, want):
   assert br.impl_options(impl) == want
+
+
+def test_stream_option_sets_the_ring_inside_its_case_only():
+  from trace_jax.kernels import wgmma_moe
+
+  default, base = wgmma_moe.STREAM, types.SimpleNamespace(replace=lambda **kw: kw)
+  with br._impl_case(base, "fp4_rtn", "kernel+stream0") as cfg:
+    assert wgmma_moe.STREAM == 0 != default
+    assert cfg == {"policy": "fp4_rtn", "decode_impl": "kernel", "fp8_gemm": "kernel"}
+  assert wgmma_moe.STREAM == default
+  with br._impl_case(base, "fp4_rtn", "kernel"):
+    assert wgmma_moe.STREAM == default
 
 
 @pytest.mark.parametrize("impl, match", [
     pytest.param("kernel+unroll0", "options are", id="unroll0"),
     pytest.param("kernel+sync0", "options are", id="sync0"),
     pytest.param("kernel+fast", "options are", id="unknown_option"),
+    pytest.param("kernel+streamx", "options are", id="stream_without_count"),
     pytest.param("triton", "is not one of", id="unknown_impl"),
 ])
 def test_bad_impls_are_refused(impl, match):
