@@ -211,8 +211,7 @@ class InProcessEngine:
                      sampling: SamplingParams | Sequence[SamplingParams]) -> Any:
     """`trace_generate`'s program lowered (`jax.stages.Lowered`: `.compile().as_text()` is its
     HLO)."""
-    with self._programs.traced():
-      return self.trace_generate(prompts, sampling).lower()
+    return self.trace_generate(prompts, sampling).lower()
 
   def _generate_args(self, prompts: list[list[int]], sampling: list[SamplingParams]
                      ) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -119,9 +119,10 @@ class ShardedStep:
     return sum(j._cache_size() for j in self._jits.values())
 
 
-def _mesh_of(shardings: Any) -> jax.sharding.Mesh | None:
-  """The mesh of the first NamedSharding in a tree of shardings (None: not on a mesh)."""
-  return next((s.mesh for s in jax.tree.leaves(shardings)
+def _mesh_of(tree: Any) -> jax.sharding.Mesh | None:
+  """The mesh of the first NamedSharding in a tree of shardings or of arrays (their
+  `.sharding`), None when there is none (not on a mesh)."""
+  return next((s.mesh for s in (getattr(x, "sharding", x) for x in jax.tree.leaves(tree))
                if isinstance(s, jax.sharding.NamedSharding)), None)
 
 
@@ -137,7 +138,7 @@ class OnParamsMesh:
     functools.update_wrapper(self, fn)
 
   def __call__(self, params: Any, *args: Any, **static: Any) -> Any:
-    mesh = _mesh_of(jax.tree.map(lambda a: getattr(a, "sharding", None), params))
+    mesh = _mesh_of(params)
     key = (mesh, tuple(sorted(static.items())))
     if key not in self._jits:
       self._jits[key] = jax.jit(functools.partial(self._fn, **static))
