@@ -38,7 +38,7 @@ from trace_jax.rl import losses
 from trace_jax.rollout import guidance_layout
 from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import SamplingParams
-from trace_jax.train import mismatch, rl_loop, scoring
+from trace_jax.train import mismatch, rl_loop, run_guard, scoring
 
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Where to write the JSON report.",
                                 required=True)
@@ -77,7 +77,10 @@ def load_config(path: str | None) -> ModelConfig:
   if spec is None or spec.loader is None:
     raise ValueError(f"cannot load config file {path}")
   mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  try:
+    spec.loader.exec_module(mod)
+  except OSError as e:
+    raise ValueError(f"--config={path}: cannot load the config file: {e.strerror}") from e
   return rl_loop.model_config(mod.get_config())
 
 
@@ -222,9 +225,27 @@ def plot(report: dict[str, Any], path: str) -> None:
   plt.close(fig)
 
 
+def check_flags(config: ModelConfig) -> None:
+  """Raises ValueError naming every flag out of range for `config`."""
+  errors = [f"--{f.name} must be >= 1, got {f.value}" for f in (_NUM_PROMPTS, _PROMPT_LEN, _MAX_NEW)
+            if f.value < 1]
+  if _PROMPT_LEN.value + _MAX_NEW.value > config.max_position_embeddings:
+    errors.append(f"--prompt_len + --max_new_tokens = {_PROMPT_LEN.value + _MAX_NEW.value} "
+                  f"exceeds the model's max_position_embeddings={config.max_position_embeddings}")
+  if errors:
+    raise ValueError("; ".join(errors))
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
-  config = load_config(_CONFIG.value)
+  with run_guard.exit_on_errors(log_dir=os.path.dirname(os.path.abspath(_JSON_OUT.value))):
+    with run_guard.user_input():
+      config = load_config(_CONFIG.value)
+      check_flags(config)
+    _main(config)
+
+
+def _main(config: ModelConfig) -> None:
   key = jax.random.key(_SEED.value)
   params = model_lib.init_params(config, jax.random.fold_in(key, 0))
   rng = np.random.default_rng(_SEED.value)
@@ -259,4 +280,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=run_guard.flags_parser())

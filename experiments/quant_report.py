@@ -300,8 +300,7 @@ def run_report(cfg: dict, progress: bool = False) -> dict[str, Any]:
   """Runs all passes and returns the report dict (see module docstring)."""
   from tqdm import tqdm
 
-  if cfg["width"] % 128:
-    raise ValueError(f"--width must be a multiple of 128 (FP8 groups), got {cfg['width']}")
+  validate(cfg)
   t_start = time.perf_counter()
   key = jax.random.key(cfg["seed"])
   params = init_params(jax.random.fold_in(key, 0), cfg["layers"], cfg["width"], cfg["hidden"],
@@ -453,19 +452,50 @@ def config_from_flags(fv: flags.FlagValues = FLAGS) -> dict[str, Any]:
   return {k: fv[k].value for k in keys}
 
 
+def validate(cfg: dict[str, Any]) -> None:
+  """Raises ValueError naming every flag out of range (before anything is computed): a batch
+  of 0 rows would report NaN rates."""
+  errors = []
+  for name in ("batch", "layers", "hidden", "split_k"):
+    if cfg[name] < 1:
+      errors.append(f"--{name} must be >= 1, got {cfg[name]}")
+  if cfg["width"] < 128 or cfg["width"] % 128:
+    errors.append(f"--width must be a positive multiple of 128 (FP8 groups), got {cfg['width']}")
+  for name in ("width", "hidden"):
+    if cfg["split_k"] >= 1 and cfg[name] % cfg["split_k"]:
+      errors.append(f"--split_k={cfg['split_k']} must divide --{name}={cfg[name]}")
+  for name in ("noise", "weight_noise"):
+    if not (np.isfinite(cfg[name]) and cfg[name] >= 0):
+      errors.append(f"--{name} must be a finite number >= 0, got {cfg[name]}")
+  if not -1 <= cfg["guided_layers"] <= cfg["layers"]:
+    errors.append(f"--guided_layers must be -1 (the latter half) or in [0, --layers="
+                  f"{cfg['layers']}], got {cfg['guided_layers']}")
+  if errors:
+    raise ValueError("; ".join(errors))
+
+
 def main(argv: Sequence[str]) -> dict[str, Any] | None:
-  """Parses argv (argv[0] is the program name), runs the report, prints and writes it."""
-  if not common.parse_flags(FLAGS, argv):
-    return None
-  report = run_report(config_from_flags(), progress=FLAGS.progress)
-  print(format_report(report))
-  common.write_json(FLAGS.json_out, report)
-  if FLAGS.json_out:
-    print(f"wrote {FLAGS.json_out}")
-  if FLAGS.plot_out:
-    plot_report(report, FLAGS.plot_out)
-    print(f"wrote {FLAGS.plot_out}")
-  return report
+  """Parses argv (argv[0] is the program name), runs the report, prints and writes it. A bad
+  flag ends in one line, `error: ...`, exit status 2; a fault in one line, exit status 1."""
+  from trace_jax.train import run_guard
+  try:
+    if not common.parse_flags(FLAGS, argv):
+      return None
+  except flags.Error as e:
+    run_guard.fail(e, 2)
+  with run_guard.exit_on_errors():
+    cfg = config_from_flags()
+    with run_guard.user_input():
+      validate(cfg)
+    report = run_report(cfg, progress=FLAGS.progress)
+    print(format_report(report))
+    common.write_json(FLAGS.json_out, report)
+    if FLAGS.json_out:
+      print(f"wrote {FLAGS.json_out}")
+    if FLAGS.plot_out:
+      plot_report(report, FLAGS.plot_out)
+      print(f"wrote {FLAGS.plot_out}")
+    return report
 
 
 if __name__ == "__main__":

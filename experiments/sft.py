@@ -34,16 +34,17 @@ def main(argv: Sequence[str]) -> None:
   from trace_jax.io import orbax_ckpt
   from trace_jax.train import rl_loop
   cfg, workdir = _CONFIG.value, _WORKDIR.value
-  with run_guard.exit_on_errors():
+  with run_guard.exit_on_errors(log_dir=workdir):
     with run_guard.user_input():
       rl_loop.validate(cfg)
     run_guard.check_workdir(workdir, cfg, scope=run_guard.SFT_SCOPE,
                             allow_change=_ALLOW_CHANGE.value)
-  params, history = rl_loop.run_sft(cfg, workdir)
-  path = os.path.join(workdir, "params")
-  orbax_ckpt.save_orbax(path, rl_loop.model_config(cfg, "bf16"), params, wait=True)
-  with open(os.path.join(workdir, "sft_history.json"), "w") as f:
-    json.dump(history, f, indent=1)
+    with run_guard.holding(os.path.join(workdir, "sft.lock"), f"the warm start in {workdir}"):
+      params, history = rl_loop.run_sft(cfg, workdir)
+      path = os.path.join(workdir, "params")
+      orbax_ckpt.save_orbax(path, rl_loop.model_config(cfg, "bf16"), params, wait=True)
+      with open(os.path.join(workdir, "sft_history.json"), "w") as f:
+        json.dump(history, f, indent=1)
   loss = (f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}" if history
           else "no steps (sft.steps=0)")
   print(f"SFT: {loss}; saved {path}")

@@ -9,8 +9,10 @@ whole run a comparison table, `summary.json` and `reward_mismatch.png`. Rollout 
 the in-process engine by default, or an HTTP server (ours or SGLang) with --rollout_url.
 --sft_only then --policies=<p> per process splits the policies over processes (README).
 The workdir keeps the config it was started with (`run_config.json`): a launch with another
-config is refused unless --allow_config_change. Mistakes in the config, flags or workdir print
-one line, `error: ...`, and exit 2 (docs/reliability.md).
+config is refused unless --allow_config_change; a launch that would write a run another live
+launch is writing is refused. Mistakes in the config, flags or workdir print one line,
+`error: ...`, and exit 2; faults (disk full, no checkpoint restores, NaN in the weights) exit 1
+the same way, with the traceback in workdir/error.log (docs/reliability.md).
 """
 
 import os
@@ -29,7 +31,10 @@ _SFT_CKPT = flags.DEFINE_string("sft_checkpoint", None,
                                 "Orbax checkpoint (experiments.sft) to start from.")
 _ROLLOUT_URL = flags.DEFINE_string("rollout_url", None,
                                    "Roll out through this HTTP server (ours or SGLang).")
-_API_KEY = flags.DEFINE_string("api_key", None, "Bearer token for --rollout_url.")
+_API_KEY = flags.DEFINE_string("api_key", None, "Bearer token for --rollout_url (visible in `ps`: "
+                               "prefer --api_key_file or $TRACE_API_KEY).")
+_API_KEY_FILE = flags.DEFINE_string("api_key_file", None, "Read --rollout_url's bearer token from "
+                                    "this file (whitespace stripped).")
 _NO_PROGRESS = flags.DEFINE_bool("no_progress", False, "Disable progress bars.")
 _SFT_ONLY = flags.DEFINE_bool(
     "sft_only", False, "Run (or load) the SFT warm start into workdir/sft and stop, so that "
@@ -62,12 +67,14 @@ def main(argv: Sequence[str]) -> None:
   from trace_jax.train import compare
   cfg = _CONFIG.value
   policies = [] if _SFT_ONLY.value else (_POLICIES.value or list(cfg.policies))
-  factory = None
-  if _ROLLOUT_URL.value:
-    from rollout_bridge.weight_sync import http_engine_factory
-    factory = http_engine_factory(_ROLLOUT_URL.value, os.path.join(_WORKDIR.value, "weights"),
-                                  _API_KEY.value)
-  with run_guard.exit_on_errors():
+  with run_guard.exit_on_errors(log_dir=_WORKDIR.value):
+    factory = None
+    if _ROLLOUT_URL.value:
+      from rollout_bridge import client, weight_sync
+      with run_guard.user_input():
+        key = client.resolve_api_key(_API_KEY.value, _API_KEY_FILE.value)
+      factory = weight_sync.http_engine_factory(
+          _ROLLOUT_URL.value, os.path.join(_WORKDIR.value, "weights"), key)
     compare.run(cfg, _WORKDIR.value, policies, _SFT_CKPT.value, factory,
                 progress=not _NO_PROGRESS.value, allow_config_change=_ALLOW_CHANGE.value)
 

@@ -22,8 +22,39 @@ from urllib.parse import urlsplit
 
 from trace_jax.rollout.protocol import GuidanceHandle, Sample, SamplingParams, normalize_request
 
+# The environment variable a server key may come from (server and trainer alike): a key on the
+# command line is visible to every local user in `ps`.
+API_KEY_ENV = "TRACE_API_KEY"
+
 # Connection-level failures worth retrying: nothing was answered (refused, reset, dropped).
 _RETRYABLE = (ConnectionError, http.client.RemoteDisconnected, http.client.BadStatusLine)
+
+
+def read_api_key_file(path: str) -> str:
+  """The key in `path` (surrounding whitespace stripped); ValueError if unreadable or empty."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      key = f.read().strip()
+  except (OSError, UnicodeDecodeError) as e:
+    raise ValueError(f"cannot read the API key file {path}: {e}") from e
+  if not key:
+    raise ValueError(f"the API key file {path} is empty")
+  return key
+
+
+def resolve_api_key(flag_key: str | None, key_file: str | None, config_key: str | None = None,
+                    environ: Any = os.environ) -> str | None:
+  """The API key (the server's, or the trainer's for its server): --api_key_file or
+  --api_key, then $TRACE_API_KEY, then the config's.
+
+  An empty value counts as unset, except an empty key file, which is an error (a deployment
+  that points at a key file means to require a key).
+  """
+  if flag_key and key_file:
+    raise ValueError("give --api_key or --api_key_file, not both")
+  if key_file:
+    return read_api_key_file(key_file)
+  return flag_key or environ.get(API_KEY_ENV) or config_key or None
 
 
 class RolloutHTTPError(RuntimeError):

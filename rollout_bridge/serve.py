@@ -31,6 +31,7 @@ variable: a --api_key value is visible to every local user in `ps`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -41,8 +42,10 @@ from typing import Any
 
 from absl import flags
 
+from rollout_bridge.client import API_KEY_ENV, resolve_api_key
 from rollout_bridge.server import RolloutServer, ServerOptions
 from trace_jax.rollout.engine import InProcessEngine
+from trace_jax.train import run_guard
 
 log = logging.getLogger("rollout_bridge.serve")
 
@@ -78,7 +81,7 @@ DEFAULTS: dict[str, Any] = {
                "guidance_dir": None},
 }
 DEFAULT_POLICY = "fp4_trace"
-API_KEY_ENV = "TRACE_API_KEY"
+LOCK = "server.lock"  # in --guidance_dir, held while the server runs
 
 
 def _plain(x: Any) -> Any:
@@ -99,7 +102,10 @@ def load_config(path: str | None) -> dict[str, Any]:
   if spec is None or spec.loader is None:
     raise ValueError(f"cannot load config file {path}")
   mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  try:
+    spec.loader.exec_module(mod)
+  except OSError as e:
+    raise ValueError(f"--config={path}: cannot load the config file: {e.strerror}") from e
   if not hasattr(mod, "get_config"):
     raise ValueError(f"config file {path} defines no get_config()")
   user = _plain(mod.get_config())
@@ -116,6 +122,31 @@ def load_config(path: str | None) -> dict[str, Any]:
   cfg.update(user)
   cfg["server"].update(server)
   return cfg
+
+
+def check_server(cfg: dict[str, Any]) -> None:
+  """Raises ValueError naming every `server` setting out of range (before the engine is
+  built): a port outside 0..65535, no batch room, a negative window or limit."""
+  s, errors = cfg["server"], []
+
+  def need(key: str, ok: Any, what: str, optional: bool = False) -> None:
+    v = s.get(key)
+    if optional and v is None:
+      return
+    num = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if not (num and ok(v)):
+      name = f"--{key}" if key in FLAGS and FLAGS[key].present else f"server.{key}"
+      errors.append(f"{name} must be {what}, got {v!r}")
+
+  need("port", lambda v: int(v) == v and 0 <= v <= 65535, "an int in 0..65535 (0: any free port)")
+  need("max_batch", lambda v: int(v) == v and v >= 1, "an int >= 1")
+  need("batch_window_ms", lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+  need("max_body_mb", lambda v: 0 < v < float("inf"), "a finite number > 0")
+  need("request_timeout_s", lambda v: 0 < v < float("inf"), "a finite number > 0")
+  for key in ("max_prompt_len", "max_new_tokens_limit"):
+    need(key, lambda v: int(v) == v and v >= 1, "an int >= 1 or None", optional=True)
+  if errors:
+    raise ValueError("; ".join(errors))
 
 
 def model_config(cfg: dict[str, Any]) -> Any:
@@ -181,32 +212,6 @@ def build_server(cfg: dict[str, Any]) -> RolloutServer:
                        port=int(s["port"]))
 
 
-def read_api_key_file(path: str) -> str:
-  """The key in `path` (surrounding whitespace stripped); ValueError if unreadable or empty."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      key = f.read().strip()
-  except (OSError, UnicodeDecodeError) as e:
-    raise ValueError(f"cannot read the API key file {path}: {e}") from e
-  if not key:
-    raise ValueError(f"the API key file {path} is empty")
-  return key
-
-
-def resolve_api_key(flag_key: str | None, key_file: str | None, config_key: str | None,
-                    environ: Any = os.environ) -> str | None:
-  """The server's API key: --api_key_file or --api_key, then $TRACE_API_KEY, then the config.
-
-  An empty value counts as unset, except an empty key file, which is an error (a deployment
-  that points at a key file means to require a key).
-  """
-  if flag_key and key_file:
-    raise ValueError("give --api_key or --api_key_file, not both")
-  if key_file:
-    return read_api_key_file(key_file)
-  return flag_key or environ.get(API_KEY_ENV) or config_key or None
-
-
 def _apply_flags(cfg: dict[str, Any]) -> dict[str, Any]:
   s = cfg["server"]
   for name, key in (("port", "port"), ("host", "host"),
@@ -231,13 +236,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(FLAGS.get_help())
     return 0
   FLAGS.unparse_flags()
-  FLAGS(argv)
+  try:
+    FLAGS(argv)
+  except flags.Error as e:
+    run_guard.fail(e, 2)
   logging.basicConfig(level=logging.INFO, force=True,  # replaces absl's root handler
                       format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  cfg = _apply_flags(load_config(FLAGS.config))
-  server = build_server(cfg)
-  if FLAGS.warmup:
-    _warmup(server)
+  with run_guard.exit_on_errors(), contextlib.ExitStack() as stack:
+    with run_guard.user_input():
+      cfg = _apply_flags(load_config(FLAGS.config))
+      check_server(cfg)
+    guidance_dir = cfg["server"].get("guidance_dir")
+    if guidance_dir:  # one server writes a guidance directory (it numbers the batches there)
+      stack.enter_context(run_guard.holding(os.path.join(guidance_dir, LOCK),
+                                            f"the guidance directory {guidance_dir}"))
+    server = build_server(cfg)
+    if FLAGS.warmup:
+      _warmup(server)
+    return _serve(server)
+
+
+def _serve(server: RolloutServer) -> int:
+  """Serves until SIGTERM or Ctrl-C, then stops gracefully and flushes the guidance."""
 
   def _on_signal(signum: int, _frame: Any) -> None:
     log.info("signal %d: shutting down", signum)

@@ -681,17 +681,37 @@ class _ClientGone(Exception):
   """The client disconnected: there is nobody to answer."""
 
 
+def json_bytes(obj: Any) -> bytes:
+  """`obj` as strict JSON: a NaN or +-Infinity float (which json.dumps would write as the
+  bare tokens `NaN`/`Infinity` that JSON parsers reject) becomes null, with a warning."""
+  try:
+    return json.dumps(obj, allow_nan=False).encode()
+  except ValueError:
+    log.warning("a response held non-finite numbers (NaN/Inf); they are sent as null")
+    return json.dumps(_finite_json(obj), allow_nan=False).encode()
+
+
+def _finite_json(obj: Any) -> Any:
+  if isinstance(obj, float):
+    return obj if math.isfinite(obj) else None
+  if isinstance(obj, dict):
+    return {k: _finite_json(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [_finite_json(v) for v in obj]
+  return obj
+
+
 def _json_response(status: int, obj: Any, headers: dict[str, str] | None = None,
                    close: bool = False) -> Response:
   hdrs = dict(headers or {})
   if close:
     hdrs["Connection"] = "close"
-  return Response(json.dumps(obj).encode(), status_code=int(status), headers=hdrs,
+  return Response(json_bytes(obj), status_code=int(status), headers=hdrs,
                   media_type="application/json")
 
 
 def _error_body(message: str, kind: str) -> bytes:
-  return json.dumps({"error": {"message": message, "type": kind}}).encode()
+  return json_bytes({"error": {"message": message, "type": kind}})
 
 
 @dataclasses.dataclass
@@ -906,11 +926,11 @@ class _App:
       for i, out in enumerate(s.outputs(greq, samples, t0)):
         if greq.is_batch:
           out["index"] = i
-        yield b"data: " + json.dumps(out).encode() + b"\n\n"
+        yield b"data: " + json_bytes(out) + b"\n\n"
     except ApiError as e:
       s.count("errors_5xx" if e.status >= 500 else "errors_4xx")
       err = {"error": {"message": e.message, "type": e.kind, "code": e.status}}
-      yield b"data: " + json.dumps(err).encode() + b"\n\n"
+      yield b"data: " + json_bytes(err) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
 

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from experiments.convert_checkpoint import convert
 from trace_jax import model as M
-from trace_jax.io import hf
+from trace_jax.io import hf, orbax_ckpt
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_hf_orbax_hf_nvfp4(tmp_path):
@@ -39,4 +43,111 @@ def test_cli_reports_errors(tmp_path):
   res = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(
       os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), timeout=120)
   assert res.returncode == 1
-  assert "convert_checkpoint: error:" in res.stderr and "config.json" in res.stderr
+  last = res.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: ") and "config.json" in last, res.stderr
+  assert "Traceback" not in res.stderr
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  """An HF checkpoint of the tiny model and its orbax conversion."""
+  root = tmp_path_factory.mktemp("ckpts")
+  config = M.tiny(dtype="bfloat16")
+  hf.save_hf_checkpoint(str(root / "hf"), config, M.init_params(config, 0))
+  convert(str(root / "hf"), str(root / "orbax"), "hf_to_orbax")
+  return root
+
+
+def _tree(path) -> dict[str, bytes]:
+  return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+          if p.is_file()}
+
+
+def test_overwrite_replaces_the_previous_hf_conversion_and_keeps_other_files(checkpoints,
+                                                                             tmp_path):
+  """A previous 3-shard HF conversion beside a tokenizer file: refused without --overwrite;
+  with it, the new single-file conversion replaces every old shard and the index (none stays
+  stale) and the tokenizer file is untouched."""
+  dst = tmp_path / "hf"
+  convert(str(checkpoints / "orbax"), str(dst), "orbax_to_hf", max_shard_gb=0.0003)
+  old = sorted(os.listdir(dst))
+  assert "model.safetensors.index.json" in old and len([n for n in old if "-of-" in n]) >= 3
+  (dst / "tokenizer.json").write_text('{"keep": true}')
+  with pytest.raises(FileExistsError, match="holds a previous hf conversion; pass --overwrite"):
+    convert(str(checkpoints / "orbax"), str(dst), "orbax_to_hf")
+  assert sorted(os.listdir(dst)) == sorted(old + ["tokenizer.json"])
+  files = convert(str(checkpoints / "orbax"), str(dst), "orbax_to_hf", overwrite=True)
+  assert files == ["config.json", "model.safetensors", "tokenizer.json"]
+  assert (dst / "tokenizer.json").read_text() == '{"keep": true}'
+  assert _tree(dst)["model.safetensors"] == _tree(checkpoints / "hf")["model.safetensors"]
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["plain", "overwrite"])
+def test_an_orbax_destination_with_other_files_is_refused_and_left_alone(checkpoints, tmp_path,
+                                                                         overwrite):
+  """orbax owns its directory (saving it forcibly wipes it): a destination holding a file the
+  converter did not write is refused, with or without --overwrite, and nothing is deleted."""
+  dst = tmp_path / "orbax"
+  dst.mkdir()
+  (dst / "notes.txt").write_text("mine")
+  with pytest.raises(FileExistsError, match=r"did not write \(notes.txt\)"):
+    convert(str(checkpoints / "hf"), str(dst), "hf_to_orbax", overwrite=overwrite)
+  assert os.listdir(dst) == ["notes.txt"]
+
+
+def test_overwrite_replaces_a_previous_orbax_conversion(checkpoints, tmp_path):
+  dst = tmp_path / "orbax"
+  shutil.copytree(checkpoints / "orbax", dst)
+  with pytest.raises(FileExistsError, match="holds a previous orbax conversion"):
+    convert(str(checkpoints / "hf"), str(dst), "hf_to_orbax")
+  convert(str(checkpoints / "hf"), str(dst), "hf_to_orbax", overwrite=True)
+  assert orbax_ckpt.read_orbax_config(str(dst)) == orbax_ckpt.read_orbax_config(
+      str(checkpoints / "orbax"))
+  assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_a_conversion_of_another_kind_is_not_replaced(checkpoints, tmp_path):
+  dst = tmp_path / "x"
+  shutil.copytree(checkpoints / "hf", dst)
+  before = _tree(dst)
+  with pytest.raises(FileExistsError, match="holds a hf checkpoint; a orbax conversion"):
+    convert(str(checkpoints / "orbax"), str(dst), "hf_to_orbax", overwrite=True)
+  with pytest.raises(FileExistsError, match="holds a hf checkpoint; a nvfp4 conversion"):
+    convert(str(checkpoints / "orbax"), str(dst), "orbax_to_nvfp4", overwrite=True)
+  assert _tree(dst) == before
+
+
+def test_non_finite_or_garbled_sources_are_refused(checkpoints, tmp_path):
+  """An HF source with a NaN in one tensor, and an orbax source with 64 garbled bytes in its
+  largest array file: each conversion stops naming the tensor, and writes nothing."""
+  bad_hf = tmp_path / "nan_hf"
+  shutil.copytree(checkpoints / "hf", bad_hf)
+  tensors = load_file(str(bad_hf / "model.safetensors"))
+  name = "model.layers.1.mlp.experts.3.up_proj.weight"
+  tensors[name][0, 5] = float("nan")
+  save_file(tensors, str(bad_hf / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.raises(hf.CheckpointError, match=f"tensor {name} holds non-finite values"):
+    convert(str(bad_hf), str(tmp_path / "out1"), "hf_to_orbax")
+  bad_orbax = tmp_path / "garbled"
+  shutil.copytree(checkpoints / "orbax", bad_orbax)
+  data_files = [p for p in bad_orbax.rglob("*") if p.is_file() and p.parent.name == "d"]
+  f = max(data_files, key=lambda p: p.stat().st_size)
+  data = bytearray(f.read_bytes())
+  mid = len(data) // 2
+  data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+  f.write_bytes(bytes(data))
+  with pytest.raises(hf.CheckpointError, match="differs from its recorded digest"):
+    convert(str(bad_orbax), str(tmp_path / "out2"), "orbax_to_hf")
+  assert not (tmp_path / "out1").exists() and not (tmp_path / "out2").exists()
+
+
+def test_cli_refuses_a_non_empty_destination_with_exit_status_2(checkpoints, tmp_path):
+  dst = tmp_path / "hf"
+  shutil.copytree(checkpoints / "hf", dst)
+  res = subprocess.run([sys.executable, "-m", "experiments.convert_checkpoint",
+                        f"--src={checkpoints / 'orbax'}", f"--dst={dst}",
+                        "--direction=orbax_to_hf"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+  assert res.returncode == 2, res.stderr
+  assert res.stderr.strip().splitlines()[-1].startswith("error: --dst ")
+  assert "Traceback" not in res.stderr

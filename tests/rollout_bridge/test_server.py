@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -17,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from rollout_bridge import serve
 from rollout_bridge.batcher import Batcher, BatcherClosed, pad_batch
@@ -373,11 +376,59 @@ def _check_update_weights_from_disk(server, params0, tmp_path):
   assert [s.tokens for s in client.generate(prompts, sampling)] == [s.tokens for s in new]
   with pytest.raises(TypeError):
     client.update_weights(params1)
+  _check_weights_are_validated(client, tmp_path, prompts, sampling, new)
 
   # And back: the original weights give the original answers exactly.
   client.update_weights(str(tmp_path / "w0"))
   again = client.generate(prompts, sampling)
   assert [(s.tokens, s.logprobs) for s in again] == [(s.tokens, s.logprobs) for s in old]
+
+
+def _hf_copy(src, dst, tensor_bytes=None, config=None):
+  """A copy of the HF checkpoint `src` with one tensor's bytes all 0xFF (NaN in float32) and/or
+  config.json fields replaced (both spellings)."""
+  shutil.copytree(src, dst)
+  if tensor_bytes is not None:
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors[tensor_bytes].view(torch.uint8).fill_(0xFF)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+  if config:
+    d = json.loads((dst / "config.json").read_text())
+    d.update(config)
+    for key, alias in (("rope_theta", "rope_parameters"), ("dtype", "torch_dtype")):
+      if key in config:
+        if alias == "rope_parameters":
+          d[alias]["rope_theta"] = config[key]
+        else:
+          d[alias] = config[key]
+    (dst / "config.json").write_text(json.dumps(d))
+  return dst
+
+
+WRONG_CONFIGS = [("rope_theta", 5e5), ("rms_norm_eps", 1e-5), ("norm_topk_prob", False),
+                 ("dtype", "bfloat16")]
+
+
+def _check_weights_are_validated(client, tmp_path, prompts, sampling, served):
+  """Weights are validated, not just shaped: a checkpoint with a tensor of 0xFF bytes (NaN),
+  or whose config.json differs in a field that changes the computation, is a 400 naming the
+  tensor or field, and the served weights, version and model path do not change."""
+  before = client.model_info()
+  name = "model.layers.0.mlp.experts.2.down_proj.weight"
+  with pytest.raises(RolloutHTTPError) as e:
+    client.update_weights(_hf_copy(tmp_path / "w1", tmp_path / "nan", tensor_bytes=name))
+  assert e.value.status == 400 and f"tensor {name} holds non-finite values" in e.value.message
+  for field, value in WRONG_CONFIGS:
+    with pytest.raises(RolloutHTTPError) as e:
+      client.update_weights(_hf_copy(tmp_path / "w1", tmp_path / f"cfg_{field}",
+                                     config={field: value}))
+    assert e.value.status == 400 and f"differs from the served model's in {field}" in \
+        e.value.message, e.value.message
+  after = client.model_info()
+  assert (after["model_path"], after["weight_version"]) == (before["model_path"],
+                                                            before["weight_version"])
+  assert [(s.tokens, s.logprobs) for s in client.generate(prompts, sampling)] == [
+      (s.tokens, s.logprobs) for s in served]
 
 
 # ------------------------------------------------------------------------------ batcher

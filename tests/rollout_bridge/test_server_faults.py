@@ -417,6 +417,39 @@ def test_serve_cli_takes_the_key_from_the_environment():
   assert "API key required" in out and "env-s3cret" not in out
 
 
+class _NaNEngine(StubEngine):
+  """The stub engine whose log-probs are NaN, +Inf and -Inf (what NaN weights served)."""
+
+  def generate(self, prompts, sampling):
+    out = super().generate(prompts, sampling)
+    for s in out:
+      s.logprobs = [math.nan, math.inf, -math.inf][:len(s.logprobs)] + s.logprobs[3:]
+    return out
+
+
+def _strict_json(text: str) -> Any:
+  def refuse(token: str) -> Any:
+    raise AssertionError(f"bare {token} in a JSON response")
+  return json.loads(text, parse_constant=refuse)
+
+
+def test_responses_are_strict_json_even_for_non_finite_log_probs():
+  """JSON has no NaN or Infinity: such a number is sent as null (plain and streamed)."""
+  with RolloutServer(_NaNEngine(), ServerOptions(batch_window_s=0.002)).start() as srv:
+    body = json.dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4},
+                       "return_logprob": True}).encode()
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
+    conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
+    out = _strict_json(conn.getresponse().read().decode())
+    assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]][:3] == [None] * 3
+    conn.request("POST", "/generate", json.dumps({**json.loads(body), "stream": True}).encode(),
+                 {"Content-Type": "application/json"})
+    events = _events(conn.getresponse().read())
+    chunk = _strict_json(events[0])
+    assert chunk["meta_info"]["output_token_logprobs"][0][0] is None and events[-1] == "[DONE]"
+    conn.close()
+
+
 # ------------------------------------------------------------------------------ streaming
 
 def _events(data: bytes) -> list[str]:

@@ -137,37 +137,81 @@ def test_resume_after_kill_is_bitwise_identical(start_params, tmp_path):
   assert evals == full["evals"]
 
 
+def _array_files(step_dir):
+  return [f for f in step_dir.rglob("*") if f.is_file() and f.parent.name == "d"]
+
+
 def _truncate_arrays(step_dir) -> int:
   """Cuts every array data file of a checkpoint step to half its size (a torn write)."""
-  files = [f for f in step_dir.rglob("*") if f.is_file() and f.parent.name == "d"]
+  files = _array_files(step_dir)
   for f in files:
     data = f.read_bytes()
     f.write_bytes(data[:len(data) // 2])
   return len(files)
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(start_params, tmp_path,
-                                                                   caplog):
-  """A finished run whose newest checkpoint (step 3) has torn array files: the next launch
+def _garble_largest_array(step_dir) -> int:
+  """XORs 64 bytes in the middle of the step's largest array data file with 0xFF: a file of
+  the right size that still decodes, into other values."""
+  f = max(_array_files(step_dir), key=lambda f: f.stat().st_size)
+  data = bytearray(f.read_bytes())
+  mid = len(data) // 2
+  data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+  f.write_bytes(bytes(data))
+  return 1
+
+
+@pytest.fixture(scope="module")
+def full_bf16_run(start_params, tmp_path_factory):
+  """A finished 3-step bf16 run (checkpoints of steps 2 and 3 kept) and its output."""
+  path = tmp_path_factory.mktemp("full")
+  return path, rl_loop.run_rl(tiny_cfg(), str(path), "bf16", start_params, progress=False)
+
+
+@pytest.mark.parametrize("damage", [_truncate_arrays, _garble_largest_array],
+                         ids=["torn", "garbled"])
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
+    damage, full_bf16_run, start_params, tmp_path, caplog):
+  """A finished run whose newest checkpoint (step 3) has torn array files, or 64 garbled bytes
+  in its largest array file (caught by the digests the checkpoint recorded): the next launch
   warns naming the step, moves it aside and counts it, resumes from step 2, and ends bitwise
   equal to the uninterrupted run."""
   cfg = tiny_cfg()  # checkpoint_every=1, 2 kept: steps 2 and 3
-  full = rl_loop.run_rl(cfg, str(tmp_path / "full"), "bf16", start_params, progress=False)
-  shutil.copytree(tmp_path / "full", tmp_path / "torn")
-  assert _truncate_arrays(tmp_path / "torn" / "ckpt" / "3") > 0
+  full_path, full = full_bf16_run
+  shutil.copytree(full_path, tmp_path / "bad")
+  assert damage(tmp_path / "bad" / "ckpt" / "3") > 0
   with caplog.at_level(logging.WARNING, logger=checkpoints.__name__):
-    again = rl_loop.run_rl(cfg, str(tmp_path / "torn"), "bf16", start_params, progress=False)
+    again = rl_loop.run_rl(cfg, str(tmp_path / "bad"), "bf16", start_params, progress=False)
   assert "checkpoint step 3 in" in caplog.text and "does not restore" in caplog.text
   assert "resuming from step 2" in caplog.text
+  if damage is _garble_largest_array:
+    assert "differs from its recorded digest" in caplog.text
   for a, b in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(again["state"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   strip = lambda h: [{k: v for k, v in r.items() if k not in run_log.TIMING_KEYS} for r in h]
   assert strip(again["history"]) == strip(full["history"]) and again["evals"] == full["evals"]
-  summary = json.loads((tmp_path / "torn" / "history.json").read_text())["summary"]
+  summary = json.loads((tmp_path / "bad" / "history.json").read_text())["summary"]
   assert summary["checkpoint_fallbacks"] == 1 and full["summary"]["checkpoint_fallbacks"] == 0
-  moved = (tmp_path / "torn" / checkpoints.CORRUPT_DIR).iterdir()
+  moved = (tmp_path / "bad" / checkpoints.CORRUPT_DIR).iterdir()
   assert [p.name.split("-")[0] for p in moved] == ["3"]
-  assert sorted(int(p.name) for p in (tmp_path / "torn" / "ckpt").iterdir()) == [2, 3]
+  assert sorted(int(p.name) for p in (tmp_path / "bad" / "ckpt").iterdir()) == [2, 3]
+
+
+def test_an_update_that_leaves_nan_stops_the_run_before_its_checkpoint(start_params, tmp_path,
+                                                                      monkeypatch):
+  """A reward pipeline that yields NaN advantages: the first update makes the weights NaN, and
+  the run stops with NonFiniteStateError naming the step and a parameter, before the engine or
+  a checkpoint sees the state."""
+  from trace_jax.rl import advantages as adv_lib
+  monkeypatch.setattr(adv_lib, "get_advantage_fn",
+                      lambda name: lambda rewards, group: rewards * np.float32(np.nan))
+  with pytest.raises(checkpoints.NonFiniteStateError,
+                     match=r"^rl step 0 of .*: the update left non-finite values \(NaN or Inf\) "
+                           r"in \.params\[") as e:
+    rl_loop.run_rl(tiny_cfg(), str(tmp_path), "bf16", start_params, progress=False)
+  assert "\n" not in str(e.value)
+  assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+  assert not (tmp_path / "history.json").exists()
 
 
 def test_no_restorable_checkpoint_is_a_clear_error(tmp_path):
@@ -188,6 +232,21 @@ def test_no_restorable_checkpoint_is_a_clear_error(tmp_path):
   assert not (tmp_path / "aside").exists() and mgr.all_steps() == [1, 2]
   step, restored, meta = checkpoints.restore_latest(mgr, state, str(tmp_path / "aside"))
   assert step == 1 and meta == {"history": []} and (tmp_path / "aside").is_dir()
+  mgr.close()
+
+
+def test_a_checkpoint_holding_nan_does_not_restore(tmp_path):
+  """A step saved with NaN in it (its digest matches: the values were NaN when saved) is
+  refused like a damaged one: the older finite step restores."""
+  mgr = checkpoints.checkpointer(str(tmp_path / "ckpt"), keep=2)
+  good = {"w": np.ones(4, np.float32), "n": np.zeros((), np.int32)}
+  checkpoints.save(mgr, 1, good, {"history": []})
+  checkpoints.save(mgr, 2, {"w": np.array([1, np.nan, 1, 1], np.float32),
+                            "n": np.ones((), np.int32)}, {"history": [1]})
+  step, restored, meta = checkpoints.restore_latest(mgr, good, str(tmp_path / "aside"))
+  assert step == 1 and meta["history"] == [] and np.all(np.asarray(restored["w"]) == 1)
+  (moved,) = (tmp_path / "aside").iterdir()
+  assert moved.name.startswith("2-")
   mgr.close()
 
 

@@ -195,6 +195,16 @@ def _place(flat: dict[Path, np.ndarray], config: ModelConfig,
   return params_from_flat(config, arrays)
 
 
+def _finite(arr: np.ndarray, name: str, path: str) -> np.ndarray:
+  """`arr`, or CheckpointError when the tensor holds NaN or Inf (garbled or diverged weights
+  would otherwise load and serve NaN log-probs)."""
+  bad = np.size(arr) - int(np.count_nonzero(np.isfinite(arr)))
+  if bad:
+    raise CheckpointError(f"{path}: tensor {name} holds non-finite values (NaN or Inf) in {bad} "
+                          f"of its {np.size(arr)} elements")
+  return arr
+
+
 def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None,
                        progress: bool | None = None,
                        **config_overrides: Any) -> tuple[ModelConfig, nnx.State]:
@@ -203,6 +213,7 @@ def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None,
   Parameters keep each tensor's stored dtype; `config.dtype` (the compute dtype) is the
   checkpoint's `dtype`/`torch_dtype`. With `mesh`, each parameter is placed by the sharding
   rules as it is read. `config_overrides` set our own fields (policy, guided_layers, ...).
+  A tensor holding NaN or Inf raises CheckpointError naming it.
   """
   config = read_config(path, **config_overrides)
   with open(os.path.join(path, CONFIG_FILE)) as f:
@@ -224,10 +235,10 @@ def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None,
                                 f"{sorted(map(str, dts))}")
         arr = np.empty(ent.shape, dts.pop())
         for j, name in enumerate(ent.hf_names):
-          arr[j] = reader.get(name)
+          arr[j] = _finite(reader.get(name), name, path)
           tick(reader.infos[name].nbytes)
       else:
-        arr = reader.get(ent.hf_names[0])
+        arr = _finite(reader.get(ent.hf_names[0]), ent.hf_names[0], path)
         tick(arr.nbytes)
       flat[ent.path] = arr
   return config, _place(flat, config, mesh)
@@ -430,13 +441,15 @@ def load_nvfp4_checkpoint(path: str, *, progress: bool | None = None,
   with _progress(total, "load nvfp4", progress) as tick:
     for ent in entries:
       if not ent.stacked:
-        flat[ent.path] = jnp.asarray(reader.get(ent.hf_names[0]))
+        flat[ent.path] = jnp.asarray(_finite(reader.get(ent.hf_names[0]), ent.hf_names[0], path))
         tick(reader.infos[ent.hf_names[0]].nbytes)
         continue
       bases = [n[: -len(".weight")] for n in ent.hf_names]
       packed = np.stack([reader.get(b + ".weight") for b in bases])
-      scale = np.stack([reader.get(b + ".weight_scale") for b in bases])
-      ts = np.stack([reader.get(b + ".weight_scale_2") for b in bases]).reshape(-1, 1, 1)
+      scale = np.stack([_finite(reader.get(b + ".weight_scale"), b + ".weight_scale", path)
+                        for b in bases])
+      ts = np.stack([_finite(reader.get(b + ".weight_scale_2"), b + ".weight_scale_2", path)
+                     for b in bases]).reshape(-1, 1, 1)
       tick(sum(reader.infos[b + s].nbytes for b in bases
                for s in (".weight", ".weight_scale", ".weight_scale_2", ".input_scale")))
       q = formats.NVFP4Tensor(codes=formats.unpack_fp4(jnp.asarray(packed)),

@@ -1,9 +1,11 @@
 """Orbax checkpoints of model params plus their ModelConfig, dtype-exact, saved asynchronously.
 
 Layout of a checkpoint directory: `params/` (orbax standard pytree: the parameter state as a
-nested dict with string keys), `meta/` (JSON: the full ModelConfig and each parameter's dtype).
-Restoring builds the target from the stored config and dtypes, so every array comes back with
-the exact dtype and bits it was saved with, optionally sharded onto a mesh.
+nested dict with string keys), `meta/` (JSON: the full ModelConfig, each parameter's dtype and
+each parameter's content digest, `trace_jax.io.integrity`). Restoring builds the target from
+the stored config and dtypes, so every array comes back with the exact dtype and bits it was
+saved with, optionally sharded onto a mesh; a parameter whose bits differ from its digest (a
+garbled file) or that holds NaN/Inf is refused with `CheckpointError` naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
+from trace_jax.io import integrity
 from trace_jax.io.hf import CheckpointError, flatten_params, params_from_flat
 from trace_jax.model import abstract_params
 from trace_jax.model.config import ModelConfig
@@ -57,10 +60,12 @@ def save_orbax(path: str, config: ModelConfig, params: Any, *, wait: bool = Fals
   """
   path = os.path.abspath(path)
   flat = flatten_params(params)
+  tree = _string_tree(flat)
   meta = {"format": FORMAT, "config": dataclasses.asdict(config),
-          "dtypes": {_key(k): jnp.dtype(v.dtype).name for k, v in flat.items()}}
+          "dtypes": {_key(k): jnp.dtype(v.dtype).name for k, v in flat.items()},
+          "digest_version": integrity.DIGEST_VERSION, "digests": integrity.tree_digests(tree)}
   ckptr = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
-  ckptr.save(path, args=ocp.args.Composite(params=ocp.args.StandardSave(_string_tree(flat)),
+  ckptr.save(path, args=ocp.args.Composite(params=ocp.args.StandardSave(tree),
                                            meta=ocp.args.JsonSave(meta)), force=True)
   pending = PendingSave(ckptr, path)
   if wait:
@@ -113,5 +118,11 @@ def load_orbax(path: str, *, mesh: jax.sharding.Mesh | None = None) -> tuple[Mod
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
     got = ckptr.restore(path, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(_string_tree(target))))["params"]
+  try:
+    if meta.get("digest_version") == integrity.DIGEST_VERSION:
+      integrity.verify_digests(got, meta["digests"])
+    integrity.check_finite(got, "the checkpoint")
+  except integrity.IntegrityError as e:
+    raise CheckpointError(f"{path}: {e}") from e
   flat = {_path(_key(k)): v for k, v in traverse_util.flatten_dict(got).items()}
   return config, params_from_flat(config, flat)

@@ -270,6 +270,21 @@ class ModelConfig:
             "moe_intermediate_size")
     return {k: getattr(self, k) for k in keys}
 
+  def compute_fields(self) -> dict[str, Any]:
+    """The fields that fix what given weights compute: the shapes and routing
+    (`shape_fields`), the routing normalisation, the norms' epsilon, RoPE's base and the
+    compute dtype. Loading weights made under another value of any of them would serve or
+    train another function, so every load path compares them (`compute_differences`); the
+    precision policy and the kernels are the loader's own choice."""
+    keys = ("norm_topk_prob", "rms_norm_eps", "rope_theta", "dtype")
+    return {**self.shape_fields(), **{k: getattr(self, k) for k in keys}}
+
+
+def compute_differences(have: ModelConfig, want: ModelConfig) -> dict[str, tuple[Any, Any]]:
+  """{field: (have's, want's)} for every `compute_fields` field whose values differ."""
+  a, b = have.compute_fields(), want.compute_fields()
+  return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
 
 # ----------------------------------------------------------------------------- presets
 

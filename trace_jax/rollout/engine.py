@@ -152,14 +152,20 @@ class InProcessEngine:
       return out
 
   def update_weights(self, path_or_params: Any) -> None:
-    """New weights from an HF checkpoint directory or a params pytree (same shapes)."""
+    """New weights from an HF checkpoint directory or a params pytree (same shapes).
+
+    A directory is refused (ValueError; the old weights stay) when a tensor holds NaN/Inf or
+    its config.json differs from the served model's in any field that changes the computation
+    (`ModelConfig.compute_fields`: shapes, routing normalisation, norms, RoPE, dtype).
+    """
     if isinstance(path_or_params, (str, os.PathLike)):
       from trace_jax.io import hf
+      from trace_jax.model.config import compute_differences
       config, params = hf.load_hf_checkpoint(os.fspath(path_or_params))
-      mine = self.config.shape_fields()
-      if config.shape_fields() != mine:
-        raise ValueError(f"checkpoint shape {config.shape_fields()} does not match the "
-                         f"served model {mine}")
+      diff = compute_differences(self.config, config)
+      if diff:
+        raise ValueError("the checkpoint's config differs from the served model's in " + ", ".join(
+            f"{k} (served {a!r}, checkpoint {b!r})" for k, (a, b) in diff.items()))
     else:
       params = path_or_params
     old = self._param_shapes

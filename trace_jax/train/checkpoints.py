@@ -1,9 +1,11 @@
 """Run checkpoints: orbax save and restore, falling back past unreadable steps.
 
-A run keeps its newest `keep` checkpoints (train state plus the JSON history). On resume,
-`restore_latest` restores the newest step that reads back whole with the run's shapes; the
-steps that fail are logged, moved to `<run>/ckpt_corrupt/` and counted
-(`checkpoint_fallbacks`), so the run saves those steps afresh and a user can inspect them.
+A run keeps its newest `keep` checkpoints (train state plus the JSON history). Each records,
+when it commits, a digest of every array it holds (`trace_jax.io.integrity`). On resume,
+`restore_latest` restores the newest step that reads back whole, with the run's shapes, the
+recorded digests and finite values; the steps that fail (torn, garbled or non-finite) are
+logged, moved to `<run>/ckpt_corrupt/` and counted (`checkpoint_fallbacks`), so the run saves
+those steps afresh and a user can inspect them.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
+import threading
 import time
 from typing import Any
 
@@ -18,6 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from trace_jax.io import integrity
 from trace_jax.train import run_guard
 
 log = logging.getLogger(__name__)
@@ -36,15 +41,21 @@ CORRUPT_DIR = "ckpt_corrupt"
 
 
 class CheckpointRestoreError(run_guard.RunError):
-  """No checkpoint step of a run restores."""
+  """No checkpoint step of a run restores. Its message is one short line (the newest step's
+  error); `details` lists every step and its error (the launcher writes it to its log)."""
+
+  def __init__(self, message: str, details: str = ""):
+    super().__init__(message)
+    self.details = details
 
 
 def restore_latest(ckpt: ocp.CheckpointManager, state: Any, corrupt_dir: str
                    ) -> tuple[int, Any, dict[str, Any]] | None:
   """(step, state, meta) of the newest checkpoint that restores; None without checkpoints.
 
-  A step that fails to restore (truncated or garbled files) is logged with its error, and the
-  next older one is tried; once one restores, the failed newer steps move to `corrupt_dir`.
+  A step that fails to restore (truncated or garbled files: orbax's error, or content that
+  differs from the digests recorded at save; non-finite values) is logged with its error, and
+  the next older one is tried; once one restores, the failed newer steps move to `corrupt_dir`.
   Raises CheckpointRestoreError, moving nothing, when none restores (a damaged run, or a
   config whose shapes differ from the checkpoints').
   """
@@ -54,7 +65,9 @@ def restore_latest(ckpt: ocp.CheckpointManager, state: Any, corrupt_dir: str
       restored = ckpt.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(state), meta=ocp.args.JsonRestore()))
       _same_shapes(state, restored.state)
+      _verify(restored.state, restored.meta, step)
     except Exception as e:  # noqa: BLE001 - whatever broke in this step, an older one may do
+      _quiet_closed_loop_callbacks()
       why = _one_line(e)
       log.warning("checkpoint step %d in %s does not restore (%s); trying an older step", step,
                   ckpt.directory, why)
@@ -70,11 +83,29 @@ def restore_latest(ckpt: ocp.CheckpointManager, state: Any, corrupt_dir: str
       ckpt.reload()
     return int(step), restored.state, restored.meta
   if failed:
+    newest, why = failed[0]
     raise CheckpointRestoreError(
-        f"no checkpoint in {ckpt.directory} restores: " +
-        "; ".join(f"step {s}: {why}" for s, why in failed) +
-        " (a config whose shapes differ from the run's fails so too: use a new workdir)")
+        f"no checkpoint in {ckpt.directory} restores (steps {', '.join(str(s) for s, _ in failed)}"
+        f"; step {newest}: {_one_line_text(why, 160)}); a config whose shapes differ from the "
+        "run's fails so too: use a new workdir, or move the ckpt directory aside to start over",
+        details="\n".join(f"step {s}: {why}" for s, why in failed))
   return None
+
+
+class NonFiniteStateError(run_guard.RunError):
+  """A training state holds NaN or Inf: the run stops before it is checkpointed."""
+
+
+def check_state(state: Any, nonfinite: Any, where: str) -> None:
+  """The finite-values guard after an update: raises NonFiniteStateError naming `where` (e.g.
+  "rl step 5") and the first leaf of `state` that holds NaN or Inf, from the step's
+  `nonfinite` flags (`trace_jax.io.integrity.nonfinite_flags` of the new state)."""
+  bad = integrity.first_nonfinite(state, nonfinite)
+  if bad is not None:
+    raise NonFiniteStateError(
+        f"{where}: the update left non-finite values (NaN or Inf) in {bad}; the run stops "
+        "before checkpointing them (it resumes from its last checkpoint: lower the learning "
+        "rate or check the data)")
 
 
 def _same_shapes(want: Any, got: Any) -> None:
@@ -87,6 +118,48 @@ def _same_shapes(want: Any, got: Any) -> None:
     raise ValueError(f"stored shapes differ from the config's at {bad[:3] or 'the structure'}")
 
 
+_HOOK_LOCK = threading.Lock()
+
+
+def _quiet_closed_loop_callbacks() -> None:
+  """Drops the "Event loop is closed" errors that a failed orbax restore leaves behind.
+
+  orbax runs a restore in its own asyncio loop and closes it when a read fails; TensorStore
+  reads still in flight then complete on their threads and call `call_soon_threadsafe` on the
+  closed loop, which Python reports as "Exception ignored" tracebacks after the fallback has
+  succeeded. Installed once, on the first failed step; every other unraisable error reaches
+  the previous hook unchanged.
+  """
+  with _HOOK_LOCK:
+    previous = sys.unraisablehook
+    if getattr(previous, "_drops_closed_loop_callbacks", False):
+      return
+
+    def hook(info: Any) -> None:
+      tb = info.exc_traceback
+      while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+      if (isinstance(info.exc_value, RuntimeError) and str(info.exc_value) ==
+          "Event loop is closed" and tb is not None and
+          tb.tb_frame.f_code.co_name == "_check_closed"):
+        return
+      previous(info)
+
+    hook._drops_closed_loop_callbacks = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def _verify(state: Any, meta: dict[str, Any], step: int) -> None:
+  """Raises IntegrityError unless the restored state has its recorded digests (checkpoints
+  saved before digests were recorded are only checked for finite values) and finite values."""
+  if meta.get("digest_version") == integrity.DIGEST_VERSION:
+    integrity.verify_digests(state, meta["digests"])
+  else:
+    log.warning("checkpoint step %d records no digest (%s): its content is not verified", step,
+                meta.get("digest_version", "saved before digests"))
+  integrity.check_finite(state, f"checkpoint step {step}")
+
+
 def checkpoint_fallbacks(workdir: str) -> int:
   """How many checkpoint steps of the run at `workdir` failed to restore (moved aside)."""
   path = os.path.join(workdir, CORRUPT_DIR)
@@ -94,12 +167,19 @@ def checkpoint_fallbacks(workdir: str) -> int:
 
 
 def _one_line(e: BaseException, limit: int = 300) -> str:
-  text = " ".join(f"{type(e).__name__}: {e}".split())
+  return _one_line_text(f"{type(e).__name__}: {e}", limit)
+
+
+def _one_line_text(text: str, limit: int) -> str:
+  text = " ".join(text.split())
   return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def save(ckpt: ocp.CheckpointManager, step: int, state: Any, meta: dict[str, Any]) -> None:
-  """Saves `state` and the JSON-able `meta` as checkpoint `step` and waits for it."""
+  """Saves `state` and the JSON-able `meta` (plus the state's digests) as checkpoint `step`
+  and waits for it."""
+  meta = {**meta, "digest_version": integrity.DIGEST_VERSION,
+          "digests": integrity.tree_digests(state)}
   ckpt.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                           meta=ocp.args.JsonSave(meta)))
   ckpt.wait_until_finished()

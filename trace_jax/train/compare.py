@@ -9,7 +9,7 @@ config: every launch is checked against it before anything runs.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import json
 import os
 from collections.abc import Sequence
@@ -19,8 +19,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from trace_jax import model as model_lib
 from trace_jax.io import orbax_ckpt
+from trace_jax.model import config as config_lib
 from trace_jax.model import policies as policies_lib
 from trace_jax.train import rl_loop, run_guard, run_log, task_io
 
@@ -48,20 +48,43 @@ def run(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None =
   `run_guard.UserError` before anything runs (`preflight`).
   """
   preflight(cfg, workdir, policies, sft_checkpoint, allow_config_change)
-  params, sft_history = warm_start(cfg, workdir, sft_checkpoint, progress)
-  if not policies:
-    return {"policies": {}, "sft": {"history": sft_history}}
-  finals: dict[int, Any] = {}  # bf16's final weights per seed, for the post-hoc FP4 eval
-  for policy in policies:
-    for seed in rl_loop.rl_seeds(cfg):
-      out = rl_loop.run_rl(cfg, run_dir(workdir, policy, seed), policy, params, seed=seed,
-                           engine_factory=engine_factory, progress=progress)
-      if policy == "bf16":
-        finals[seed] = out["params"]
-  posthoc_path = os.path.join(workdir, f"{POSTHOC}.json")
-  if finals and cfg.eval.get("posthoc_fp4", True) and not _has_seeds(posthoc_path, finals):
-    _write_json(posthoc_path, posthoc_fp4(cfg, params, finals))
-  return report(cfg, workdir, policies, sft_history)
+  with contextlib.ExitStack() as locks:
+    hold_locks(locks, cfg, workdir, policies, sft_checkpoint)
+    params, sft_history = warm_start(cfg, workdir, sft_checkpoint, progress)
+    if not policies:
+      return {"policies": {}, "sft": {"history": sft_history}}
+    finals: dict[int, Any] = {}  # bf16's final weights per seed, for the post-hoc FP4 eval
+    for policy in policies:
+      for seed in rl_loop.rl_seeds(cfg):
+        out = rl_loop.run_rl(cfg, run_dir(workdir, policy, seed), policy, params, seed=seed,
+                             engine_factory=engine_factory, progress=progress)
+        if policy == "bf16":
+          finals[seed] = out["params"]
+    posthoc_path = os.path.join(workdir, f"{POSTHOC}.json")
+    if finals and cfg.eval.get("posthoc_fp4", True) and not _has_seeds(posthoc_path, finals):
+      _write_json(posthoc_path, posthoc_fp4(cfg, params, finals))
+    return report(cfg, workdir, policies, sft_history)
+
+
+RUN_LOCK = "run.lock"  # in each run's directory
+SFT_LOCK = "sft.lock"  # in the workdir, while a launch trains the warm start
+
+
+def hold_locks(stack: contextlib.ExitStack, cfg, workdir: str, policies: Sequence[str],
+               sft_checkpoint: str | None) -> None:
+  """Locks, for the rest of the launch, everything it will write: the warm start when it
+  trains one (`workdir/sft` absent), and each of its (policy, seed) runs, whose directory
+  holds its checkpoints, logs and guidance store. A launch that would write something another
+  live launch holds is refused (`run_guard.WorkdirInUseError`, naming that process) before it
+  writes anything; launches of other policies share a workdir (README: `--sft_only`, then one
+  `--policies` process each)."""
+  wanted = []
+  if not sft_checkpoint and not os.path.isdir(os.path.join(workdir, "sft")):
+    wanted.append((os.path.join(workdir, SFT_LOCK), f"the warm start of {workdir}"))
+  wanted += [(os.path.join(run_dir(workdir, p, s), RUN_LOCK), f"the run {run_dir(workdir, p, s)}")
+             for p in policies for s in rl_loop.rl_seeds(cfg)]
+  for path, what in wanted:
+    stack.enter_context(run_guard.holding(path, what))
 
 
 def preflight(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None = None,
@@ -89,15 +112,14 @@ def preflight(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | 
 
 
 def check_warm_start(cfg, path: str) -> None:
-  """Raises ValueError when the orbax checkpoint at `path` has other parameter shapes than the
-  config's model (another width, depth, vocabulary...), naming the differing fields."""
+  """Raises ValueError when the orbax checkpoint at `path` is of another model than the
+  config's: other parameter shapes (width, depth, vocabulary...) or another value of a field
+  that changes the computation (`ModelConfig.compute_fields`: routing normalisation, norms,
+  RoPE, dtype), naming the differing fields."""
   saved = orbax_ckpt.read_orbax_config(path)
   want = rl_loop.model_config(cfg, "bf16")
-  shapes = lambda c: {k: tuple(v.shape) for k, v in
-                      orbax_ckpt.flatten_params(model_lib.abstract_params(c)).items()}
-  if shapes(saved) != shapes(want):
-    old, new = dataclasses.asdict(saved), dataclasses.asdict(want)
-    fields = {f"model.{k}": (old[k], new[k]) for k in old if old[k] != new[k]}
+  fields = {f"model.{k}": v for k, v in config_lib.compute_differences(saved, want).items()}
+  if fields:
     raise ValueError(f"the warm start {path} is of another model ({run_guard.describe(fields)})"
                      f"; use a new --workdir (or a matching --sft_checkpoint)")
 

@@ -211,11 +211,15 @@ class GRPOLearner:
   def update(self, batch: batch_lib.RLBatch, tap_layers: tuple[int, ...] = (),
              tap_rows: int = 0) -> tuple[dict[str, float], Any]:
     """One GRPO step on `batch`, then the new weights to the engine. Returns (metrics, the
-    training forward's taps of `tap_layers` for the first `tap_rows` sequences)."""
+    training forward's taps of `tap_layers` for the first `tap_rows` sequences). A state left
+    non-finite by the step stops the run (`checkpoints.NonFiniteStateError`) before the
+    engine or a checkpoint sees it."""
     self.state, m, taps = step_lib.grpo_step(
         self.state, batch, config=self.model_cfg, tx=self.tx, rl=self.loss_cfg,
         tap_layers=tap_layers, tap_rows=tap_rows)
     m = jax.device_get(m)
+    checkpoints.check_state(self.state, m.pop("nonfinite"),
+                            f"rl step {int(self.state.step) - 1} of {self.workdir}")
     self.engine.update_weights(self.state.params)
     return m, taps
 

@@ -28,7 +28,7 @@ from trace_jax.model.config import ModelConfig
 from trace_jax.rl import advantages as adv_lib
 from trace_jax.rollout.protocol import RolloutEngine, Sample
 from trace_jax.train import batch as batch_lib
-from trace_jax.train import mismatch
+from trace_jax.train import checkpoints, mismatch
 from trace_jax.train import step as step_lib
 from trace_jax.train.task_io import TaskIO, make_task_io
 
@@ -234,6 +234,7 @@ def run_sft(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True
     b = batch_lib.sequence_batch(prompts, demos, cfg.seq_len, masks)
     state, m = step_lib.sft_step(state, {k: jnp.asarray(v) for k, v in b.items()}, config=mc,
                                  tx=tx)
+    checkpoints.check_state(state, m["nonfinite"], f"sft step {i}")
     if i % 10 == 0 or i == s.steps - 1:
       loss = float(m["loss"])
       history.append({"step": i, "loss": loss})

@@ -6,16 +6,20 @@ config minus `EXEMPT`); a later launch with another fingerprint is refused with 
 differ, unless the caller allows the change (then the change is logged and kept in the file's
 `changes`). Without it, a resumed run would mix two configs' numbers under the new config's
 name. Processes that share a workdir (`--sft_only`, then one `--policies` process each) take
-an exclusive lock on `run_config.lock`; the first writes the file, the others compare.
+an exclusive lock on `run_config.lock`; the first writes the file, the others compare. For the
+whole launch each process also holds the runs it writes (`holding`), so two launches never
+write one run.
 
 The launchers report user errors (`UserError`: a bad config, flag or workdir) as one line,
 `error: <message>`, and exit 2; `RunError` (a fault the run cannot get past, e.g. no
-checkpoint restores) exits 1 the same way.
+checkpoint restores) and every other fault (disk full, permission denied) exit 1 the same way,
+with the traceback in a log file the line names (`exit_on_errors`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -56,6 +60,10 @@ class UserError(ValueError):
 
 class ConfigMismatchError(UserError):
   """The workdir holds a run of another config (fingerprint differs)."""
+
+
+class WorkdirInUseError(UserError):
+  """Another live launch holds a run (or warm start) this launch would write."""
 
 
 class RunError(RuntimeError):
@@ -221,6 +229,19 @@ def _now() -> str:
   return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
+@contextlib.contextmanager
+def holding(path: str, what: str) -> Iterator[None]:
+  """`trace_jax.io.locks.hold` for a launch: another live holder is a WorkdirInUseError
+  (one line, exit status 2) naming it."""
+  from trace_jax.io import locks
+  with contextlib.ExitStack() as stack:
+    try:
+      stack.enter_context(locks.hold(path, what))
+    except locks.LockHeldError as e:
+      raise WorkdirInUseError(str(e)) from None
+    yield
+
+
 # ------------------------------------------------------------------------------ launchers
 
 @contextlib.contextmanager
@@ -242,18 +263,91 @@ def fail(message: Any, status: int = 2) -> NoReturn:
 
 
 @contextlib.contextmanager
-def exit_on_errors() -> Iterator[None]:
-  """A launcher's main body: UserError exits 2, RunError exits 1, each as one line."""
+def exit_on_errors(log_dir: str | None = None) -> Iterator[None]:
+  """A launcher's main body, ending every error in one line, `error: <cause>; <what to do>`.
+
+  UserError (config, flags, workdir) exits 2. RunError (a fault the run cannot get past) and
+  every other exception (disk full, permission denied, a bug) exit 1; their traceback (and a
+  RunError's `details`) go to a log file the line names: `<log_dir>/error.log` (appended), or
+  the temp directory when that cannot be written (a full disk).
+  """
   try:
     yield
   except UserError as e:
     fail(e, 2)
-  except RunError as e:
-    fail(e, 1)
+  except (KeyboardInterrupt, SystemExit):
+    raise
+  except BaseException as e:  # noqa: BLE001 - every fault ends as one line, its traceback logged
+    where = write_error_log(e, log_dir)
+    fail(f"{describe_fault(e)} ({where})", 1)
 
 
-def flags_parser(config_flag: Any) -> Callable[[list[str]], list[str]]:
+MAX_ERROR_CHARS = 400  # one line a person reads; the rest goes to the log
+
+
+def describe_fault(e: BaseException) -> str:
+  """The cause of a fault in a few words, with what to do, from the exception and its chain:
+  no space left, permission denied or a read-only file system (by errno or by the message
+  that TensorStore and orbax wrap them in), a RunError's own message, or the exception."""
+  for x in _chain(e):
+    text = " ".join(str(x).split())
+    code = getattr(x, "errno", None)
+    where = f" writing {x.filename}" if getattr(x, "filename", None) else ""
+    if code in (errno.ENOSPC, errno.EDQUOT) or re.search(
+        r"No space left on device|Disk quota exceeded|ENOSPC", text):
+      return (f"no space left on the device{where} ({type(x).__name__}); free space there or "
+              "use another --workdir, then launch again: the run resumes from its last "
+              "checkpoint")
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS) or re.search(
+        r"Permission denied|Read-only file system", text):
+      return (f"permission denied{where} ({_short(text)}); make that path writable or use "
+              "another --workdir")
+    if code == errno.EADDRINUSE:
+      return f"address already in use ({_short(text)}); pick another --port or stop its holder"
+  if isinstance(e, RunError):
+    return _short(" ".join(str(e).split()))
+  return _short(f"{type(e).__name__}: {' '.join(str(e).split())}")
+
+
+def _chain(e: BaseException) -> Iterator[BaseException]:
+  seen: set[int] = set()
+  x: BaseException | None = e
+  while x is not None and id(x) not in seen:
+    seen.add(id(x))
+    yield x
+    x = x.__cause__ or x.__context__
+
+
+def _short(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+  return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+def write_error_log(e: BaseException, log_dir: str | None) -> str:
+  """Appends the exception's traceback (and `details`, when it has them) to
+  `<log_dir>/error.log`, falling back to a file in the temp directory; returns "traceback in
+  <path>", or why it could not be saved."""
+  import tempfile
+  import traceback
+  text = "".join([f"==== {_now()} pid {os.getpid()}: {' '.join(sys.argv)}\n",
+                  *traceback.format_exception(e),
+                  *([f"details:\n{e.details}\n"] if getattr(e, "details", None) else [])])
+  tried = []
+  for d in ([log_dir] if log_dir else []) + [tempfile.gettempdir()]:
+    path = os.path.join(d, "error.log" if d == log_dir else f"trace_jax-error-{os.getpid()}.log")
+    try:
+      os.makedirs(d, exist_ok=True)
+      with open(path, "a") as f:
+        f.write(text)
+      return f"traceback in {path}"
+    except OSError as err:
+      tried.append(f"{path}: {err.strerror}")
+  return f"traceback not saved: {'; '.join(tried)}"
+
+
+def flags_parser(config_flag: Any = None) -> Callable[[list[str]], list[str]]:
   """An `app.run(flags_parser=...)` that reports flag and config-file errors in one line.
+
+  config_flag: the launcher's ml_collections config flag, if it has one.
 
   absl exits 1 with its own text on a bad flag value; ml_collections raises AttributeError from
   the flag parser on an unknown `--config.x` override and defers a missing config file's
@@ -267,13 +361,18 @@ def flags_parser(config_flag: Any) -> Callable[[list[str]], list[str]]:
     except flags.Error as e:
       fail(e)
     except (AttributeError, KeyError) as e:
+      if config_flag is None:
+        raise
       fail(_override_message(e, argv, config_flag.name))
     except OSError as e:
+      if config_flag is None:
+        raise
       fail(_config_file_message(e, argv, config_flag.name))
-    try:
-      config_flag.value.keys()  # a config file that failed to load raises here
-    except OSError as e:
-      fail(_config_file_message(e, argv, config_flag.name))
+    if config_flag is not None:
+      try:
+        config_flag.value.keys()  # a config file that failed to load raises here
+      except OSError as e:
+        fail(_config_file_message(e, argv, config_flag.name))
     return rest
 
   return parse

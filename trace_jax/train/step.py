@@ -22,6 +22,7 @@ import optax
 from flax import struct
 
 from trace_jax import model as model_lib
+from trace_jax.io import integrity
 from trace_jax.model import expert_parallel, sharding
 from trace_jax.model.config import ModelConfig
 from trace_jax.rl import losses
@@ -199,6 +200,9 @@ def _grpo_step(state: TrainState, batch: RLBatch, *, config: ModelConfig,
                tap_rows: int | None = None) -> tuple[TrainState, dict[str, jax.Array], Any]:
   """One on-policy GRPO update. Returns (state, metrics, taps of the training forward).
 
+  metrics["nonfinite"]: the finite-values guard, bool per leaf of the new state (True: NaN or
+  Inf); `checkpoints.check_state` names the first such leaf.
+
   taps: full-mode records of `tap_layers`' sites for the first `tap_rows` sequences (all if
   None), and every layer's routing for all sequences (when tap_layers is set).
   """
@@ -209,8 +213,10 @@ def _grpo_step(state: TrainState, batch: RLBatch, *, config: ModelConfig,
                     for site, v in sites.items()} for layer, sites in taps.items()}
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
-  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics, taps
+  new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+  metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
+                 nonfinite=integrity.nonfinite_flags(new))
+  return new, metrics, taps
 
 
 grpo_step = ShardedStep(_grpo_step, 3)
@@ -235,12 +241,14 @@ def _sft_loss(params, config: ModelConfig, batch: dict[str, Any]):
 
 def _sft_step(state: TrainState, batch: dict[str, Any], *, config: ModelConfig,
               tx: optax.GradientTransformation) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One supervised step: mean NLL of the demonstration tokens."""
+  """One supervised step: mean NLL of the demonstration tokens (metrics as `_grpo_step`'s:
+  loss, grad_norm, nonfinite)."""
   loss, grads = jax.value_and_grad(_sft_loss)(state.params, config, batch)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  return (TrainState(step=state.step + 1, params=params, opt_state=opt_state),
-          {"loss": loss, "grad_norm": optax.tree.norm(grads)})
+  new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+  return new, {"loss": loss, "grad_norm": optax.tree.norm(grads),
+               "nonfinite": integrity.nonfinite_flags(new)}
 
 
 sft_step = ShardedStep(_sft_step, 2)
