@@ -33,12 +33,12 @@ lint: $(STAMP)
 # --dist worksteal: each worker starts on one contiguous half of the suite (a module's tests,
 # module fixtures and compiled programs stay in one process) and steals queued tests when idle.
 # The SGLang plugin's tests run in a process of their own: SGLang loads tvm_ffi, whose SIGSEGV
-# handler deadlocked a JAX test worker twice (WORKSPACE.md, 2026-12-03). --durations: the
+# handler deadlocked a JAX test worker (WORKSPACE.md, Traps). --durations: the
 # slowest tests at the end of the log (the suite runs near its ~20 minute budget).
 # TEST_XLA_FLAGS: 8 simulated CPU devices for the sharding tests, and XLA's CPU backend at
 # optimization level 0: the suite's time is mostly compiling small programs once (the packed-KV
 # sessions test: 84 -> 68 s alone). XLA's CPU backend uses no fast math at either level; the
-# whole suite, bit-exact tests included, passed at both (2026-12-04).
+# whole suite, bit-exact tests included, passed at both.
 TEST_XLA_FLAGS = --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0
 test: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/ruff check .

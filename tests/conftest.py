@@ -14,10 +14,9 @@ import pytest
 
 # JAX's persistent compilation cache is off in the suite unless asked for
 # (TRACE_TEST_COMPILE_CACHE=1; or JAX_COMPILATION_CACHE_DIR set by hand). Writing an entry
-# serializes the executable, and on 2026-12-03 a serialization threw a C++ exception whose
-# unwinding crashed in libgcc's unwinder three times in a few `.ci/run`s (a worker hung in
-# tvm_ffi's SIGSEGV handler twice, aborted once; WORKSPACE.md). Shared between the xdist
-# workers it had made the suite ~10% faster.
+# serializes the executable, and a serialization that threw a C++ exception crashed in libgcc's
+# unwinder in CI (a worker hung in tvm_ffi's SIGSEGV handler, or aborted; WORKSPACE.md, Traps).
+# Shared between the xdist workers it had made the suite ~10% faster.
 if os.environ.get("TRACE_TEST_COMPILE_CACHE") == "1" and \
     "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   jax.config.update("jax_compilation_cache_dir",
@@ -37,9 +36,9 @@ if _QUANT_TESTS not in sys.path:
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs() -> Iterator[None]:
   """Drops every compiled program after each test module. A worker that kept them all held
-  ~7 GB by the end of the suite, and the three `.ci/run`s of 2026-12-03 (second session)
-  each lost a worker at 94-97% to a C++ abort or hang inside XLA on this 23 GB, swap-free
-  machine (WORKSPACE.md); a module's own programs stay cached while it runs."""
+  ~7 GB by the end of the suite, and CI runs lost a worker at 94-97% to a C++ abort or hang
+  inside XLA on the 23 GB, swap-free CI machine (WORKSPACE.md, Traps); a module's own programs
+  stay cached while it runs."""
   yield
   jax.clear_caches()
   gc.collect()

@@ -1,4 +1,4 @@
-"""Defined behaviour for bad input (issue 2, docs/numerics.md): clear errors, never garbage.
+"""Defined behaviour for bad input (docs/numerics.md): clear errors, never garbage.
 
 Eager calls on concrete arrays raise; under `jit` non-finite input poisons exactly its block
 (its row under per-row scaling, its tensor under per-tensor scaling).
