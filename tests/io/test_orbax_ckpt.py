@@ -47,3 +47,34 @@ def test_restore_sharded(tmp_path):
 def test_not_a_checkpoint(tmp_path):
   with pytest.raises(FileNotFoundError, match="not a trace_jax orbax checkpoint"):
     orbax_ckpt.load_orbax(str(tmp_path))
+
+
+def _garble_largest_array(path) -> None:
+  files = [p for p in path.rglob("*") if p.is_file() and p.parent.name == "d"]
+  f = max(files, key=lambda p: p.stat().st_size)
+  data = bytearray(f.read_bytes())
+  mid = len(data) // 2
+  data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+  f.write_bytes(bytes(data))
+
+
+def test_garbled_or_non_finite_params_do_not_load(tmp_path):
+  """A checkpoint whose largest array file has 64 garbled bytes (it still decodes, into other
+  values) fails its recorded digests; one saved with a NaN fails the finite check. Both raise
+  CheckpointError naming the parameter."""
+  from trace_jax.io import hf
+  config = M.tiny()
+  params = M.init_params(config, 0)
+  path = orbax_ckpt.save_orbax(str(tmp_path / "good"), config, params, wait=True).path
+  _garble_largest_array(tmp_path / "good")
+  with pytest.raises(hf.CheckpointError, match=r"good: the content of \['layers'\].* differs "
+                                               r"from its recorded digest"):
+    orbax_ckpt.load_orbax(path)
+  flat = hf.flatten_params(params)
+  key = next(k for k in flat if "up" in str(k))
+  flat[key] = flat[key].at[0, 0, 1].set(jnp.inf)
+  bad = hf.params_from_flat(config, flat)
+  path = orbax_ckpt.save_orbax(str(tmp_path / "inf"), config, bad, wait=True).path
+  with pytest.raises(hf.CheckpointError, match=r"holds non-finite values \(NaN or Inf\) in "
+                                               r"\['layers'\]"):
+    orbax_ckpt.load_orbax(path)

@@ -4,6 +4,8 @@ then one summary of all."""
 import json
 import os
 
+import pytest
+
 from tests.train.test_rl_loop import tiny_cfg
 from trace_jax.train import compare, run_guard
 from trace_jax.train import step as step_lib
@@ -91,3 +93,21 @@ def test_seeds_spread_and_posthoc_fp4(tmp_path):
   assert 0.0 <= post["final_reward"] <= 1.0 and post["sft_reward"] is not None
   for s in (0, 1):
     assert (tmp_path / "bf16" / f"seed{s}" / "metrics.csv").exists()
+
+
+@pytest.mark.parametrize("field,value", [("norm_topk_prob", False), ("dtype", "float32"),
+                                         ("rope_theta", 5e5), ("rms_norm_eps", 1e-5)],
+                         ids=["norm_topk_prob", "dtype", "rope_theta", "rms_norm_eps"])
+def test_a_warm_start_of_another_computation_is_refused(field, value, tmp_path):
+  """--sft_checkpoint (or workdir/sft) of the same shapes but another value of a field that
+  changes what the weights compute: refused before the warm start, naming the field."""
+  from trace_jax import model as model_lib
+  from trace_jax.io import orbax_ckpt
+  from trace_jax.train import rl_loop
+  cfg = tiny_cfg()
+  saved = rl_loop.model_config(cfg, "bf16").replace(**{field: value})
+  ckpt = str(tmp_path / "ckpt")
+  orbax_ckpt.save_orbax(ckpt, saved, model_lib.init_params(saved, 0), wait=True)
+  with pytest.raises(run_guard.UserError, match=rf"is of another model \(model.{field}: "):
+    compare.preflight(cfg, str(tmp_path / "work"), ["bf16"], sft_checkpoint=ckpt)
+  assert not (tmp_path / "work" / run_guard.FILE).exists()

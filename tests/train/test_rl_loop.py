@@ -226,9 +226,11 @@ def test_no_restorable_checkpoint_is_a_clear_error(tmp_path):
   _truncate_arrays(tmp_path / "ckpt" / "2")
   other_shape = {"w": np.zeros(5, np.float32)}  # step 1 is intact, but of another shape
   with pytest.raises(checkpoints.CheckpointRestoreError,
-                     match=r"no checkpoint in .* restores: step 2: .*; step 1: ") as e:
+                     match=r"no checkpoint in .* restores \(steps 2, 1; step 2: .*\)") as e:
     checkpoints.restore_latest(mgr, other_shape, str(tmp_path / "aside"))
-  assert "\n" not in str(e.value)
+  assert "\n" not in str(e.value) and len(str(e.value)) < 450
+  step2, step1 = e.value.details.splitlines()  # every step and its error, for the log
+  assert step2.startswith("step 2: ") and step1.startswith("step 1: ValueError: stored shapes")
   assert not (tmp_path / "aside").exists() and mgr.all_steps() == [1, 2]
   step, restored, meta = checkpoints.restore_latest(mgr, state, str(tmp_path / "aside"))
   assert step == 1 and meta == {"history": []} and (tmp_path / "aside").is_dir()

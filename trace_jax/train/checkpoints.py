@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
-import threading
 import time
 from typing import Any
 
@@ -67,7 +65,7 @@ def restore_latest(ckpt: ocp.CheckpointManager, state: Any, corrupt_dir: str
       _same_shapes(state, restored.state)
       _verify(restored.state, restored.meta, step)
     except Exception as e:  # noqa: BLE001 - whatever broke in this step, an older one may do
-      _quiet_closed_loop_callbacks()
+      run_guard.quiet_closed_loop_callbacks()
       why = _one_line(e)
       log.warning("checkpoint step %d in %s does not restore (%s); trying an older step", step,
                   ckpt.directory, why)
@@ -86,8 +84,8 @@ def restore_latest(ckpt: ocp.CheckpointManager, state: Any, corrupt_dir: str
     newest, why = failed[0]
     raise CheckpointRestoreError(
         f"no checkpoint in {ckpt.directory} restores (steps {', '.join(str(s) for s, _ in failed)}"
-        f"; step {newest}: {_one_line_text(why, 160)}); a config whose shapes differ from the "
-        "run's fails so too: use a new workdir, or move the ckpt directory aside to start over",
+        f"; step {newest}: {_one_line_text(why, 120)}); a config of other shapes fails so: use "
+        "a new workdir; else move the ckpt directory aside to start over",
         details="\n".join(f"step {s}: {why}" for s, why in failed))
   return None
 
@@ -116,37 +114,6 @@ def _same_shapes(want: Any, got: Any) -> None:
          if np.shape(a) != np.shape(b)]
   if jax.tree.structure(want) != jax.tree.structure(got) or bad:
     raise ValueError(f"stored shapes differ from the config's at {bad[:3] or 'the structure'}")
-
-
-_HOOK_LOCK = threading.Lock()
-
-
-def _quiet_closed_loop_callbacks() -> None:
-  """Drops the "Event loop is closed" errors that a failed orbax restore leaves behind.
-
-  orbax runs a restore in its own asyncio loop and closes it when a read fails; TensorStore
-  reads still in flight then complete on their threads and call `call_soon_threadsafe` on the
-  closed loop, which Python reports as "Exception ignored" tracebacks after the fallback has
-  succeeded. Installed once, on the first failed step; every other unraisable error reaches
-  the previous hook unchanged.
-  """
-  with _HOOK_LOCK:
-    previous = sys.unraisablehook
-    if getattr(previous, "_drops_closed_loop_callbacks", False):
-      return
-
-    def hook(info: Any) -> None:
-      tb = info.exc_traceback
-      while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-      if (isinstance(info.exc_value, RuntimeError) and str(info.exc_value) ==
-          "Event loop is closed" and tb is not None and
-          tb.tb_frame.f_code.co_name == "_check_closed"):
-        return
-      previous(info)
-
-    hook._drops_closed_loop_callbacks = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
 
 
 def _verify(state: Any, meta: dict[str, Any], step: int) -> None:

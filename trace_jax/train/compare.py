@@ -83,8 +83,10 @@ def hold_locks(stack: contextlib.ExitStack, cfg, workdir: str, policies: Sequenc
     wanted.append((os.path.join(workdir, SFT_LOCK), f"the warm start of {workdir}"))
   wanted += [(os.path.join(run_dir(workdir, p, s), RUN_LOCK), f"the run {run_dir(workdir, p, s)}")
              for p in policies for s in rl_loop.rl_seeds(cfg)]
+  # The processes of one multi-host launch share its runs: each holds its own process's lock.
+  suffix = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
   for path, what in wanted:
-    stack.enter_context(run_guard.holding(path, what))
+    stack.enter_context(run_guard.holding(path + suffix, what))
 
 
 def preflight(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None = None,

@@ -28,6 +28,7 @@ import os
 import re
 import reprlib
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
@@ -271,15 +272,79 @@ def exit_on_errors(log_dir: str | None = None) -> Iterator[None]:
   RunError's `details`) go to a log file the line names: `<log_dir>/error.log` (appended), or
   the temp directory when that cannot be written (a full disk).
   """
+  quiet_closed_loop_callbacks()
+  with _orbax_errors_aside() as aside:
+    try:
+      yield
+    except UserError as e:
+      fail(e, 2)
+    except (KeyboardInterrupt, SystemExit):
+      raise
+    except BaseException as e:  # noqa: BLE001 - every fault ends as one line, traceback logged
+      held = "".join(logging.Formatter().format(r) + "\n" for r in aside.held)
+      where = write_error_log(e, log_dir, held)
+      fail(f"{describe_fault(e)} ({where})", 1)
+
+
+_HOOK_LOCK = threading.Lock()
+
+
+def quiet_closed_loop_callbacks() -> None:
+  """Drops the "Event loop is closed" errors that a failed orbax restore leaves behind.
+
+  orbax runs a restore in its own asyncio loop and closes it when a read fails; TensorStore
+  reads still in flight then complete on their threads and call `call_soon_threadsafe` on the
+  closed loop, which Python reports as "Exception ignored" tracebacks after the fallback has
+  succeeded or the launcher has reported the fault. Installed once (by the launchers, and by
+  a restore that falls back); every other unraisable error reaches the previous hook
+  unchanged.
+  """
+  with _HOOK_LOCK:
+    previous = sys.unraisablehook
+    if getattr(previous, "_drops_closed_loop_callbacks", False):
+      return
+
+    def hook(info: Any) -> None:
+      tb = info.exc_traceback
+      while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+      if (isinstance(info.exc_value, RuntimeError) and str(info.exc_value) ==
+          "Event loop is closed" and tb is not None and
+          tb.tb_frame.f_code.co_name == "_check_closed"):
+        return
+      previous(info)
+
+    hook._drops_closed_loop_callbacks = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+class _OrbaxErrorsAside(logging.Filter):
+  """Keeps orbax's own error reports off the console: each comes with a traceback of the
+  failure the launcher reports in one line (tens of them for one full disk); they are kept
+  for the error log."""
+
+  def __init__(self) -> None:
+    super().__init__()
+    self.held: list[logging.LogRecord] = []
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno >= logging.ERROR and "/orbax/" in record.pathname.replace(os.sep, "/"):
+      self.held.append(record)
+      return False
+    return True
+
+
+@contextlib.contextmanager
+def _orbax_errors_aside() -> Iterator[_OrbaxErrorsAside]:
+  aside = _OrbaxErrorsAside()
+  handlers = list(logging.getLogger().handlers)
+  for h in handlers:
+    h.addFilter(aside)
   try:
-    yield
-  except UserError as e:
-    fail(e, 2)
-  except (KeyboardInterrupt, SystemExit):
-    raise
-  except BaseException as e:  # noqa: BLE001 - every fault ends as one line, its traceback logged
-    where = write_error_log(e, log_dir)
-    fail(f"{describe_fault(e)} ({where})", 1)
+    yield aside
+  finally:
+    for h in handlers:
+      h.removeFilter(aside)
 
 
 MAX_ERROR_CHARS = 400  # one line a person reads; the rest goes to the log
@@ -292,7 +357,8 @@ def describe_fault(e: BaseException) -> str:
   for x in _chain(e):
     text = " ".join(str(x).split())
     code = getattr(x, "errno", None)
-    where = f" writing {x.filename}" if getattr(x, "filename", None) else ""
+    path = getattr(x, "filename", None) or next(iter(re.findall(r'file "([^"]+)"', text)), None)
+    where = f" writing {path}" if path else ""
     if code in (errno.ENOSPC, errno.EDQUOT) or re.search(
         r"No space left on device|Disk quota exceeded|ENOSPC", text):
       return (f"no space left on the device{where} ({type(x).__name__}); free space there or "
@@ -322,15 +388,16 @@ def _short(text: str, limit: int = MAX_ERROR_CHARS) -> str:
   return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
-def write_error_log(e: BaseException, log_dir: str | None) -> str:
-  """Appends the exception's traceback (and `details`, when it has them) to
+def write_error_log(e: BaseException, log_dir: str | None, extra: str = "") -> str:
+  """Appends the exception's traceback (its `details`, when it has them, and `extra`) to
   `<log_dir>/error.log`, falling back to a file in the temp directory; returns "traceback in
   <path>", or why it could not be saved."""
   import tempfile
   import traceback
   text = "".join([f"==== {_now()} pid {os.getpid()}: {' '.join(sys.argv)}\n",
                   *traceback.format_exception(e),
-                  *([f"details:\n{e.details}\n"] if getattr(e, "details", None) else [])])
+                  *([f"details:\n{e.details}\n"] if getattr(e, "details", None) else []),
+                  *([f"orbax reported:\n{extra}"] if extra else [])])
   tried = []
   for d in ([log_dir] if log_dir else []) + [tempfile.gettempdir()]:
     path = os.path.join(d, "error.log" if d == log_dir else f"trace_jax-error-{os.getpid()}.log")
