@@ -29,8 +29,9 @@ from hypothesis import HealthCheck, given, settings
 from test_client import StubEngine  # pytest (prepend mode) puts this directory on sys.path
 
 from rollout_bridge import serve
+from rollout_bridge.api import ApiError, parse_generate
 from rollout_bridge.client import HttpRolloutEngine, RolloutHTTPError, wait_healthy
-from rollout_bridge.server import ApiError, RolloutServer, ServerOptions, parse_generate
+from rollout_bridge.server import RolloutServer, ServerOptions
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 1.0  # the fixture server's head and body deadlines
