@@ -10,7 +10,7 @@ from trace_jax.rl.tasks.long_horizon import demonstration_episode
 from trace_jax.rl.tokenizer import BOS_ID, EOS_ID, CharTokenizer
 from trace_jax.rollout.protocol import GuidanceHandle, Sample, SamplingParams
 from trace_jax.train import batch as batch_lib
-from trace_jax.train import episodes, task_io
+from trace_jax.train import episodes, run_config, task_io
 
 TOK = CharTokenizer()
 TASK = get_task("long_horizon", max_number=7)  # 3 + 1 turns
@@ -96,7 +96,7 @@ def test_train_batch_masks_observations_and_places_logprobs():
 def test_sft_demonstrations_mask_the_environment():
   cfg = quickstart.get_config()
   cfg.task.name, cfg.task.kwargs = "long_horizon", {"max_number": 7}
-  io = task_io.make_task_io(cfg)
+  io = task_io.make_task_io(run_config.resolve(cfg))
   problems, prompts = io.prompts(0, 3)
   demos, masks = io.demonstrations(problems, prompts)
   for pr, d, m, p in zip(prompts, demos, masks, problems):

@@ -8,7 +8,7 @@ from test_rl_loop import tiny_cfg  # tests/train is on sys.path (pytest's prepen
 
 from trace_jax.rl import advantages as adv_lib
 from trace_jax.rollout.protocol import GuidanceHandle, Sample
-from trace_jax.train import rl_loop
+from trace_jax.train import rl_loop, run_config
 from trace_jax.train.learner import GRPOLearner
 
 
@@ -32,8 +32,8 @@ def test_kl_term_is_to_the_starting_weights(start_params, tmp_path):
 def test_loss_settings_reach_the_step(start_params, tmp_path):
   cfg = tiny_cfg()
   cfg.rl.clip_eps_high, cfg.rl.advantage = 0.28, "dr_grpo"
-  rl_loop.validate(cfg)
-  with GRPOLearner(cfg, str(tmp_path), "bf16", start_params, progress=False) as learner:
+  run = rl_loop.validate(cfg)
+  with GRPOLearner(run, str(tmp_path), "bf16", start_params, progress=False) as learner:
     assert (learner.loss_cfg.clip_eps_low, learner.loss_cfg.clip_eps_high) == (0.2, 0.28)
     rewards = jnp.asarray([1.0, 0.0, 1.0, 1.0])
     got = np.asarray(learner.advantage_fn(rewards, 2))
@@ -56,7 +56,7 @@ def test_optional_loss_fields_are_validated(field, value, match):
 def test_guidance_written_elsewhere_is_a_clear_error(start_params, tmp_path):
   """An HTTP server writing guidance to another directory than the run's store: refused,
   naming both (the run would otherwise read nothing, or another run's batches)."""
-  with GRPOLearner(tiny_cfg(), str(tmp_path), "fp4_trace", start_params,
+  with GRPOLearner(run_config.resolve(tiny_cfg()), str(tmp_path), "fp4_trace", start_params,
                    progress=False) as learner:
     samples = [Sample([1, 2], [3], [-0.1], "stop",
                       guidance=GuidanceHandle(batch_id="b000000", seq_id="b000000-0",

@@ -7,7 +7,7 @@ import pytest
 from configs import quickstart
 from trace_jax import model as model_lib
 from trace_jax.rl.tokenizer import CharTokenizer, HFTokenizer
-from trace_jax.train import rl_loop, task_io
+from trace_jax.train import rl_loop, run_config, task_io
 
 
 def cfg_with(tokenizer: str):
@@ -19,7 +19,7 @@ def cfg_with(tokenizer: str):
 
 @pytest.mark.parametrize("bos", [False, True], ids=["no_bos", "bos"])
 def test_prompts_and_demonstrations_use_the_tokenizer(bpe_tokenizer, bos):
-  io = task_io.make_task_io(cfg_with(bpe_tokenizer(bos=bos)))
+  io = task_io.make_task_io(run_config.resolve(cfg_with(bpe_tokenizer(bos=bos))))
   assert isinstance(io.tok, HFTokenizer)
   problems, prompts = io.prompts(0, 4)
   for p, ids in zip(problems, prompts):
@@ -36,11 +36,11 @@ def test_prompts_and_demonstrations_use_the_tokenizer(bpe_tokenizer, bos):
 
 
 def test_text_marks_ids_past_the_vocabulary(bpe_tokenizer):
-  io = task_io.make_task_io(cfg_with(bpe_tokenizer()))
+  io = task_io.make_task_io(run_config.resolve(cfg_with(bpe_tokenizer())))
   ab = io.tok.encode("ab")
   assert io.text(ab + [io.tok.vocab_size + 3] + ab + [io.eos_id]) == "ab?ab"
   assert io.text([io.tok.vocab_size]) == "?"
-  char = task_io.make_task_io(quickstart.get_config())
+  char = task_io.make_task_io(run_config.resolve(quickstart.get_config()))
   assert isinstance(char.tok, CharTokenizer) and char.bos_ids == [CharTokenizer.bos_id]
 
 

@@ -22,7 +22,8 @@ from absl import logging
 from trace_jax.io import orbax_ckpt
 from trace_jax.model import config as config_lib
 from trace_jax.model import policies as policies_lib
-from trace_jax.train import rl_loop, run_guard, run_log, task_io
+from trace_jax.train import evaluation, rl_loop, run_guard, run_log, task_io
+from trace_jax.train.run_config import RunConfig
 
 SUMMARY_KEYS = ("sft_reward", "final_reward", "best_reward", "mean_abs_dlogp", "k3_kl",
                 "flip_rate_guided", "flip_rate_unguided", "routing_flip_rate",
@@ -47,30 +48,30 @@ def run(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None =
   `rollout_bridge.weight_sync.http_engine_factory` for a server. Launch mistakes raise
   `run_guard.UserError` before anything runs (`preflight`).
   """
-  preflight(cfg, workdir, policies, sft_checkpoint, allow_config_change)
+  rc = preflight(cfg, workdir, policies, sft_checkpoint, allow_config_change)
   with contextlib.ExitStack() as locks:
-    hold_locks(locks, cfg, workdir, policies, sft_checkpoint)
-    params, sft_history = warm_start(cfg, workdir, sft_checkpoint, progress)
+    hold_locks(locks, rc, workdir, policies, sft_checkpoint)
+    params, sft_history = warm_start(rc, workdir, sft_checkpoint, progress)
     if not policies:
       return {"policies": {}, "sft": {"history": sft_history}}
     finals: dict[int, Any] = {}  # bf16's final weights per seed, for the post-hoc FP4 eval
     for policy in policies:
-      for seed in rl_loop.rl_seeds(cfg):
-        out = rl_loop.run_rl(cfg, run_dir(workdir, policy, seed), policy, params, seed=seed,
+      for seed in rc.rl.seeds:
+        out = rl_loop.run_rl(rc, run_dir(workdir, policy, seed), policy, params, seed=seed,
                              engine_factory=engine_factory, progress=progress)
         if policy == "bf16":
           finals[seed] = out["params"]
     posthoc_path = os.path.join(workdir, f"{POSTHOC}.json")
-    if finals and cfg.eval.get("posthoc_fp4", True) and not _has_seeds(posthoc_path, finals):
-      _write_json(posthoc_path, posthoc_fp4(cfg, params, finals))
-    return report(cfg, workdir, policies, sft_history)
+    if finals and rc.eval.posthoc_fp4 and not _has_seeds(posthoc_path, finals):
+      _write_json(posthoc_path, posthoc_fp4(rc, params, finals))
+    return report(rc, workdir, policies, sft_history)
 
 
 RUN_LOCK = "run.lock"  # in each run's directory
 SFT_LOCK = "sft.lock"  # in the workdir, while a launch trains the warm start
 
 
-def hold_locks(stack: contextlib.ExitStack, cfg, workdir: str, policies: Sequence[str],
+def hold_locks(stack: contextlib.ExitStack, rc: RunConfig, workdir: str, policies: Sequence[str],
                sft_checkpoint: str | None) -> None:
   """Locks, for the rest of the launch, everything it will write: the warm start when it
   trains one (`workdir/sft` absent), and each of its (policy, seed) runs, whose directory
@@ -82,7 +83,7 @@ def hold_locks(stack: contextlib.ExitStack, cfg, workdir: str, policies: Sequenc
   if not sft_checkpoint and not os.path.isdir(os.path.join(workdir, "sft")):
     wanted.append((os.path.join(workdir, SFT_LOCK), f"the warm start of {workdir}"))
   wanted += [(os.path.join(run_dir(workdir, p, s), RUN_LOCK), f"the run {run_dir(workdir, p, s)}")
-             for p in policies for s in rl_loop.rl_seeds(cfg)]
+             for p in policies for s in rc.rl.seeds]
   # The processes of one multi-host launch share its runs: each holds its own process's lock.
   suffix = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
   for path, what in wanted:
@@ -90,43 +91,45 @@ def hold_locks(stack: contextlib.ExitStack, cfg, workdir: str, policies: Sequenc
 
 
 def preflight(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None = None,
-              allow_config_change: bool = False) -> None:
-  """Every launch mistake, before the warm start: raises run_guard.UserError.
+              allow_config_change: bool = False) -> RunConfig:
+  """Every launch mistake, before the warm start: raises run_guard.UserError. Returns the
+  resolved config (`cfg`: a config file's ConfigDict, or a RunConfig).
 
   The config (`rl_loop.validate`) and --policies; the workdir's fingerprint (a workdir holds
   one config's runs; --allow_config_change continues it under another); the saved warm start
   (workdir/sft, or --sft_checkpoint) has the config's parameter shapes.
   """
   with run_guard.user_input():
-    rl_loop.validate(cfg)
+    rc = rl_loop.validate(cfg)
     for p in policies:
       policies_lib.parse(p)  # unknown --policies fail here, before the warm start
   sft = os.path.abspath(sft_checkpoint) if sft_checkpoint else None
-  check = lambda: run_guard.check_workdir(workdir, cfg, launch={"sft_checkpoint": sft},
+  check = lambda: run_guard.check_workdir(workdir, rc.source, launch={"sft_checkpoint": sft},
                                           allow_change=allow_config_change)
   if run_guard.read(workdir) is not None:
     check()  # names every field that differs from the workdir's config
   start = sft or os.path.join(workdir, "sft")
   if os.path.isdir(start):
     with run_guard.user_input():
-      check_warm_start(cfg, start)
+      check_warm_start(rc, start)
   check()  # a first launch records its config only once nothing refused it
+  return rc
 
 
-def check_warm_start(cfg, path: str) -> None:
+def check_warm_start(rc: RunConfig, path: str) -> None:
   """Raises ValueError when the orbax checkpoint at `path` is of another model than the
   config's: other parameter shapes (width, depth, vocabulary...) or another value of a field
   that changes the computation (`ModelConfig.compute_fields`: routing normalisation, norms,
   RoPE, dtype), naming the differing fields."""
   saved = orbax_ckpt.read_orbax_config(path)
-  want = rl_loop.model_config(cfg, "bf16")
+  want = rc.model_for("bf16")
   fields = {f"model.{k}": v for k, v in config_lib.compute_differences(saved, want).items()}
   if fields:
     raise ValueError(f"the warm start {path} is of another model ({run_guard.describe(fields)})"
                      f"; use a new --workdir (or a matching --sft_checkpoint)")
 
 
-def report(cfg, workdir: str, policies: Sequence[str],
+def report(rc: RunConfig, workdir: str, policies: Sequence[str],
            sft_history: list[dict[str, float]] | None = None) -> dict[str, Any]:
   """The table, summary.json and plot of whatever runs exist under workdir, from their CSVs.
 
@@ -136,12 +139,12 @@ def report(cfg, workdir: str, policies: Sequence[str],
   results: dict[str, Any] = {}
   for policy in policies:
     per_seed = []
-    for seed in rl_loop.rl_seeds(cfg):
+    for seed in rc.rl.seeds:
       d = run_dir(workdir, policy, seed)
       rows, evals = run_log.read_curves(d)
       if not rows and not evals:
         continue
-      s = dict(rl_loop.summarize(rows, evals), seed=seed, steps_done=len(rows))
+      s = dict(evaluation.summarize(rows, evals), seed=seed, steps_done=len(rows))
       s["sft_reward"] = s.pop("start_reward")
       done = os.path.join(d, "history.json")
       if os.path.exists(done):
@@ -158,12 +161,12 @@ def report(cfg, workdir: str, policies: Sequence[str],
       results[POSTHOC] = json.load(f)
   record = run_guard.read(workdir) or {}
   summary = {"policies": results, "sft": {"history": sft_history or []},
-             "config": json.loads(cfg.to_json_best_effort()),
+             "config": rc.source,
              "fingerprint": record.get("fingerprint"),
              "config_changes": record.get("changes", []),
              "devices": [str(d) for d in jax.devices()]}
   _write_json(os.path.join(workdir, "summary.json"), summary)
-  plot(workdir, [p for p in policies if p in results], rl_loop.rl_seeds(cfg))
+  plot(workdir, [p for p in policies if p in results], rc.rl.seeds)
   print_table(results)
   print(f"wrote {os.path.join(workdir, 'summary.json')} and "
         f"{os.path.join(workdir, 'reward_mismatch.png')}; per run: "
@@ -192,7 +195,7 @@ def run_dir(workdir: str, policy: str, seed: int) -> str:
   return os.path.join(workdir, policy, f"seed{seed}")
 
 
-def warm_start(cfg, workdir: str, sft_checkpoint: str | None, progress: bool
+def warm_start(rc: RunConfig, workdir: str, sft_checkpoint: str | None, progress: bool
                ) -> tuple[Any, list[dict[str, float]]]:
   """(params, SFT loss history): from --sft_checkpoint, workdir/sft, or a new SFT run."""
   sft_history_path = os.path.join(workdir, "sft_history.json")
@@ -207,8 +210,8 @@ def warm_start(cfg, workdir: str, sft_checkpoint: str | None, progress: bool
         history = json.load(f)
     logging.info("loaded SFT warm start from %s", sft_dir)
     return params, history
-  params, history = rl_loop.run_sft(cfg, workdir, progress=progress)
-  orbax_ckpt.save_orbax(sft_dir, rl_loop.model_config(cfg, "bf16"), params, wait=True)
+  params, history = rl_loop.run_sft(rc, workdir, progress=progress)
+  orbax_ckpt.save_orbax(sft_dir, rc.model_for("bf16"), params, wait=True)
   with open(sft_history_path, "w") as f:
     json.dump(history, f)
   return params, history
@@ -237,19 +240,19 @@ def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
   return out
 
 
-def posthoc_fp4(cfg, sft_params: Any, finals: dict[int, Any]) -> dict[str, Any]:
+def posthoc_fp4(rc: RunConfig, sft_params: Any, finals: dict[int, Any]) -> dict[str, Any]:
   """SFT and final bf16 weights, quantized post hoc: greedy eval through the FP4 engine."""
   from trace_jax.rollout.engine import InProcessEngine
-  io = task_io.make_task_io(cfg)
-  engine = InProcessEngine(sft_params, rl_loop.model_config(cfg, "fp4_rtn"),
-                           record_guidance=False, max_batch=cfg.eval.num_prompts,
-                           min_prompt_len=cfg.max_prompt_len)
-  sft_reward = rl_loop.evaluate(engine, io, cfg)
+  io = task_io.make_task_io(rc)
+  engine = InProcessEngine(sft_params, rc.model_for("fp4_rtn"),
+                           record_guidance=False, max_batch=rc.eval.num_prompts,
+                           min_prompt_len=rc.max_prompt_len)
+  sft_reward = evaluation.evaluate(engine, io, rc)
   per_seed = []
   for seed, params in finals.items():
     engine.update_weights(params)
     per_seed.append({"seed": seed, "sft_reward": sft_reward,
-                     "final_reward": rl_loop.evaluate(engine, io, cfg)})
+                     "final_reward": evaluation.evaluate(engine, io, rc)})
   engine.close()
   out = aggregate(per_seed)
   for k in ("best_reward", "best_reward_sd"):

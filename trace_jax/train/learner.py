@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from trace_jax.io import guidance_store
@@ -31,8 +30,9 @@ from trace_jax.rl import advantages as adv_lib
 from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import RolloutEngine, Sample
 from trace_jax.train import batch as batch_lib
-from trace_jax.train import checkpoints, mismatch, rl_loop, run_guard, run_log
+from trace_jax.train import checkpoints, evaluation, mismatch, run_guard, run_log
 from trace_jax.train import step as step_lib
+from trace_jax.train.run_config import RunConfig, Seeds
 from trace_jax.train.task_io import make_task_io
 
 log = logging.getLogger(__name__)
@@ -85,38 +85,39 @@ class RolloutRecords:
 class GRPOLearner:
   """GRPO under run `policy` (`policies.parse`: e.g. "fp4_trace+r3") from `init_params`.
 
-  seed: the RL seed (`rl_loop.Seeds`; default cfg.seed). Restores `workdir`'s newest readable
+  run: the resolved config (`run_config.resolve`). seed: the RL seed (`run_config.Seeds`;
+  default the config's `seed`). Restores `workdir`'s newest readable
   checkpoint. engine_factory(params, rollout_config, guidance_store) -> RolloutEngine (default:
   the in-process engine). Use as a context manager, or call `close()`.
   """
 
-  def __init__(self, cfg: ml_collections.ConfigDict, workdir: str, policy: str,
+  def __init__(self, run: RunConfig, workdir: str, policy: str,
                init_params: Any, *, seed: int | None = None,
                engine_factory: EngineFactory | None = None, progress: bool = True):
-    r = self.rl_cfg = cfg.rl
-    self.cfg, self.workdir, self.name = cfg, workdir, policy
+    r = self.rl_cfg = run.rl
+    self.run_cfg, self.workdir, self.name = run, workdir, policy
     self.spec = policies.parse(policy)
     pol = self.policy = self.spec.policy
-    self.seeds = rl_loop.Seeds(cfg.seed, cfg.seed if seed is None else int(seed))
+    self.seeds = Seeds(run.seed, run.seed if seed is None else int(seed))
     os.makedirs(workdir, exist_ok=True)
-    self.model_cfg = rl_loop.model_config(cfg, pol.train.name)
+    self.model_cfg = run.model_for(pol.train.name)
     if self.spec.fp8_backward:
       self.model_cfg = self.model_cfg.replace(fp8_backward=True)
-    self.rollout_cfg = rl_loop.model_config(cfg, pol.rollout.name)
-    self.io = make_task_io(cfg)
+    self.rollout_cfg = run.model_for(pol.rollout.name)
+    self.io = make_task_io(run)
     self.all_layers = tuple(range(self.model_cfg.num_hidden_layers))
     self.guided_layers = tuple(self.rollout_cfg.guided_layers)
     # Codes are audited only where the trainer has FP4 codes to compare; routing whenever the
     # rollout is FP4 (under fp4_rollout the trainer's BF16 routing still differs).
-    audit = float(r.get("audit_fraction", 1.0)) if pol.fp4_train else 0.0
+    audit = r.audit_fraction if pol.fp4_train else 0.0
     self.tx = step_lib.make_optimizer(step_lib.OptimConfig(
         lr=r.lr, warmup_steps=r.warmup_steps, total_steps=r.steps, weight_decay=r.weight_decay))
     self.loss_cfg = step_lib.RLConfig(
-        clip_eps_low=r.clip_eps, clip_eps_high=r.get("clip_eps_high", None) or r.clip_eps,
-        is_mode=r.is_mode, is_cap=r.is_cap, kl_coef=float(r.get("kl_coef", 0.0)),
+        clip_eps_low=r.clip_eps, clip_eps_high=r.clip_eps_high,
+        is_mode=r.is_mode, is_cap=r.is_cap, kl_coef=r.kl_coef,
         aux_loss_coef=r.aux_loss_coef, routing_replay=self.spec.replay)
-    self.advantage_fn = adv_lib.get_advantage_fn(r.get("advantage", "grpo"))
-    placed = rl_loop.place_params(init_params, cfg)
+    self.advantage_fn = adv_lib.get_advantage_fn(r.advantage)
+    placed = step_lib.place_params(init_params, run.mesh)
     # The KL term's reference policy: the run's starting weights, in the training forward.
     self.ref_params = placed if self.loss_cfg.kl_coef else None
     self.state = step_lib.init_state(placed, self.tx)
@@ -132,13 +133,13 @@ class GRPOLearner:
           os.path.join(workdir, "guidance"), guidance_store.config_hash(self.rollout_cfg),
           options=guidance_store.StoreOptions(fsync=False), on_missing=r.on_missing_guidance,
           overwrite=True)
-    batch_rows = max(r.prompts_per_step * r.group_size, cfg.eval.num_prompts)
+    batch_rows = max(r.prompts_per_step * r.group_size, run.eval.num_prompts)
     # On a config mesh the engine runs on it too: its MoE blocks expert-parallel.
     sh = jax.tree.leaves(placed)[0].sharding
-    mesh = sh.mesh if cfg.get("mesh") and isinstance(sh, jax.sharding.NamedSharding) else None
+    mesh = sh.mesh if run.mesh and isinstance(sh, jax.sharding.NamedSharding) else None
     factory = engine_factory or (lambda p, c, store: InProcessEngine(
         p, c, guidance_store=store, record_guidance=pol.guided, record_routing=pol.fp4_rollout,
-        audit_fraction=audit, max_batch=batch_rows, min_prompt_len=cfg.max_prompt_len,
+        audit_fraction=audit, max_batch=batch_rows, min_prompt_len=run.max_prompt_len,
         mesh=mesh))
     self.engine = factory(self.state.params, self.rollout_cfg, self.store)
     # The logs keep exactly the rows the restored checkpoint holds (row k of metrics.csv is
@@ -202,7 +203,7 @@ class GRPOLearner:
       used = (self.all_layers if self.spec.replay else
               self.guided_layers if self.policy.guided else ())
       routing = {layer: records.main.routing[layer] for layer in used} or None
-    batch = batch_lib.rl_batch(rollout.samples, adv, self.cfg.seq_len, guidance, routing)
+    batch = batch_lib.rl_batch(rollout.samples, adv, self.run_cfg.seq_len, guidance, routing)
     if self.ref_params is not None:
       batch = batch.replace(logp_ref=step_lib.reference_logprobs(
           self.ref_params, self.model_cfg, batch.inputs, batch.targets))
@@ -265,7 +266,7 @@ class GRPOLearner:
   def evaluate(self, done: int) -> float:
     """Greedy eval reward on the fixed eval prompts after `done` steps (logged); its records
     train nothing and are deleted."""
-    problems, samples = rl_loop.eval_rollout(self.engine, self.io, self.cfg)
+    problems, samples = evaluation.eval_rollout(self.engine, self.io, self.run_cfg)
     self.drop(samples)
     reward = float(np.mean(self.io.rewards(problems, samples)))
     self.evals.append({"step": done, "reward": reward})
@@ -313,11 +314,11 @@ class GRPOLearner:
       self.history.append(row)
       self.log.step(row, flips)
       done = step + 1
-      if done % self.cfg.eval.every == 0 or done == r.steps:
+      if done % self.run_cfg.eval.every == 0 or done == r.steps:
         self.evaluate(done)
-      if done % self.cfg.checkpoint_every == 0 or done == end:
+      if done % self.run_cfg.checkpoint_every == 0 or done == end:
         self.save(done)
-    summary = rl_loop.summarize(self.history, self.evals)
+    summary = evaluation.summarize(self.history, self.evals)
     summary["guidance_fallback_batches"] = self.fallback_batches
     summary["checkpoint_fallbacks"] = checkpoints.checkpoint_fallbacks(self.workdir)
     # Whole or not at all: a summary process may read it while this run writes it.

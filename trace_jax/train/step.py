@@ -82,6 +82,14 @@ def init_state(params: Any, tx: optax.GradientTransformation) -> TrainState:
   return jax.tree.map(lambda a: a if a.committed else jax.device_put(a, s), state)
 
 
+def place_params(params: Any, mesh: tuple[tuple[str, int], ...] | None) -> Any:
+  """Shards params over a run's mesh ((axis, size), ...; `trace_jax.model.sharding` rules),
+  or returns them as they are without one."""
+  if not mesh:
+    return params
+  return sharding.shard_params(params, sharding.make_mesh(dict(mesh)))
+
+
 class ShardedStep:
   """`fn(state, batch, **static) -> (state, *outputs)` under `jax.jit`, with the state's
   shardings as the declared input and output shardings of the state and the state donated.

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import ml_collections
 import numpy as np
 
 from trace_jax.rl.tasks import get_task
@@ -19,6 +18,7 @@ from trace_jax.rl.tasks.long_horizon import demonstration_episode
 from trace_jax.rl.tokenizer import TextTokenizer, encode_ids, make_tokenizer
 from trace_jax.rollout.protocol import RolloutEngine, Sample, SamplingParams
 from trace_jax.train import episodes
+from trace_jax.train.run_config import RunConfig, TaskConfig
 
 
 @dataclasses.dataclass
@@ -113,7 +113,7 @@ class EpisodeIO(TaskIO):
     return episodes.max_episode_tokens(self.task, max_new_tokens)
 
 
-def make_task_io(cfg: ml_collections.ConfigDict) -> TaskIO:
-  """The TaskIO of `cfg.task` (name, kwargs, and optionally tokenizer)."""
-  return TaskIO.of(get_task(cfg.task.name, **dict(cfg.task.get("kwargs", {}))),
-                   make_tokenizer(cfg.task.get("tokenizer", None)))
+def make_task_io(task: TaskConfig | RunConfig) -> TaskIO:
+  """The TaskIO of a run's task (name, kwargs, and optionally tokenizer)."""
+  task = task.task if isinstance(task, RunConfig) else task
+  return TaskIO.of(get_task(task.name, **dict(task.kwargs)), make_tokenizer(task.tokenizer))
