@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from trace_jax.rollout.protocol import GuidanceHandle, Sample, SamplingParams, normalize_request
+from trace_jax.guidance.handle import GuidanceHandle
+from trace_jax.rollout.protocol import Sample, SamplingParams, normalize_request
 
 # Connection-level failures worth retrying: nothing was answered (refused, reset, dropped).
 _RETRYABLE = (ConnectionError, http.client.RemoteDisconnected, http.client.BadStatusLine)
