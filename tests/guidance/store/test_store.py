@@ -1,6 +1,11 @@
-"""GuidanceStore: batch ids, a rollout's writes and handles, reads by handle, deletion, close."""
+"""GuidanceStore: batch ids, a rollout's writes and handles, reads by handle, deletion, close,
+and removal of batches a killed write left without a manifest."""
 
 from __future__ import annotations
+
+import logging
+import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +13,10 @@ import numpy as np
 import pytest
 from store_cases import HASH, HIDDEN, OPTS, TOP_K
 
+from trace_jax.guidance import schema
 from trace_jax.guidance import store as gs
+from trace_jax.guidance.store import store as store_lib
+from trace_jax.guidance.store import writer as writer_lib
 from trace_jax.quant import qat
 
 
@@ -68,3 +76,92 @@ def test_store_owns_the_batch_lifecycle(tmp_path):
   with pytest.raises(RuntimeError, match="closed"):
     store.write_rollout(a[0], a[1], a[2])
 
+
+def _half_written(store: gs.GuidanceStore, how: str, monkeypatch) -> list:
+  """A rollout batch (and its audit batch) whose arrays are on disk without a manifest: the
+  write killed before its manifest, or a written batch whose manifest was deleted."""
+  b = _rollout_records(2, 1)
+  if how == "killed_before_manifest":
+    def killed(path, obj, fsync=True):
+      raise OSError("killed before the manifest")
+    monkeypatch.setattr(writer_lib, "write_json_atomic", killed)
+    handles = store.write_rollout(b[0], b[1], b[2], b[3], n_audit=2)
+    with pytest.raises(gs.GuidanceError, match="killed before the manifest"):
+      store.flush()
+    monkeypatch.undo()
+  else:
+    handles = store.write_rollout(b[0], b[1], b[2], b[3], n_audit=2)
+    store.flush()
+    for bid in (handles[0].batch_id, handles[0].audit_batch_id):
+      os.remove(os.path.join(store.root, bid, schema.MANIFEST))
+  return handles
+
+
+@pytest.mark.parametrize("how", ["killed_before_manifest", "manifest_deleted"])
+def test_remove_incomplete_deletes_only_batches_without_a_manifest(tmp_path, caplog,
+                                                                   monkeypatch, how):
+  """remove_incomplete deletes the batch directories without a manifest (a rollout batch and
+  its audit batch), returns their ids sorted and logs one line; the complete batch beside them
+  still reads bit for bit, and files, symlinks and directories that are not batch ids stay."""
+  root = tmp_path / "root"
+  store = gs.GuidanceStore(root, HASH, options=OPTS)
+  a = _rollout_records(3, 0)
+  done = store.write_rollout(a[0], a[1], a[2], a[3], n_audit=2)
+  store.flush()
+  half = _half_written(store, how, monkeypatch)
+  bid = half[0].batch_id
+  assert (root / bid / "layer_001" / "moe_in" / "mantissa" / "zarr.json").exists()
+  assert not (root / bid / schema.MANIFEST).exists()
+  (root / "notes.txt").write_text("not a batch")
+  for name in (".partial", "a b", "b0.."):
+    (root / name).mkdir()
+  (tmp_path / "elsewhere").mkdir()
+  os.symlink(tmp_path / "elsewhere", root / "b000777")
+  with caplog.at_level(logging.WARNING, logger=store_lib.__name__):
+    removed = store.remove_incomplete()
+  assert removed == [bid, f"{bid}.audit"]
+  lines = [r.getMessage() for r in caplog.records if r.name == store_lib.__name__]
+  assert len(lines) == 1 and f"{bid}, {bid}.audit" in lines[0], lines
+  assert not (root / bid).exists() and not (root / f"{bid}.audit").exists()
+  assert (root / "notes.txt").is_file() and (root / "b000777").is_symlink()
+  assert all((root / name).is_dir() for name in (".partial", "a b", "b0.."))
+  assert (tmp_path / "elsewhere").is_dir()
+  assert done[0].batch_id in store.batches() and bid not in store.batches()
+  got = store.read(done)
+  assert got.valid.all()
+  np.testing.assert_array_equal(got.guidance[1]["moe_in"].mantissa,
+                                np.asarray(a[1][1]["moe_in"].mantissa))
+  np.testing.assert_array_equal(store.read(done[:2], audit=True).guidance[1]["moe_in"].codes,
+                                np.asarray(a[3][1]["moe_in"].codes))
+  with pytest.raises(gs.GuidanceError, match="no manifest"):
+    store.read(half)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger=store_lib.__name__):
+    assert store.remove_incomplete() == []
+  assert not [r for r in caplog.records if r.name == store_lib.__name__]
+  store.close()
+
+
+def test_remove_incomplete_leaves_batches_being_written(tmp_path, monkeypatch):
+  """A batch this store is still writing has no manifest yet: it is not removed, and it reads
+  once its write completes."""
+  arrays_written, gate = threading.Event(), threading.Event()
+  real = writer_lib.write_json_atomic
+
+  def gated(path, obj, fsync=True):
+    arrays_written.set()
+    assert gate.wait(10)
+    real(path, obj, fsync)
+  monkeypatch.setattr(writer_lib, "write_json_atomic", gated)
+  store = gs.GuidanceStore(tmp_path, HASH, options=OPTS)
+  a = _rollout_records(3, 0)
+  handles = store.write_rollout(a[0], a[1], a[2])
+  assert arrays_written.wait(10)  # the batch directory is there, its manifest not yet
+  assert store.remove_incomplete() == []
+  assert (tmp_path / handles[0].batch_id).is_dir()
+  gate.set()
+  store.flush()
+  assert (tmp_path / handles[0].batch_id / schema.MANIFEST).exists()
+  np.testing.assert_array_equal(store.read(handles).guidance[1]["moe_in"].mantissa,
+                                np.asarray(a[1][1]["moe_in"].mantissa))
+  store.close()

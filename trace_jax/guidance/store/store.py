@@ -2,7 +2,8 @@
 
 It names batches (`b000123`, continuing after those on disk), writes a rollout batch with its
 audit batch, returns one `GuidanceHandle` per sequence, reads the records of a list of handles
-in their order, deletes batches, and closes its writer and reader.
+in their order, deletes batches, removes batches a killed write left without a manifest, and
+closes its writer and reader.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 
 from trace_jax.guidance.handle import GuidanceHandle
 from trace_jax.guidance.record import Guidance
-from trace_jax.guidance.schema import SeqId, batch_id_problem
+from trace_jax.guidance.schema import MANIFEST, SeqId, batch_id_problem
 from trace_jax.guidance.store.arrays import StoreOptions
 from trace_jax.guidance.store.reader import GuidanceBatch, GuidanceReader, ReaderStats
 from trace_jax.guidance.store.writer import GuidanceWriter
@@ -86,6 +87,7 @@ class GuidanceStore:
     known = [int(n[1:]) for n in self.batches()]
     self._ids = itertools.count(max(known) + 1 if known else 0)
     self._lock = threading.Lock()
+    self._writing = threading.Lock()  # held while a rollout queues its writes
 
   @property
   def stats(self) -> ReaderStats:
@@ -112,10 +114,11 @@ class GuidanceStore:
     bid = self.new_batch_id()
     handles = rollout_handles(bid, len(counts), n_audit, self.root)
     seq_ids = [h.seq_id for h in handles]
-    write = self.writer.write_batch(bid, seq_ids, counts, guidance, routing)
-    if n_audit:
-      self.writer.write_batch(handles[0].audit_batch_id, seq_ids[:n_audit], counts[:n_audit],
-                              audit or {})
+    with self._writing:
+      write = self.writer.write_batch(bid, seq_ids, counts, guidance, routing)
+      if n_audit:
+        self.writer.write_batch(handles[0].audit_batch_id, seq_ids[:n_audit],
+                                counts[:n_audit], audit or {})
     per_token = write.stats.get("guidance_bytes_per_token")
     return [dataclasses.replace(h, guidance_bytes_per_token=per_token) for h in handles]
 
@@ -141,6 +144,29 @@ class GuidanceStore:
         raise ValueError(problem)
       for name in (bid, f"{bid}{AUDIT_SUFFIX}"):
         shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+  def remove_incomplete(self) -> list[str]:
+    """Deletes every batch directory under the root that has no manifest and returns their
+    ids, sorted: batches whose write was killed before its manifest (docs/reliability.md,
+    "Guidance store": manifest last), which no reader reads. Left alone: batches with a
+    manifest, batches this store is writing now, files, symlinks, and directories whose name
+    is not a batch id (`schema.batch_id_problem`). Logs one line when it removed any.
+
+    Writes through `self.writer` directly (not `write_rollout`) must not start meanwhile."""
+    removed = []
+    with self._writing:
+      busy = self.writer.in_flight()
+      names = sorted(os.listdir(self.root)) if os.path.isdir(self.root) else []
+      for name in names:
+        path = os.path.join(self.root, name)
+        if (batch_id_problem(name) is None and name not in busy and not os.path.islink(path)
+            and os.path.isdir(path) and not os.path.lexists(os.path.join(path, MANIFEST))):
+          shutil.rmtree(path)
+          removed.append(name)
+    if removed:
+      log.warning("removed %d incomplete guidance batches (no %s) under %s: %s", len(removed),
+                  MANIFEST, self.root, ", ".join(removed))
+    return removed
 
   def flush(self) -> None:
     self.writer.flush()

@@ -327,6 +327,11 @@ class GuidanceWriter:
     write_json_atomic(os.path.join(bdir, MANIFEST), manifest, opts.fsync)
     return manifest
 
+  def in_flight(self) -> set[str]:
+    """Ids of the batches queued or being written now."""
+    with self._lock:
+      return {p.batch_id for p in self._pending if not p.done()}
+
   def flush(self) -> list[dict[str, Any]]:
     """Waits for every queued batch; raises GuidanceError naming the batches that failed."""
     with self._lock:
