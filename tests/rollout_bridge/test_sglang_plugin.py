@@ -29,10 +29,12 @@ import os
 import pkgutil
 import signal
 import socket
+import subprocess
 import sys
 import types
 import warnings
 from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -630,6 +632,15 @@ def test_flush_to_store_roundtrip(plugin_run, reference, tmp_path):
   _assert_record_equal(got, want, (TOKENS, K))
   np.testing.assert_array_equal(batch.routing[LAYER],
                                 plugin_run["exact"]["topk"].topk_ids.numpy()[row_index])
+
+
+def test_recorder_imports_without_jax():
+  """The recorder takes the record's format from trace_jax.guidance's JAX-free modules: a fresh
+  interpreter that imports it (and torch) holds no JAX."""
+  code = ("import sys, rollout_bridge.sglang_plugin.recorder; bad = sorted(m for m in "
+          "sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')); assert not bad, bad")
+  subprocess.run([sys.executable, "-c", code], check=True, timeout=300,
+                 cwd=Path(__file__).resolve().parents[2])
 
 
 def test_recorder_overflow_reported():
