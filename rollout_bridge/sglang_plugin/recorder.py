@@ -43,7 +43,7 @@ from trace_jax.guidance.record import (
     numpy_dtype,
 )
 
-FORMAT = "nvfp4"  # the plugin's FP4 format (`torch_quant`'s NVFP4)
+FP4_FORMAT = "nvfp4"  # the plugin's FP4 format (`torch_quant`'s NVFP4)
 _TORCH_DTYPES = {"uint8": torch.uint8, "int32": torch.int32, "float32": torch.float32}
 
 
@@ -101,11 +101,11 @@ class GuidanceRecorder:
     call it at weight-creation time so the memory is taken before SGLang sizes its KV cache."""
     if not self.guided(layer) or (layer, site) in self._sites:
       return
-    if width % FP4_BLOCKS[FORMAT]:
+    if width % FP4_BLOCKS[FP4_FORMAT]:
       raise ValueError(f"GuidanceRecorder: site {site!r} width {width} is not a multiple of "
-                       f"{FP4_BLOCKS[FORMAT]}")
+                       f"{FP4_BLOCKS[FP4_FORMAT]}")
     fields = {f: (shape, _TORCH_DTYPES[STORED_DTYPES[f]])
-              for f, shape in field_shapes(rows, width, self.mode, FORMAT).items()}
+              for f, shape in field_shapes(rows, width, self.mode, FP4_FORMAT).items()}
     with self._lock:
       self._sites.setdefault((layer, site), _SiteBuffer(self.capacity, fields,
                                                         torch.device(device)))
@@ -173,7 +173,7 @@ class GuidanceRecorder:
       if site == ROUTING:
         routing[layer] = host[ROUTING_FIELD]
         continue
-      host["block_scale"] = host["block_scale"].view(numpy_dtype(SCALE_DTYPES[FORMAT]))
+      host["block_scale"] = host["block_scale"].view(numpy_dtype(SCALE_DTYPES[FP4_FORMAT]))
       guidance.setdefault(layer, {})[site] = Guidance(**host)
     return guidance, routing
 
