@@ -31,11 +31,11 @@ import numpy as np
 from absl import app, flags
 
 from trace_jax import model as model_lib
+from trace_jax.guidance import layout as guidance_layout
+from trace_jax.guidance.record import bytes_per_row
 from trace_jax.model import policies
 from trace_jax.model.config import DECODE_IMPLS, SITES, ModelConfig
-from trace_jax.quant import guided
 from trace_jax.rl import losses
-from trace_jax.rollout import guidance_layout
 from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import SamplingParams
 from trace_jax.train import mismatch, rl_loop, run_guard, scoring
@@ -178,7 +178,7 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
   report["full_guidance_bytes_per_token_all_layers"] = full_all / tokens
   report["compact_vs_full_ratio"] = full_all / max(comp + ids, 1)
   report["guidance_bytes_per_row_formula"] = {
-      f"{mode}_K{k}": guided.bytes_per_row(k, mode, fmt) for mode in ("compact", "full")
+      f"{mode}_K{k}": bytes_per_row(k, mode, fmt) for mode in ("compact", "full")
       for k in (config.hidden_size, config.head_dim, config.moe_intermediate_size)}
   return report
 

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from trace_jax.rollout.protocol import GuidanceHandle, Sample, SamplingParams, normalize_request
+from trace_jax.guidance.handle import GuidanceHandle
+from trace_jax.rollout.protocol import Sample, SamplingParams, normalize_request
 
 # The environment variable a server key may come from (server and trainer alike): a key on the
 # command line is visible to every local user in `ps`.

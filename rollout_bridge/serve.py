@@ -184,7 +184,7 @@ def build_engine(cfg: dict[str, Any], guidance_dir: str | None = None
     model_path = f"random-init:{preset}(seed={int(cfg.get('seed') or 0)})"
   store = None
   if guidance_dir:
-    from trace_jax.io import guidance_store
+    from trace_jax.guidance import store as guidance_store
     # A restarted server writing to the same directory continues the batch numbering there.
     store = guidance_store.GuidanceStore(guidance_dir, guidance_store.config_hash(config))
   max_batch = int(cfg["server"].get("max_batch") or 32)

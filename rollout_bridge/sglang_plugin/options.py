@@ -17,8 +17,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from trace_jax.guidance.record import MODES as GUIDANCE_MODES
+
 ENV_VAR = "TRACE_NVFP4_CONFIG"
-GUIDANCE_MODES = ("compact", "full")
 KV_MODES = ("nvfp4", "none")
 # Keys SGLang adds to a checkpoint's quantization config, or that name the method: not options.
 _PASSTHROUGH = ("quant_method", "packed_modules_mapping", "hf_config", "requantization_method")

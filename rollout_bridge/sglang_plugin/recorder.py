@@ -1,5 +1,5 @@
 """Guidance recorder for the SGLang plugin: preallocated device buffers, filled during forwards,
-flushed to the TensorStore guidance store (`trace_jax.io.guidance_store`, docs/design.md §5).
+flushed to the TensorStore guidance store (`trace_jax.guidance.store`, docs/design.md §5).
 
 Recording never leaves the device: each (layer, site) owns buffers of `capacity` token rows
 (plus one spill row) and a device-side cursor; a forward writes its T rows at
@@ -15,9 +15,10 @@ per batch); for decode-interleaved or CUDA-graph-padded forwards the caller pass
 the recorder row of each stored token. Every token must go through the forward: serve without
 SGLang's radix (prefix) cache while recording (`launch_sglang.py` adds --disable-radix-cache).
 
-Fields per site are those of `torch_quant.guidance_record`: block scales (E4M3, kept as their
-bytes), per-row FP32 second-level scales, and packed mantissa bits (compact) or packed 4-bit
-codes (full). Routing ids are int32 [rows, top_k].
+The record's format is `trace_jax.guidance.record`'s (JAX-free, so this module imports no JAX):
+per site the NVFP4 fields of the mode (`field_shapes`: packed mantissa bits or 4-bit codes, E4M3
+block scales kept as their bytes, the FP32 row scale) in their stored dtypes, and per layer the
+routing ids, int32 [rows, top_k]. `torch_quant.guidance_record` computes the fields.
 """
 
 from __future__ import annotations
@@ -30,8 +31,20 @@ import numpy as np
 import torch
 
 from rollout_bridge import torch_quant as tq
+from trace_jax.guidance.record import (
+    FP4_BLOCKS,
+    MODES,
+    ROUTING,
+    ROUTING_FIELD,
+    SCALE_DTYPES,
+    STORED_DTYPES,
+    Guidance,
+    field_shapes,
+    numpy_dtype,
+)
 
-ROUTING = "routing"
+FP4_FORMAT = "nvfp4"  # the plugin's FP4 format (`torch_quant`'s NVFP4)
+_TORCH_DTYPES = {"uint8": torch.uint8, "int32": torch.int32, "float32": torch.float32}
 
 
 class _SiteBuffer:
@@ -67,8 +80,8 @@ class GuidanceRecorder:
                record_routing: bool = True):
     if capacity <= 0:
       raise ValueError(f"GuidanceRecorder: capacity must be positive, got {capacity}")
-    if mode not in ("compact", "full"):
-      raise ValueError(f"GuidanceRecorder: mode must be 'compact' or 'full', got {mode!r}")
+    if mode not in MODES:
+      raise ValueError(f"GuidanceRecorder: mode must be one of {MODES}, got {mode!r}")
     self.capacity = capacity
     self.mode = mode
     self.layers = frozenset(int(i) for i in layers)
@@ -88,13 +101,11 @@ class GuidanceRecorder:
     call it at weight-creation time so the memory is taken before SGLang sizes its KV cache."""
     if not self.guided(layer) or (layer, site) in self._sites:
       return
-    if width % tq.NVFP4_BLOCK:
+    if width % FP4_BLOCKS[FP4_FORMAT]:
       raise ValueError(f"GuidanceRecorder: site {site!r} width {width} is not a multiple of "
-                       f"{tq.NVFP4_BLOCK}")
-    payload = ("mantissa", width // 8) if self.mode == "compact" else ("codes", width // 2)
-    fields = {payload[0]: ((*rows, payload[1]), torch.uint8),
-              "block_scale": ((*rows, width // tq.NVFP4_BLOCK), torch.uint8),
-              "row_scale": ((*rows, 1), torch.float32)}
+                       f"{FP4_BLOCKS[FP4_FORMAT]}")
+    fields = {f: (shape, _TORCH_DTYPES[STORED_DTYPES[f]])
+              for f, shape in field_shapes(rows, width, self.mode, FP4_FORMAT).items()}
     with self._lock:
       self._sites.setdefault((layer, site), _SiteBuffer(self.capacity, fields,
                                                         torch.device(device)))
@@ -104,7 +115,8 @@ class GuidanceRecorder:
       return
     with self._lock:
       self._sites.setdefault((layer, ROUTING), _SiteBuffer(
-          self.capacity, {"ids": ((top_k,), torch.int32)}, torch.device(device)))
+          self.capacity, {ROUTING_FIELD: ((top_k,), _TORCH_DTYPES[STORED_DTYPES[ROUTING_FIELD]])},
+          torch.device(device)))
 
   # ------------------------------------------------------------------------------ recording
 
@@ -125,7 +137,7 @@ class GuidanceRecorder:
       return
     if (layer, ROUTING) not in self._sites:
       self.allocate_routing(layer, ids.shape[1], ids.device)
-    self._sites[(layer, ROUTING)].write({"ids": ids})
+    self._sites[(layer, ROUTING)].write({ROUTING_FIELD: ids})
 
   def reset(self) -> None:
     """Starts a new batch (cursors to zero; the buffers are reused)."""
@@ -142,10 +154,6 @@ class GuidanceRecorder:
                ) -> tuple[dict[int, dict[str, Any]], dict[int, np.ndarray]]:
     """Host copies of the recorded rows as (guidance {layer: {site: Guidance}}, routing
     {layer: int32 [rows, top_k]}), rows ordered by row_index (default 0..num_rows-1)."""
-    import ml_dtypes
-
-    from trace_jax.quant.guided import Guidance
-
     index = np.arange(num_rows) if row_index is None else np.asarray(row_index, np.int64)
     if index.shape != (num_rows,):
       raise ValueError(f"row_index has shape {index.shape}, expected ({num_rows},)")
@@ -163,9 +171,9 @@ class GuidanceRecorder:
       idx = torch.as_tensor(index, device=buf.cursor.device)
       host = {name: t.index_select(0, idx).cpu().numpy() for name, t in buf.fields.items()}
       if site == ROUTING:
-        routing[layer] = host["ids"].astype(np.int32)
+        routing[layer] = host[ROUTING_FIELD]
         continue
-      host["block_scale"] = host["block_scale"].view(ml_dtypes.float8_e4m3fn)
+      host["block_scale"] = host["block_scale"].view(numpy_dtype(SCALE_DTYPES[FP4_FORMAT]))
       guidance.setdefault(layer, {})[site] = Guidance(**host)
     return guidance, routing
 

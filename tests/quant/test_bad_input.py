@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import trace_jax.quant as quant
+from trace_jax.guidance import record
 from trace_jax.quant import guided
 
 F32 = cases.F32
@@ -117,7 +118,7 @@ def test_jit_second_level_scale_of_nan_input_is_nan() -> None:
   assert np.isnan(np.asarray(got[1])).all(), "tensor scale of an input with NaN is not NaN"
 
 
-@pytest.mark.parametrize("mode", guided.MODES)
+@pytest.mark.parametrize("mode", record.MODES)
 def test_jit_nonfinite_guided(mode: str) -> None:
   """NaN in the training input zeroes the guided codes of its block (NaN block scale, NaN
   dequant); NaN in the rollout input poisons the guidance of its row."""
@@ -265,7 +266,7 @@ def test_bad_guidance_raises(case: str, fn: str) -> None:
 
 
 def test_valid_guidance_passes_validate() -> None:
-  for mode in guided.MODES:
+  for mode in record.MODES:
     guided.validate(jnp.ones((2, 3, 64)), _guidance(mode, rows=(2, 3)))
 
 

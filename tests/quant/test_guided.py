@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import trace_jax.quant as quant
+from trace_jax.guidance import record
 from trace_jax.quant import formats, guided
 
 F32 = cases.F32
@@ -255,7 +256,7 @@ def test_record_takes_a_packed_mantissa() -> None:
 RECORD_SHAPES = [(1, 16), (3, 64), (2, 5, 2048), (7, 4096)]
 
 
-@pytest.mark.parametrize("mode", guided.MODES)
+@pytest.mark.parametrize("mode", record.MODES)
 @pytest.mark.parametrize("shape", RECORD_SHAPES, ids=["x".join(map(str, s)) for s in RECORD_SHAPES])
 def test_nbytes_equals_bytes_per_row(shape: tuple[int, ...], mode: str) -> None:
   g = jax.eval_shape(lambda v: quant.quantize_act_record(v, mode)[1],

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import trace_jax.quant as quant
+from trace_jax.guidance import record
 from trace_jax.quant import formats, guided
 
 F32 = cases.F32
@@ -118,13 +119,13 @@ def test_poisoned_blocks_get_zero_codes_and_nan_scales() -> None:
   assert np.isnan(r["fq"][0, :32]).all() and np.isfinite(r["fq"][2]).all()
 
 
-@pytest.mark.parametrize("mode", guided.MODES)
+@pytest.mark.parametrize("mode", record.MODES)
 def test_record_bytes_and_validation(mode: str) -> None:
   x = jnp.asarray(_inputs(4, 1.0))
   g = quant.record(quant.mxfp4_quantize(x), mode)
   assert g.format == "mxfp4" and g.row_scale is None and g.k == SHAPE[1]
-  assert g.nbytes == SHAPE[0] * guided.bytes_per_row(SHAPE[1], mode, "mxfp4")
-  assert guided.bytes_per_row(128, "compact", "mxfp4") == 16 + 4
+  assert g.nbytes == SHAPE[0] * record.bytes_per_row(SHAPE[1], mode, "mxfp4")
+  assert record.bytes_per_row(128, "compact", "mxfp4") == 16 + 4
   with pytest.raises(ValueError, match="not divisible by 32"):
     guided.validate(jnp.zeros((2, 48)), g)
   bad = guided.Guidance(block_scale=g.block_scale, row_scale=jnp.ones(SHAPE[:1] + (1,)),

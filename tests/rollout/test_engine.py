@@ -55,7 +55,8 @@ def test_records_reach_the_store_and_memory_alike(tmp_path):
   device."""
   import jax
 
-  from trace_jax.io import guidance_store as gs
+  from trace_jax.guidance import record
+  from trace_jax.guidance import store as gs
 
   cfg = model_lib.tiny(policy="fp4_trace", dtype="float32")
   params = model_lib.init_params(cfg, 0, param_dtype="float32")
@@ -85,7 +86,7 @@ def test_records_reach_the_store_and_memory_alike(tmp_path):
   bits = lambda a: np.ascontiguousarray(np.asarray(a)).view(np.uint8)
   for layer, sites in mem["guidance"].items():
     for site, g in sites.items():
-      for field in gs.MODE_FIELDS["compact"]:
+      for field in record.MODE_FIELDS["compact"]:
         want, got = getattr(g, field), getattr(back.guidance[layer][site], field)
         assert got.shape == want.shape
         np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"{layer}/{site}/{field}")

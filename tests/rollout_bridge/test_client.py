@@ -30,8 +30,9 @@ from rollout_bridge.client import (
   wait_healthy,
 )
 from rollout_bridge.server import RolloutServer, ServerOptions
+from trace_jax.guidance.handle import GuidanceHandle
 from trace_jax.model.config import tiny
-from trace_jax.rollout.protocol import GuidanceHandle, RolloutEngine, Sample, SamplingParams
+from trace_jax.rollout.protocol import RolloutEngine, Sample, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -26,7 +26,8 @@ from rollout_bridge.batcher import Batcher, BatcherClosed, pad_batch
 from rollout_bridge.client import HttpRolloutEngine, RolloutHTTPError
 from rollout_bridge.server import RolloutServer, ServerOptions
 from trace_jax import model as model_lib
-from trace_jax.io import guidance_store, hf
+from trace_jax.guidance import store as guidance_store
+from trace_jax.io import hf
 from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import Sample, SamplingParams
 

@@ -29,10 +29,12 @@ import os
 import pkgutil
 import signal
 import socket
+import subprocess
 import sys
 import types
 import warnings
 from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,7 +91,9 @@ from rollout_bridge.sglang_plugin.quant_method import (  # noqa: E402
     TraceNvfp4Config,
     TraceNvfp4MoEMethod,
 )
-from trace_jax.io import guidance_store, hf  # noqa: E402
+from trace_jax.guidance import store as guidance_store  # noqa: E402
+from trace_jax.guidance.record import Guidance  # noqa: E402
+from trace_jax.io import hf  # noqa: E402
 from trace_jax.model import graphdef, init_params, tiny  # noqa: E402
 from trace_jax.model.precision import Precision  # noqa: E402
 from trace_jax.quant import formats, guided  # noqa: E402
@@ -463,8 +467,8 @@ def test_expert_mid_exact_data_bit_identical(plugin_run, reference):
   run, ref = plugin_run["exact"], reference["exact"]
   order = _slot_order(run, ref)
   got = run["guidance"][LAYER]["expert_mid"]
-  got = guided.Guidance(**{f: np.take_along_axis(_bits(getattr(got, f)), order[..., None], 1)
-                           for f in ("mantissa", "block_scale", "row_scale")})
+  got = Guidance(**{f: np.take_along_axis(_bits(getattr(got, f)), order[..., None], 1)
+                    for f in ("mantissa", "block_scale", "row_scale")})
   _assert_record_equal(got, ref["taps"]["expert_mid"], (TOKENS, K))
 
 
@@ -621,13 +625,22 @@ def test_flush_to_store_roundtrip(plugin_run, reference, tmp_path):
     _assert_record_equal(batch.guidance[LAYER][site], want, (TOKENS,) + lead)
   order = _slot_order(plugin_run["exact"], ref)[row_index]
   got = batch.guidance[LAYER]["expert_mid"]
-  got = guided.Guidance(**{f: np.take_along_axis(_bits(getattr(got, f)), order[..., None], 1)
-                           for f in ("mantissa", "block_scale", "row_scale")})
+  got = Guidance(**{f: np.take_along_axis(_bits(getattr(got, f)), order[..., None], 1)
+                    for f in ("mantissa", "block_scale", "row_scale")})
   want = jax.tree.map(lambda a: np.asarray(a).reshape((TOKENS, K) + a.shape[-1:])[row_index],
                       taps["expert_mid"])
   _assert_record_equal(got, want, (TOKENS, K))
   np.testing.assert_array_equal(batch.routing[LAYER],
                                 plugin_run["exact"]["topk"].topk_ids.numpy()[row_index])
+
+
+def test_recorder_imports_without_jax():
+  """The recorder takes the record's format from trace_jax.guidance's JAX-free modules: a fresh
+  interpreter that imports it (and torch) holds no JAX."""
+  code = ("import sys, rollout_bridge.sglang_plugin.recorder; bad = sorted(m for m in "
+          "sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')); assert not bad, bad")
+  subprocess.run([sys.executable, "-c", code], check=True, timeout=300,
+                 cwd=Path(__file__).resolve().parents[2])
 
 
 def test_recorder_overflow_reported():

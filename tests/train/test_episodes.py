@@ -4,11 +4,12 @@ import numpy as np
 import pytest
 
 from configs import quickstart
+from trace_jax.guidance.handle import GuidanceHandle
 from trace_jax.rl.tasks import get_task
 from trace_jax.rl.tasks.base import Problem
 from trace_jax.rl.tasks.long_horizon import demonstration_episode
 from trace_jax.rl.tokenizer import BOS_ID, EOS_ID, CharTokenizer
-from trace_jax.rollout.protocol import GuidanceHandle, Sample, SamplingParams
+from trace_jax.rollout.protocol import Sample, SamplingParams
 from trace_jax.train import batch as batch_lib
 from trace_jax.train import episodes, run_config, task_io
 

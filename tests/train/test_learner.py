@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from test_rl_loop import tiny_cfg  # tests/train is on sys.path (pytest's prepend mode)
 
+from trace_jax.guidance.handle import GuidanceHandle
 from trace_jax.rl import advantages as adv_lib
-from trace_jax.rollout.protocol import GuidanceHandle, Sample
+from trace_jax.rollout.protocol import Sample
 from trace_jax.train import rl_loop, run_config
 from trace_jax.train.learner import GRPOLearner
 

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from trace_jax.guidance.record import Guidance
 from trace_jax.quant import formats
-from trace_jax.quant.guided import Guidance
 from trace_jax.train import mismatch
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

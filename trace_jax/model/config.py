@@ -11,17 +11,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from trace_jax.guidance.record import MODES as GUIDANCE_MODES
+from trace_jax.guidance.record import SITES as SITES  # re-exported: the model's sites
 from trace_jax.model.policies import Forward, forward_of
 
-GUIDANCE_MODES = ("compact", "full")
 DTYPES = ("float32", "bfloat16")
 MOE_IMPLS = ("ragged_dot", "tiled", "kernel")  # trace_jax.model.grouped
 DECODE_IMPLS = ("xla", "kernel")  # the rollout's one-token decode steps (trace_jax.kernels)
 DECODE_MOE_KERNELS = ("auto", "triton", "wgmma")  # decode_impl="kernel"'s packed experts
 FP8_GEMMS = ("xla", "kernel")  # fp8_unified's GEMMs (trace_jax.model.fp8_linear)
-# The activation sites an FP4 policy quantizes in each layer (docs/design.md §3), in the order
-# the guidance store and the metrics list them.
-SITES = ("moe_in", "expert_mid", "k", "v")
 
 # HF keys that carry no information for this model but are written for SGLang / transformers.
 _HF_CONSTANTS = {

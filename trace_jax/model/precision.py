@@ -26,12 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trace_jax.guidance import byte_rows
+from trace_jax.guidance.record import Guidance
 from trace_jax.kernels import nvfp4_act
-from trace_jax.model import batch_local, byte_rows, fp8_linear
+from trace_jax.model import batch_local, fp8_linear
 from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.model.grouped import grouped_matmul
 from trace_jax.quant import formats, guided, qat
-from trace_jax.quant.guided import Guidance
 
 
 def dtype_rounded(x: jax.Array) -> jax.Array:

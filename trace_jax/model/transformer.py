@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trace_jax.guidance import byte_rows
 from trace_jax.kernels import fp4_moe
-from trace_jax.model import batch_local, byte_rows, expert_weights
+from trace_jax.model import batch_local, expert_weights
 from trace_jax.model.attention import Attention, CacheSlot, LayerCache
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layer_runs import layer_runs, stack

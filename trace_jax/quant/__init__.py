@@ -1,5 +1,6 @@
 """Bit-exact FP4/FP8 quantization (docs/design.md §3): formats, guided rounding, QAT operators."""
 
+from trace_jax.guidance.record import Guidance, bytes_per_row
 from trace_jax.quant.formats import (
     FP8Tensor,
     MXFP4Tensor,
@@ -18,7 +19,7 @@ from trace_jax.quant.formats import (
     pack_fp4,
     unpack_fp4,
 )
-from trace_jax.quant.guided import Guidance, bytes_per_row, guided_codes, guided_quantize, record
+from trace_jax.quant.guided import guided_codes, guided_quantize, record
 from trace_jax.quant.qat import (
     fake_quant_act,
     fake_quant_act_guided,

@@ -1,4 +1,4 @@
-"""Rollout-guided FP4 rounding (TRACE, docs/design.md §3.5) and the guidance record (§5).
+"""Rollout-guided FP4 rounding (TRACE, docs/design.md §3.5) under a guidance record (§5).
 
 Rollout quantizes a site with an FP4 format, NVFP4 (blocks of 16, E4M3 block scales, per-row
 FP32 second-level scale) or MXFP4 (blocks of 32, E8M0 power-of-two scales), and keeps, per
@@ -8,6 +8,9 @@ points that bracket it, picks the one the rollout chose (same mantissa bit) or t
 to the rollout value. With no drift this equals round-to-nearest, bit for bit; with drift within
 one code it reproduces the rollout code's value exactly (a zero takes the sign of the training
 input, so the codes may differ as 0 vs 8: compare them with `formats.e2m1_values_equal`).
+
+The record's format (fields, dtypes, widths, bytes per row) is `trace_jax.guidance.record`'s;
+this module makes records from quantized tensors (`record`) and rounds under them.
 """
 
 from __future__ import annotations
@@ -15,74 +18,25 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
+from trace_jax.guidance.record import Guidance, check_mode, field_dtype, field_shapes
 from trace_jax.quant import exact
 from trace_jax.quant.formats import (
-    E2M1_GRID,
-    E2M1_MAX,
-    FP4_BLOCKS,
-    FP4Tensor,
-    MXFP4Tensor,
-    NVFP4Tensor,
-    _blocks,
-    _nvfp4_inverse_scale,
-    _unblock,
-    check_fp4_format,
-    e2m1_decode,
-    e2m1_magnitude,
-    fp4_format,
-    pack_fp4,
-    unpack_fp4,
+  E2M1_GRID,
+  E2M1_MAX,
+  FP4_BLOCKS,
+  FP4Tensor,
+  MXFP4Tensor,
+  NVFP4Tensor,
+  _blocks,
+  _nvfp4_inverse_scale,
+  _unblock,
+  e2m1_decode,
+  e2m1_magnitude,
+  fp4_format,
+  pack_fp4,
+  unpack_fp4,
 )
-
-MODES = ("compact", "full")
-# The dtype of each format's block scales (how a record tells its format).
-SCALE_DTYPES = {"nvfp4": jnp.float8_e4m3fn, "mxfp4": jnp.float8_e8m0fnu}
-
-
-@struct.dataclass
-class Guidance:
-  """What rollout recorded at one site for a batch of token rows.
-
-  block_scale: float8_e4m3fn [..., K // 16] (NVFP4) or float8_e8m0fnu [..., K // 32] (MXFP4);
-  row_scale: float32 [..., 1] (NVFP4's second-level scale), None for MXFP4;
-  mantissa: uint8 [..., K // 8], mantissa bits packed 8 per byte (compact mode), or None;
-  codes: uint8 [..., K // 2], 4-bit codes packed 2 per byte (full mode), or None.
-  """
-  block_scale: jax.Array
-  row_scale: jax.Array | None = None
-  mantissa: jax.Array | None = None
-  codes: jax.Array | None = None
-
-  @property
-  def mode(self) -> str:
-    return "compact" if self.mantissa is not None else "full"
-
-  @property
-  def format(self) -> str:
-    return "mxfp4" if self.block_scale.dtype == jnp.float8_e8m0fnu else "nvfp4"
-
-  @property
-  def k(self) -> int:
-    return self.block_scale.shape[-1] * FP4_BLOCKS[self.format]
-
-  @property
-  def nbytes(self) -> int:
-    """Exact bytes of the record's arrays."""
-    return sum(int(np.prod(a.shape)) * a.dtype.itemsize
-               for a in (self.block_scale, self.row_scale, self.mantissa, self.codes)
-               if a is not None)
-
-
-def bytes_per_row(k: int, mode: str, fmt: str = "nvfp4") -> float:
-  """Guidance bytes per token row of width k: payload + block scales (+ NVFP4's FP32 row
-  scale)."""
-  if mode not in MODES:
-    raise ValueError(f"unknown guidance mode {mode!r}; expected one of {MODES}")
-  check_fp4_format(fmt)
-  payload = k // 8 if mode == "compact" else k // 2
-  return payload + k // FP4_BLOCKS[fmt] + (4 if fmt == "nvfp4" else 0)
 
 
 def pack_bits(bits: jax.Array) -> jax.Array:
@@ -106,8 +60,7 @@ def record(q: FP4Tensor, mode: str = "compact", mantissa: jax.Array | None = Non
 
   mantissa: compact mode's payload already packed (`pack_bits(q.codes & 1)`, as the NVFP4 site
   kernel writes it), used as given."""
-  if mode not in MODES:
-    raise ValueError(f"unknown guidance mode {mode!r}; expected one of {MODES}")
+  check_mode(mode)
   row_scale = None
   if fp4_format(q) == "nvfp4":
     if q.tensor_scale is None:
@@ -124,37 +77,32 @@ def record(q: FP4Tensor, mode: str = "compact", mantissa: jax.Array | None = Non
 
 
 def validate(x: jax.Array, g: Guidance, name: str = "guidance") -> None:
-  """Raises ValueError when `g` cannot guide an input of x's shape."""
+  """Raises ValueError when `g` cannot guide an input of x's shape (the record's fields:
+  `guidance.record.field_shapes` and `field_dtype`)."""
   fmt = g.format
   block = FP4_BLOCKS[fmt]
   k = x.shape[-1]
-  rows = x.shape[:-1]
   if k % block:
     raise ValueError(f"{name}: contraction size {k} is not divisible by {block} ({fmt})")
-  want = {"block_scale": rows + (k // block,)}
-  if fmt == "nvfp4":
-    want["row_scale"] = rows + (1,)
-  elif g.row_scale is not None:
+  if fmt != "nvfp4" and g.row_scale is not None:
     raise ValueError(f"{name}: MXFP4 guidance has no row_scale")
-  if g.mantissa is not None:
-    want["mantissa"] = rows + (k // 8,)
-  if g.codes is not None:
-    want["codes"] = rows + (k // 2,)
   if (g.mantissa is None) == (g.codes is None):
     raise ValueError(f"{name}: exactly one of mantissa (compact) or codes (full) must be set")
-  for field, shape in want.items():
+  want = field_shapes(x.shape[:-1], k, g.mode, fmt)
+  for field in ("block_scale", "row_scale", "mantissa", "codes"):
     a = getattr(g, field)
+    if field not in want:
+      continue
     if a is None:
       raise ValueError(f"{name}: {fmt} guidance needs {field}")
-    if tuple(a.shape) != tuple(shape):
-      raise ValueError(f"{name}: {field} has shape {tuple(a.shape)}, expected {shape} for an "
-                       f"input of shape {tuple(x.shape)}")
-  dtypes = {"block_scale": SCALE_DTYPES[fmt], "row_scale": jnp.float32, "mantissa": jnp.uint8,
-            "codes": jnp.uint8}
-  for field, dt in dtypes.items():
+    if tuple(a.shape) != want[field]:
+      raise ValueError(f"{name}: {field} has shape {tuple(a.shape)}, expected {want[field]} "
+                       f"for an input of shape {tuple(x.shape)}")
+  for field in ("block_scale", "row_scale", "mantissa", "codes"):
     a = getattr(g, field)
-    if a is not None and a.dtype != dt:
-      raise ValueError(f"{name}: {field} has dtype {a.dtype}, expected {jnp.dtype(dt).name}")
+    if a is not None and jnp.dtype(a.dtype).name != field_dtype(field, fmt):
+      raise ValueError(f"{name}: {field} has dtype {a.dtype}, expected "
+                       f"{field_dtype(field, fmt)}")
 
 
 def _scaled(xf: jax.Array, g: Guidance) -> tuple[jax.Array, jax.Array]:

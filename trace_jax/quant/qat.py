@@ -20,8 +20,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from trace_jax.guidance.record import Guidance
 from trace_jax.quant import exact, formats, guided
-from trace_jax.quant.guided import Guidance
 
 FORMATS = ("nvfp4", "mxfp4", "fp8")
 GRAD_DTYPE = jnp.bfloat16

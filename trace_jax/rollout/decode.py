@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax import model as model_lib
-from trace_jax.model import byte_rows
+from trace_jax.guidance import byte_rows
 from trace_jax.model.config import ModelConfig
 from trace_jax.rollout import sampling as sampling_lib
 

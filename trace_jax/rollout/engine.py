@@ -38,12 +38,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax import model as model_lib
-from trace_jax.io import guidance_store
+from trace_jax.guidance import layout as guidance_layout
+from trace_jax.guidance import store as guidance_store
+from trace_jax.guidance.handle import GuidanceHandle
 from trace_jax.model import expert_parallel, expert_weights, sharding
 from trace_jax.model.config import SITES, ModelConfig
-from trace_jax.rollout import decode, guidance_layout
+from trace_jax.rollout import decode
 from trace_jax.rollout import sampling as sampling_lib
-from trace_jax.rollout.protocol import GuidanceHandle, Sample, SamplingParams, normalize_request
+from trace_jax.rollout.protocol import Sample, SamplingParams, normalize_request
 
 log = logging.getLogger(__name__)
 

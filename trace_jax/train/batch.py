@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from trace_jax.rollout import guidance_layout
+from trace_jax.guidance import layout as guidance_layout
 from trace_jax.rollout.protocol import Sample
 
 
@@ -58,7 +58,7 @@ class RLBatch:
   valid: real rows; loss_mask: rows whose target the policy sampled; logp_rollout: the
   rollout's log-prob of each of those targets; advantages [B]; guidance / routing: the
   rollout's records of the guided layers and its expert ids per layer, padded to the rows
-  (`trace_jax.rollout.guidance_layout`), or None; logp_ref: the reference policy's log-probs
+  (`trace_jax.guidance.layout`), or None; logp_ref: the reference policy's log-probs
   of the targets when the loss has a KL term (`rl.kl_coef`), else None.
   """
   inputs: jax.Array
@@ -82,10 +82,8 @@ def rl_batch(samples: Sequence[Sample], advantages: np.ndarray, seq_len: int,
   for i, s in enumerate(samples):
     p = len(s.prompt)
     logp_rollout[i, p - 1:p - 1 + len(s.tokens)] = s.logprobs
-  counts = [s.num_rows for s in samples]
+  guidance, routing = guidance_layout.pad_records(guidance, routing,
+                                                  [s.num_rows for s in samples], seq_len)
   return RLBatch(
       **{k: jnp.asarray(v) for k, v in seqs.items()}, logp_rollout=jnp.asarray(logp_rollout),
-      advantages=jnp.asarray(advantages, jnp.float32),
-      guidance=guidance_layout.pad_tree(guidance, counts, seq_len) if guidance else None,
-      routing={int(k): guidance_layout.pad_routing(v, counts, seq_len)
-               for k, v in routing.items()} if routing else None)
+      advantages=jnp.asarray(advantages, jnp.float32), guidance=guidance, routing=routing)

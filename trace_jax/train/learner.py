@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax.io import guidance_store
+from trace_jax.guidance import store as guidance_store
 from trace_jax.model import policies
 from trace_jax.model.config import ModelConfig
 from trace_jax.rl import advantages as adv_lib

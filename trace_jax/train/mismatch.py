@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from trace_jax.guidance.layout import unpad
 from trace_jax.model.config import SITES
-from trace_jax.rollout.guidance_layout import unpad
 
 
 def unpack_codes(packed: Any) -> np.ndarray:

@@ -13,8 +13,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from trace_jax.guidance import layout as guidance_layout
 from trace_jax.model.config import ModelConfig
-from trace_jax.rollout import guidance_layout
 from trace_jax.rollout.engine import bucket
 from trace_jax.train import batch as batch_lib
 from trace_jax.train import step as step_lib

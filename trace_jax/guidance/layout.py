@@ -16,10 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax.quant.guided import SCALE_DTYPES, Guidance
-
-# The scale 1.0 as each format's block-scale byte (E4M3 0x38, E8M0 127).
-_ONE = {"nvfp4": np.uint8(0x38), "mxfp4": np.uint8(127)}
+from trace_jax.guidance.record import SCALE_DTYPES, SCALE_ONE, Guidance, numpy_dtype
 
 
 def _pad(a: np.ndarray, counts: Sequence[int], seq_len: int, fill: Any) -> np.ndarray:
@@ -42,7 +39,8 @@ def pad_guidance(g: Guidance, counts: Sequence[int], seq_len: int) -> Guidance:
   fmt = g.format
   bs = np.asarray(g.block_scale).view(np.uint8)
   fields = {
-      "block_scale": _pad(bs, counts, seq_len, _ONE[fmt]).view(SCALE_DTYPES[fmt]),
+      "block_scale": _pad(bs, counts, seq_len, np.uint8(SCALE_ONE[fmt])).view(
+          numpy_dtype(SCALE_DTYPES[fmt])),
       "row_scale": None if g.row_scale is None else _pad(np.asarray(g.row_scale), counts,
                                                          seq_len, np.float32(1.0)),
       "mantissa": None if g.mantissa is None else _pad(np.asarray(g.mantissa), counts,
@@ -67,6 +65,16 @@ def pad_tree(guidance: Mapping[int, Mapping[str, Guidance]], counts: Sequence[in
           for layer, sites in guidance.items()}
 
 
+def pad_records(guidance: Mapping[int, Mapping[str, Guidance]] | None,
+                routing: Mapping[int, Any] | None, counts: Sequence[int], seq_len: int
+                ) -> tuple[dict[int, dict[str, Guidance]] | None, dict[int, jax.Array] | None]:
+  """A batch's ragged guidance and routing trees padded to [B, seq_len, ...] (None or empty:
+  None)."""
+  return (pad_tree(guidance, counts, seq_len) if guidance else None,
+          {int(k): pad_routing(v, counts, seq_len) for k, v in routing.items()}
+          if routing else None)
+
+
 def unpad(tree: Any, counts: Sequence[int]) -> Any:
   """Padded [B, S, ...] -> ragged rows [sum(counts), ...] (numpy), for an array or a pytree
   of them (a Guidance record); the first len(counts) sequences."""
@@ -84,7 +92,7 @@ def ragged_rows(tree: Any, counts: jax.Array) -> Any:
 
   The host then takes each record's leading rows as they are, instead of concatenating B
   slices of every record (at batch 64 that cost the H200's host more time per call than
-  fp4_trace's recording on the GPU)."""
+  fp4_trace's recording on the GPU, docs/benchmarks.md)."""
   b, s = jax.tree.leaves(tree)[0].shape[:2]
   ends = jnp.cumsum(counts)
   j = jnp.arange(b * s, dtype=ends.dtype)
@@ -101,11 +109,11 @@ def start_host_copy(tree: Any) -> Any:
 
   Why not `jax.device_get` on a background thread: it copies into pageable NumPy memory
   through a staging buffer and holds the GIL for each array's `copy_to_host_async`; on the
-  H200 (2026-12-04 profiles) a batch's 0.09 GB of fp4_trace records held the engine's caller
-  back 15-18 ms after every generate call, the whole of that thread's transfer. The call is
-  not free either (H200, 2026-12-04: 8-10 ms of the caller's time for 0.12 GB of records, 115
-  ms for 0.37 GB at 24 layers), but made on the records thread it held the caller's next
-  generate call back further (fp4_trace 0.783x fp4_rtn against 0.938x at batch 64)."""
+  H200 a batch's 0.09 GB of fp4_trace records held the engine's caller back 15-18 ms after
+  every generate call, the whole of that thread's transfer. The call is not free either (on
+  the H200, 8-10 ms of the caller's time for 0.12 GB of records, 115 ms for 0.37 GB at 24
+  layers), but made on the records thread it held the caller's next generate call back
+  further (fp4_trace 0.783x fp4_rtn against 0.938x at batch 64; docs/benchmarks.md)."""
   def target(a: jax.Array) -> Any:
     kinds = {m.kind for d in a.sharding.device_set for m in d.addressable_memories()}
     return a.sharding.with_memory_kind("pinned_host") if "pinned_host" in kinds else a.sharding

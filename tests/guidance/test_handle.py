@@ -1,10 +1,10 @@
-"""The rollout protocol's value types: guidance handles travel as JSON and come back equal."""
+"""Guidance handles travel as JSON and come back equal; bad ones are refused."""
 
 import json
 
 import pytest
 
-from trace_jax.rollout.protocol import GuidanceHandle
+from trace_jax.guidance.handle import GuidanceHandle
 
 
 @pytest.mark.parametrize("handle", [

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trace_jax.model import byte_rows
-from trace_jax.quant import guided
+from trace_jax.guidance import byte_rows
+from trace_jax.guidance.record import Guidance
 
 
 def _tree(rng: np.random.Generator, lead: tuple[int, ...]):
@@ -60,9 +60,9 @@ def test_rows_move_together():
 
 
 def test_guidance_record():
-  g = guided.Guidance(block_scale=jnp.ones((2, 3, 8), jnp.float8_e4m3fn),
-                      row_scale=jnp.full((2, 3, 1), 0.5, jnp.float32),
-                      mantissa=jnp.arange(2 * 3 * 16, dtype=jnp.uint8).reshape(2, 3, 16))
+  g = Guidance(block_scale=jnp.ones((2, 3, 8), jnp.float8_e4m3fn),
+               row_scale=jnp.full((2, 3, 1), 0.5, jnp.float32),
+               mantissa=jnp.arange(2 * 3 * 16, dtype=jnp.uint8).reshape(2, 3, 16))
   rows, layout = byte_rows.pack({"moe_in": g}, 2)
   assert rows.shape == (2, 3, 8 + 4 + 16)
   back = byte_rows.unpack(rows, layout)["moe_in"]
