@@ -137,6 +137,24 @@ def test_resume_after_kill_is_bitwise_identical(start_params, tmp_path):
   assert evals == full["evals"]
 
 
+def test_a_killed_runs_half_written_guidance_batches_are_removed_on_resume(start_params,
+                                                                           tmp_path):
+  """A batch directory without a manifest (a write killed before its manifest) under a run's
+  guidance root is removed when the run resumes; a complete batch and other files stay."""
+  cfg = tiny_cfg()
+  cfg.rl.keep_guidance = True  # the run's own batches stay, complete
+  rl_loop.run_rl(cfg, str(tmp_path), "fp4_trace", start_params, max_steps=1, progress=False)
+  root = tmp_path / "guidance"
+  complete = sorted(p.name for p in root.iterdir() if (p / "manifest.json").exists())
+  assert complete
+  (root / "b000777" / "layer0").mkdir(parents=True)  # killed half-way: arrays, no manifest
+  (root / "b000777" / "layer0" / "moe_in").write_bytes(b"\0" * 64)
+  (root / "notes.txt").write_text("not a batch")
+  rl_loop.run_rl(cfg, str(tmp_path), "fp4_trace", start_params, max_steps=1, progress=False)
+  assert not (root / "b000777").exists() and (root / "notes.txt").exists()
+  assert set(complete) <= {p.name for p in root.iterdir()}
+
+
 def _array_files(step_dir):
   return [f for f in step_dir.rglob("*") if f.is_file() and f.parent.name == "d"]
 

@@ -81,7 +81,7 @@ class InProcessEngine:
   - audit_fraction: full 4-bit codes of every layer and site for the first
     ceil(fraction * n) sequences of each batch, so flips can be counted exactly (batch
     "<batch_id>.audit" in the store, `Sample.guidance.audit_batch_id`).
-  With a `guidance_store` (`trace_jax.io.guidance_store.GuidanceStore`, which names and writes
+  With a `guidance_store` (`trace_jax.guidance.store.GuidanceStore`, which names and writes
   the batches) each batch is written asynchronously and every Sample carries its
   `GuidanceHandle`; without one, the last batch's records stay in `self.last_guidance`
   (ragged rows, for notebooks and tests). `min_prompt_len` pads

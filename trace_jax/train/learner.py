@@ -133,6 +133,9 @@ class GRPOLearner:
           os.path.join(workdir, "guidance"), guidance_store.config_hash(self.rollout_cfg),
           options=guidance_store.StoreOptions(fsync=False), on_missing=r.on_missing_guidance,
           overwrite=True)
+      # A killed run's half-written batches (no manifest): this launch holds the run's lock, so
+      # nothing else writes here.
+      self.store.remove_incomplete()
     batch_rows = max(r.prompts_per_step * r.group_size, run.eval.num_prompts)
     # On a config mesh the engine runs on it too: its MoE blocks expert-parallel.
     sh = jax.tree.leaves(placed)[0].sharding
