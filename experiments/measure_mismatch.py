@@ -12,8 +12,8 @@ of the sampled tokens. --format=mxfp4 runs the MXFP4 pair (`mxfp4_rtn`, `mxfp4_t
 With no flag but --json_out it uses the tiny CPU config. Writes JSON and a per-layer PNG.
 --decode_impls=xla,kernel measures each rollout decode path on its own rollout (the report is
 the first one's) and adds `by_decode_impl` and `fp4_trace_dlogp_kernel_over_xla`: the fast
-path's rollout/trainer mean |dlogp| under fp4_trace over the reference path's (issue 14 asks
-<= 1.2).
+path's rollout/trainer mean |dlogp| under fp4_trace over the reference path's (the target is
+<= 1.2, docs/benchmarks.md).
 """
 
 from __future__ import annotations

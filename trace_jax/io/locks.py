@@ -38,7 +38,7 @@ def _holder(f: Any) -> dict[str, Any]:
 
 
 def describe_holder(info: dict[str, Any]) -> str:
-  """`pid 123 on host-a since 2026-12-05T08:00:00+0000 (python -m ...)` (what is known)."""
+  """`pid 123 on host-a since <start time> (python -m ...)` (what is known)."""
   if not info:
     return "another process (it recorded nothing)"
   cmd = " ".join(info.get("argv", []))

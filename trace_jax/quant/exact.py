@@ -3,7 +3,7 @@
 XLA rewrites float division (by a constant or broadcast scalar into a reciprocal multiply)
 and on GPU its division and reciprocal are approximate; its CPU runtime flushes subnormals;
 on GPU it drops `astype(fp4/fp8)` round trips inside `jit`
-(`shared/reference/platform_notes.md`). The scale formulas of docs/design.md §3.2 are IEEE float32
+(docs/numerics.md). The scale formulas of docs/design.md §3.2 are IEEE float32
 quotients, as torch and numpy compute them. Everything here is built from integer and bit
 operations, comparisons and exact multiplications by powers of two, which every backend
 computes exactly, so the JAX quantizers reproduce the torch twin bit for bit.
