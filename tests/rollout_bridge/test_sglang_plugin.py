@@ -76,9 +76,9 @@ with warnings.catch_warnings():
 # SGLang loads tvm_ffi, whose libtvm_ffi.so installs a SIGSEGV handler that walks the stack with
 # libgcc's unwinder. A SIGSEGV raised inside that unwinder (seen while XLA's CPU compile threw
 # a C++ exception) then deadlocks on the unwinder's own lock: a pytest worker hung for 15+
-# minutes in CI twice (WORKSPACE.md, "Traps that still bite"). The default action again, with faulthandler's
-# traceback first: such a crash fails loudly instead. `make test` also runs this module in a
-# pytest process of its own.
+# minutes in CI twice (WORKSPACE.md, "Traps that still bite"). The default action again, with
+# faulthandler's traceback first: such a crash fails loudly instead. `make test` also runs this
+# module in a pytest process of its own.
 signal.signal(signal.SIGSEGV, signal.SIG_DFL)
 if faulthandler.is_enabled():
   faulthandler.enable(file=sys.__stderr__)
