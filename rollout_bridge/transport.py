@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import h11
 import uvicorn
@@ -38,9 +38,6 @@ from rollout_bridge.api import (
 )
 from rollout_bridge.batcher import Job
 from trace_jax.rollout.protocol import Sample
-
-if TYPE_CHECKING:
-  from rollout_bridge.server import RolloutServer
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +89,7 @@ class _Request:
 class _App:
   """The ASGI application: auth, routing, bounded body reads, JSON errors, SSE streams."""
 
-  def __init__(self, server: RolloutServer):
+  def __init__(self, server: Any):  # a rollout_bridge.server.RolloutServer
     self.server = server
 
   async def __call__(self, scope: dict[str, Any], receive: Callable[[], Any],
@@ -480,8 +477,10 @@ class _Protocol(H11Protocol):
     self.transport.close()
 
 
-def make_uvicorn(server: RolloutServer) -> UvicornServer:
-  """The uvicorn server that answers `server`'s HTTP (run it on the server's socket)."""
+def make_uvicorn(server: Any) -> UvicornServer:
+  """The uvicorn server that answers the HTTP of `server`, a `rollout_bridge.server.
+  RolloutServer` (run it on the server's socket). The transport takes the server as it is
+  given, so it imports nothing of it."""
   o = server.options
   config = _Config(
     _App(server), http=_Protocol, loop="asyncio", lifespan="off", interface="asgi3",
