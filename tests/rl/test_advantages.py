@@ -1,4 +1,5 @@
-"""GRPO advantages against hand-computed numbers and a float64 numpy reference."""
+"""GRPO advantages (each estimator and adv_std) against hand-computed numbers and a float64
+numpy reference."""
 
 import jax
 import numpy as np
@@ -72,3 +73,73 @@ def test_bad_inputs():
     group_advantages(np.zeros(4), 1, ddof=1)
   with pytest.raises(ValueError, match="unknown advantage"):
     get_advantage_fn("ppo")
+
+
+def _reference(rewards, group_size, adv_std, eps=1e-6):
+  """float64 advantages, group by group in plain python/numpy."""
+  out = []
+  for g in np.asarray(rewards, np.float64).reshape(-1, group_size):
+    centred = g - g.sum() / g.size
+    if adv_std == "none":
+      out.extend(centred)
+      continue
+    ddof = {"population": 0, "unbiased": 1}[adv_std]
+    std = np.sqrt(np.sum(centred ** 2) / (g.size - ddof))
+    out.extend(centred / (std + eps))
+  return np.array(out)
+
+
+@pytest.mark.parametrize("name,adv_std", [
+    pytest.param("grpo", "population", id="grpo-population"),
+    pytest.param("grpo", "unbiased", id="grpo-unbiased"),
+    pytest.param("grpo", "none", id="grpo-none"),
+    pytest.param("dr_grpo", "none", id="dr_grpo-none"),
+])
+def test_adv_std_matches_float64_reference(name, adv_std):
+  rng = np.random.default_rng(3)
+  # Groups of 5: continuous rewards, binary rewards, and one uniform group (advantage 0).
+  rewards = np.concatenate([rng.normal(size=15), rng.integers(0, 2, 10), np.full(5, 0.7)])
+  fn = jax.jit(get_advantage_fn(name, adv_std), static_argnums=1)
+  got = fn(rewards.astype(np.float32), 5)
+  np.testing.assert_allclose(got, _reference(rewards, 5, adv_std), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(got)[-5:], np.zeros(5, np.float32))
+
+
+def test_adv_std_hand_computed():
+  # Group [3, 1]: mean 2; population std 1 -> +-1; unbiased std sqrt(2) -> +-0.7071068;
+  # none -> +-1 (centred only). Group [0, 0, 3]: mean 1, deviations [-1, -1, 2];
+  # population std sqrt(2) -> [-0.7071068, -0.7071068, 1.4142136]; unbiased std sqrt(3) ->
+  # [-0.5773503, -0.5773503, 1.1547005].
+  r2, r3 = np.array([3.0, 1.0], np.float32), np.array([0.0, 0.0, 3.0], np.float32)
+  np.testing.assert_allclose(get_advantage_fn("grpo", "population")(r2, 2), [1, -1], rtol=1e-5)
+  np.testing.assert_allclose(get_advantage_fn("grpo", "unbiased")(r2, 2),
+                             [0.7071068, -0.7071068], rtol=1e-5)
+  np.testing.assert_allclose(get_advantage_fn("grpo", "none")(r2, 2), [1, -1], rtol=1e-6)
+  np.testing.assert_allclose(get_advantage_fn("grpo", "population")(r3, 3),
+                             [-0.7071068, -0.7071068, 1.4142136], rtol=1e-5)
+  np.testing.assert_allclose(get_advantage_fn("grpo", "unbiased")(r3, 3),
+                             [-0.5773503, -0.5773503, 1.1547005], rtol=1e-5)
+  np.testing.assert_allclose(get_advantage_fn("dr_grpo", "none")(r3, 3), [-1, -1, 2],
+                             rtol=1e-6)
+
+
+def test_estimator_defaults_are_unchanged():
+  # No adv_std: each estimator as registered (grpo: population std; dr_grpo: centred).
+  rewards = np.array([1, 0, 0, 1, 1, 1, 1, 0], np.float32)
+  assert get_advantage_fn("grpo") is advantages.ADVANTAGE_FNS["grpo"]
+  assert get_advantage_fn("dr_grpo") is advantages.ADVANTAGE_FNS["dr_grpo"]
+  np.testing.assert_array_equal(get_advantage_fn("grpo", "population")(rewards, 4),
+                                group_advantages(rewards, 4))
+  np.testing.assert_array_equal(get_advantage_fn("dr_grpo", "none")(rewards, 4),
+                                group_advantages(rewards, 4, normalize_std=False))
+
+
+@pytest.mark.parametrize("name,adv_std,match", [
+    pytest.param("dr_grpo", "population", "contradicts", id="dr_grpo-population"),
+    pytest.param("dr_grpo", "unbiased", "contradicts", id="dr_grpo-unbiased"),
+    pytest.param("grpo", "sample", "unknown adv_std", id="unknown-std"),
+    pytest.param("ppo", "none", "unknown advantage", id="unknown-estimator"),
+])
+def test_bad_advantage_and_std_pairs(name, adv_std, match):
+  with pytest.raises(ValueError, match=match):
+    get_advantage_fn(name, adv_std)

@@ -1,4 +1,5 @@
-"""Flip and routing counts (trace_jax/train/mismatch.py) against brute-force references."""
+"""Flip and routing counts (trace_jax/train/mismatch.py) against brute-force references, and
+compare_step on a training step's padded taps against a row-by-row count."""
 
 from __future__ import annotations
 
@@ -133,3 +134,152 @@ def test_compare_report_sums_guided_and_unguided_layers():
   assert m["flip_rate_unguided"] == 0.0
   assert m["routing_flip_rate"] == 0.0 and m["expert_unmatched_rate"] == 0.0
   assert {(r["layer"], r["site"]) for r in report.rows()} >= {(0, "routing"), (1, "moe_in")}
+
+
+# ------------------------------------------------------------ compare_step on a training step
+
+COUNTS = [4, 3, 5]  # token rows of each sequence (ragged), padded to SEQ_LEN in the taps
+SEQ_LEN, TOP_K, WIDTH, NUM_EXPERTS = 6, 2, 32, 6
+# What the trainer's routing of each row is, against the rollout's: the same slots, the same
+# experts in the other slot order, one expert replaced (a routing flip), both replaced.
+ROW_KINDS = ["same", "swap", "one_new", "swap", "same", "both_new", "swap", "one_new",
+             "swap", "same", "one_new", "swap"]
+
+
+def _padded(rows: np.ndarray, counts: list[int], fill: np.ndarray) -> np.ndarray:
+  """Ragged rows [T, ...] -> [len(counts), SEQ_LEN, ...]; padding rows taken from `fill`."""
+  out = fill.copy()
+  start = 0
+  for i, c in enumerate(counts):
+    out[i, :c] = rows[start:start + c]
+    start += c
+  return out
+
+
+def _step_records(rng, n_audit: int):
+  """One layer's rollout records and the trainer's taps for a step.
+
+  Returns (taps: the trainer's padded {site: record, "routing": ids [B, S, K]}, rollout
+  records {site: record} of the audited rows, rollout routing [T, K], and the unpacked arrays
+  the expected counts are computed from).
+  """
+  rows = sum(COUNTS)
+  audited = sum(COUNTS[:n_audit])
+  r_ids = np.stack([rng.permutation(NUM_EXPERTS)[:TOP_K] for _ in range(rows)]).astype(np.int32)
+  t_ids = r_ids.copy()
+  for j, kind in enumerate(ROW_KINDS):
+    unused = [e for e in range(NUM_EXPERTS) if e not in r_ids[j]]
+    if kind == "swap":
+      t_ids[j] = r_ids[j, ::-1]
+    elif kind == "one_new":
+      t_ids[j, 1] = unused[0]
+    elif kind == "both_new":
+      t_ids[j] = unused[:TOP_K]
+  # Rollout codes of the audited rows; the trainer's: the same codes of the same expert (in
+  # its own slot order), random for an expert the rollout did not select, then some flips.
+  r_in = rng.integers(0, 16, (audited, WIDTH), np.uint8)
+  r_mid = rng.integers(0, 16, (audited, TOP_K, WIDTH), np.uint8)
+  t_in = r_in.copy()
+  t_mid = rng.integers(0, 16, (audited, TOP_K, WIDTH), np.uint8)
+  for j in range(audited):
+    for s in range(TOP_K):
+      if t_ids[j, s] in r_ids[j]:
+        t_mid[j, s] = r_mid[j, list(r_ids[j]).index(t_ids[j, s])]
+  flip = rng.random(t_in.shape) < 0.1
+  t_in[flip] = rng.integers(0, 16, int(flip.sum()))
+  t_in[:, 0] = r_in[:, 0] ^ 8  # sign flips: -0 vs +0 is no flip, any other value is
+  mid_flip = rng.random(t_mid.shape) < 0.1
+  t_mid[mid_flip] = rng.integers(0, 16, int(mid_flip.sum()))
+  r_in_scale = rng.choice([0.5, 1.0, 2.0], (audited, WIDTH // 16)).astype(np.float32)
+  t_in_scale = r_in_scale.copy()
+  if audited:
+    t_in_scale[-1, 1] *= 2  # one block-scale flip
+  r_mid_scale = np.ones((audited, TOP_K, WIDTH // 16), np.float32)
+  t_mid_scale = r_mid_scale.copy()
+
+  b = len(COUNTS)
+  garbage_ids = rng.integers(0, NUM_EXPERTS, (b, SEQ_LEN, TOP_K)).astype(np.int32)
+  taps = {"routing": _padded(t_ids, COUNTS, garbage_ids)}
+  audit_counts = COUNTS[:n_audit]
+  for site, codes, scales in (("moe_in", t_in, t_in_scale), ("expert_mid", t_mid, t_mid_scale)):
+    fill = rng.integers(0, 16, (n_audit, SEQ_LEN) + codes.shape[1:], np.uint8)
+    taps[site] = record(_padded(codes, audit_counts, fill),
+                        _padded(scales, audit_counts,
+                                np.full((n_audit, SEQ_LEN) + scales.shape[1:], 4.0, np.float32)))
+  rollout = {"moe_in": record(r_in, r_in_scale), "expert_mid": record(r_mid, r_mid_scale)}
+  arrays = dict(r_ids=r_ids, t_ids=t_ids, r_in=r_in, t_in=t_in, r_mid=r_mid, t_mid=t_mid,
+                r_in_scale=r_in_scale, t_in_scale=t_in_scale, r_mid_scale=r_mid_scale,
+                t_mid_scale=t_mid_scale)
+  return taps, rollout, r_ids, arrays
+
+
+def _expected_counts(a: dict, audited: int) -> tuple[dict, mismatch.RoutingCount]:
+  """FlipCounts per site and the RoutingCount, row by row in plain python."""
+  tokens = set_flips = order_swaps = slots = unmatched = 0
+  for t, r in zip(a["t_ids"].tolist(), a["r_ids"].tolist()):
+    tokens += 1
+    same_set = set(t) == set(r)
+    set_flips += not same_set
+    order_swaps += same_set and t != r
+    slots += len(t)
+    unmatched += sum(e not in r for e in t)
+  routing = mismatch.RoutingCount(tokens, set_flips, order_swaps, slots, unmatched)
+
+  def count(pairs):
+    """pairs: (trainer codes, rollout codes, trainer scales, rollout scales) to compare."""
+    c = mismatch.FlipCount()
+    for tc, rc, ts, rs in pairs:
+      flips, near = brute_flips(tc, rc)
+      c = c + mismatch.FlipCount(flips, tc.size, near, int(np.sum(ts != rs)), ts.size)
+    return c
+
+  moe_in = count((a["t_in"][j], a["r_in"][j], a["t_in_scale"][j], a["r_in_scale"][j])
+                 for j in range(audited))
+  mid_pairs = []
+  for j in range(audited):
+    r_ids = a["r_ids"][j].tolist()
+    for s, e in enumerate(a["t_ids"][j].tolist()):
+      if e in r_ids:  # compared with the rollout slot that holds the same expert
+        rs = r_ids.index(e)
+        mid_pairs.append((a["t_mid"][j, s], a["r_mid"][j, rs], a["t_mid_scale"][j, s],
+                          a["r_mid_scale"][j, rs]))
+  return {"moe_in": moe_in, "expert_mid": count(mid_pairs)}, routing
+
+
+@pytest.mark.parametrize("n_audit", [pytest.param(0, id="no_audit"),
+                                     pytest.param(2, id="two_of_three_audited"),
+                                     pytest.param(3, id="all_audited")])
+def test_compare_step_counts_match_an_independent_count(n_audit):
+  """Padded trainer taps whose top-k slots are the rollout's in another order on some rows,
+  with real routing flips and code flips: compare_step's report equals a row-by-row count."""
+  rng = np.random.default_rng(7)
+  layers, guided = (0, 1), (1,)
+  taps, rollout_records, rollout_routing, arrays = {}, {}, {}, {}
+  for layer in layers:
+    taps[layer], rollout_records[layer], rollout_routing[layer], arrays[layer] = (
+        _step_records(rng, n_audit))
+  report = mismatch.compare_step(taps, list(COUNTS), n_audit,
+                                 rollout_records if n_audit else {}, rollout_routing, guided)
+  audited = sum(COUNTS[:n_audit])
+  want_flips, want_routing = {}, {}
+  for layer in layers:
+    sites, want_routing[layer] = _expected_counts(arrays[layer], audited)
+    if n_audit:
+      want_flips.update({(layer, site): c for site, c in sites.items()})
+  assert report.routing == want_routing
+  assert report.flips == want_flips
+  assert report.guided_layers == guided
+  # The case exercises what it claims: order swaps, set flips, unmatched slots, code flips.
+  r = want_routing[1]
+  assert r.order_swaps == ROW_KINDS.count("swap") and r.set_flips == 4 and r.unmatched_slots
+  if n_audit:
+    assert all(c.flips for c in want_flips.values())
+    assert want_flips[(1, "moe_in")].scale_flips == 1
+  m = report.metrics()
+  g = mismatch.FlipCount() if not n_audit else want_flips[(1, "moe_in")] + want_flips[
+      (1, "expert_mid")]
+  assert m["flip_rate_guided"] == (g.flips / g.total if n_audit else None)
+  assert m["routing_flip_rate"] == (want_routing[0].set_flips + r.set_flips) / (2 * sum(COUNTS))
+  assert m["routing_order_swap_rate"] == (
+      (want_routing[0].order_swaps + r.order_swaps) / (2 * sum(COUNTS)))
+  assert m["expert_unmatched_rate"] == r.unmatched_slots / r.slots
