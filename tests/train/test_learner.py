@@ -1,6 +1,9 @@
 """GRPOLearner pieces beyond one plain step: the KL term to the starting weights, clip-higher,
 Dr. GRPO advantages, and guidance written where the run does not read."""
 
+import csv
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,3 +68,79 @@ def test_guidance_written_elsewhere_is_a_clear_error(start_params, tmp_path):
     with pytest.raises(ValueError, match=r"wrote guidance to \['/srv/guidance'\].*"
                        r"--guidance_dir="):
       learner.guidance(samples)
+
+
+# ------------------------------------------------------------------------------ mini-batches
+
+def _state_copy(state):
+  return jax.tree.map(lambda a: jnp.array(a, copy=True), state)
+
+
+def test_minibatches_equal_sequential_updates_on_the_parts(start_params, tmp_path):
+  """rl.minibatches=2: the learner's updates of one rollout batch equal two one-update steps
+  (`step.grpo_step`) on its halves in order, each clipping against the trainer's log-probs
+  before the first (`step.policy_logprobs`), bit for bit; under fp4_trace, so the guidance and
+  routing follow their rows into each part."""
+  from trace_jax.train import batch as batch_lib
+  from trace_jax.train import step as step_lib
+  cfg = tiny_cfg()
+  cfg.rl.minibatches = 2
+  run = rl_loop.validate(cfg)
+  with GRPOLearner(run, str(tmp_path), "fp4_trace", start_params, progress=False) as learner:
+    ro = learner.rollout(0)
+    batch = learner.batch(ro, learner.guidance(ro.samples), 0)
+    assert batch.guidance is not None and batch.routing is not None
+    state0 = _state_copy(learner.state)
+    m, _, rows = learner.update(batch)
+    got = learner.state
+    old, _ = step_lib.policy_logprobs(state0.params, learner.model_cfg, learner.loss_cfg, batch)
+    want = state0
+    for half in (np.arange(0, 2), np.arange(2, 4)):
+      part = batch_lib.take_rows(batch.replace(logp_old=old), half)
+      want, _, _ = step_lib.grpo_step(want, part, config=learner.model_cfg, tx=learner.tx,
+                                      rl=learner.loss_cfg)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert [(r["update"], r["epoch"], r["minibatch"]) for r in rows] == [(0, 0, 0), (1, 0, 1)]
+  assert m["grad_norm"] == pytest.approx(np.mean([r["grad_norm"] for r in rows]))
+
+
+def test_clipping_acts_on_later_epochs(start_params, tmp_path, monkeypatch):
+  """rl.epochs=2, rl.minibatches=2, a large learning rate: the first epoch's first update
+  starts at ratio ~1 (nothing to clip; not exactly 1 in bf16: the pre-update forward is
+  another XLA program than the update's); later updates see the policy moved and clip.
+  updates.csv holds one row per optimizer step and metrics.csv the step's mean. (The barely
+  trained tiny model
+  earns reward 0 everywhere, so every advantage would be 0 and nothing could clip: the
+  advantages are set to +-1 here.)"""
+  from trace_jax.train import run_log
+  monkeypatch.setattr(adv_lib, "get_advantage_fn", lambda name, *a: lambda rewards, group: (
+      jnp.where(jnp.arange(rewards.shape[0]) % 2 == 0, 1.0, -1.0)))
+  cfg = tiny_cfg()
+  cfg.rl.steps, cfg.rl.epochs, cfg.rl.minibatches, cfg.rl.clip_eps = 1, 2, 2, 0.05
+  cfg.rl.lr = 3e-2
+  out = rl_loop.run_rl(cfg, str(tmp_path), "bf16", start_params, progress=False)
+  with open(tmp_path / "updates.csv") as f:
+    ups = list(csv.DictReader(f))
+  assert [(u["epoch"], u["minibatch"]) for u in ups] == [("0", "0"), ("0", "1"), ("1", "0"),
+                                                          ("1", "1")]
+  frac = [float(u["clip_frac"]) for u in ups]
+  assert frac[0] == 0.0 and max(frac[2:]) > 0.0, frac
+  rows, _ = run_log.read_curves(str(tmp_path))
+  assert rows[0]["clip_frac"] == pytest.approx(np.mean(frac))
+  assert out["history"][0]["clip_frac"] == pytest.approx(np.mean(frac))
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("minibatches", 3, "rl.minibatches=3 does not divide a step's 4 samples"),
+    ("epochs", 0, "rl.epochs must be an int >= 1, got 0"),
+    ("loss_agg", "seq_sum", "rl.loss_agg must be "),
+    ("adv_std", "sample", "rl.adv_std must be "),
+    ("is_level", "batch", "rl.is_level must be "),
+], ids=["minibatches_not_dividing", "epochs_zero", "unknown_loss_agg", "unknown_adv_std",
+        "unknown_is_level"])
+def test_update_fields_are_validated(field, value, match):
+  cfg = tiny_cfg()
+  cfg.rl[field] = value
+  with pytest.raises(ValueError, match=match):
+    rl_loop.validate(cfg)

@@ -116,8 +116,11 @@ def test_rl_step_on_task(task, kwargs, seq_len, max_prompt_len, start_params, tm
   assert 0.0 <= row["reward"] <= 1.0 and np.isfinite(row["loss"]) and row["grad_norm"] > 0
 
 
-def test_resume_after_kill_is_bitwise_identical(start_params, tmp_path):
+@pytest.mark.parametrize("epochs,minibatches", [(1, 1), (2, 2)],
+                         ids=["one_update", "two_epochs_two_minibatches"])
+def test_resume_after_kill_is_bitwise_identical(epochs, minibatches, start_params, tmp_path):
   cfg = tiny_cfg()
+  cfg.rl.epochs, cfg.rl.minibatches = epochs, minibatches
   cfg.eval.every = 1  # an evals.csv row per step (same engine bucket: no extra compile)
   full = rl_loop.run_rl(cfg, str(tmp_path / "full"), "fp4_trace", start_params,
                         progress=False)
@@ -135,6 +138,9 @@ def test_resume_after_kill_is_bitwise_identical(start_params, tmp_path):
   rows, evals = run_log.read_curves(str(tmp_path / "killed"))
   assert strip(rows) == strip(full["history"])
   assert evals == full["evals"]
+  updates = lambda d: (d / "updates.csv").read_text()
+  assert updates(tmp_path / "killed") == updates(tmp_path / "full")
+  assert updates(tmp_path / "full").count("\n") == 1 + 3 * epochs * minibatches
 
 
 def test_a_killed_runs_half_written_guidance_batches_are_removed_on_resume(start_params,
@@ -222,7 +228,7 @@ def test_an_update_that_leaves_nan_stops_the_run_before_its_checkpoint(start_par
   a checkpoint sees the state."""
   from trace_jax.rl import advantages as adv_lib
   monkeypatch.setattr(adv_lib, "get_advantage_fn",
-                      lambda name: lambda rewards, group: rewards * np.float32(np.nan))
+                      lambda name, *a: lambda rewards, group: rewards * np.float32(np.nan))
   with pytest.raises(checkpoints.NonFiniteStateError,
                      match=r"^rl step 0 of .*: the update left non-finite values \(NaN or Inf\) "
                            r"in \.params\[") as e:

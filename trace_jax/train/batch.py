@@ -59,7 +59,10 @@ class RLBatch:
   rollout's log-prob of each of those targets; advantages [B]; guidance / routing: the
   rollout's records of the guided layers and its expert ids per layer, padded to the rows
   (`trace_jax.guidance.layout`), or None; logp_ref: the reference policy's log-probs
-  of the targets when the loss has a KL term (`rl.kl_coef`), else None.
+  of the targets when the loss has a KL term (`rl.kl_coef`), else None; logp_old: the
+  trainer's log-probs before the batch's first update, which later updates clip against
+  (several updates per batch: `rl.minibatches`, `rl.epochs`), else None (one update: the
+  ratio is 1). Every leaf has the sequences on its first axis (`take_rows`).
   """
   inputs: jax.Array
   targets: jax.Array
@@ -70,6 +73,22 @@ class RLBatch:
   guidance: dict[int, dict[str, Any]] | None = None
   routing: dict[int, jax.Array] | None = None
   logp_ref: jax.Array | None = None
+  logp_old: jax.Array | None = None
+
+  @property
+  def num_sequences(self) -> int:
+    return int(self.inputs.shape[0])
+
+
+def take_rows(batch: RLBatch, rows: np.ndarray) -> RLBatch:
+  """The sequences `rows` (indices) of a batch: every array, guidance and routing included."""
+  idx = jnp.asarray(np.asarray(rows, np.int32))
+  n = batch.num_sequences
+  bad = [jax.tree_util.keystr(k) for k, a in jax.tree_util.tree_leaves_with_path(batch)
+         if np.ndim(a) == 0 or np.shape(a)[0] != n]
+  if bad:
+    raise ValueError(f"batch leaves {bad[:3]} do not have the {n} sequences on their first axis")
+  return jax.tree.map(lambda a: a[idx], batch)
 
 
 def rl_batch(samples: Sequence[Sample], advantages: np.ndarray, seq_len: int,

@@ -28,8 +28,14 @@ from trace_jax.train.run_config import RunConfig
 SUMMARY_KEYS = ("sft_reward", "final_reward", "best_reward", "mean_abs_dlogp", "k3_kl",
                 "flip_rate_guided", "flip_rate_unguided", "routing_flip_rate",
                 "routing_order_swap_rate", "expert_unmatched_rate", "guidance_bytes_per_token",
-                "rollout_tokens_per_s", "train_tokens_per_s", "train_reward_slope")
+                "rollout_tokens_per_s", "train_tokens_per_s", "train_reward_slope",
+                *run_log.DASHBOARD_KEYS)
 REWARD_KEYS = ("sft_reward", "final_reward", "best_reward")
+# The rollout/trainer mismatch metrics, |dlogp| first: the summary gives each its spread over
+# seeds (`<key>_sd`) and the table prints it beside the mean.
+MISMATCH_KEYS = ("mean_abs_dlogp", "k3_kl", "ratio_extreme_frac", "is_capped_frac",
+                 "max_seq_log_ratio", "clip_frac")
+SPREAD_KEYS = REWARD_KEYS + MISMATCH_KEYS
 POSTHOC = "posthoc_fp4"  # the bf16 run's weights evaluated through the FP4 engine
 
 
@@ -218,17 +224,18 @@ def warm_start(rc: RunConfig, workdir: str, sft_checkpoint: str | None, progress
 
 
 def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
-  """Means over seeds of every numeric summary key, the spread of the rewards, and the gain.
+  """Means over seeds of every numeric summary key, the spread of the rewards and of the
+  mismatch metrics, and the gain.
 
-  `<reward>_sd`: sample standard deviation over seeds (None for one seed). `gain`: mean of
-  (final - SFT) eval reward per seed; `gain_se`: its standard error over seeds.
+  `<key>_sd` for `SPREAD_KEYS`: sample standard deviation over seeds (None for one seed).
+  `gain`: mean of (final - SFT) eval reward per seed; `gain_se`: its standard error.
   """
   out: dict[str, Any] = {}
   for k in dict.fromkeys(k for s in per_seed for k in s if k != "seed"):
     vals = [s[k] for s in per_seed if isinstance(s.get(k), (int, float))]
     out[k] = float(np.mean(vals)) if vals else None
   n = len(per_seed)
-  for k in REWARD_KEYS:
+  for k in SPREAD_KEYS:
     vals = [s[k] for s in per_seed if s.get(k) is not None]
     out[f"{k}_sd"] = float(np.std(vals, ddof=1)) if len(vals) > 1 else None
   gains = [s["final_reward"] - s["sft_reward"] for s in per_seed
@@ -261,25 +268,30 @@ def posthoc_fp4(rc: RunConfig, sft_params: Any, finals: dict[int, Any]) -> dict[
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
-  """Means over seeds; rewards as mean +- sd when there are several seeds."""
+  """Means over seeds; rewards and mismatch metrics as mean +- sd with several seeds (the gain
+  +- its standard error)."""
   cols = [("policy", 14), ("seeds", 5), ("sft_reward", 13), ("final_reward", 13),
-          ("best_reward", 13), ("gain", 15), ("mean_abs_dlogp", 14), ("k3_kl", 9),
-          ("flip_rate_guided", 16), ("flip_rate_unguided", 18), ("routing_flip_rate", 17),
-          ("guidance_bytes_per_token", 24), ("rollout_tokens_per_s", 20),
-          ("train_tokens_per_s", 18)]
+          ("best_reward", 13), ("gain", 15), ("mean_abs_dlogp", 19), ("k3_kl", 19),
+          ("ratio_extreme_frac", 19), ("is_capped_frac", 19), ("max_seq_log_ratio", 19),
+          ("clip_frac", 19), ("flip_rate_guided", 16), ("flip_rate_unguided", 18),
+          ("routing_flip_rate", 17), ("guidance_bytes_per_token", 24),
+          ("rollout_tokens_per_s", 20), ("train_tokens_per_s", 18)]
   print(" ".join(f"{n:>{w}}" for n, w in cols))
   for p, s in results.items():
     cells = [f"{p:>14}", f"{s.get('num_seeds', 1):>5}"]
     for n, w in cols[2:]:
-      v = s.get(n)
-      spread = s.get(f"{n}_sd") if n in REWARD_KEYS else s.get("gain_se") if n == "gain" else None
-      if v is None:
-        cells.append(f"{'-':>{w}}")
-      elif spread is not None:
-        cells.append(f"{f'{v:.3f}+-{spread:.3f}':>{w}}")
-      else:
-        cells.append(f"{v:>{w}.3g}" if isinstance(v, float) else f"{v!s:>{w}}")
+      cells.append(f"{_cell(s, n):>{w}}")
     print(" ".join(cells))
+
+
+def _cell(s: dict[str, Any], n: str) -> str:
+  v = s.get(n)
+  spread = s.get("gain_se") if n == "gain" else s.get(f"{n}_sd")
+  if v is None:
+    return "-"
+  if spread is None:
+    return f"{v:.3g}" if isinstance(v, float) else f"{v!s}"
+  return f"{v:.3f}+-{spread:.3f}" if n in REWARD_KEYS or n == "gain" else f"{v:.3g}+-{spread:.2g}"
 
 
 def plot(workdir: str, policies: Sequence[str], seeds: Sequence[int]) -> None:

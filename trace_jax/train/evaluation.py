@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from trace_jax.rollout.protocol import RolloutEngine, Sample
-from trace_jax.train import mismatch
+from trace_jax.train import mismatch, run_log
 from trace_jax.train.run_config import RunConfig, Seeds
 from trace_jax.train.task_io import TaskIO
 
@@ -41,7 +41,7 @@ def summarize(history: list[dict[str, Any]], evals: list[dict[str, float]]) -> d
       "train_reward_slope": reward_slope(history),
       **{k: mean(k) for k in ("mean_abs_dlogp", "k3_kl", "max_abs_dp", *mismatch.METRICS,
                               "guidance_bytes_per_token", "rollout_tokens_per_s",
-                              "train_tokens_per_s")},
+                              "train_tokens_per_s", *run_log.DASHBOARD_KEYS)},
   }
 
 

@@ -27,12 +27,14 @@ from trace_jax.guidance import store as guidance_store
 from trace_jax.model import policies
 from trace_jax.model.config import ModelConfig
 from trace_jax.rl import advantages as adv_lib
+from trace_jax.rl import losses
 from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import RolloutEngine, Sample
 from trace_jax.train import batch as batch_lib
 from trace_jax.train import checkpoints, evaluation, mismatch, run_guard, run_log
 from trace_jax.train import step as step_lib
 from trace_jax.train.run_config import RunConfig, Seeds
+from trace_jax.train.run_log import DASHBOARD_KEYS, UPDATE_KEYS
 from trace_jax.train.task_io import make_task_io
 
 log = logging.getLogger(__name__)
@@ -110,13 +112,17 @@ class GRPOLearner:
     # Codes are audited only where the trainer has FP4 codes to compare; routing whenever the
     # rollout is FP4 (under fp4_rollout the trainer's BF16 routing still differs).
     audit = r.audit_fraction if pol.fp4_train else 0.0
+    # The schedule counts optimizer steps: `updates_per_step` of them per RL step.
+    u = r.updates_per_step
     self.tx = step_lib.make_optimizer(step_lib.OptimConfig(
-        lr=r.lr, warmup_steps=r.warmup_steps, total_steps=r.steps, weight_decay=r.weight_decay))
+        lr=r.lr, warmup_steps=r.warmup_steps * u, total_steps=r.steps * u,
+        weight_decay=r.weight_decay))
     self.loss_cfg = step_lib.RLConfig(
         clip_eps_low=r.clip_eps, clip_eps_high=r.clip_eps_high,
         is_mode=r.is_mode, is_cap=r.is_cap, kl_coef=r.kl_coef,
-        aux_loss_coef=r.aux_loss_coef, routing_replay=self.spec.replay)
-    self.advantage_fn = adv_lib.get_advantage_fn(r.advantage)
+        aux_loss_coef=r.aux_loss_coef, routing_replay=self.spec.replay, loss_agg=r.loss_agg,
+        is_level=r.is_level, loss_norm=float(self.io.tokens_after_prompt(r.max_new_tokens)))
+    self.advantage_fn = adv_lib.get_advantage_fn(r.advantage, r.adv_std)
     placed = step_lib.place_params(init_params, run.mesh)
     # The KL term's reference policy: the run's starting weights, in the training forward.
     self.ref_params = placed if self.loss_cfg.kl_coef else None
@@ -213,23 +219,58 @@ class GRPOLearner:
     return batch
 
   def update(self, batch: batch_lib.RLBatch, tap_layers: tuple[int, ...] = (),
-             tap_rows: int = 0) -> tuple[dict[str, float], Any]:
-    """One GRPO step on `batch`, then the new weights to the engine. Returns (metrics, the
-    training forward's taps of `tap_layers` for the first `tap_rows` sequences). A state left
-    non-finite by the step stops the run (`checkpoints.NonFiniteStateError`) before the
-    engine or a checkpoint sees it."""
+             tap_rows: int = 0) -> tuple[dict[str, float], Any, list[dict[str, float]]]:
+    """The GRPO updates of one rollout batch, then the new weights to the engine.
+
+    One update per batch (`rl.minibatches` = `rl.epochs` = 1): one step on the whole batch.
+    Otherwise the trainer's log-probs before any update (`step.policy_logprobs`) become the
+    batch's `logp_old`, and `epochs` passes over `minibatches` contiguous parts each take one
+    step, every one clipping against them. Returns (the RL step's metrics: the updates' means,
+    mismatch of the pre-update forward; the taps of `tap_layers` for the first `tap_rows`
+    sequences of the pre-update forward; one metrics row per update). A state left
+    non-finite by an update stops the run (`checkpoints.NonFiniteStateError`) before the
+    engine or a checkpoint sees it.
+    """
+    r = self.rl_cfg
+    if r.updates_per_step == 1:
+      m, taps = self._step(batch, tap_layers, tap_rows)
+      return m, taps, [self._update_row(m, 0, 0, 0)]
+    logp_old, taps = step_lib.policy_logprobs(self.state.params, self.model_cfg, self.loss_cfg,
+                                              batch, tap_layers, tap_rows)
+    batch = batch.replace(logp_old=logp_old)
+    parts = np.array_split(np.arange(batch.num_sequences), r.minibatches)
+    rows = []
+    for epoch in range(r.epochs):
+      for i, part in enumerate(parts):
+        m, _ = self._step(batch_lib.take_rows(batch, part))
+        rows.append(self._update_row(m, len(rows), epoch, i))
+    means = {k: float(np.mean([row[k] for row in rows])) for k in UPDATE_KEYS
+             if all(row.get(k) is not None for row in rows)}
+    before = jax.device_get(losses.mismatch_metrics(logp_old, batch.logp_rollout,
+                                                    batch.loss_mask))
+    return {**means, **before}, taps, rows
+
+  def _step(self, batch: batch_lib.RLBatch, tap_layers: tuple[int, ...] = (),
+            tap_rows: int | None = 0) -> tuple[dict[str, Any], Any]:
+    """One optimizer step on `batch`, then the finite-values guard."""
     self.state, m, taps = step_lib.grpo_step(
         self.state, batch, config=self.model_cfg, tx=self.tx, rl=self.loss_cfg,
         tap_layers=tap_layers, tap_rows=tap_rows)
     m = jax.device_get(m)
     checkpoints.check_state(self.state, m.pop("nonfinite"),
-                            f"rl step {int(self.state.step) - 1} of {self.workdir}")
-    self.engine.update_weights(self.state.params)
+                            f"optimizer step {int(self.state.step) - 1} of {self.workdir}")
     return m, taps
 
-  def train_step(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Rollout, guidance, update and mismatch of RL step `step`; returns its metrics row and
-    its per-layer flip rows."""
+  @staticmethod
+  def _update_row(m: dict[str, Any], update: int, epoch: int, minibatch: int
+                  ) -> dict[str, float]:
+    return {"update": update, "epoch": epoch, "minibatch": minibatch,
+            **{k: float(m[k]) for k in UPDATE_KEYS if k in m}}
+
+  def train_step(self, step: int
+                 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, float]]]:
+    """Rollout, guidance, updates and mismatch of RL step `step`; returns its metrics row, its
+    per-layer flip rows and one row per optimizer step."""
     t_step = time.perf_counter()
     ro = self.rollout(step)
     t_g = time.perf_counter()
@@ -238,8 +279,9 @@ class GRPOLearner:
     guidance_s = time.perf_counter() - t_g
     complete = records is not None and records.complete
     t1 = time.perf_counter()
-    m, taps = self.update(batch, self.all_layers if complete else (),
-                          records.n_audit if complete else 0)
+    m, taps, updates = self.update(batch, self.all_layers if complete else (),
+                                   records.n_audit if complete else 0)
+    self.engine.update_weights(self.state.params)
     train_s = time.perf_counter() - t1
     row = {"step": step, "reward": float(np.mean(ro.rewards)),
            "mean_abs_dlogp": float(m["mean_abs_dlogp"]), "k3_kl": float(m["k3_kl"]),
@@ -248,7 +290,8 @@ class GRPOLearner:
            else None, "rollout_tokens_per_s": ro.sampled_tokens / ro.seconds,
            "train_tokens_per_s": float(np.sum(batch.valid)) / train_s,
            "response_len": float(np.mean([len(s.tokens) for s in ro.samples])),
-           "guidance_s": guidance_s}
+           "guidance_s": guidance_s,
+           **{k: float(m[k]) for k in DASHBOARD_KEYS if k in m}}
     flips = []
     if complete:
       report = mismatch.compare_step(
@@ -262,7 +305,7 @@ class GRPOLearner:
           batch.routing and {k: records.main.routing[k] for k in batch.routing},
           sum(ro.counts))
     row["step_s"] = time.perf_counter() - t_step
-    return row, flips
+    return row, flips, updates
 
   # ---------------------------------------------------------------------------- evals
 
@@ -313,9 +356,9 @@ class GRPOLearner:
       self.evaluate(0)
     end = r.steps if max_steps is None else min(r.steps, max_steps)
     for step in range(self.start, end):
-      row, flips = self.train_step(step)
+      row, flips, updates = self.train_step(step)
       self.history.append(row)
-      self.log.step(row, flips)
+      self.log.step(row, flips, updates)
       done = step + 1
       if done % self.run_cfg.eval.every == 0 or done == r.steps:
         self.evaluate(done)

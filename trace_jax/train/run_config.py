@@ -21,6 +21,7 @@ from trace_jax.model import config as config_lib
 from trace_jax.model import policies
 from trace_jax.model.config import ModelConfig
 from trace_jax.rl import advantages as adv_lib
+from trace_jax.rl import losses
 from trace_jax.train import run_guard
 
 
@@ -50,6 +51,14 @@ class GRPOConfig:
   clip_eps_high: the clip range's high side (DAPO's clip-higher; None in the file: clip_eps).
   seeds: the RL seeds, one run each per policy (None in the file: the config's `seed`).
   audit_fraction: share of each batch whose full FP4 codes are recorded to count flips.
+  minibatches / epochs: optimizer steps per rollout batch, as verl, OpenRLHF and TRL run
+  them: `epochs` passes over the batch, each split into `minibatches` parts (contiguous rows,
+  so whole groups stay together when `minibatches` divides `prompts_per_step`); every update
+  clips against the log-probs of the trainer's policy before the batch's first update. 1 and 1:
+  one on-policy update per batch (the PPO ratio is 1, clipping never acts).
+  loss_agg, adv_std, is_level: the loss aggregation, the advantage's std normalisation (None:
+  the estimator's own, population for "grpo", none for "dr_grpo") and the importance weights'
+  level (`trace_jax.rl.losses`, `trace_jax.rl.advantages`).
   """
   steps: int
   prompts_per_step: int
@@ -71,6 +80,16 @@ class GRPOConfig:
   keep_guidance: bool
   seeds: tuple[int, ...]
   audit_fraction: float
+  minibatches: int = 1
+  epochs: int = 1
+  loss_agg: str = "token_mean"
+  adv_std: str | None = None
+  is_level: str = "token"
+
+  @property
+  def updates_per_step(self) -> int:
+    """Optimizer steps per RL step."""
+    return self.minibatches * self.epochs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,11 +173,19 @@ RANGES: tuple[tuple[str, tuple[str, Callable[[Any], bool]]], ...] = (
     ("rl.on_missing_guidance", ("error|fallback", lambda v: v in ("error", "fallback"))),
     ("rl.audit_fraction", ("a number in [0, 1]", lambda v: _is_num(v) and 0 <= v <= 1)),
     ("rl.keep_guidance", ("a bool", lambda v: isinstance(v, (bool, np.bool_)))),
+    ("rl.minibatches", _int_at_least(1)),
+    ("rl.epochs", _int_at_least(1)),
+    ("rl.loss_agg", ("|".join(losses.LOSS_AGGS), lambda v: v in losses.LOSS_AGGS)),
+    ("rl.adv_std", ("|".join(adv_lib.ADV_STDS) + ", or None (the estimator's own)",
+                    lambda v: v is None or v in adv_lib.ADV_STDS)),
+    ("rl.is_level", ("|".join(losses.IS_LEVELS), lambda v: v in losses.IS_LEVELS)),
     ("eval.num_prompts", _int_at_least(1)),
     ("eval.every", _int_at_least(1)),
 )
 OPTIONAL = {"rl.audit_fraction": 1.0, "rl.clip_eps_high": None, "rl.kl_coef": 0.0,
-            "rl.advantage": "grpo", "rl.keep_guidance": False}
+            "rl.advantage": "grpo", "rl.keep_guidance": False, "rl.minibatches": 1,
+            "rl.epochs": 1, "rl.loss_agg": "token_mean", "rl.adv_std": None,
+            "rl.is_level": "token"}
 _MISSING = object()
 SECTIONS = ("model", "task", "sft", "rl", "eval")
 
@@ -206,6 +233,11 @@ def resolve(cfg: Any) -> RunConfig:
   seeds = tuple(int(s) for s in (r.get("seeds", None) or (cfg.seed,)))
   if len(set(seeds)) != len(seeds):
     raise ValueError(f"rl.seeds must be distinct ints, got {seeds}")
+  rows, parts = r.prompts_per_step * r.group_size, opt["rl.minibatches"]
+  if rows % parts:
+    raise ValueError(f"rl.minibatches={parts} does not divide a step's {rows} samples "
+                     f"(rl.prompts_per_step * rl.group_size)")
+  adv_lib.get_advantage_fn(opt["rl.advantage"], opt["rl.adv_std"])  # a contradictory pair
   task = cfg.task
   mesh = cfg.get("mesh", None)
   return RunConfig(
@@ -218,7 +250,9 @@ def resolve(cfg: Any) -> RunConfig:
              if f"rl.{f.name}" not in OPTIONAL and f.name != "seeds"},
           clip_eps_high=opt["rl.clip_eps_high"] or r.clip_eps, kl_coef=float(opt["rl.kl_coef"]),
           advantage=opt["rl.advantage"], audit_fraction=float(opt["rl.audit_fraction"]),
-          keep_guidance=bool(opt["rl.keep_guidance"]), seeds=seeds),
+          keep_guidance=bool(opt["rl.keep_guidance"]), seeds=seeds,
+          **{k: opt[f"rl.{k}"] for k in ("minibatches", "epochs", "loss_agg", "adv_std",
+                                          "is_level")}),
       eval=EvalConfig(num_prompts=cfg.eval.num_prompts, every=cfg.eval.every,
                       posthoc_fp4=bool(cfg.eval.get("posthoc_fp4", True))),
       seq_len=cfg.seq_len, max_prompt_len=cfg.max_prompt_len,

@@ -2,6 +2,8 @@
 
 Files of a run directory (each row keyed by `step`):
   metrics.csv   one row per RL step (`METRIC_KEYS`)
+  updates.csv   one row per optimizer step (`UPDATE_KEYS`, with its update, epoch and
+                minibatch index within the RL step)
   flips.csv     one row per (step, layer, site) of the audited FP4 codes (`FLIP_KEYS`)
   evals.csv     one row per greedy eval, after `step` steps
   tb/           the same scalars for TensorBoard, under "<run name>/<key>"
@@ -23,10 +25,18 @@ from trace_jax.train import mismatch
 
 log = logging.getLogger(__name__)
 
+# The rollout/trainer mismatch dashboard beside |dlogp| and K3 (`trace_jax.rl.losses`): the
+# share of tokens whose probability ratio leaves [0.5, 2], the share capped by the importance
+# weights, the largest per-sequence log-ratio; and how often the PPO clip acted.
+DASHBOARD_KEYS = ("ratio_extreme_frac", "is_capped_frac", "max_seq_log_ratio", "clip_frac",
+                  "clip_frac_high", "clip_frac_low")
 METRIC_KEYS = ("reward", "mean_abs_dlogp", "k3_kl", "max_abs_dp", *mismatch.METRICS,
                "guidance_bytes_per_token", "loss", "grad_norm", "kl_ref",
                "rollout_tokens_per_s", "train_tokens_per_s", "response_len", "guidance_s",
-               "step_s")
+               "step_s", *DASHBOARD_KEYS)
+# One optimizer step's metrics (several per RL step with `rl.minibatches` / `rl.epochs`).
+UPDATE_KEYS = ("loss", "pg_loss", "grad_norm", "clip_frac", "clip_frac_high", "clip_frac_low",
+               "ratio_mean", "is_weight_mean", "is_capped_frac", "kl_ref")
 FLIP_KEYS = ("layer", "site", "guided", "flips", "total", "one_apart", "scale_flips",
              "scale_total")
 # Wall-clock figures: they differ between otherwise identical runs (resume tests skip them).
@@ -91,17 +101,23 @@ class RunLog:
     self.name = name
     self.metrics = CSVLog(os.path.join(workdir, "metrics.csv"), METRIC_KEYS, keep_below=start)
     self.flips = CSVLog(os.path.join(workdir, "flips.csv"), FLIP_KEYS, keep_below=start)
+    self.updates = CSVLog(os.path.join(workdir, "updates.csv"),
+                          ("update", "epoch", "minibatch", *UPDATE_KEYS), keep_below=start)
     self.evals = CSVLog(os.path.join(workdir, "evals.csv"), ("reward",),
                         keep_below=evals_below)
     self.tb = _tb_writer(os.path.join(workdir, "tb"))
     self.bar = tqdm(total=total, initial=start, desc=desc or name, disable=not progress,
                     dynamic_ncols=True)
 
-  def step(self, row: Mapping[str, Any], flips: Iterable[Mapping[str, Any]] = ()) -> None:
-    """One RL step's metrics row (with its `step`) and its per-layer flip rows."""
+  def step(self, row: Mapping[str, Any], flips: Iterable[Mapping[str, Any]] = (),
+           updates: Iterable[Mapping[str, Any]] = ()) -> None:
+    """One RL step's metrics row (with its `step`), its per-layer flip rows and its optimizer
+    steps' rows."""
     self.metrics.write(dict(row))
     for f in flips:
       self.flips.write({"step": row["step"], **f})
+    for u in updates:
+      self.updates.write({"step": row["step"], **u})
     if self.tb is not None:
       for k, v in row.items():
         if k != "step" and v is not None:

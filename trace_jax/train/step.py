@@ -162,6 +162,7 @@ class RLConfig:
   clip_eps_low / clip_eps_high: the PPO ratio clip range [1 - low, 1 + high] (high > low is
   DAPO's clip-higher). kl_coef: weight of the k3 KL to the reference policy (the batch's
   `logp_ref`). routing_replay: R3, route by the rollout's expert ids (`batch.routing`).
+  loss_agg / is_level / loss_norm: `trace_jax.rl.losses.ppo_clip_loss`'s.
   """
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.2
@@ -170,6 +171,9 @@ class RLConfig:
   kl_coef: float = 0.0
   aux_loss_coef: float = 0.001
   routing_replay: bool = False
+  loss_agg: str = "token_mean"
+  is_level: str = "token"
+  loss_norm: float | None = None
 
 
 def token_logprobs(params: Any, config: ModelConfig, inputs: jax.Array, targets: jax.Array,
@@ -193,10 +197,10 @@ def _grpo_loss(params, config: ModelConfig, rl: RLConfig, batch: RLBatch,
   if rl.kl_coef and batch.logp_ref is None:
     raise ValueError(f"kl_coef={rl.kl_coef} needs the batch's logp_ref (reference log-probs)")
   loss, metrics = losses.ppo_clip_loss(
-      logp, None, batch.advantages, batch.loss_mask, logp_rollout=batch.logp_rollout,
+      logp, batch.logp_old, batch.advantages, batch.loss_mask, logp_rollout=batch.logp_rollout,
       clip_eps_low=rl.clip_eps_low, clip_eps_high=rl.clip_eps_high, is_mode=rl.is_mode,
       is_cap=rl.is_cap, logp_ref=batch.logp_ref if rl.kl_coef else None,
-      kl_coef=rl.kl_coef)
+      kl_coef=rl.kl_coef, loss_agg=rl.loss_agg, is_level=rl.is_level, loss_norm=rl.loss_norm)
   aux = model_lib.aux_loss(out, config, batch.valid.reshape(-1))
   loss = loss + rl.aux_loss_coef * aux
   metrics = dict(metrics, aux_loss=aux)
@@ -216,9 +220,7 @@ def _grpo_step(state: TrainState, batch: RLBatch, *, config: ModelConfig,
   """
   (loss, (metrics, taps)), grads = jax.value_and_grad(_grpo_loss, has_aux=True)(
       state.params, config, rl, batch, tap_layers)
-  if tap_rows is not None:
-    taps = {layer: {site: v if site == "routing" else jax.tree.map(lambda a: a[:tap_rows], v)
-                    for site, v in sites.items()} for layer, sites in taps.items()}
+  taps = _trim_taps(taps, tap_rows)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
@@ -228,6 +230,33 @@ def _grpo_step(state: TrainState, batch: RLBatch, *, config: ModelConfig,
 
 
 grpo_step = ShardedStep(_grpo_step, 3)
+
+
+def _trim_taps(taps: Any, tap_rows: int | None) -> Any:
+  """The taps of the first `tap_rows` sequences (all if None); routing stays whole."""
+  if tap_rows is None:
+    return taps
+  return {layer: {site: v if site == "routing" else jax.tree.map(lambda a: a[:tap_rows], v)
+                  for site, v in sites.items()} for layer, sites in taps.items()}
+
+
+def policy_logprobs(params: Any, config: ModelConfig, rl: RLConfig, batch: RLBatch,
+                    tap_layers: tuple[int, ...] = (), tap_rows: int | None = None
+                    ) -> tuple[jax.Array, Any]:
+  """(log pi(targets) [B, S], taps) of the training forward on `batch` without an update: the
+  log-probs a batch's later updates clip against (`RLBatch.logp_old`), with the same guidance,
+  routing and taps as an update's forward. On the params' mesh (`OnParamsMesh`)."""
+  return _policy_logprobs(params, batch, config=config, rl=rl, tap_layers=tap_layers,
+                          tap_rows=tap_rows)
+
+
+def _policy_logprobs_fn(params, batch, config, rl, tap_layers, tap_rows):
+  logp, out = token_logprobs(params, config, batch.inputs, batch.targets, batch.guidance,
+                             batch.routing, tap_layers, "full", rl.routing_replay)
+  return jax.lax.stop_gradient(logp), _trim_taps(out.taps, tap_rows)
+
+
+_policy_logprobs = OnParamsMesh(_policy_logprobs_fn)
 
 
 def reference_logprobs(params: Any, config: ModelConfig, inputs: jax.Array,
