@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from experiments.convert_checkpoint import convert
+from tests.io.checkpoint_damage import garble_largest_array
 from trace_jax import model as M
 from trace_jax.io import hf, orbax_ckpt
 
@@ -130,12 +131,7 @@ def test_non_finite_or_garbled_sources_are_refused(checkpoints, tmp_path):
     convert(str(bad_hf), str(tmp_path / "out1"), "hf_to_orbax")
   bad_orbax = tmp_path / "garbled"
   shutil.copytree(checkpoints / "orbax", bad_orbax)
-  data_files = [p for p in bad_orbax.rglob("*") if p.is_file() and p.parent.name == "d"]
-  f = max(data_files, key=lambda p: p.stat().st_size)
-  data = bytearray(f.read_bytes())
-  mid = len(data) // 2
-  data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
-  f.write_bytes(bytes(data))
+  garble_largest_array(bad_orbax)
   with pytest.raises(hf.CheckpointError, match="differs from its recorded digest"):
     convert(str(bad_orbax), str(tmp_path / "out2"), "orbax_to_hf")
   assert not (tmp_path / "out1").exists() and not (tmp_path / "out2").exists()

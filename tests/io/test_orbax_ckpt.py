@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.io.checkpoint_damage import garble_largest_array
 from trace_jax import model as M
 from trace_jax.io import orbax_ckpt
 
@@ -49,15 +50,6 @@ def test_not_a_checkpoint(tmp_path):
     orbax_ckpt.load_orbax(str(tmp_path))
 
 
-def _garble_largest_array(path) -> None:
-  files = [p for p in path.rglob("*") if p.is_file() and p.parent.name == "d"]
-  f = max(files, key=lambda p: p.stat().st_size)
-  data = bytearray(f.read_bytes())
-  mid = len(data) // 2
-  data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
-  f.write_bytes(bytes(data))
-
-
 def test_garbled_or_non_finite_params_do_not_load(tmp_path):
   """A checkpoint whose largest array file has 64 garbled bytes (it still decodes, into other
   values) fails its recorded digests; one saved with a NaN fails the finite check. Both raise
@@ -66,7 +58,7 @@ def test_garbled_or_non_finite_params_do_not_load(tmp_path):
   config = M.tiny()
   params = M.init_params(config, 0)
   path = orbax_ckpt.save_orbax(str(tmp_path / "good"), config, params, wait=True).path
-  _garble_largest_array(tmp_path / "good")
+  garble_largest_array(tmp_path / "good")
   with pytest.raises(hf.CheckpointError, match=r"good: the content of \['layers'\].* differs "
                                                r"from its recorded digest"):
     orbax_ckpt.load_orbax(path)

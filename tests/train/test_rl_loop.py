@@ -12,6 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import quickstart
+from tests.io.checkpoint_damage import garble_largest_array, truncate_arrays
 from trace_jax.model.policies import POLICIES
 from trace_jax.train import checkpoints, rl_loop, run_log
 
@@ -161,30 +162,6 @@ def test_a_killed_runs_half_written_guidance_batches_are_removed_on_resume(start
   assert set(complete) <= {p.name for p in root.iterdir()}
 
 
-def _array_files(step_dir):
-  return [f for f in step_dir.rglob("*") if f.is_file() and f.parent.name == "d"]
-
-
-def _truncate_arrays(step_dir) -> int:
-  """Cuts every array data file of a checkpoint step to half its size (a torn write)."""
-  files = _array_files(step_dir)
-  for f in files:
-    data = f.read_bytes()
-    f.write_bytes(data[:len(data) // 2])
-  return len(files)
-
-
-def _garble_largest_array(step_dir) -> int:
-  """XORs 64 bytes in the middle of the step's largest array data file with 0xFF: a file of
-  the right size that still decodes, into other values."""
-  f = max(_array_files(step_dir), key=lambda f: f.stat().st_size)
-  data = bytearray(f.read_bytes())
-  mid = len(data) // 2
-  data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
-  f.write_bytes(bytes(data))
-  return 1
-
-
 @pytest.fixture(scope="module")
 def full_bf16_run(start_params, tmp_path_factory):
   """A finished 3-step bf16 run (checkpoints of steps 2 and 3 kept) and its output."""
@@ -192,7 +169,7 @@ def full_bf16_run(start_params, tmp_path_factory):
   return path, rl_loop.run_rl(tiny_cfg(), str(path), "bf16", start_params, progress=False)
 
 
-@pytest.mark.parametrize("damage", [_truncate_arrays, _garble_largest_array],
+@pytest.mark.parametrize("damage", [truncate_arrays, garble_largest_array],
                          ids=["torn", "garbled"])
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
     damage, full_bf16_run, start_params, tmp_path, caplog):
@@ -208,7 +185,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
     again = rl_loop.run_rl(cfg, str(tmp_path / "bad"), "bf16", start_params, progress=False)
   assert "checkpoint step 3 in" in caplog.text and "does not restore" in caplog.text
   assert "resuming from step 2" in caplog.text
-  if damage is _garble_largest_array:
+  if damage is garble_largest_array:
     assert "differs from its recorded digest" in caplog.text
   for a, b in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(again["state"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -247,7 +224,7 @@ def test_no_restorable_checkpoint_is_a_clear_error(tmp_path):
     mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                            meta=ocp.args.JsonSave({"history": []})))
   mgr.wait_until_finished()
-  _truncate_arrays(tmp_path / "ckpt" / "2")
+  truncate_arrays(tmp_path / "ckpt" / "2")
   other_shape = {"w": np.zeros(5, np.float32)}  # step 1 is intact, but of another shape
   with pytest.raises(checkpoints.CheckpointRestoreError,
                      match=r"no checkpoint in .* restores \(steps 2, 1; step 2: .*\)") as e:

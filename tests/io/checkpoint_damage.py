@@ -1,0 +1,28 @@
+"""Damage done to orbax checkpoints on disk, as faults do it (shared by the integrity tests)."""
+
+from pathlib import Path
+
+
+def array_files(path: Path) -> list[Path]:
+  """The array data files of an orbax checkpoint (or one step of a run's checkpoints)."""
+  return [f for f in Path(path).rglob("*") if f.is_file() and f.parent.name == "d"]
+
+
+def truncate_arrays(path: Path) -> int:
+  """Cuts every array data file to half its size (a torn write); returns how many."""
+  files = array_files(path)
+  for f in files:
+    data = f.read_bytes()
+    f.write_bytes(data[:len(data) // 2])
+  return len(files)
+
+
+def garble_largest_array(path: Path) -> int:
+  """XORs 64 bytes in the middle of the largest array data file with 0xFF: a file of the right
+  size that still decodes, into other values. Returns 1 (files damaged)."""
+  f = max(array_files(path), key=lambda f: f.stat().st_size)
+  data = bytearray(f.read_bytes())
+  mid = len(data) // 2
+  data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+  f.write_bytes(bytes(data))
+  return 1
