@@ -302,10 +302,11 @@ def every_byte_cache(h: int, seed: int = 0) -> Any:
       k_row=jnp.asarray(row), v_row=jnp.asarray(rev(row)))
 
 
-def decoder_check(h: int, block_ts: Sequence[int]) -> dict[str, Any]:
+def decoder_check(h: int, block_ts: Sequence[int], words: bool) -> dict[str, Any]:
   """{"<layout>_<decoder>_bt<block_t>": {"bits_equal", "mismatches", "nan_mismatches"}}:
   `dequantize_pallas` on the device vs `kv_cache.dequantize` on the CPU, bf16, for the cache
-  of `every_byte_cache` as the engine holds it (its default decoder) and as bytes (bits)."""
+  of `every_byte_cache` as the engine holds it (`words`: the kernel plan's fp4_codes; its
+  default decoder) and as bytes (bits)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -318,7 +319,7 @@ def decoder_check(h: int, block_ts: Sequence[int]) -> dict[str, Any]:
   with jax.default_device(cpu):
     want = [np.asarray(x) for x in jax.jit(kv_cache.dequantize, static_argnames="dtype")(
         jax.device_put(cache, cpu), dtype=jnp.bfloat16)]
-  engine = cache.as_words() if kv_cache.words_by_default() else cache
+  engine = cache.as_words() if words else cache
   variants = {("words" if engine.words else "bytes") + "_default": (engine, None),
               "bytes_bits": (cache, "bits")}
   out: dict[str, Any] = {}
@@ -361,7 +362,8 @@ def run_bench(preset: str, contexts: Sequence[int], batches: Sequence[int], n: i
   print(f"bench_decode_attention: {dev['backend']} ({dev['device_kind']}), jax {jax.__version__},"
         f" N={n} G={g} H={h}, kernel {kernel_args}, interpret={not on_gpu}", flush=True)
   if decoder_checks:
-    res["decoder_check"] = decoder_check(h, sorted({16, kernel_args["block_t"]}))
+    res["decoder_check"] = decoder_check(h, sorted({16, kernel_args["block_t"]}),
+                                         words=jax.default_backend() == "gpu")
     for k, v in res["decoder_check"].items():
       msg = (v["error"][:160] if "error" in v else
              f"bits equal {v['bits_equal']} ({v['mismatches']} value, {v['nan_mismatches']} NaN "

@@ -24,9 +24,9 @@ decode over XLA's, and an impl with options over the plain one (`--impls=kernel,
 the layer scans two layers per iteration, `ModelConfig.scan_unroll`; `+unrolled`: every layer
 compiled apart; `+sync4`: the decode loop's condition checked once per 4 steps,
 `ModelConfig.decode_steps_per_sync`; `+moetriton` / `+moewgmma`: the packed experts' kernel,
-`ModelConfig.decode_moe_kernel`; `+stream<S>`: the wgmma experts' codes through a shared
-ring of S chunks, `wgmma_moe.STREAM`, default 4; `+stream0`: in registers), and fp4_trace over
-fp4_rtn per impl.
+`ModelConfig.decode_moe_kernel`), and fp4_trace over fp4_rtn per impl. Every case's config
+states its kernel plan (`trace_jax.model.plan`); the fields an entry does not set are the
+plan's "auto" on this backend.
 
 Fixed memory (`--budget_gb`, 0 skips it; `--budget_context`, `--budget_max_batch`,
 `--budget_policies` (CPU preset: bf16 and fp4_rtn), `--budget_impl`): per policy, how many
@@ -66,14 +66,13 @@ the earlier records ran "tiled").
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -92,7 +91,7 @@ flags.DEFINE_list("impls", ["xla", "kernel"],
                   "(decode_moe_kernel), timed beside the plain impl; "
                   "\"kernel_bytes\": "
                   "decode_impl kernel with packed NVFP4 codes held as bytes instead of words "
-                  "(`fp4_moe.WORDS_BY_DEFAULT` off for the case), for the side-by-side ratio.",
+                  "(fp4_codes=\"bytes\"), for the side-by-side ratio.",
                   flag_values=FLAGS)
 flags.DEFINE_list("batches", [], "Batch sizes (default per preset).", flag_values=FLAGS)
 flags.DEFINE_list("cases", [], "Only these policy:impl:batch cases (default: all).",
@@ -146,7 +145,8 @@ flags.DEFINE_string("profile_timeline", "", "With --profile_dir: also print each
 
 def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
   """An `--impls` entry -> (its decode_impl, the ModelConfig fields it sets): "kernel_bytes"
-  decodes with "kernel"; `+unrolled` sets scan_layers=False, `+unroll<N>` scan_unroll=N,
+  decodes with "kernel" and fp4_codes="bytes"; `+unrolled` sets scan_layers=False,
+  `+unroll<N>` scan_unroll=N,
   `+sync<N>` decode_steps_per_sync=N, `+moetriton` / `+moewgmma` decode_moe_kernel."""
   from trace_jax.model.config import DECODE_IMPLS
 
@@ -155,7 +155,7 @@ def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
   if decode_impl not in DECODE_IMPLS:
     raise ValueError(f"--impls entry {impl!r}: {base!r} is not one of {DECODE_IMPLS} or "
                      "kernel_bytes")
-  fields: dict[str, Any] = {}
+  fields: dict[str, Any] = {"fp4_codes": "bytes"} if base == "kernel_bytes" else {}
   for mod in mods:
     if mod == "unrolled":
       fields["scan_layers"] = False
@@ -165,11 +165,9 @@ def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
       fields["decode_steps_per_sync"] = int(mod[4:])
     elif mod in ("moetriton", "moewgmma"):
       fields["decode_moe_kernel"] = mod[3:]
-    elif mod.startswith("stream") and mod[6:].isdigit():
-      pass  # the wgmma experts' codes ring: `_wgmma_stream` sets it, not the config
     else:
       raise ValueError(f"--impls entry {impl!r}: options are +unrolled, +unroll<N>, "
-                       f"+sync<N> (N >= 1), +moetriton, +moewgmma and +stream<S>, got +{mod}")
+                       f"+sync<N> (N >= 1), +moetriton and +moewgmma, got +{mod}")
   return decode_impl, fields
 
 
@@ -224,7 +222,8 @@ def byte_layout(config: Any) -> dict[str, float]:
   in the compute dtype (FP4 and FP8 are computed from them at every step). Embeddings, lm_head,
   norms and router always in the compute dtype; the KV cache too, but packed NVFP4 (codes,
   E4M3 block scales, a float32 row scale: 76 bytes per head row of 128 against 256) where
-  `ModelConfig.packed_kv_cache` (NVFP4 forwards with decode_impl "kernel"). Keys: expert (one
+  the config's plan says `kv_cache="packed"` (NVFP4 forwards with decode_impl "kernel"). Keys:
+  expert (one
   routed expert), attention (one layer's q, k, v,
   o), layer_rest (one layer's norms and router), embed, lm_head, final_norm, kv_token (one
   token's K and V in one layer).
@@ -232,11 +231,13 @@ def byte_layout(config: Any) -> dict[str, float]:
   import jax.numpy as jnp
 
   from trace_jax.kernels import kv_cache
+  from trace_jax.model import plan as plan_lib
 
   c, fwd = config, config.forward
+  plan = plan_lib.resolve(c)
   item = jnp.dtype(c.dtype).itemsize
   d, f, h, e = c.hidden_size, c.moe_intermediate_size, c.head_dim, c.num_experts
-  kernel = c.decode_impl == "kernel"
+  kernel = plan.decode_impl == "kernel"
   if kernel and fwd.fp4 == "nvfp4":
     expert = 3 * f * d * (0.5 + 1 / 16) + 2 * 4
   elif kernel and fwd.fp8_linears:
@@ -245,7 +246,7 @@ def byte_layout(config: Any) -> dict[str, float]:
     expert = 3 * f * d * item
   nq, nkv = c.num_attention_heads * h, c.num_key_value_heads * h
   attn = (2 * nq * d + 2 * nkv * d) * (FP8_BYTES if kernel and fwd.fp8_linears else item)
-  if c.packed_kv_cache:  # codes, block scales and a row scale per (token, kv head)
+  if plan.kv_cache == "packed":  # codes, block scales and a row scale per (token, kv head)
     kv_token = 2 * c.num_key_value_heads * kv_cache.bytes_per_head_row(h)
   else:
     kv_token = 2 * nkv * item
@@ -600,8 +601,8 @@ def run_bench() -> dict[str, Any]:
         if over_budget():
           res["cases"][name] = {"skipped": "budget"}
           continue
-        with _impl_case(base, policy, impl) as config:
-          r, first_tokens[name] = run_case(params, config, batch, FLAGS.reps, name)
+        config = _impl_case(base, policy, impl)
+        r, first_tokens[name] = run_case(params, config, batch, FLAGS.reps, name)
         ctx = FLAGS.prompt_len + r["tokens_per_seq"] / 2
         touched = expected_touched(base.num_experts, base.num_experts_per_tok, batch)
         nbytes = step_bytes(config, batch, ctx, touched)
@@ -644,8 +645,8 @@ def run_bench() -> dict[str, Any]:
       if over_budget():
         fm["cases"][policy] = {"skipped": "budget"}
         continue
-      with _impl_case(base, policy, FLAGS.budget_impl) as config:
-        r = run_budget_case(params, config, budget_gb * 1e9, context, cap, FLAGS.reps)
+      config = _impl_case(base, policy, FLAGS.budget_impl)
+      r = run_budget_case(params, config, budget_gb * 1e9, context, cap, FLAGS.reps)
       fm["cases"][policy] = r
       head = (f"  budget:{policy:<15} weights {_gb(r['weight_bytes'])}, "
               f"{_gb(r['kv_bytes_per_seq'] + r['record_bytes_per_seq'])}/sequence "
@@ -666,59 +667,12 @@ def run_bench() -> dict[str, Any]:
   return res
 
 
-@contextlib.contextmanager
-def _impl_case(base: Any, policy: str, impl: str) -> Iterator[Any]:
-  """The config of `policy` under an `--impls` entry, with the packed codes' layout it asks for
-  in force inside (bytes for kernel_bytes, options or not). "kernel": the decode kernels, and
-  FP8 GEMMs on the Pallas kernel with FP8 weights made once per update; "xla": the
-  references."""
+def _impl_case(base: Any, policy: str, impl: str) -> Any:
+  """The config of `policy` under an `--impls` entry. "kernel": the decode kernels, and FP8
+  GEMMs on the Pallas kernel with FP8 weights made once per update; "xla": the references;
+  the entry's options as config fields (`impl_options`)."""
   decode_impl, fields = impl_options(impl)
-  stream = [int(m[6:]) for m in impl.split("+")[1:] if m.startswith("stream")]
-  with _codes_as_words(impl.split("+")[0] != "kernel_bytes"), _wgmma_stream(*stream[-1:]):
-    yield base.replace(policy=policy, decode_impl=decode_impl, fp8_gemm=decode_impl, **fields)
-
-
-@contextlib.contextmanager
-def _wgmma_stream(stages: int | None = None):
-  """The wgmma experts' codes through a shared-memory ring of `stages` chunks
-  (`wgmma_moe.STREAM`) for the cases run inside; None leaves the default. Caches are cleared
-  around a change, as the engine traces the choice in."""
-  import jax
-
-  from trace_jax.kernels import wgmma_moe
-
-  old = wgmma_moe.STREAM
-  if stages is None or stages == old:
-    yield
-    return
-  wgmma_moe.STREAM = stages
-  jax.clear_caches()
-  try:
-    yield
-  finally:
-    wgmma_moe.STREAM = old
-    jax.clear_caches()
-
-
-@contextlib.contextmanager
-def _codes_as_words(words: bool):
-  """Packed NVFP4 codes as words (the default) or bytes for the cases run inside; the jit
-  caches are cleared around a change (the engine's prepare traces the choice in)."""
-  import jax
-
-  from trace_jax.kernels import fp4_moe
-
-  old = fp4_moe.WORDS_BY_DEFAULT
-  if words == old:
-    yield
-    return
-  fp4_moe.WORDS_BY_DEFAULT = words
-  jax.clear_caches()
-  try:
-    yield
-  finally:
-    fp4_moe.WORDS_BY_DEFAULT = old
-    jax.clear_caches()
+  return base.replace(policy=policy, decode_impl=decode_impl, fp8_gemm=decode_impl, **fields)
 
 
 def ratios(cases: dict[str, Any]) -> dict[str, float]:

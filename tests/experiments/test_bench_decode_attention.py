@@ -6,7 +6,6 @@ import pytest
 
 from experiments import bench_decode_attention as bda
 from trace_jax.kernels import decode_attention as da
-from trace_jax.kernels import kv_cache
 
 
 def test_every_byte_cache_covers_every_code_under_every_scale():
@@ -23,11 +22,10 @@ def test_every_byte_cache_covers_every_code_under_every_scale():
 def test_decoder_check_passes_and_can_fail(monkeypatch, words):
   """Equal bits on the real decoders (the words decoder forced in interpret mode); a decoder
   off by one ulp in one element is reported."""
-  monkeypatch.setattr(kv_cache, "words_by_default", lambda: words)
   resolve = da.resolve_decoder
   monkeypatch.setattr(da, "resolve_decoder", lambda d, *a, words=False: resolve(
       "words" if words and d is None else d, *a, words=words))
-  res = bda.decoder_check(32, [16])
+  res = bda.decoder_check(32, [16], words)
   assert set(res) == {("words" if words else "bytes") + "_default_bt16", "bytes_bits_bt16"}
   assert all(v["bits_equal"] for v in res.values()), res
   real = da.dequantize_pallas
@@ -39,5 +37,5 @@ def test_decoder_check_passes_and_can_fail(monkeypatch, words):
     return jnp.asarray(bits.view(jnp.bfloat16)), v_
 
   monkeypatch.setattr(da, "dequantize_pallas", off_by_one)
-  res = bda.decoder_check(32, [16])
+  res = bda.decoder_check(32, [16], words)
   assert all(not v["bits_equal"] and v["mismatches"] == 1 for v in res.values()), res

@@ -162,7 +162,7 @@ def test_summary_keys():
 
 @pytest.mark.parametrize("impl, want", [
     pytest.param("kernel", ("kernel", {}), id="plain"),
-    pytest.param("kernel_bytes", ("kernel", {}), id="codes_as_bytes"),
+    pytest.param("kernel_bytes", ("kernel", {"fp4_codes": "bytes"}), id="codes_as_bytes"),
     pytest.param("kernel+unroll2", ("kernel", {"scan_unroll": 2}), id="unroll2"),
     pytest.param("xla+unrolled", ("xla", {"scan_layers": False}), id="unrolled"),
     pytest.param("kernel+unroll4+sync8", ("kernel", {"scan_unroll": 4,
@@ -171,30 +171,24 @@ def test_summary_keys():
                                                          "decode_moe_kernel": "triton"}),
                  id="moe_triton"),
     pytest.param("kernel+moewgmma", ("kernel", {"decode_moe_kernel": "wgmma"}), id="moe_wgmma"),
-    pytest.param("kernel+moewgmma+stream0", ("kernel", {"decode_moe_kernel": "wgmma"}),
-                 id="stream_not_a_config_field"),
 ])
 def test_impl_options(impl, want):
   assert br.impl_options(impl) == want
 
 
-def test_stream_option_sets_the_ring_inside_its_case_only():
-  from trace_jax.kernels import wgmma_moe
-
-  default, base = wgmma_moe.STREAM, types.SimpleNamespace(replace=lambda **kw: kw)
-  with br._impl_case(base, "fp4_rtn", "kernel+stream0") as cfg:
-    assert wgmma_moe.STREAM == 0 != default
-    assert cfg == {"policy": "fp4_rtn", "decode_impl": "kernel", "fp8_gemm": "kernel"}
-  assert wgmma_moe.STREAM == default
-  with br._impl_case(base, "fp4_rtn", "kernel"):
-    assert wgmma_moe.STREAM == default
+def test_impl_case_is_a_config():
+  """An entry's case is the base config with its fields: nothing else changes for it."""
+  base = types.SimpleNamespace(replace=lambda **kw: kw)
+  assert br._impl_case(base, "fp4_rtn", "kernel_bytes+moetriton") == {
+      "policy": "fp4_rtn", "decode_impl": "kernel", "fp8_gemm": "kernel", "fp4_codes": "bytes",
+      "decode_moe_kernel": "triton"}
 
 
 @pytest.mark.parametrize("impl, match", [
     pytest.param("kernel+unroll0", "options are", id="unroll0"),
     pytest.param("kernel+sync0", "options are", id="sync0"),
     pytest.param("kernel+fast", "options are", id="unknown_option"),
-    pytest.param("kernel+streamx", "options are", id="stream_without_count"),
+    pytest.param("kernel+stream4", "options are", id="stream"),
     pytest.param("triton", "is not one of", id="unknown_impl"),
 ])
 def test_bad_impls_are_refused(impl, match):

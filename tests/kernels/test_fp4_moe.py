@@ -55,7 +55,7 @@ VARIANTS = [
     ("fp4_table_exact", "fp4", {"decoder": "table", "table": "exact"}),
     ("fp4_float16", "fp4", {"decoder": "float16"}),
     ("fp4_float16_split", "fp4", {"decoder": "float16", "split": True}),
-    ("fp4_words", "fp4_words", {}),  # codes as words (impl=None: `fp4_moe.WGMMA_BY_DEFAULT`)
+    ("fp4_words", "fp4_words", {}),  # codes as words (impl=None: the Triton kernel)
     ("fp4_words_triton", "fp4_words", {"impl": "triton"}),  # one table per block
     ("fp4_words_exact", "fp4_words", {"impl": "triton", "table": "exact"}),
     ("fp4_words_natural", "fp4_words", {"impl": "triton", "words_order": "natural"}),
@@ -375,16 +375,11 @@ def _dequantized_ieee(p: fp4_moe.PackedNVFP4Weights) -> np.ndarray:
       np.asarray(jax.lax.bitcast_convert_type(p.block_scale, jnp.uint8)), p.tensor_scale)
 
 
-def test_decoder_choice(monkeypatch):
-  """With `fp4_decode.TABLE_BY_DEFAULT`, None picks the table decoder on the GPU for bf16/f16
-  rows on a supported tile, float16 otherwise (and in interpret mode); without it (the default
-  until a GPU run confirms the table decoder), float16 everywhere. An explicit table decoder on
-  an unsupported GPU tile is an error, in interpret mode it runs on any tile."""
-  from trace_jax.kernels import fp4_decode
+def test_decoder_choice():
+  """None picks the table decoder on the GPU for bf16/f16 rows on a supported tile, float16
+  otherwise (and in interpret mode). An explicit table decoder on an unsupported GPU tile is an
+  error, in interpret mode it runs on any tile."""
   pick = functools.partial(fp4_moe.resolve_decoder, None, n=N, k=K, num_warps=4)
-  assert pick(dtype=jnp.bfloat16, block_n=64, block_k=256, interpret=False) == (
-      "table" if fp4_decode.TABLE_BY_DEFAULT else "float16")
-  monkeypatch.setattr(fp4_decode, "TABLE_BY_DEFAULT", True)
   assert pick(dtype=jnp.bfloat16, block_n=64, block_k=256, interpret=False) == "table"
   assert pick(dtype=jnp.float16, block_n=64, block_k=256, interpret=False) == "table"
   assert pick(dtype=jnp.float32, block_n=64, block_k=256, interpret=False) == "float16"

@@ -310,19 +310,14 @@ def _next_pow2(x: int) -> int:
   return 1 << max(int(x) - 1, 0).bit_length()
 
 
-def _sm_count() -> int:
-  """The device's SM count (132, an H100/H200's, off-GPU)."""
-  try:
-    return int(getattr(jax.devices()[0], "core_count", 0)) or 132
-  except Exception:  # pragma: no cover
-    return 132
+SM_COUNT = 132  # an H100/H200's; the caller passes its device's (the kernel plan's sm_count)
 
 
-def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int) -> int:
-  """Key splits of the PV kernel so that about 2 programs per SM run (132 SMs assumed
-  off-GPU), with at least 4 key blocks per split."""
-  sms = _sm_count()
-  want = -(-2 * sms // max(batch * num_kv_heads, 1))
+def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int,
+                       sm_count: int = SM_COUNT) -> int:
+  """Key splits of the PV kernel so that about 2 programs per SM run on a GPU of `sm_count`
+  SMs, with at least 4 key blocks per split."""
+  want = -(-2 * sm_count // max(batch * num_kv_heads, 1))
   return int(max(1, min(want, num_blocks // 4)))
 
 
@@ -410,6 +405,24 @@ def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int
   return out[:, :, :r].reshape(b, n, h)
 
 
+def wgmma_impl(q: jax.Array, cache: PackedKVCache | BF16Cache, *,
+               layer: jax.Array | None = None, interpret: bool | None = None,
+               sm_count: int = SM_COUNT) -> str:
+  """The wgmma kernels' impl for this call where they run (a packed cache of code words on a
+  GPU with the Mosaic GPU API, `wgmma_attention.supported`'s shapes): "wgmma" where B x G
+  gives at least one PV program per SM (`sm_count`), "wgmma_scores" (the wgmma scores with the
+  Triton PV kernel's key splits) where it gives fewer; else "triton". On the H200 the pair
+  took 0.66x the Triton pair's time at batch 256 x 8k (docs/benchmarks.md)."""
+  if not isinstance(cache, PackedKVCache) or not cache.words:
+    return "triton"
+  if (_default_interpret() if interpret is None else interpret) or not wgmma_decode.available():
+    return "triton"
+  b, t, g = cache.k_codes.shape[(0 if layer is None else 1):][:3]
+  if not wgmma_attention.supported(q.shape[-1], q.shape[1] // g, t, q.dtype):
+    return "triton"
+  return "wgmma" if b * g >= sm_count else "wgmma_scores"
+
+
 def _check(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: jax.Array, block_t: int,
            layer: jax.Array | None) -> None:
   if q.ndim != 3:
@@ -450,7 +463,8 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
                      block_t: int = DEFAULT_BLOCK_T, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, decoder: str | None = None,
                      table: str | None = None, words_order: str = "mma",
-                     impl: str | None = None, wgmma_tiles: int = 4) -> jax.Array:
+                     impl: str | None = None, wgmma_tiles: int = 4,
+                     sm_count: int = SM_COUNT) -> jax.Array:
   """Attention of one query token per sequence over its cache: q [B, N, H] -> [B, N, H].
 
   cache: a `PackedKVCache` (NVFP4) or BF16 (k, v), each [B, T, G, H]; with `layer` (int32
@@ -468,9 +482,10 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   (packed words cache on the GPU, `wgmma_attention`'s shapes: K decoded into wgmma's A
   registers for the scores, V into shared memory for the PV sum, with the fast table, exact for
   every row scale the quantizer makes; `wgmma_tiles` 64-key tiles per scores program),
-  "wgmma_scores" (the wgmma scores, the Triton PV kernel with its key splits) or None: "wgmma"
-  where it runs with at least one PV program per SM (B x G), "wgmma_scores" where it runs with
-  fewer, else "triton" (also for table="exact"). Output in q.dtype; numerics: the module's.
+  "wgmma_scores" (the wgmma scores, the Triton PV kernel with its key splits) or None:
+  "triton" (`wgmma_impl` picks the wgmma pair for a call where it runs). sm_count: the
+  device's SMs (the kernel plan's), for the PV kernel's key splits. Output in q.dtype;
+  numerics: the module's.
   """
   _check(q, cache, lengths, block_t, layer)
   if impl not in (None, *IMPLS):
@@ -483,15 +498,13 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   lead = 0 if layer is None else 1
   b, t, g = (cache.k_codes if packed else cache[0]).shape[lead:lead + 3]
   if num_splits is None:
-    num_splits = default_num_splits(b, g, -(-t // block_t))
+    num_splits = default_num_splits(b, g, -(-t // block_t), sm_count)
   decoder = resolve_decoder(decoder, q.dtype, bool(interpret),
                             words=cache.words) if packed else "bits"
   wgmma_ok = (packed and not interpret and cache.words and wgmma_decode.available()
               and wgmma_attention.supported(q.shape[-1], q.shape[1] // g, t, q.dtype))
   if impl is None:
     impl = "triton"
-    if wgmma_ok and decoder == "words" and table != "exact":
-      impl = "wgmma" if b * g >= _sm_count() else "wgmma_scores"
   if impl != "triton":
     if table == "exact":
       raise ValueError(f"impl={impl!r} builds the fast table only (exact for every row scale "

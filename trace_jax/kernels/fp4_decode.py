@@ -84,12 +84,6 @@ except ImportError:  # pragma: no cover
   _plgpu = None
 
 ASM_AVAILABLE = _plgpu is not None and hasattr(_plgpu, "elementwise_inline_asm")
-# Whether the kernels pick the table decoder when `decoder=None` on the GPU. On since the H200
-# run of 2026-12-02 (jax 0.11.2, Triton): tests/kernels/test_fp4_decode.py passed on the GPU
-# (51 tests, bits equal to formats.nvfp4_dequantize) and the MoE decode kernel ran 1.04-1.61x
-# faster with it than with the float16 decoder in 5 of 6 Qwen3 shapes (0.88x at batch 8,
-# down projection; docs/benchmarks.md). decoder="float16" keeps the old decoder.
-TABLE_BY_DEFAULT = True
 BLOCK = 16
 _U32 = jnp.uint32
 _DTYPES = (jnp.bfloat16, jnp.float16)  # compute dtypes the table decoder produces
@@ -102,13 +96,14 @@ def supported_dtype(dtype: Any) -> bool:
 
 def choose(decoder: str | None, fallback: str, dtype: Any, rows: int, row_bytes: int,
            num_warps: int, interpret: bool) -> str:
-  """A kernel's packed-NVFP4 decoder: `decoder` checked, or None -> "table" where it runs and
-  is the default (`TABLE_BY_DEFAULT`, on the GPU only: in interpret mode its byte-permute
-  emulation is the slower one), else the kernel's own `fallback`. rows x row_bytes: the code
-  tile one program decodes at a time."""
+  """A kernel's packed-NVFP4 decoder: `decoder` checked, or None -> "table" where it runs
+  (on the GPU only: in interpret mode its byte-permute emulation is the slower one; on the H200
+  the MoE decode kernel ran 1.04-1.61x faster with it than with the float16 decoder in 5 of 6
+  Qwen3 shapes, docs/benchmarks.md), else the kernel's own `fallback`. rows x row_bytes: the
+  code tile one program decodes at a time."""
   ok = supported_dtype(dtype) and (interpret or lookup_supported(rows, row_bytes, num_warps))
   if decoder is None:
-    return "table" if ok and not interpret and TABLE_BY_DEFAULT else fallback
+    return "table" if ok and not interpret else fallback
   if decoder not in ("table", fallback):
     raise ValueError(f"decoder must be one of {('table', fallback)} or None, got {decoder!r}")
   if decoder == "table" and not ok:

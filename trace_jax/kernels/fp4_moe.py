@@ -85,10 +85,6 @@ except ImportError:  # pragma: no cover - every jax with Pallas ships it
   _plgpu = None
 
 NVFP4_BLOCK = formats.NVFP4_BLOCK
-# Whether weights packed for the GPU kernel hold their codes as words per block (`as_words`,
-# decoder "words": one table per block). Off the GPU the bytes' float16 decoder is the faster
-# interpreter path, so `words_by_default` is False there.
-WORDS_BY_DEFAULT = True
 _BYTES_PER_BLOCK = NVFP4_BLOCK // 2  # packed code bytes under one block scale
 
 
@@ -177,17 +173,11 @@ def pack_nvfp4(w: jax.Array) -> PackedNVFP4Weights:
                             tensor_scale=ts.reshape(w.shape[0]))
 
 
-def words_by_default() -> bool:
-  """Whether `pack_for_kernel` holds the codes as words: `WORDS_BY_DEFAULT`, on the GPU with
-  Pallas' inline assembly."""
-  return WORDS_BY_DEFAULT and jax.default_backend() == "gpu" and fp4_decode.ASM_AVAILABLE
-
-
-def pack_for_kernel(w: jax.Array) -> PackedNVFP4Weights:
-  """`pack_nvfp4` in the codes layout the decode kernel reads fastest here (words on the GPU:
-  `words_by_default`): the same values either way."""
+def pack_for_kernel(w: jax.Array, words: bool) -> PackedNVFP4Weights:
+  """`pack_nvfp4` with the codes as words per block (`as_words`, the GPU kernels' decoder) or
+  as bytes (the interpreter's faster path): the same values either way."""
   p = pack_nvfp4(w)
-  return p.as_words() if words_by_default() else p
+  return p.as_words() if words else p
 
 
 def pack_nvfp4_gate_up(gate: jax.Array, up: jax.Array
@@ -469,12 +459,18 @@ def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_
 _STATIC = ("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages", "split",
            "swap_ab", "decoder", "table", "words_order", "prefetch", "debug")
 IMPLS = ("triton", "wgmma")
-# Whether packed words on the GPU take the wgmma kernel when impl=None (`wgmma_moe`). On since
-# its codes go through a shared ring (`wgmma_moe.STREAM`): on the H200 (2026-12-05, ncu, one
-# process) gate/up at batch 64 in 61.5-61.7 us against the Triton words kernel's 76.9-79.3, and the
-# 8-layer engine's fp4_rtn decode at 1.054x the tokens/s of `decode_moe_kernel="triton"` at
-# batch 64 (docs/benchmarks.md). With the codes in registers it was no faster (80.5 us).
-WGMMA_BY_DEFAULT = True
+
+
+def wgmma_supported(dtype: Any, w: Any) -> bool:
+  """Whether impl="wgmma" takes rows of `dtype` times `w` here: packed weights held as words
+  on a GPU with the Mosaic GPU API, bf16 rows, shapes `wgmma_moe.supported` takes. On the
+  H200 (docs/benchmarks.md) its gate/up at batch 64 ran in 61.5-61.7 us against the Triton
+  words kernel's 76.9-79.3, the 8-layer engine's fp4_rtn decode 1.054x faster."""
+  if not isinstance(w, PackedNVFP4Weights) or not w.words:
+    return False
+  _, n, k = w.shape[-3:]
+  return (jax.default_backend() == "gpu" and wgmma_decode.available()
+          and wgmma_moe.supported(n, k, dtype))
 
 
 def _tiles(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:
@@ -485,8 +481,8 @@ def resolve_decoder(decoder: str | None, dtype: Any, n: int, k: int, block_n: in
                     num_warps: int, interpret: bool) -> str:
   """The packed-weight decoder a call uses. None: "table" (per-block byte tables and byte
   permutes; ~2.3x fewer static instructions per weight on sm_90) on the GPU for bf16/f16 rows
-  on tiles it supports, while `fp4_decode.TABLE_BY_DEFAULT` is set (since the H200 run of
-  2026-12-02); else "float16" (`e2m1_pair_scaled`), always so in interpret mode, where XLA has
+  on tiles it supports (`fp4_decode.choose`); else "float16" (`e2m1_pair_scaled`), always so
+  in interpret mode, where XLA has
   no byte permute and the table decoder's emulation is the slower one."""
   bn, bk = _tiles(n, k, block_n, block_k)
   return fp4_decode.choose(decoder, "float16", dtype, bn, bk // 2, num_warps, interpret)
@@ -607,8 +603,8 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
   multiple of 64 and K of 128: `wgmma_moe`, the weights decoded into wgmma's A registers;
   block_m is its rows per pass, a multiple of 8 up to `wgmma_moe.MAX_ROWS`, default
   `wgmma_moe.default_rows`; table None or "exact": the exact table, "fast" the fast one; the
-  Triton launch parameters do not apply) or None: "wgmma" where it runs (while
-  `WGMMA_BY_DEFAULT`), else "triton".
+  Triton launch parameters do not apply) or None: "triton". The model passes its plan's
+  choice (`trace_jax.model.plan`).
   """
   if impl not in (None, *IMPLS):
     raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
@@ -642,7 +638,7 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
   wgmma_ok = (packed and w.words and not interpret and jax.default_backend() == "gpu"
               and wgmma_decode.available() and wgmma_moe.supported(n, k, x.dtype))
   if impl is None:
-    impl = "wgmma" if wgmma_ok and WGMMA_BY_DEFAULT else "triton"
+    impl = "triton"
   if impl == "wgmma":
     if not wgmma_ok:
       raise ValueError("impl='wgmma' needs packed weights held as words on a Hopper GPU, bf16 "

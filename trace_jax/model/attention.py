@@ -24,7 +24,7 @@ from trace_jax.model.layers import Linear, RMSNorm, apply_rope
 from trace_jax.model.precision import Precision
 
 # A run's cache: (k, v), each [L, B, T, G, H] (the run's L layers) in the compute dtype, or a
-# `PackedKVCache` whose arrays carry the L layers first (`ModelConfig.packed_kv_cache`).
+# `PackedKVCache` whose arrays carry the L layers first (the plan's `kv_cache`).
 LayerCache = tuple[jax.Array, jax.Array]
 
 
@@ -74,7 +74,7 @@ class Attention(nnx.Module):
       lin = lambda a, name: prec.linear(a, quantized.run.attention[name], layer=quantized.index)
       qkv = lin(x, "qkv")
       o_proj = lambda a: lin(a, "o_proj")
-    elif decode and s == 1 and prec.config.decode_impl == "kernel":
+    elif decode and s == 1 and prec.plan.decode_impl == "kernel":
       # One-token decode: qkv and o each as one "expert" of the decode kernel, which reads
       # the layer's weights in place in the run's stack (no per-step copy of a slice).
       def proj(a, name):
@@ -109,11 +109,19 @@ class Attention(nnx.Module):
                    cv.at[i, bidx, positions].set(v.astype(cv.dtype)))
     if decode and new_cache is None:
       raise ValueError("decode=True needs a KV cache")
-    if decode and s == 1 and prec.config.decode_impl == "kernel":
+    if decode and s == 1 and prec.plan.decode_impl == "kernel":
       # One-token decode: the decode-attention kernels read this layer's cache in place in
       # the run's stack, with `attend`'s scores and probabilities.
       # On a mesh each device attends for its own sequences (`batch_local`).
-      attn = lambda q1, c, lens, j: decode_attention.decode_attention(q1, c, lens, layer=j)
+      plan = prec.plan
+
+      def attn(q1, c, lens, j):
+        impl = "triton"
+        if plan.decode_attention == "wgmma":  # the plan's kernels where they run
+          impl = decode_attention.wgmma_impl(q1, c, layer=j, sm_count=plan.sm_count)
+        return decode_attention.decode_attention(q1, c, lens, layer=j, impl=impl,
+                                                 sm_count=plan.sm_count)
+
       out = batch_local.on_batch_shards(attn, (q[:, 0], new_cache, positions[:, 0] + 1, i),
                                         (0, 0 if i is None else 1, 0, None), b)[:, None]
     else:

@@ -89,6 +89,8 @@ class InProcessEngine:
   it by `sharding.ENGINE_RULES` (the routed experts, params or prepared, split along E over
   `expert`; the rest replicated), the programs jitted for this engine and traced with the
   MoE blocks expert-parallel (`expert_parallel.use_mesh`; on when `expert` > 1).
+  The engine's kernel plan (`plan`, `trace_jax.model.plan`) is resolved once here from the
+  config on the default backend; every program it builds runs that plan.
   """
 
   def __init__(self, params: Any, config: ModelConfig, *, guidance_store: Any = None,
@@ -100,8 +102,9 @@ class InProcessEngine:
     if not 0.0 <= audit_fraction <= 1.0:
       raise ValueError(f"audit_fraction must be in [0, 1], got {audit_fraction}")
     self.config = config
+    self.plan = model_lib.resolve_plan(config)
     self.mesh = mesh
-    self._programs = _Programs(config, mesh)
+    self._programs = _Programs(config, self.plan, mesh)
     self._set_params(params)
     self.store = guidance_store
     self.record = config.forward.guided if record_guidance is None else record_guidance
@@ -180,12 +183,12 @@ class InProcessEngine:
   # ---------------------------------------------------------------------------- internals
 
   def _set_params(self, params: Any) -> None:
-    """The weights decode runs; with `config.decode_impl == "kernel"` also the routed experts
+    """The weights decode runs; with the plan's decode_impl "kernel" also the routed experts
     as the decode kernel reads them (packed NVFP4 under an NVFP4 forward) and, under FP8
     linears, every FP8 GEMM's weights quantized (`expert_weights.prepare`), made once here."""
     self._param_shapes = jax.tree.map(lambda a: (a.shape, jnp.asarray(a).dtype), params)
     self.experts = None
-    if self.config.decode_impl == "kernel":
+    if self.plan.decode_impl == "kernel":
       if not expert_weights.supported(self.config):
         raise ValueError(f"decode_impl='kernel' runs BF16, NVFP4 and FP8 weights; policy "
                          f"{self.config.policy!r} is none of them")
@@ -229,7 +232,7 @@ class InProcessEngine:
             *self._sampling_arrays(sampling, b))
     return args, dict(max_new=max_new, truncate=self._truncates(sampling),
                       tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=self.record_routing,
-                      experts=self.experts, layers=self.layers)
+                      experts=self.experts, layers=self.layers, plan=self.plan)
 
   def _generate_batch(self, prompts: list[list[int]],
                       sampling: list[SamplingParams]) -> list[Sample]:
@@ -290,9 +293,10 @@ class InProcessEngine:
     with self._programs.traced():
       taps = (decode.tap_buffers(self.params, self.config, b, total, tap_layers=tap_layers,
                                  tap_mode=tap_mode, tap_routing=self.record_routing,
-                                 experts=self.experts, layers=self.layers)
+                                 experts=self.experts, layers=self.layers, plan=self.plan)
               if tap_layers or self.record_routing else {})
-    cache, taps = self._programs.place_session(model_lib.init_cache(self.config, b, total), taps)
+    cache, taps = self._programs.place_session(
+        model_lib.init_cache(self.config, b, total, plan=self.plan), taps)
     return Session(n=n, batch=b, total=total, cache=cache, taps=taps,
                    lens=np.zeros(b, np.int32), pending=[None] * b)
 
@@ -322,7 +326,8 @@ class InProcessEngine:
           self.params, self.config, session.cache, session.taps, jnp.asarray(session.lens),
           chunk, chunk_lens, *self._sampling_arrays(sp, session.batch), max_new=max_new,
           truncate=self._truncates(sp), tap_layers=tap_layers, tap_mode=tap_mode,
-          tap_routing=self.record_routing, experts=self.experts, layers=self.layers)
+          tap_routing=self.record_routing, experts=self.experts, layers=self.layers,
+          plan=self.plan)
     n_gen = np.asarray(n_gen)
     gen_np = np.asarray(gen)
     for r in rows:
@@ -349,7 +354,8 @@ class InProcessEngine:
       session.cache, session.taps = self._programs.feed(
           self.params, self.config, session.cache, session.taps, jnp.asarray(session.lens),
           chunk, chunk_lens, tap_layers=tap_layers, tap_mode=tap_mode,
-          tap_routing=self.record_routing, experts=self.experts, layers=self.layers)
+          tap_routing=self.record_routing, experts=self.experts, layers=self.layers,
+          plan=self.plan)
     for r in rows:
       session.lens[r] += len(fed[r])
       session.pending[r] = None
@@ -488,7 +494,8 @@ class Session:
   pending: list[int | None]
 
 
-_write_layer = jax.jit(expert_weights.write_layer, static_argnums=3, donate_argnums=0)
+_write_layer = jax.jit(expert_weights.write_layer, static_argnames=("config", "plan"),
+                       donate_argnums=0)
 _stack_layers = jax.jit(model_lib.stack_layers, static_argnums=1)
 
 
@@ -506,8 +513,8 @@ class _Programs:
   wrapper) has a cache of its own.
   """
 
-  def __init__(self, config: ModelConfig, mesh: Mesh | None):
-    self.config, self.mesh = config, mesh
+  def __init__(self, config: ModelConfig, plan: model_lib.KernelPlan, mesh: Mesh | None):
+    self.config, self.plan, self.mesh = config, plan, mesh
     if mesh is None:
       self.generate, self.extend, self.feed = decode.generate, decode.extend, decode.feed
       return
@@ -522,8 +529,8 @@ class _Programs:
                             static_argnames=decode._STATIC)
     self.extend = jax.jit(self._pinned(decode.extend), static_argnames=decode._STATIC,
                           donate_argnames=donated)
-    self.feed = jax.jit(self._pinned(decode.feed), static_argnames=(
-        "config", "tap_layers", "tap_mode", "tap_routing"), donate_argnames=donated)
+    self.feed = jax.jit(self._pinned(decode.feed), static_argnames=decode.FEED_STATIC,
+                        donate_argnames=donated)
     self._write: Any = None
     self._stack: Any = None
 
@@ -568,14 +575,15 @@ class _Programs:
     """`expert_weights.prepare`'s runs, written one layer at a time into each run's stacks by
     one program whatever the depth (`expert_weights.write_layer`); on a mesh the stacks lie
     where `expert_weights.shardings` puts them (experts split along E)."""
-    structs = expert_weights.run_structs(params, self.config)
+    structs = expert_weights.run_structs(params, self.config, self.plan)
     if self.mesh is None:
-      write = functools.partial(_write_layer, config=self.config)
+      write = functools.partial(_write_layer, config=self.config, plan=self.plan)
       zeros = lambda struct: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), struct)
     else:
       places = expert_weights.shardings(structs, self.mesh)
       if self._write is None:  # every run's stacks are placed alike
-        self._write = jax.jit(functools.partial(expert_weights.write_layer, config=self.config),
+        self._write = jax.jit(functools.partial(expert_weights.write_layer, config=self.config,
+                                                plan=self.plan),
                               out_shardings=places[0], donate_argnums=0)
       write = self._write
       zeros = lambda struct: jax.tree.map(lambda s, p: jnp.zeros(s.shape, s.dtype, device=p),
