@@ -9,23 +9,22 @@ Per case (context T, batch B; every sequence at full length T, one query token e
                       packed bytes without a kernel)
   kernel_bf16         the kernel on the BF16 cache
   kernel_packed       the kernel on the packed cache as the engine holds it (reads ~3.4x fewer
-                      KV bytes; on the GPU codes as words per block, decoder `--decoder`, auto:
-                      "words", one table per block, `fp4_decode.decode_words`), scores by the
-                      Pallas/Triton kernels (`impl="triton"`)
+                      KV bytes; codes in the kernel plan's default layout: on the GPU words
+                      per block, one table per block, `fp4_decode.decode_words`), by the
+                      Pallas/Triton kernels (`AttentionConfig(impl="triton")`)
   kernel_packed_wgmma  the same with `wgmma_attention`'s kernels (K decoded into wgmma's A
                       registers for the scores, V into shared memory for PV; GPU only; the
-                      engine's default where it runs, `impl="wgmma"`)
-  kernel_packed_wgmma_scores  the wgmma scores with the Triton PV kernel (`impl="wgmma_scores"`)
-  kernel_packed_natural  kernel_packed with the K tile decoded in natural column order instead
-                      of the MMA operand order (`words_order="natural"`; words only)
-  kernel_packed_bits  the same cache with the codes as bytes and the bit-arithmetic decoder
-                      (`decoder="bits"`), for the ratio in one process
+                      plan's `decode_attention="wgmma"` where B x G fills the SMs)
+  kernel_packed_wgmma_scores  the wgmma scores with the Triton PV kernel (the plan's choice
+                      where B x G gives fewer PV programs than SMs)
+  kernel_packed_bits  the same cache with the codes as bytes (the bit-arithmetic decoder), for
+                      the ratio in one process
   copy                `jnp.copy` of the BF16 K cache: the bandwidth reference (read + write)
 First (`--decoder_check`), the packed cache's decoders are checked bit for bit on the device:
 `decode_attention.dequantize_pallas` (the attention kernels' tile decode, in a kernel of its
 own) of a cache holding every code byte under every E4M3 scale byte, with row scales inside and
 beyond the fast table's range, against `kv_cache.dequantize` on the CPU (`formats`' values), for
-the cache as the engine holds it (default decoder) and as bytes (bits decoder), at key blocks
+the cache as the engine holds it (its layout's decoder) and as bytes (bits decoder), at key blocks
 of 16 and `--block_t`. Before timing, every path is checked against the CPU reference of its
 contract on the first `--check_seqs` sequences (`max_err_over_tol` <= 1: within
 `decode_attention.output_tolerance`).
@@ -67,11 +66,6 @@ flags.DEFINE_integer("num_splits", 0, "Kernel key splits (0: the kernel's defaul
                      flag_values=FLAGS)
 flags.DEFINE_integer("num_warps", 4, "Kernel warps per program.", flag_values=FLAGS)
 flags.DEFINE_integer("num_stages", 2, "Kernel pipeline stages.", flag_values=FLAGS)
-flags.DEFINE_integer("wgmma_tiles", 4, "64-key tiles per program of the wgmma scores kernel.",
-                     flag_values=FLAGS)
-flags.DEFINE_enum("decoder", "auto", ["auto", "words", "bits"],
-                  "kernel_packed's decoder (auto: words on the GPU, bits in interpret mode).",
-                  flag_values=FLAGS)
 flags.DEFINE_integer("reps", 0, "Timed calls per path (0: 30 on GPU, 3 otherwise).",
                      flag_values=FLAGS)
 flags.DEFINE_integer("warmup", 2, "Untimed calls first (compilation).", flag_values=FLAGS)
@@ -91,14 +85,12 @@ PRESETS = {
     "cpu": dict(contexts=[64], batches=[2], heads=8, kv_heads=2, head_dim=64),
 }
 IMPLS = ("xla_bf16", "xla_fq_bf16", "xla_packed_dequant", "kernel_bf16", "kernel_packed",
-         "kernel_packed_natural", "kernel_packed_bits", "kernel_packed_wgmma",
-         "kernel_packed_wgmma_scores")
+         "kernel_packed_bits", "kernel_packed_wgmma", "kernel_packed_wgmma_scores")
 GPU_ONLY = ("kernel_packed_wgmma", "kernel_packed_wgmma_scores")  # Mosaic GPU + inline PTX
 COPY = "copy"
 # The cache each path reads, and the contract its output is checked against.
 CACHE_OF = {"xla_bf16": "bf16", "xla_fq_bf16": "fq_bf16", "xla_packed_dequant": "packed",
-            "kernel_bf16": "bf16", "kernel_packed": "packed",
-            "kernel_packed_natural": "packed", "kernel_packed_bits": "packed_bytes",
+            "kernel_bf16": "bf16", "kernel_packed": "packed", "kernel_packed_bits": "packed_bytes",
             "kernel_packed_wgmma": "packed", "kernel_packed_wgmma_scores": "packed"}
 
 
@@ -136,6 +128,7 @@ def _inputs(b: int, t: int, g: int, n: int, h: int, seed: int) -> dict[str, Any]
   import jax.numpy as jnp
 
   from trace_jax.kernels import kv_cache
+  from trace_jax.model import plan
 
   kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
   shape = (b, t, g, h)
@@ -144,7 +137,8 @@ def _inputs(b: int, t: int, g: int, n: int, h: int, seed: int) -> dict[str, Any]
   # Scores of std ~3 (RMS-normed q/k typically give a few units).
   q = jax.jit(lambda key: (3 * jax.random.normal(key, (b, n, h), jnp.float32)
                            ).astype(jnp.bfloat16))(kq)
-  packed = jax.block_until_ready(kv_cache.pack_rows(k, v))
+  packed = jax.block_until_ready(kv_cache.pack_rows(k, v,
+                                                   words=plan.default_codes() == "words"))
   fq = jax.block_until_ready(kv_cache.dequantize(packed, jnp.bfloat16))
   return {"q": q, "lengths": jnp.full((b,), t, jnp.int32),
           "bf16": (k, v), "fq_bf16": fq, "packed": packed,
@@ -171,26 +165,19 @@ def _cpu_reference(q: Any, cache: Any, lengths: Any, c: int) -> tuple[Any, Any]:
   return np.asarray(ref), np.asarray(tol)
 
 
-def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stages: int,
-           decoder: str = "auto", wgmma_tiles: int = 4) -> dict[str, Callable[..., Any]]:
+def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int,
+           num_stages: int) -> dict[str, Callable[..., Any]]:
+  """path -> fn(q, cache, lengths); the kernels' `AttentionConfig`s from the flags."""
   from trace_jax.kernels import decode_attention as da
 
-  kernel = functools.partial(da.decode_attention, block_t=block_t,
-                             num_splits=num_splits or None, num_warps=num_warps,
-                             num_stages=num_stages)
+  config = functools.partial(da.AttentionConfig, block_t=block_t, num_splits=num_splits or None,
+                             num_warps=num_warps, num_stages=num_stages)
+  kernel = lambda impl: functools.partial(da.decode_attention, config=config(impl=impl))
   ref = da.decode_attention_reference
-  dec = None if decoder == "auto" else decoder
   return {"xla_bf16": ref, "xla_fq_bf16": ref, "xla_packed_dequant": ref,
-          "kernel_bf16": kernel,
-          "kernel_packed": functools.partial(kernel, decoder=dec, impl="triton"),
-          "kernel_packed_natural": functools.partial(kernel, decoder=dec, words_order="natural",
-                                                     impl="triton"),
-          "kernel_packed_bits": functools.partial(kernel, decoder="bits"),
-          "kernel_packed_wgmma": functools.partial(kernel, decoder="words", impl="wgmma",
-                                                   wgmma_tiles=wgmma_tiles),
-          "kernel_packed_wgmma_scores": functools.partial(kernel, decoder="words",
-                                                          impl="wgmma_scores",
-                                                          wgmma_tiles=wgmma_tiles)}
+          "kernel_bf16": kernel("triton"), "kernel_packed": kernel("triton"),
+          "kernel_packed_bits": kernel("triton"), "kernel_packed_wgmma": kernel("wgmma"),
+          "kernel_packed_wgmma_scores": kernel("wgmma_scores")}
 
 
 def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps: int,
@@ -265,8 +252,6 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
       "time_kernel_packed_bits_over_kernel_bf16": ratio("kernel_packed_bits", "kernel_bf16"),
       "time_kernel_packed_over_kernel_packed_bits": ratio("kernel_packed",
                                                           "kernel_packed_bits"),
-      "time_kernel_packed_natural_over_kernel_packed": ratio("kernel_packed_natural",
-                                                             "kernel_packed"),
       "time_kernel_packed_over_xla_fq_bf16": ratio("kernel_packed", "xla_fq_bf16"),
       "time_kernel_bf16_over_xla_bf16": ratio("kernel_bf16", "xla_bf16"),
       "time_xla_packed_dequant_over_xla_fq_bf16": ratio("xla_packed_dequant", "xla_fq_bf16"),
@@ -320,15 +305,14 @@ def decoder_check(h: int, block_ts: Sequence[int], words: bool) -> dict[str, Any
     want = [np.asarray(x) for x in jax.jit(kv_cache.dequantize, static_argnames="dtype")(
         jax.device_put(cache, cpu), dtype=jnp.bfloat16)]
   engine = cache.as_words() if words else cache
-  variants = {("words" if engine.words else "bytes") + "_default": (engine, None),
-              "bytes_bits": (cache, "bits")}
+  variants = {("words" if engine.words else "bytes") + "_default": engine, "bytes_bits": cache}
   out: dict[str, Any] = {}
-  for name, (c, decoder) in variants.items():
+  for name, c in variants.items():
     for bt in block_ts:
       key = f"{name}_bt{bt}"
       try:
-        got = [np.asarray(x) for x in da.dequantize_pallas(c, jnp.bfloat16, block_t=bt,
-                                                           decoder=decoder)]
+        got = [np.asarray(x) for x in da.dequantize_pallas(
+            c, jnp.bfloat16, config=da.AttentionConfig(block_t=bt))]
       except Exception as e:  # the record keeps the error; the benchmark goes on
         out[key] = {"error": f"{type(e).__name__}: {e}"[:400]}
         continue
@@ -348,6 +332,8 @@ def run_bench(preset: str, contexts: Sequence[int], batches: Sequence[int], n: i
               decoder_checks: bool = False) -> dict[str, Any]:
   import jax
 
+  from trace_jax.model import plan
+
   unknown = sorted(set(impls) - set(IMPLS))
   if unknown:
     raise ValueError(f"unknown impls {unknown}; known: {list(IMPLS)}")
@@ -363,7 +349,7 @@ def run_bench(preset: str, contexts: Sequence[int], batches: Sequence[int], n: i
         f" N={n} G={g} H={h}, kernel {kernel_args}, interpret={not on_gpu}", flush=True)
   if decoder_checks:
     res["decoder_check"] = decoder_check(h, sorted({16, kernel_args["block_t"]}),
-                                         words=jax.default_backend() == "gpu")
+                                         words=plan.default_codes() == "words")
     for k, v in res["decoder_check"].items():
       msg = (v["error"][:160] if "error" in v else
              f"bits equal {v['bits_equal']} ({v['mismatches']} value, {v['nan_mismatches']} NaN "
@@ -404,8 +390,7 @@ def main(argv: Sequence[str]) -> dict[str, Any] | None:
   common.set_gpu_memory_env()
   p = PRESETS[FLAGS.preset]
   kernel_args = dict(block_t=FLAGS.block_t, num_splits=FLAGS.num_splits,
-                     num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages,
-                     decoder=FLAGS.decoder, wgmma_tiles=FLAGS.wgmma_tiles)
+                     num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages)
   res = run_bench(FLAGS.preset, [int(x) for x in FLAGS.contexts] or p["contexts"],
                   [int(x) for x in FLAGS.batches] or p["batches"], FLAGS.heads or p["heads"],
                   FLAGS.kv_heads or p["kv_heads"], FLAGS.head_dim or p["head_dim"], FLAGS.impls,

@@ -10,24 +10,16 @@ side by side in one process:
 - fq_ragged_fp4: today's FP4 path, `qat.fake_quant_weight(w, "nvfp4")` of the BF16 weights
   every call, then ragged_dot (as `Precision.expert_weights` + `MoE` run it);
 - dq_ragged_fp4: XLA dequantization of the packed weights, then ragged_dot;
-- kernel_fp4: `fp4_moe.grouped_matmul_decode` on the packed weights (`PackedNVFP4Weights`),
-  decoder `--decoder` (auto: the table decoder, `fp4_decode`);
+- kernel_fp4: `fp4_moe.grouped_matmul_decode` on the packed weights (`PackedNVFP4Weights`)
+  with the codes as bytes (the float16 decoder; the kernel plan's `fp4_codes="bytes"`);
 - kernel_fp4_words: the same kernel on the codes held as words per block
-  (`PackedNVFP4Weights.as_words`, prepared once), decoder "words": one table per block
-  (impl="triton");
-- kernel_fp4_words_natural: the same with the decoded tile's columns in natural order
-  (`words_order="natural"`) instead of the MMA operand order;
-- kernel_fp4_words_noprefetch: the words case without loading the next K tile ahead;
-- kernel_fp4_words_prefetch2: the words case loading two K tiles ahead (`prefetch=2`);
-- kernel_fp4_float16: the same kernel with the previous decoder (`decoder="float16"`, the
-  float16 bit trick), for the before/after ratio in one process;
+  (`PackedNVFP4Weights.as_words`, prepared once): one table per block (the plan's
+  `fp4_codes="words"`, `decode_moe_kernel="triton"`);
 - kernel_fp4_wgmma (GPU only): the words on Hopper's wgmma (`wgmma_moe`, impl="wgmma", the
-  exact table, the codes through its default ring `wgmma_moe.STREAM` where K is a multiple of
-  256; rows per pass `--block_m` or its default, `--wgmma_prefetch`);
-- kernel_fp4_wgmma_fast (GPU only): the same with the fast table;
-- kernel_fp4_wgmma_stream (GPU only, and only when `--cases` names it):
-  `wgmma_moe.grouped_matmul` with its codes through a shared-memory ring of `--wgmma_stream`
-  chunks (0: in registers, the kernel before 2026-12-05), decoded `--wgmma_group` at a time.
+  exact table; rows per pass `--block_m` or its default; the plan's
+  `decode_moe_kernel="wgmma"`);
+- kernel_fp4_wgmma_fast (GPU only): the same with the fast table.
+Each case runs a `fp4_moe.DecodeConfig` (`kernel_opts` in the JSON: the flags' tiles).
 
 Before timing, each kernel case's output is checked against its reference (kernel_bf16 against
 ragged_bf16, the FP4 kernels against dq_ragged_fp4 and fq_ragged_fp4) within the float32-summation
@@ -41,7 +33,7 @@ tensor scale), the achieved GB/s of those bytes, that as a fraction of a jitted 
 bandwidth (bytes read + written, measured in the same process), and the time relative to
 ragged_bf16. Also per shape: the time of a trivial jitted call with the same arguments (the
 dispatch floor: a case timed near it is bounded by the host, not the device). `--sweep` also
-times the kernel over `--sweep_configs` and reports the best.
+times the Triton kernel over `--sweep_configs` and reports the best.
 The GPU figures are recorded by the lead in docs/benchmarks.md; this script records nothing
 itself except `--json_out`.
 """
@@ -80,25 +72,14 @@ flags.DEFINE_integer("block_n", 64, "Kernel output tile.", flag_values=FLAGS)
 flags.DEFINE_integer("block_k", 256, "Kernel contraction tile.", flag_values=FLAGS)
 flags.DEFINE_integer("num_warps", 4, "Triton warps.", flag_values=FLAGS)
 flags.DEFINE_integer("num_stages", 3, "Triton pipeline stages.", flag_values=FLAGS)
-flags.DEFINE_enum("swap_ab", "auto", ["auto", "true", "false"], "Kernel operand order.",
-                  flag_values=FLAGS)
-flags.DEFINE_enum("split", "auto", ["auto", "true", "false"],
-                  "FP4 kernel: even/odd column dots (x split outside the kernel) instead of "
-                  "interleaving the nibbles in registers (auto: split for the table decoder).",
-                  flag_values=FLAGS)
-flags.DEFINE_enum("decoder", "auto", ["auto", "table", "float16"],
-                  "kernel_fp4's decoder (auto: table where the tile allows it).",
-                  flag_values=FLAGS)
 flags.DEFINE_bool("sweep", False, "Also time the kernel cases over --sweep_configs.",
                   flag_values=FLAGS)
 flags.DEFINE_list("sweep_configs",
-                  ["64:256:16:4:3:auto", "64:256:16:4:2:auto", "128:128:16:4:2:auto",
-                   "128:256:16:8:2:auto", "256:128:16:8:2:auto", "128:256:16:4:3:auto",
-                   "64:128:16:4:3:auto", "64:256:32:4:2:auto", "64:256:16:4:3:auto:float16",
-                   "32:256:16:4:4:auto:float16"],
-                  "block_n:block_k:block_m:num_warps:num_stages:swap_ab[:decoder[:prefetch]] "
-                  "entries (decoder: auto, table, words or float16; prefetch: K tiles loaded "
-                  "ahead by the words decoder; packed weights only).",
+                  ["64:256:16:4:3", "64:256:16:4:2", "128:128:16:4:2", "128:256:16:8:2",
+                   "256:128:16:8:2", "128:256:16:4:3", "64:128:16:4:3", "64:256:32:4:2",
+                   "64:256:16:4:3:bytes", "32:256:16:4:4:bytes"],
+                  "block_n:block_k:block_m:num_warps:num_stages[:codes] entries of the Triton "
+                  "kernel (codes: words, the default, or bytes; packed weights only).",
                   flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "PRNG seed.", flag_values=FLAGS)
 flags.DEFINE_integer("copy_mib", 0, "Bandwidth-reference array size in MiB (0: "
@@ -107,103 +88,65 @@ flags.DEFINE_integer("copy_mib", 0, "Bandwidth-reference array size in MiB (0: "
 flags.DEFINE_string("json_out", "runs/bench_moe_decode/bench.json",
                     "JSON output path ('' = none).", flag_values=FLAGS)
 
-flags.DEFINE_integer("wgmma_stream", 4, "kernel_fp4_wgmma_stream: K chunks of codes in its "
-                     "shared-memory ring.", flag_values=FLAGS)
-flags.DEFINE_integer("wgmma_group", 1, "kernel_fp4_wgmma_stream: K chunks decoded before their "
-                     "wgmmas are issued.", flag_values=FLAGS)
-flags.DEFINE_integer("wgmma_prefetch", -1, "kernel_fp4_wgmma*: K chunks loaded ahead (-1: the "
-                     "kernel's default).", flag_values=FLAGS)
 
 PRESETS = {
     "qwen3_30b": dict(experts=(64, 128), batches=(8, 64, 256), hidden=2048, width=768, top_k=8),
     "cpu": dict(experts=(8,), batches=(4,), hidden=128, width=64, top_k=2),
 }
 CASES = ("ragged_bf16", "tiled_bf16", "kernel_bf16", "fq_ragged_fp4", "dq_ragged_fp4",
-         "kernel_fp4", "kernel_fp4_words", "kernel_fp4_words_natural",
-         "kernel_fp4_words_noprefetch", "kernel_fp4_words_prefetch2", "kernel_fp4_float16",
-         "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast", "kernel_fp4_wgmma_stream")
-GPU_ONLY = ("kernel_fp4_wgmma", "kernel_fp4_wgmma_fast",
-            "kernel_fp4_wgmma_stream")  # Mosaic GPU with inline PTX
-NAMED_ONLY = ("kernel_fp4_wgmma_stream",)  # the default's twin at default flags: when named
+         "kernel_fp4", "kernel_fp4_words", "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast")
+GPU_ONLY = ("kernel_fp4_wgmma", "kernel_fp4_wgmma_fast")  # Mosaic GPU with inline PTX
 BASELINE = "ragged_bf16"
 # kernel case -> the cases whose outputs it must match (same weights, float32 sums).
 VERIFY = {"kernel_bf16": ("ragged_bf16",), "kernel_fp4": ("dq_ragged_fp4", "fq_ragged_fp4"),
           "kernel_fp4_words": ("dq_ragged_fp4", "kernel_fp4"),
-          "kernel_fp4_words_natural": ("dq_ragged_fp4",),
-          "kernel_fp4_words_noprefetch": ("dq_ragged_fp4",),
-          "kernel_fp4_words_prefetch2": ("dq_ragged_fp4", "kernel_fp4_words"),
-          "kernel_fp4_float16": ("dq_ragged_fp4",),
           "kernel_fp4_wgmma": ("dq_ragged_fp4", "kernel_fp4_words"),
-          "kernel_fp4_wgmma_fast": ("dq_ragged_fp4", "kernel_fp4_wgmma"),
-          "kernel_fp4_wgmma_stream": ("dq_ragged_fp4", "kernel_fp4_wgmma")}
-_TRI = {"auto": None, "true": True, "false": False}
+          "kernel_fp4_wgmma_fast": ("dq_ragged_fp4", "kernel_fp4_wgmma")}
 
 
-def _kernel_opts(spec: str | None = None) -> dict[str, Any]:
-  """Kernel keyword arguments from the flags, or from a sweep entry
-  n:k:m:warps:stages:swap[:decoder[:prefetch]]; "decoder" and "prefetch" (K tiles loaded
-  ahead, codes as words only) apply to packed weights only."""
-  pre = None
+def _kernel_opts(spec: str | None = None) -> tuple[dict[str, Any], str]:
+  """(the Triton kernel's `DecodeConfig` fields, the packed codes' layout) from the flags, or
+  from a sweep entry n:k:m:warps:stages[:codes] (codes: "words", the default, or "bytes")."""
   if spec is None:
-    n, k, m, warps, stages, swap, dec = (FLAGS.block_n, FLAGS.block_k, FLAGS.block_m,
-                                         FLAGS.num_warps, FLAGS.num_stages, FLAGS.swap_ab,
-                                         FLAGS.decoder)
+    n, k, m, warps, stages = (FLAGS.block_n, FLAGS.block_k, FLAGS.block_m, FLAGS.num_warps,
+                              FLAGS.num_stages)
+    codes = "words"
   else:
-    n, k, m, warps, stages, swap, *rest = spec.split(":")
-    dec = rest[0] if rest else "auto"
-    pre = int(rest[1]) if len(rest) > 1 else None
-  opts = dict(block_n=int(n), block_k=int(k), block_m=int(m) or None, num_warps=int(warps),
-              num_stages=int(stages), split=_TRI[FLAGS.split], swap_ab=_TRI[swap],
-              decoder=None if dec == "auto" else dec)
-  return opts if pre is None else {**opts, "prefetch": pre}
-
-
-def _dense_opts(opts: dict[str, Any]) -> dict[str, Any]:
-  """The options without the packed-weight ones (a BF16 call takes the float16 path)."""
-  return {k: v for k, v in opts.items() if k not in ("decoder", "prefetch")}
+    n, k, m, warps, stages, *rest = spec.split(":")
+    codes = rest[0] if rest else "words"
+    if codes not in ("words", "bytes"):
+      raise ValueError(f"sweep entry {spec!r}: codes must be words or bytes, got {codes!r}")
+  return dict(block_n=int(n), block_k=int(k), block_m=int(m) or None, num_warps=int(warps),
+              num_stages=int(stages)), codes
 
 
 def _fns(opts: dict[str, Any]) -> dict[str, Callable[..., Any]]:
   """case -> jitted fn(x, weights, group_sizes); weights is (bf16, packed, packed as words)."""
   import jax
-  import jax.numpy as jnp
 
-  from trace_jax.kernels import fp4_moe, wgmma_moe
+  from trace_jax.kernels import fp4_moe
   from trace_jax.model import grouped
   from trace_jax.quant import qat
 
-  words = {**opts, "decoder": None, "split": None, "impl": "triton"}
-  wgmma = {"impl": "wgmma", "block_m": opts["block_m"],
-           "prefetch": FLAGS.wgmma_prefetch if FLAGS.wgmma_prefetch >= 0 else None}
+  triton = fp4_moe.DecodeConfig(**opts)
+  wgmma = fp4_moe.DecodeConfig(impl="wgmma", block_m=opts["block_m"])
+  wgmma_fast = fp4_moe.DecodeConfig(impl="wgmma", block_m=opts["block_m"], table="fast")
   return {
       "ragged_bf16": jax.jit(lambda x, w, gs: grouped.grouped_matmul(x, w[0], gs, "ragged_dot")),
       "tiled_bf16": jax.jit(lambda x, w, gs: grouped.grouped_matmul(x, w[0], gs, "tiled")),
       "kernel_bf16": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
-          x, w[0], gs, **_dense_opts(opts))),
+          x, w[0], gs, config=triton)),
       "fq_ragged_fp4": jax.jit(lambda x, w, gs: grouped.grouped_matmul(
           x, qat.fake_quant_weight(w[0], "nvfp4"), gs, "ragged_dot")),
       "dq_ragged_fp4": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_reference(x, w[1], gs)),
-      "kernel_fp4": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(x, w[1], gs,
-                                                                           **opts)),
+      "kernel_fp4": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
+          x, w[1], gs, config=triton)),
       "kernel_fp4_words": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
-          x, w[2], gs, **words)),
-      "kernel_fp4_words_natural": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
-          x, w[2], gs, **{**words, "words_order": "natural"})),
-      "kernel_fp4_words_noprefetch": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
-          x, w[2], gs, **{**words, "prefetch": 0})),
-      "kernel_fp4_words_prefetch2": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
-          x, w[2], gs, **{**words, "prefetch": 2})),
+          x, w[2], gs, config=triton)),
       "kernel_fp4_wgmma": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
-          x, w[2], gs, **wgmma)),
+          x, w[2], gs, config=wgmma)),
       "kernel_fp4_wgmma_fast": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
-          x, w[2], gs, **wgmma, table="fast")),
-      "kernel_fp4_wgmma_stream": jax.jit(lambda x, w, gs: wgmma_moe.grouped_matmul(
-          x, w[2].codes[None], w[2].block_scale[None], w[2].tensor_scale[None], gs,
-          jnp.zeros((), jnp.int32),
-          rows=opts["block_m"] or wgmma_moe.default_rows(x.shape[0], gs.shape[0]),
-          stream=FLAGS.wgmma_stream, group=FLAGS.wgmma_group)),
-      "kernel_fp4_float16": jax.jit(lambda x, w, gs: fp4_moe.grouped_matmul_decode(
-          x, w[1], gs, **{**opts, "decoder": "float16"})),
+          x, w[2], gs, config=wgmma_fast)),
   }
 
 
@@ -218,7 +161,7 @@ def _time(fn: Callable[[], Any], warmup: int, reps: int, inner: int) -> tuple[fl
 
 def _layer(e: int, d: int, f: int, seed: int) -> dict[str, Any]:
   """BF16 weights of one layer (gate/up fused [E, 2F, D], down [E, D, F]) and their packing
-  (codes as bytes, and as words for the "words" decoder)."""
+  (codes as bytes, and as words)."""
   import jax
   import jax.numpy as jnp
 
@@ -301,14 +244,13 @@ def run_bench(seed: int = 0) -> dict[str, Any]:
   d, f = FLAGS.hidden or preset["hidden"], FLAGS.width or preset["width"]
   top_k = FLAGS.top_k or preset["top_k"]
   reps, inner = FLAGS.reps or (50 if on_gpu else 2), FLAGS.inner or (20 if on_gpu else 1)
-  cases = list(FLAGS.cases) or [c for c in CASES if (on_gpu or c not in GPU_ONLY)
-                                 and c not in NAMED_ONLY]
+  cases = list(FLAGS.cases) or [c for c in CASES if on_gpu or c not in GPU_ONLY]
   unknown = sorted(set(cases) - set(CASES))
   if unknown:
     raise ValueError(f"unknown cases {unknown}; known: {CASES}")
   if not on_gpu and set(cases) & set(GPU_ONLY):
     raise ValueError(f"cases {sorted(set(cases) & set(GPU_ONLY))} run on a Hopper GPU only")
-  opts = _kernel_opts()
+  opts, _ = _kernel_opts()
   dev = common.device_description()
   res: dict[str, Any] = {**dev, "preset": FLAGS.preset, "hidden": d, "width": f,
                          "top_k": top_k, "reps": reps, "inner": inner, "warmup": FLAGS.warmup,
@@ -374,20 +316,17 @@ def _sweep(x: Any, w: tuple[Any, Any], gs: Any, reps: int, inner: int,
   from trace_jax.kernels import fp4_moe
 
   out: dict[str, Any] = {}
-  for kind, wk in (("bf16", w[0]), ("fp4", w[1])):
+  for kind in ("bf16", "fp4"):
     rows = {}
     for spec in FLAGS.sweep_configs:
-      opts = _kernel_opts(spec)
-      if kind == "bf16":
-        if opts["decoder"] is not None:
-          continue  # a packed-only entry
-        opts = _dense_opts(opts)
-      elif opts["decoder"] == "words":  # the codes held as words (w[2])
-        wk, opts = w[2], {**opts, "split": None}
-      else:
-        wk = w[1]
+      opts, codes = _kernel_opts(spec)
+      if kind == "bf16" and codes != "words":
+        continue  # a packed-only entry
+      wk = w[0] if kind == "bf16" else w[2] if codes == "words" else w[1]
       try:
-        fn = jax.jit(lambda x, wk, gs, o=opts: fp4_moe.grouped_matmul_decode(x, wk, gs, **o))
+        config = fp4_moe.DecodeConfig(**opts)
+        fn = jax.jit(lambda x, wk, gs, c=config: fp4_moe.grouped_matmul_decode(x, wk, gs,
+                                                                               config=c))
         med, _ = _time(lambda fn=fn, wk=wk: fn(x, wk, gs), FLAGS.warmup, reps, inner)
         rows[spec] = {"median_ms": 1e3 * med,
                       "gbps": touched * fp4_moe.weight_bytes_per_expert(wk) / med / 1e9}
@@ -419,14 +358,12 @@ def format_shape(shape: dict[str, Any]) -> str:
            f"{shape.get('dispatch_floor_ms', float('nan')):.4f} ms",
            common.format_table(head, rows)]
   cs = shape["cases"]
-  for num in ("kernel_fp4", "kernel_fp4_words", "kernel_fp4_words_natural", "kernel_fp4_float16",
-              "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast", "kernel_bf16"):
+  for num in ("kernel_fp4", "kernel_fp4_words", "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast",
+              "kernel_bf16"):
     if num in cs and BASELINE in cs:
       r = cs[num]["median_ms"] / cs[BASELINE]["median_ms"]
       lines.append(f"  {num} / {BASELINE} time: {r:.3f} (speed-up {1 / r:.2f}x)")
-  for num in ("kernel_fp4", "kernel_fp4_words", "kernel_fp4_words_natural",
-              "kernel_fp4_words_noprefetch", "kernel_fp4_words_prefetch2", "kernel_fp4_float16",
-              "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast"):
+  for num in ("kernel_fp4", "kernel_fp4_words", "kernel_fp4_wgmma", "kernel_fp4_wgmma_fast"):
     if num in cs and "kernel_bf16" in cs:
       r = cs[num]["median_ms"] / cs["kernel_bf16"]["median_ms"]
       lines.append(f"  {num} / kernel_bf16 time: {r:.3f} (FP4 kernel {1 / r:.2f}x the BF16 "

@@ -154,9 +154,13 @@ def test_grouped_matmul_decode_refuses_wgmma_where_it_cannot_run():
   x = jnp.zeros((8, 256), jnp.bfloat16)
   gs = jnp.asarray([8, 0, 0], jnp.int32)
   with pytest.raises(ValueError, match="impl='wgmma' needs packed weights held as words"):
-    fp4_moe.grouped_matmul_decode(x, p, gs, interpret=True, impl="wgmma")
+    fp4_moe.grouped_matmul_decode(x, p, gs, config=fp4_moe.DecodeConfig(impl="wgmma",
+                                                                        interpret=True))
   with pytest.raises(ValueError, match="impl must be one of"):
-    fp4_moe.grouped_matmul_decode(x, p, gs, impl="cuda")
+    fp4_moe.DecodeConfig(impl="cuda")
+  assert not fp4_moe.wgmma_supported(jnp.bfloat16, p)  # no Hopper GPU here
+  assert wgmma_moe.supported(128, 256, jnp.bfloat16)
   assert not wgmma_moe.supported(96, 256, jnp.bfloat16)  # N not a multiple of 64
-  assert not wgmma_moe.supported(128, 192, jnp.bfloat16)  # K not a multiple of 128
+  assert not wgmma_moe.supported(128, 192, jnp.bfloat16)  # K not a multiple of 256
+  assert not wgmma_moe.supported(128, 384, jnp.bfloat16)
   assert not wgmma_moe.supported(128, 256, jnp.float16)

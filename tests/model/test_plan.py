@@ -4,6 +4,7 @@ holds that implementation's kernel and not the other's)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -187,6 +188,9 @@ def test_fp4_codes_reach_the_weights_and_the_cache(codes):
   assert cache.k_codes.dtype == want and cache.words == (codes == "words")
 
 
+_MOE_DEFAULT, _ATTENTION_DEFAULT = fp4_moe.DecodeConfig(), decode_attention.AttentionConfig()
+
+
 @pytest.mark.parametrize("moe,attention", [("wgmma", "wgmma"), ("triton", "triton")])
 def test_decode_kernel_choices_reach_their_kernels(moe, attention, monkeypatch):
   """The plan's experts' and attention kernels are the ones the decode step asks for (the
@@ -195,14 +199,14 @@ def test_decode_kernel_choices_reach_their_kernels(moe, attention, monkeypatch):
   seen = []
   real_mm, real_attn = fp4_moe.grouped_matmul_decode, decode_attention.decode_attention
 
-  def mm(x, w, *a, impl=None, **k):
+  def mm(x, w, *a, config=_MOE_DEFAULT, **k):
     if isinstance(w, fp4_moe.PackedNVFP4Weights):  # the experts (not the BF16 projections)
-      seen.append(("moe", impl))
-    return real_mm(x, w, *a, impl="triton", **k)
+      seen.append(("moe", config.impl))
+    return real_mm(x, w, *a, config=dataclasses.replace(config, impl="triton"), **k)
 
-  def attn(*a, impl=None, sm_count=None, **k):
-    seen.append(("attention", impl, sm_count))
-    return real_attn(*a, impl="triton", **k)
+  def attn(*a, config=_ATTENTION_DEFAULT, **k):
+    seen.append(("attention", config.impl, config.sm_count))
+    return real_attn(*a, config=dataclasses.replace(config, impl="triton"), **k)
 
   monkeypatch.setattr(fp4_moe, "wgmma_supported", lambda dtype, w: True)
   monkeypatch.setattr(decode_attention, "wgmma_impl", lambda q, c, **k: "wgmma")

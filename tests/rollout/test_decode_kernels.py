@@ -8,7 +8,7 @@ import pytest
 from cases import count_eqns
 
 from trace_jax import model as M
-from trace_jax.kernels import decode_attention, kv_cache
+from trace_jax.kernels import kv_cache
 from trace_jax.model import expert_weights
 from trace_jax.quant import qat
 from trace_jax.rollout import engine as engine_lib
@@ -208,14 +208,10 @@ def test_packed_kv_cache_holds_the_codes_and_sessions_match_the_reference():
   assert turns[0] == turns[1]
 
 
-def test_packed_kv_cache_as_words_in_the_decode_step(monkeypatch):
+def test_packed_kv_cache_as_words_in_the_decode_step():
   """The GPU's layout on CPU: a cache whose codes are words per block (the plan's
   `fp4_codes="words"`), written by the layer scan's decode step and read by the words
-  decoder (forced too: interpret mode picks the bits decoder), holds the dense cache's values
-  bit for bit and gives its logits."""
-  resolve = decode_attention.resolve_decoder
-  monkeypatch.setattr(decode_attention, "resolve_decoder",
-                      lambda d, *a, words=False: resolve("words" if words else d, *a, words=words))
+  decoder, holds the dense cache's values bit for bit and gives its logits."""
   config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=2, vocab_size=128,
                   fp4_codes="words")
   dense, packed = (M.init_cache(config.replace(decode_impl=d), 2, 16) for d in ("xla", "kernel"))

@@ -92,7 +92,7 @@ class MoE(nnx.Module):
     experts: this layer of the rollout engine's weights (`expert_weights.LayerOf`, made once
     per weight update) instead of the params' expert weights; one-token decode steps then run
     the decode kernel (`trace_jax.kernels.fp4_moe`) when the plan's `decode_impl` is "kernel".
-    Traced inside `expert_parallel.use_mesh` (a mesh with `expert` > 1), either kind of
+    Traced inside `mesh_context.use_mesh` (a mesh with `expert` > 1), either kind of
     weights runs expert-parallel, each device its own experts (the same local computation);
     on a mesh whose `expert` axis is 1, data-parallel where the tokens split over it.
     """
@@ -155,7 +155,8 @@ class MoE(nnx.Module):
     def decode_kernel(a: jax.Array, w: Any, sizes: jax.Array, index: jax.Array) -> jax.Array:
       # the plan's packed experts' kernel where it takes these weights, else Triton's
       impl = plan.decode_moe_kernel if fp4_moe.wgmma_supported(a.dtype, w) else "triton"
-      return fp4_moe.grouped_matmul_decode(a, w, sizes, layer=index, impl=impl)
+      return fp4_moe.grouped_matmul_decode(a, w, sizes, layer=index,
+                                           config=fp4_moe.DecodeConfig(impl=impl))
 
     def local_prepared(ws: Any, sizes: jax.Array) -> Any:
       gate_up, down, index = ws

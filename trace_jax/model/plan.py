@@ -138,6 +138,13 @@ class KernelPlan:
     return dataclasses.asdict(self)
 
 
+def default_codes(backend: Backend | None = None) -> str:
+  """"auto"'s `fp4_codes` on `backend` (default `Backend.current()`): "words" on a GPU with
+  Triton's inline assembly (the GPU kernels' decoder), else "bytes" (the interpreter's)."""
+  b = Backend.current() if backend is None else backend
+  return "words" if b.gpu and b.triton_asm else "bytes"
+
+
 def reference() -> KernelPlan:
   """The XLA reference plan (every field's first choice), on any backend."""
   return KernelPlan(**PRESETS["reference"])
@@ -193,7 +200,7 @@ def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:
       decode_impl=decode,
       decode_moe_kernel=pick("decode_moe_kernel", "wgmma" if kernels and b.mosaic_gpu
                              else "triton"),
-      fp4_codes=pick("fp4_codes", "words" if b.gpu and b.triton_asm else "bytes"),
+      fp4_codes=pick("fp4_codes", default_codes(b)),
       decode_attention=pick("decode_attention", "wgmma" if kernels and b.mosaic_gpu
                             else "triton"),
       kv_cache=pick("kv_cache", "packed" if decode == "kernel" else "dense") if nvfp4

@@ -111,7 +111,8 @@ class Precision:
 
   # --------------------------------------------------------------------------- activations
 
-  def _guidance(self, layer: int, name: str) -> Guidance | None:
+  def site_guidance(self, layer: int, name: str) -> Guidance | None:
+    """The guidance of `layer`'s site `name` in this forward, or None."""
     if layer in self.config.guided_layers:
       return self.guidance.get(layer, {}).get(name)
     return None
@@ -176,7 +177,7 @@ class Precision:
     if not self.fp4:
       return x
     x = dtype_rounded(x)
-    g = self._guidance(layer, name)
+    g = self.site_guidance(layer, name)
     guided_rows = None
     if g is not None and experts is not None:
       if rollout_experts is None:
@@ -207,7 +208,7 @@ class Precision:
     dequantization either way, bit for bit."""
     if not self.fp4:
       return k, v
-    gk, gv = self._guidance(layer, "k"), self._guidance(layer, "v")
+    gk, gv = self.site_guidance(layer, "k"), self.site_guidance(layer, "v")
     if (gk is None) != (gv is None):
       raise ValueError(f"layer {layer}: guidance for one of k/v only; give both or neither")
     g = None if gk is None else jax.tree.map(lambda a, b: jnp.stack([a, b]), gk, gv)

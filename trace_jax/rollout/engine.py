@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax import model as model_lib
 from trace_jax.io import guidance_store
-from trace_jax.model import expert_parallel, expert_weights, sharding
+from trace_jax.model import expert_parallel, expert_weights, mesh_context, sharding
 from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.rollout import decode, guidance_layout
 from trace_jax.rollout import sampling as sampling_lib
@@ -88,7 +88,7 @@ class InProcessEngine:
   `mesh` (axes as `model.sharding.make_mesh` builds them, one process): the weights placed on
   it by `sharding.ENGINE_RULES` (the routed experts, params or prepared, split along E over
   `expert`; the rest replicated), the programs jitted for this engine and traced with the
-  MoE blocks expert-parallel (`expert_parallel.use_mesh`; on when `expert` > 1).
+  MoE blocks expert-parallel (`mesh_context.use_mesh`; on when `expert` > 1).
   The engine's kernel plan (`plan`, `trace_jax.model.plan`) is resolved once here from the
   config on the default backend; every program it builds runs that plan.
   """
@@ -504,7 +504,7 @@ class _Programs:
 
   Without a mesh: `decode`'s programs (shared by every such engine) and the weights where the
   jits put them. On a mesh: programs of this engine's own, traced inside
-  `expert_parallel.use_mesh` (`traced`), and the weights placed by `sharding.ENGINE_RULES` as
+  `mesh_context.use_mesh` (`traced`), and the weights placed by `sharding.ENGINE_RULES` as
   the programs' MoE blocks read them; a session's KV cache and records are split along the
   batch between turns (`session_shardings`).
   Own programs because jit's trace cache does not see `use_mesh`: it is keyed by the function
@@ -569,7 +569,7 @@ class _Programs:
     """The context the programs are called (and traced) in."""
     if self.mesh is None:
       return contextlib.nullcontext()
-    return expert_parallel.use_mesh(self.mesh, sharding.ENGINE_RULES)
+    return mesh_context.use_mesh(self.mesh, sharding.ENGINE_RULES)
 
   def prepare(self, params: Any) -> list[expert_weights.ExpertWeights]:
     """`expert_weights.prepare`'s runs, written one layer at a time into each run's stacks by

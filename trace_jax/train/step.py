@@ -22,7 +22,8 @@ import optax
 from flax import struct
 
 from trace_jax import model as model_lib
-from trace_jax.model import expert_parallel, sharding
+from trace_jax.model import mesh_context as expert_parallel  # the mesh context's home
+from trace_jax.model import sharding
 from trace_jax.model.config import ModelConfig
 from trace_jax.rl import losses
 from trace_jax.train.batch import RLBatch
