@@ -293,6 +293,25 @@ def qwen3_30b_a3b(**overrides: Any) -> ModelConfig:
 PRESETS = {"tiny": tiny, "qwen3_30b_a3b": qwen3_30b_a3b}
 
 
+def section(preset: str = "tiny", **choices: Any) -> dict[str, Any]:
+  """A config file's `model` section holding every ModelConfig field: the preset's values with
+  the file's `choices` over them, and "preset", so that any field (shape, precision, the kernel
+  plan's) can be overridden on the command line (`--config.model.decode_impl=kernel`);
+  `resolve` reads it back to the same ModelConfig as `resolve({"preset": preset, **choices})`.
+  guided_layers stays None (the deepest half of whatever depth the run has) unless chosen.
+  Unknown presets or fields, or invalid values, raise ValueError naming them."""
+  if preset not in PRESETS:
+    raise ValueError(f"unknown model preset {preset!r}; known: {sorted(PRESETS)}")
+  names = [f.name for f in dataclasses.fields(ModelConfig)]
+  unknown = sorted(set(choices) - set(names))
+  if unknown:
+    raise ValueError(f"unknown model fields {unknown}; ModelConfig has {sorted(names)}")
+  config = PRESETS[preset](**choices)
+  fields = {name: getattr(config, name) for name in names}
+  fields["guided_layers"] = choices.get("guided_layers")
+  return {"preset": preset, **fields}
+
+
 def resolve(section: Any, **overrides: Any) -> ModelConfig:
   """The ModelConfig of a config file's `model` section: a preset name, or a mapping
   {"preset": name (default "tiny"), **ModelConfig field overrides}; `overrides` win.
