@@ -1,11 +1,12 @@
 """The wgmma scores kernel's register map, checked on CPU against the numpy reference quantizer.
 
-The kernel itself runs only on a Hopper GPU (Mosaic GPU, inline PTX; `bench_decode_attention
---impls=kernel_packed_wgmma` checks its outputs there). Here every thread's part of a K tile is
-rebuilt as the kernel builds it: its code words, block scales and row scales read at the
-kernel's addresses, the same table and lookup programs (`fp4_decode`'s, run as jnp integer ops)
-and its registers placed where Mosaic GPU's WGMMA layout puts them (lane // 4 + 16 warp + 8 half,
-columns 8 ct + 2 (lane % 4)); the tile must equal the dequantized K in `column_order`.
+The kernel itself runs only on a Hopper GPU (Mosaic GPU, inline PTX; `python -m
+experiments.bench.decode_attention --impls=kernel_packed_wgmma` checks its outputs there).
+Here every thread's part of a K tile is rebuilt as the kernel builds it: its code words, block
+scales and row scales read at the kernel's addresses, the same table and lookup programs
+(`fp4_decode`'s, run as jnp integer ops) and its registers placed where Mosaic GPU's WGMMA
+layout puts them (lane // 4 + 16 warp + 8 half, columns 8 ct + 2 (lane % 4)); the tile must
+equal the dequantized K in `column_order`.
 """
 
 import jax.numpy as jnp

@@ -2,9 +2,9 @@
 
 The kernel (`trace_jax.kernels.wgmma_moe`) runs only on a Hopper GPU (Mosaic GPU, inline PTX;
 its outputs are checked there by tests/kernels/test_fp4_moe.py's GPU cases and
-`bench_moe_decode`). Here each thread's chunk of an expert's weights is rebuilt as the kernel
-builds it: the code words and scale bytes read at `_load_chunk`'s addresses, the tensor
-scale's factors from `wgmma_decode.factors_ptx` and each block from `wgmma_decode.block_ptx`,
+`experiments.bench.moe_decode`). Here each thread's chunk of an expert's weights is rebuilt
+as the kernel builds it: the code words and scale bytes read at `_load_chunk`'s addresses, the
+tensor scale's factors from `wgmma_decode.factors_ptx` and each block from `wgmma_decode.block_ptx`,
 both PTX programs executed by a numpy interpreter (`ptx_sim`), the results placed where Mosaic
 GPU's WGMMA layout puts them. The tile must equal `fp4_moe.dequantize` in `span_order`, bit for
 bit, for quantizer-made weights and for raw bytes under extreme tensor scales (the exact

@@ -35,12 +35,12 @@ of two decoders, by the cache's codes layout (the kernel plan's `fp4_codes`):
   product exact, the second rounding once), then a cast to q.dtype.
 So the kernel's K/V are the trainer's fake-quantized values bit for bit (tests check this
 through `dequantize_pallas`, which runs the same decoders, and through the exact output at
-length 1). A per-byte table decoder of the bytes layout is gone: on the H200 it failed
-`bench_decode_attention`'s check (err/tol 24 at 8k contexts) where the words decoder passes
-(0.145, the BF16 kernel 0.136) and runs 1.08-1.13x faster (docs/benchmarks.md). H200 (ncu, batch
-256, 8k): the packed kernels are bound by the L1/shared-memory pipe (scores 93%, PV 84% of
-its peak; DRAM 31-33%), not by the decode's instructions: the decoded tile reaches the MMA
-through shared memory.
+length 1). A per-byte table decoder of the bytes layout is gone: on the H200 it failed the
+check of `experiments/bench/decode_attention.py` (err/tol 24 at 8k contexts) where the words
+decoder passes (0.145, the BF16 kernel 0.136) and runs 1.08-1.13x faster (docs/benchmarks.md).
+H200 (ncu, batch 256, 8k): the packed kernels are bound by the L1/shared-memory pipe (scores
+93%, PV 84% of its peak; DRAM 31-33%), not by the decode's instructions: the decoded tile
+reaches the MMA through shared memory.
 
 On a Hopper GPU the packed cache's attention takes `wgmma_attention`'s Mosaic GPU kernels
 where the shape allows (`AttentionConfig.impl`; `wgmma_impl`, which the model asks where its

@@ -26,7 +26,7 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
   so that each thread holds ~16 elements (1..8 warps). The decode sites: [64, 2048] -> block_m 1
   (64 programs, 4 warps); [512, 768] -> 2 (256 programs of [2, 64, 16], 4 warps); [512, 128]
   -> 2 (256 programs of [2, 8, 16], 1 warp). Rows of K > 8192 hold > 32 elements per thread.
-  Not tuned on the GPU yet: `experiments/bench_quant.py --sites` times them against XLA's.
+  Not tuned on the GPU yet: `experiments/bench/quant.py --sites` times them against XLA's.
 
 Numerics are `formats`' (exact float32 scale arithmetic from `exact`), in-kernel. Reused as they
 are: `exact.flush_subnormal`, `exact.round_mantissa`, `exact.sign_bit` (through

@@ -1,7 +1,7 @@
 r"""Block-scaled FP8 GEMMs (`trace_jax.kernels.fp8_gemm`) against BF16 and XLA's FP8, side by side.
 
-  python -m experiments.bench_fp8_gemm                 # Qwen3-30B-A3B layer shapes (GPU)
-  python -m experiments.bench_fp8_gemm --preset=cpu    # tiny shapes, interpret mode
+  python -m experiments.bench.fp8_gemm                 # Qwen3-30B-A3B layer shapes (GPU)
+  python -m experiments.bench.fp8_gemm --preset=cpu    # tiny shapes, interpret mode
 
 Per shape (dense: tokens x hidden -> projection; grouped: the experts' gate_up and down at
 training and decode row counts, top-8 routing drawn at random), median ms of:

@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import bench_multi_gpu as bm
 from experiments import common
+from experiments.bench import multi_gpu as bm
 
 
 def test_summary_ratios():

@@ -1,4 +1,4 @@
-"""experiments/bench_quant.py: a smoke run at a tiny size (keys and byte counts; no timings)."""
+"""experiments/bench/quant.py: a smoke run at a tiny size (keys and byte counts; no timings)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments import bench_quant
+from experiments.bench import quant as bench_quant
 
 ROWS, K = 8, 1024
 OPS = ["nvfp4_quantize_2level", "fp8_dequantize", "guided_codes_compact", "fake_quant_fwd_bwd"]

@@ -1,4 +1,4 @@
-"""experiments/bench_moe_decode.py: one tiny `--preset=cpu` run (keys, verification, bytes)."""
+"""experiments/bench/moe_decode.py: one tiny `--preset=cpu` run (keys, verification, bytes)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments import bench_moe_decode
+from experiments.bench import moe_decode as bench_moe_decode
 
 
 def test_cpu_preset_runs_and_verifies(tmp_path):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from absl import flags
 
-from experiments import bench_rollout as br
 from experiments import common
+from experiments.bench import rollout as br
 from trace_jax import model as model_lib
 from trace_jax.model import expert_weights
 

@@ -1,8 +1,8 @@
 """Expert parallelism on 1 vs N devices of one host, side by side in one process (issue 16):
 the training step's tokens/s and the rollout engine's decode tokens/s.
 
-  python -m experiments.bench_multi_gpu --preset=h200 --devices=1,2 --json_out=/tmp/mg.json
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.bench_multi_gpu \\
+  python -m experiments.bench.multi_gpu --preset=h200 --devices=1,2 --json_out=/tmp/mg.json
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.bench.multi_gpu \\
       --preset=cpu                                                  # CPU smoke run
 
 For each device count n: a mesh of n devices along `expert` (`--mesh_axis=expert`; `data`

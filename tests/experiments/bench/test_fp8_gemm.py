@@ -1,7 +1,7 @@
 """bench_fp8_gemm on CPU (interpret mode): the cases run, the kernel matches the reference and
 the ratios are reported."""
 
-from experiments import bench_fp8_gemm
+from experiments.bench import fp8_gemm as bench_fp8_gemm
 
 
 def test_cpu_preset(tmp_path):

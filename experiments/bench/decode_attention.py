@@ -35,8 +35,8 @@ share work between them nor overlap them) ended by `jax.block_until_ready`, divi
 KV bytes each path must read (the packed cache's codes, block and row scales for the packed
 paths); the copy's counts bytes read + written.
 
-  python -m experiments.bench_decode_attention                  # Qwen3-30B-A3B attention (GPU)
-  python -m experiments.bench_decode_attention --preset=cpu     # tiny, interpret mode, quick
+  python -m experiments.bench.decode_attention                  # Qwen3-30B-A3B attention (GPU)
+  python -m experiments.bench.decode_attention --preset=cpu     # tiny, interpret mode, quick
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One-call accelerator check: quantization tests, direct bit-exactness checks, and the benchmark.
 
 Run from the repository root (no install needed):
-  PYTHONPATH=. python3 -m experiments.gpu_check [--out=DIR]
+  PYTHONPATH=. python3 -m experiments.bench.gpu_check [--out=DIR]
 It prints, and writes to DIR/gpu_check.log (DIR: --out, else $OUT, else runs/gpu_check):
 1. device information, package versions (missing packages named, not fatal) and XLA_FLAGS,
    checking that XLA runs with default flags (no --xla_allow_excess_precision override: the
@@ -15,7 +15,7 @@ It prints, and writes to DIR/gpu_check.log (DIR: --out, else $OUT, else runs/gpu
    bf16 and fp32; the straight-through BF16 gradient;
 3. `pytest -q tests/quant tests/rollout_bridge/test_torch_quant.py` with
    TRACE_TORCH_DEVICE=cuda (cpu where torch sees no GPU), summary line captured;
-4. `experiments.bench_quant` at its default size for the backend (256M elements on GPU).
+4. `experiments.bench.quant` at its default size for the backend (256M elements on GPU).
 pytest and the benchmark run in subprocesses, cut to what is left of `--budget_s`, so the whole
 run stays within about 6 minutes. The summary table comes last (a remote run's tail shows it).
 Writes DIR/gpu_check.json and DIR/bench_quant.json; exits 1 if any check fails.
@@ -58,7 +58,7 @@ flags.DEFINE_integer("pytest_timeout", 200, "Seconds before pytest is stopped.",
 flags.DEFINE_integer("pytest_workers", -1, "pytest-xdist workers (-1: 4 on GPU when xdist is "
                      "installed, else 0; 0: no xdist). Compilation runs on the host's CPUs.",
                      flag_values=FLAGS)
-flags.DEFINE_bool("bench", True, "Run experiments.bench_quant.", flag_values=FLAGS)
+flags.DEFINE_bool("bench", True, "Run experiments.bench.quant.", flag_values=FLAGS)
 flags.DEFINE_integer("bench_size", 0, "bench_quant --size (0: its default for the backend).",
                      flag_values=FLAGS)
 flags.DEFINE_integer("bench_reps", 0, "bench_quant --reps (0: its default).", flag_values=FLAGS)
@@ -675,7 +675,7 @@ def run_bench(checks: Checks, out_dir: str, size: int, reps: int, torch_device: 
 
   print("\n== 4. bench_quant", flush=True)
   json_path = os.path.join(out_dir, "bench_quant.json")
-  cmd = [sys.executable, "-m", "experiments.bench_quant", f"--json_out={json_path}"]
+  cmd = [sys.executable, "-m", "experiments.bench.quant", f"--json_out={json_path}"]
   if size:
     cmd.append(f"--size={size}")
   if reps:
@@ -804,7 +804,7 @@ def _print_summary(checks: Checks, record: dict[str, Any]) -> None:
   if record.get("bench_copy_gbps") and os.path.exists(bench_json):
     import json
 
-    from experiments import bench_quant
+    from experiments.bench import quant as bench_quant
 
     with open(bench_json) as f:
       print(bench_quant.format_bench(json.load(f)))

@@ -1,7 +1,7 @@
 """bench_grouped_gemm on CPU (interpret mode): every pass runs, matches the tiled path and the
 ratios are reported."""
 
-from experiments import bench_grouped_gemm
+from experiments.bench import grouped_gemm as bench_grouped_gemm
 
 
 def test_cpu_preset(tmp_path):

@@ -1,4 +1,4 @@
-"""experiments.profiling: a trace of a known program, summarized per kernel."""
+"""experiments.bench.profiling: a trace of a known program, summarized per kernel."""
 
 from types import SimpleNamespace as NS
 
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments import profiling
+from experiments.bench import profiling
 
 
 @pytest.mark.parametrize("name, want", [

@@ -1,13 +1,13 @@
 r"""Times forward+backward of the model per precision policy, side by side in one run.
 
-  python -m experiments.bench_train_step                     # tiny CPU smoke run
-  python -m experiments.bench_train_step --preset=bench_gpu  # matmul-dominated size (H200)
+  python -m experiments.bench.train_step                     # tiny CPU smoke run
+  python -m experiments.bench.train_step --preset=bench_gpu  # matmul-dominated size (H200)
 
 Prints each (MoE grouped-matmul impl, policy)'s median step time, its ratio to the first
 impl's `bf16`, and XLA's temporary-buffer plan for the step. `fp4_trace` runs with guidance
 recorded by a rollout-side (record=True) forward of the same batch.
 
-  python -m experiments.bench_train_step --preset=bench_gpu --moe_impls=ragged_dot,tiled
+  python -m experiments.bench.train_step --preset=bench_gpu --moe_impls=ragged_dot,tiled
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments import common, profiling
+from experiments import common
+from experiments.bench import profiling
 from trace_jax import model as M
 
 _PRESET = flags.DEFINE_enum("preset", "tiny", ["tiny", "small_h200", "bench_gpu", "qwen3_layers"],

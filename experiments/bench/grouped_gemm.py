@@ -1,7 +1,7 @@
 r"""The experts' grouped GEMMs of a training step, by implementation, side by side.
 
-  python -m experiments.bench_grouped_gemm                 # Qwen3-30B-A3B widths (GPU)
-  python -m experiments.bench_grouped_gemm --preset=cpu    # tiny shapes, interpret mode
+  python -m experiments.bench.grouped_gemm                 # Qwen3-30B-A3B widths (GPU)
+  python -m experiments.bench.grouped_gemm --preset=cpu    # tiny shapes, interpret mode
 
 For gate/up (hidden -> 2 x expert width) and down (expert width -> hidden) at a training
 step's rows (tokens x top-k, routed uniformly at random, rows sorted by expert), the median ms

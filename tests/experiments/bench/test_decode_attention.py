@@ -1,10 +1,10 @@
-"""experiments/bench_decode_attention: the on-device bit check of the packed cache's decoders."""
+"""experiments/bench/decode_attention.py: the on-device bit check of the packed cache's decoders."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import bench_decode_attention as bda
+from experiments.bench import decode_attention as bda
 from trace_jax.kernels import decode_attention as da
 
 

@@ -2,9 +2,9 @@
 fp8_unified,...`) policies, XLA vs kernel decode, at fixed batch and at a fixed memory budget,
 against HF transformers `generate` on the same checkpoint.
 
-  python -m experiments.bench_rollout --json_out=/tmp/rollout.json          # GPU preset
-  python -m experiments.bench_rollout --layers=24 --json_out=/tmp/r24.json  # the 24-layer model
-  python -m experiments.bench_rollout --preset=cpu                          # CPU smoke run
+  python -m experiments.bench.rollout --json_out=/tmp/rollout.json          # GPU preset
+  python -m experiments.bench.rollout --layers=24 --json_out=/tmp/r24.json  # the 24-layer model
+  python -m experiments.bench.rollout --preset=cpu                          # CPU smoke run
 
 Fixed batch: for each (policy, decode_impl, batch), one `InProcessEngine.generate` call compiles
 (its wall time is the program's compile plus one run: `first_call_s`; `compile_s` = that minus
@@ -78,7 +78,8 @@ from typing import Any
 import numpy as np
 from absl import flags
 
-from experiments import common, profiling
+from experiments import common
+from experiments.bench import profiling
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_enum("preset", "h200", ["h200", "cpu"], "Model and batch sizes.", flag_values=FLAGS)
