@@ -8,8 +8,9 @@
 #               on the device, exhaustive on-GPU checks, the quantizer benchmark)
 #   kernels     the kernels' tests on the GPU (Triton and Mosaic GPU; the wgmma cases run only
 #               there), then the decode experts' and the decode attention's benchmarks
-#   rollout     the engine's decode: BF16 vs FP4 policies, the reference plan ("xla") against
-#               the kernel plan ("kernel") at fixed batches, and the fixed-memory case
+#   rollout     the engine's decode: BF16 vs FP4 policies, the decode on XLA ("xla") against the
+#               decode kernels ("kernel", the plan's Hopper default) at fixed batches, and the
+#               fixed-memory case
 #   mismatch    the rollout/trainer mismatch of the kernel plan against the reference plan
 #               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio)
 #   train_step  the training step at Qwen3 layer width: BF16, FP8 and FP4 policies on the
