@@ -1,0 +1,23 @@
+"""Config files (ml_collections, one per experiment) and what they share.
+
+Every file's `model` section holds every `ModelConfig` field (`model_section`), so any field
+can be set on the command line of any launcher (`--config.model.decode_impl=kernel`,
+`--config.model.plan=reference`); `trace_jax.model.config.resolve` reads the section.
+"""
+
+from typing import Any
+
+import ml_collections
+
+
+def model_section(preset: str = "tiny", **choices: Any) -> ml_collections.ConfigDict:
+  """The `model` section of a config file: `trace_jax.model.config.section` (the preset's
+  fields, the file's choices over them) as a ConfigDict. guided_layers, None unless chosen (the
+  deepest half of the run's layers), is a typed reference so `--config.model.guided_layers`
+  takes a tuple."""
+  from trace_jax.model import config as config_lib
+
+  fields = config_lib.section(preset, **choices)
+  if fields["guided_layers"] is None:
+    fields["guided_layers"] = ml_collections.FieldReference(None, field_type=tuple)
+  return ml_collections.ConfigDict(fields)

@@ -9,17 +9,20 @@ budget (docs/results.md)."""
 
 import ml_collections
 
+from configs import model_section
+
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.policies = ("bf16", "fp4_rtn", "fp4_trace")
   # A tiny Qwen3-MoE: 2 layers (layer 1 guided), 8 experts top-2, bf16 compute, fp32 master.
-  c.model = ml_collections.ConfigDict(dict(
-      preset="tiny", vocab_size=100, hidden_size=128, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
-      num_experts_per_tok=2, moe_intermediate_size=64, dtype="bfloat16",
-      guidance_mode="compact"))
+  # Every ModelConfig field is in the section (`model_section`): the kernel plan is "auto"
+  # (the reference on CPU, the kernels on a Hopper GPU; `trace_jax.model.plan`).
+  c.model = model_section(
+      "tiny", vocab_size=100, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+      moe_intermediate_size=64, dtype="bfloat16", guidance_mode="compact")
   # tokenizer: "char" (the shipped tasks' character vocabulary) or a local HF tokenizer dir.
   c.task = ml_collections.ConfigDict(dict(
       name="reasoning", tokenizer="char",

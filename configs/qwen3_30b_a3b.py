@@ -6,14 +6,14 @@ or `--config.task.tokenizer=...`. Not run on CI."""
 
 import ml_collections
 
-from configs import quickstart
+from configs import model_section, quickstart
 
 
 def get_config(hf_dir: str | None = None) -> ml_collections.ConfigDict:
   """hf_dir: the local HF checkpoint directory whose tokenizer the run uses."""
   c = quickstart.get_config()
-  c.model = ml_collections.ConfigDict(dict(preset="qwen3_30b_a3b", dtype="bfloat16",
-                                           guidance_mode="compact", moe_impl="tiled"))
+  c.model = model_section("qwen3_30b_a3b", dtype="bfloat16", guidance_mode="compact",
+                          moe_impl="tiled")
   c.task = ml_collections.ConfigDict(dict(
       name="gsm8k", kwargs=dict(),
       tokenizer=hf_dir or ml_collections.config_dict.placeholder(str)))

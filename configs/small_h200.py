@@ -7,17 +7,16 @@ in one systematic way that RL can fix (a clean start left greedy eval flat on th
 
 import ml_collections
 
-from configs import quickstart
+from configs import model_section, quickstart
 
 
 def get_config() -> ml_collections.ConfigDict:
   c = quickstart.get_config()
-  c.model = ml_collections.ConfigDict(dict(
-      preset="tiny", vocab_size=100, hidden_size=512, num_hidden_layers=6,
-      num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
-      num_experts_per_tok=4, moe_intermediate_size=256, dtype="bfloat16",
-      max_position_embeddings=1024, guidance_mode="compact",
-      moe_impl="kernel"))
+  c.model = model_section(
+      "tiny", vocab_size=100, hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
+      num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4,
+      moe_intermediate_size=256, dtype="bfloat16", max_position_embeddings=1024,
+      guidance_mode="compact", moe_impl="kernel")
   c.policies = ("bf16", "fp4_rollout", "fp4_rtn", "fp4_trace", "fp4_trace+r3")
   c.task.kwargs = dict(difficulty=1, sloppy_demos=0.6)
   c.max_prompt_len = 144  # the run's prompts are 60-134 tokens (checked at start)

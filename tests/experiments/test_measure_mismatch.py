@@ -83,6 +83,28 @@ def test_report_fields_and_plot(report):
   assert np.isclose(r["guidance_bytes_per_token"], per_token * len(r["guided_layers"]))
 
 
+def test_kernel_plan_rollout_is_reproduced_bit_for_bit(report):
+  """The rollout on the decode kernels (Pallas interpreter here; packed NVFP4 experts and KV
+  cache, the site kernel): its records equal the reference path's (the `report` fixture's)
+  bit for bit, the trainer's fp4_trace forward reproduces its guided sites' codes (0 flips)
+  and both policies' log-prob mismatch is the reference path's."""
+  ref, _ = report
+  config = measure_mismatch.tiny_config().replace(decode_impl="kernel")
+  plan = model_lib.resolve_plan(config.replace(policy="fp4_trace"))  # the rollout's forward
+  assert (plan.kv_cache, plan.nvfp4_sites) == ("packed", "kernel")
+  params = model_lib.init_params(config, jax.random.fold_in(jax.random.key(0), 0))
+  prompts = np.random.default_rng(0).integers(0, config.vocab_size, (4, 10)).tolist()
+  sampling = [SamplingParams(max_new_tokens=8, seed=i) for i in range(4)]
+  r = measure_mismatch.measure(params, config, prompts, sampling, keep_records=True)
+  assert r["flip_rate_trace"] == 0.0, r["policies"]["fp4_trace"]["per_layer"]
+  assert r["mean_abs_dlogp"] == ref["mean_abs_dlogp"]
+  got, want = (x["records"]["rollout"]["audit"]["guidance"] for x in (r, ref))
+  for layer, sites in want.items():
+    for site, g in sites.items():
+      np.testing.assert_array_equal(np.asarray(got[layer][site].codes), np.asarray(g.codes),
+                                    err_msg=f"layer {layer} {site}")
+
+
 def test_mxfp4_pair_end_to_end():
   """--format=mxfp4: the engine records MXFP4 (E8M0 scales per 32, no row scale), mxfp4_trace
   reproduces the rollout's codes at the guided layer, mxfp4_rtn flips some, and the bytes per

@@ -4,7 +4,7 @@ On CPU the Pallas kernels run with interpret=True; on the GPU (`interpret=None` 
 False there) the same tests run the Triton kernels. References are computed on the CPU: the
 quantizer tests' numpy reference (`numpy_ref`) for what the trainer's site writes, and on the
 CPU device `formats` (bit-exact on every backend, docs/numerics.md) for the cache's values and
-`attention.attend` for attention, so XLA's GPU rewrites of the reference's bf16 roundings
+`attention_math.attend` for attention, so XLA's GPU rewrites of the reference's bf16 roundings
 (excess precision) cannot move the target.
 """
 
@@ -18,11 +18,15 @@ import numpy as np
 import numpy_ref
 import pytest
 
+from trace_jax.kernels import common, kv_cache
 from trace_jax.kernels import decode_attention as da
-from trace_jax.kernels import kv_cache
+from trace_jax.kernels.decode_attention import AttentionConfig
 from trace_jax.quant import formats
 
 CPU = jax.devices("cpu")[0]
+# The packed cache's codes layout where a test does not choose one: the kernel plan's default
+# here (words on the GPU, bytes in interpret mode).
+DEFAULT_WORDS = jax.default_backend() == "gpu"
 
 
 def _on_cpu(fn, *args):
@@ -89,27 +93,24 @@ POS2 = np.array([[4, 18, 23, 10, 2], [0, 7, 19, 23, 12]])
 def _written_cache(case: str, seed: int = 0, words: bool | None = None):
   rng = np.random.default_rng(seed)
   rows = [jnp.asarray(_rows(case, (B, S, G, H), rng), jnp.bfloat16) for _ in range(4)]
-  cache = kv_cache.init_packed_cache(B, T, G, H, words=words)
+  cache = kv_cache.init_packed_cache(B, T, G, H, words=DEFAULT_WORDS if words is None else words)
   cache = kv_cache.write(cache, rows[0], rows[1], jnp.asarray(POS1))
   qk, qv = (_quantize_rows(r) for r in rows[2:])
   cache = kv_cache.write_quantized(cache, qk, qv, jnp.asarray(POS2))
   return cache, rows
 
 
-# (codes layout, decoder): bytes (the default here), and words (the GPU's layout).
-LAYOUT_DECODERS = [(False, None), (True, "words")]
-
-
-@pytest.mark.parametrize("words,decoder", LAYOUT_DECODERS, ids=["bytes-default", "words"])
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
 @pytest.mark.parametrize("case", ROW_CASES)
-def test_write_dequantize_bit_equal(case, words, decoder):
+def test_write_dequantize_bit_equal(case, words):
   """Written rows dequantize to the trainer's fake-quantized values, bit for bit (XLA and the
-  kernel's in-register decoder); unwritten slots stay +0; codes, block-scale bytes and row
-  scales are the numpy reference's, in either codes layout."""
+  kernel's in-register decoder: the bits decoder for bytes, the words decoder for words);
+  unwritten slots stay +0; codes, block-scale bytes and row scales are the numpy reference's,
+  in either codes layout."""
   cache, rows = _written_cache(case, words=words)
   assert cache.words == words
   k, v = _on_cpu(lambda c: kv_cache.dequantize(c, jnp.bfloat16), cache)
-  kp, vp = da.dequantize_pallas(cache, jnp.bfloat16, decoder=decoder)
+  kp, vp = da.dequantize_pallas(cache, jnp.bfloat16)
   np.testing.assert_array_equal(_bits(kp), _bits(k))
   np.testing.assert_array_equal(_bits(vp), _bits(v))
   written = np.zeros((B, T), bool)
@@ -162,16 +163,17 @@ def test_dequantize_float32_bit_equal():
   np.testing.assert_array_equal(_bits(vp), _bits(v))
 
 
-# (name, dequantize_pallas options); both decoders run the Triton kernels on the GPU.
+# (name, codes as words, AttentionConfig fields); both decoders run the Triton kernels on the
+# GPU (the codes' layout picks the decoder: bytes the bits one, words the words one).
 DECODER_CASES = [
-    ("bits", {"decoder": "bits", "block_t": 16}),
-    ("words", {"decoder": "words", "block_t": 16}),
-    ("words_exact", {"decoder": "words", "block_t": 16, "table": "exact"}),
+    ("bits", False, {"block_t": 16}),
+    ("words", True, {"block_t": 16}),
+    ("words_exact", True, {"block_t": 16, "table": "exact"}),
 ]
 
 
-@pytest.mark.parametrize("name,opts", DECODER_CASES, ids=[c[0] for c in DECODER_CASES])
-def test_decoder_every_code_and_scale_byte(name, opts):
+@pytest.mark.parametrize("name,words,opts", DECODER_CASES, ids=[c[0] for c in DECODER_CASES])
+def test_decoder_every_code_and_scale_byte(name, words, opts):
   """All 256 code bytes against all 256 E4M3 block-scale bytes (subnormal scales, negative
   scales, NaN 0x7F/0xFF) decode as `formats` does; NaN where formats gives NaN. Some row
   scales lie outside the words decoder's fast table range (2**118 .. 2**127)."""
@@ -192,13 +194,12 @@ def test_decoder_every_code_and_scale_byte(name, opts):
       k_block=jnp.asarray(block.reshape(1, t, g, 2).view(jnp.float8_e4m3fn)),
       v_block=jnp.asarray(block[::-1].reshape(1, t, g, 2).view(jnp.float8_e4m3fn)),
       k_row=jnp.asarray(row.reshape(1, t, g)), v_row=jnp.asarray(row[::-1].reshape(1, t, g)))
-  words = opts["decoder"] == "words"
   for dtype in (jnp.bfloat16, jnp.float32):
     if words and dtype == jnp.float32:
       continue  # the words decoder makes bf16/f16 only
     want = _on_cpu(lambda c, d=dtype: kv_cache.dequantize(c, d), cache)
-    kw = opts if dtype == jnp.bfloat16 else {"block_t": 16}  # float32: the bits decoder
-    got = da.dequantize_pallas(cache.as_words() if words else cache, dtype, **kw)
+    got = da.dequantize_pallas(cache.as_words() if words else cache, dtype,
+                               config=AttentionConfig(**opts))
     for w, x in zip(want, got):
       x = np.asarray(x)
       nan = np.isnan(w.astype(np.float32))
@@ -255,6 +256,7 @@ def _cache(kind, kv, pos, words: bool | None = None):
     ck[bidx, pos], cv[bidx, pos] = k, v
     return jnp.asarray(ck), jnp.asarray(cv)
   qk, qv = (jax.tree.map(jnp.asarray, x) for x in (qk, qv))
+  words = DEFAULT_WORDS if words is None else words
   return kv_cache.write_quantized(kv_cache.init_packed_cache(b, t, g, h, words=words), qk, qv,
                                   jnp.asarray(pos))
 
@@ -288,22 +290,19 @@ def _check_within_tolerance(out, ref, v, lengths, n):
   return float(np.max(err / tol))
 
 
-# Packed-cache variants: kind -> (codes as words, decode_attention options). "packed": the
-# default layout and decoder (words on the GPU, bytes and bits in interpret mode);
-# "packed_words" the words decoder (K in the MMA operand order where H % 64 == 0);
-# "packed_bits" bytes and the bits decoder.
-PACKED_VARIANTS = {"packed": (None, {}), "packed_words": (True, {"decoder": "words"}),
-                   "packed_words_exact": (True, {"decoder": "words", "table": "exact"}),
-                   "packed_words_natural": (True, {"decoder": "words",
-                                                   "words_order": "natural"}),
-                   "packed_bits": (False, {"decoder": "bits"}),
-                   "packed_wgmma": (True, {"decoder": "words", "impl": "wgmma"}),
-                   "packed_wgmma_scores": (True, {"decoder": "words", "impl": "wgmma_scores"})}
+# Packed-cache variants: kind -> (codes as words, AttentionConfig fields). "packed": the
+# default layout (words on the GPU, bytes in interpret mode); "packed_words" the words decoder
+# (K in the MMA operand order where H % 64 == 0, natural order else); "packed_bits" bytes and
+# the bits decoder.
+PACKED_VARIANTS = {"packed": (None, {}), "packed_words": (True, {}),
+                   "packed_words_exact": (True, {"table": "exact"}),
+                   "packed_bits": (False, {}),
+                   "packed_wgmma": (True, {"impl": "wgmma"}),
+                   "packed_wgmma_scores": (True, {"impl": "wgmma_scores"})}
 WGMMA_KINDS = ("packed_wgmma", "packed_wgmma_scores")  # GPU only (Mosaic GPU, inline PTX)
 KERNEL_CASES = [(name, kind) for name in ATTN_CASES for kind in ("bf16", "packed",
                                                                    "packed_words")] + [
     ("full_r8", "packed_bits"), ("full_r8", "packed_words_exact"),
-    ("full_r8", "packed_words_natural"),
     ("len1_r4", "packed_words_exact"), ("mixed_lengths_r2_split3", "packed_words_exact")] + [
     (name, kind) for name in ("full_r8", "mixed_r8") for kind in WGMMA_KINDS]
 # R = 8 and head_dim 128, the wgmma kernels' shape (GPU only): lengths 1 and mid-tile (rows
@@ -318,7 +317,7 @@ def test_kernel_matches_reference(name, kind):
   unnormalized ones, is far from that); a sequence of
   length 1 gets its single V row exactly (softmax weight 1, so the kernel's in-register V
   decode shows through; compared as values, since the PV dot turns -0 into +0)."""
-  if kind in WGMMA_KINDS and da._default_interpret():
+  if kind in WGMMA_KINDS and common.default_interpret():
     pytest.skip("wgmma_attention runs on a Hopper GPU only: Mosaic GPU with inline PTX, no "
                 "interpret mode (its CPU coverage: tests/kernels/test_wgmma_attention.py)")
   b, t, g, n, h, lengths, block_t, splits = {**ATTN_CASES, **ATTN_CASES_GPU}[name]
@@ -326,12 +325,13 @@ def test_kernel_matches_reference(name, kind):
   q, kv, pos = _attn_inputs(b, t, g, n, h)
   cache = _cache("bf16" if kind == "bf16" else "packed", kv, pos, words=words)
   lengths = jnp.asarray(lengths, jnp.int32)
-  out = da.decode_attention(q, cache, lengths, block_t=block_t, num_splits=splits, **opts)
+  out = da.decode_attention(q, cache, lengths, config=AttentionConfig(
+      block_t=block_t, num_splits=splits, **opts))
   assert out.shape == q.shape and out.dtype == q.dtype
   ref = _reference(q, cache, lengths)
   vals = _on_cpu(_values, cache)
   _check_within_tolerance(out, ref, vals, lengths, n)
-  if da._default_interpret():  # CPU: `attend`'s probabilities and XLA's float32 exp/division
+  if common.default_interpret():  # CPU: `attend`'s probabilities and XLA's float32 exp/division
     same = np.mean(np.asarray(out).astype(np.float32) == ref)
     assert same >= 0.99, f"only {same:.4f} of the outputs equal attend's bit for bit"
   for bi in np.flatnonzero(np.asarray(lengths) == 1):  # values: the PV dot turns -0 into +0
@@ -343,7 +343,7 @@ def test_kernel_matches_reference(name, kind):
 def test_stacked_layer_is_read_in_place(kind):
   """A stack of layers [L, ...] read at a (traced) layer gives that layer's result bit for bit,
   and the other layers' rows (NaN here) never reach it."""
-  if kind in WGMMA_KINDS and da._default_interpret():
+  if kind in WGMMA_KINDS and common.default_interpret():
     pytest.skip("wgmma_attention runs on a Hopper GPU only: Mosaic GPU with inline PTX, no "
                 "interpret mode (its CPU coverage: tests/kernels/test_wgmma_attention.py)")
   case = "mixed_r8" if kind in WGMMA_KINDS else "mixed_lengths_r2_split3"
@@ -352,14 +352,13 @@ def test_stacked_layer_is_read_in_place(kind):
   lengths = jnp.asarray(lengths, jnp.int32)
   words, opts = PACKED_VARIANTS.get(kind, (None, {}))
   one = _cache("bf16" if kind == "bf16" else "packed", kv, pos, words=words)
-  want = np.asarray(da.decode_attention(q, one, lengths, block_t=block_t, num_splits=splits,
-                                        **opts))
+  config = AttentionConfig(block_t=block_t, num_splits=splits, **opts)
+  want = np.asarray(da.decode_attention(q, one, lengths, config=config))
   poison = lambda a: jnp.full_like(a, np.nan) if a.dtype in (jnp.bfloat16, jnp.float32) else a
   stack = jax.tree.map(lambda a: jnp.stack([poison(a), a, poison(a)]), one)
   if kind == "bf16":
     stack = tuple(stack)
-  run = jax.jit(lambda c, i: da.decode_attention(q, c, lengths, layer=i, block_t=block_t,
-                                                 num_splits=splits, **opts))
+  run = jax.jit(lambda c, i: da.decode_attention(q, c, lengths, layer=i, config=config))
   got = np.asarray(run(stack, jnp.int32(1)))
   np.testing.assert_array_equal(_bits(got), _bits(want))
   with pytest.raises(ValueError, match="layer axis"):
@@ -374,8 +373,8 @@ def test_tolerance_rejects_plausible_bugs():
   lengths = jnp.asarray([5, 9, 12, 30], jnp.int32)
   cache = _cache("packed", kv, pos)
   vals = _on_cpu(_values, cache)
-  out = np.asarray(da.decode_attention(q, cache, lengths, block_t=block_t,
-                                       num_splits=splits)).astype(np.float32)
+  out = np.asarray(da.decode_attention(q, cache, lengths, config=AttentionConfig(
+      block_t=block_t, num_splits=splits))).astype(np.float32)
   tol = lambda ref: _on_cpu(lambda *a: _tolerance(*a, num_heads=n), vals, lengths, ref)
   ok = _reference(q, cache, lengths)
   assert np.all(np.abs(out - ok) <= tol(ok))
@@ -411,9 +410,8 @@ def test_masked_keys_are_ignored_and_length_zero():
           v_codes=jnp.where(beyond[..., None] if clean.words else beyond,
                             clean.v_codes.dtype.type(0x77777777 if clean.words else 0x77),
                             clean.v_codes))
-    opts = {"decoder": "words"} if kind == "packed_words" else {}
-    out = np.asarray(da.decode_attention(q, dirty, lengths, block_t=block_t,
-                                         num_splits=splits, **opts)).astype(np.float32)
+    out = np.asarray(da.decode_attention(q, dirty, lengths, config=AttentionConfig(
+        block_t=block_t, num_splits=splits))).astype(np.float32)
     assert np.all(out[0] == 0)
     ref = _reference(q, clean, lengths)
     _check_within_tolerance(out[1:], ref[1:], _on_cpu(_values, clean)[1:], lengths[1:], n)
@@ -424,35 +422,36 @@ def test_bad_input(what):
   q = jnp.zeros((2, 4, 64), jnp.bfloat16)
   cache = (jnp.zeros((2, 16, 2, 64), jnp.bfloat16),) * 2
   lengths = jnp.ones((2,), jnp.int32)
-  kw = {}
-  if what == "q_rank":
+  if what == "block_t":
+    with pytest.raises(ValueError, match="block_t"):
+      AttentionConfig(block_t=24)
+  elif what == "q_rank":
     q = q[:, None]
   elif what == "heads":
     q = jnp.zeros((2, 3, 64), jnp.bfloat16)
   elif what == "lengths":
     lengths = jnp.ones((3,), jnp.int32)
-  elif what == "block_t":
-    kw["block_t"] = 24
   else:
     q, cache = q[..., :24], tuple(a[..., :24] for a in cache)
-  with pytest.raises(ValueError):
-    da.decode_attention(q, cache, lengths, **kw)
+  if what != "block_t":
+    with pytest.raises(ValueError):
+      da.decode_attention(q, cache, lengths)
   with pytest.raises(ValueError):
     kv_cache.init_packed_cache(1, 4, 1, 40)
 
 
-def test_decoder_must_fit_the_codes_layout():
-  """The words decoder reads words only; a cache of words takes the bits decoder only in
-  interpret mode; k and v codes share one layout."""
+def test_codes_layout_must_fit_the_decoder():
+  """A cache of code words decodes to bf16/f16 only (the words decoder); k and v codes share
+  one layout; a bad AttentionConfig is refused by name."""
   cache, _ = _written_cache("random")
   q, lengths = jnp.zeros((B, 2 * G, H), jnp.bfloat16), jnp.ones((B,), jnp.int32)
-  with pytest.raises(ValueError, match="held as words"):
-    da.decode_attention(q, cache.as_bytes(), lengths, decoder="words")
-  with pytest.raises(ValueError, match="decoder must be"):
-    da.decode_attention(q, cache, lengths, decoder="table")
-  with pytest.raises(ValueError, match="words_order"):
-    da.decode_attention(q, cache, lengths, words_order="transposed")
-  with pytest.raises(ValueError, match="bits decoder"):
-    da.resolve_decoder("bits", jnp.bfloat16, interpret=False, words=True)
+  with pytest.raises(ValueError, match="bf16/f16"):
+    da.decode_attention(q.astype(jnp.float32), cache.as_words(), lengths)
+  with pytest.raises(ValueError, match="bf16/f16"):
+    da.dequantize_pallas(cache.as_words(), jnp.float32)
   with pytest.raises(ValueError, match="differ"):
     da.decode_attention(q, cache.as_bytes().replace(v_codes=cache.as_words().v_codes), lengths)
+  with pytest.raises(ValueError, match="impl must be one of"):
+    AttentionConfig(impl="cuda")
+  with pytest.raises(ValueError, match="table must be one of"):
+    AttentionConfig(table="quick")

@@ -1,12 +1,13 @@
 """The table decoder of the FP4 kernels (`trace_jax.kernels.fp4_decode`), off the GPU.
 
 `prmt_jnp` against the PTX definition of `prmt.b32` (a numpy model written from the ISA text);
-the whole decoder (`decode_blocks`: E4M3 scale, per-block tables, byte-permute lookups; the
-same instruction programs the GPU runs as inline assembly, here executed as jnp integer ops)
-against `formats.nvfp4_dequantize(...).astype(dtype)`, bit for bit, for every code byte under
-every block-scale byte, both table branches, tensor scales at and across the fast branch's
-bounds, per-row scales, eager and jitted. NaN results are compared as NaN (payloads may
-differ). The PTX renderings are checked for their operand numbering.
+the whole decoder (`decode_words`: E4M3 scale, per-block tables, byte-permute lookups of the
+codes held as words; the same instruction programs the GPU runs as inline assembly, here
+executed as jnp integer ops) against `formats.nvfp4_dequantize(...).astype(dtype)`, bit for
+bit, for every code byte under every block-scale byte, both table branches, tensor scales at
+and across the fast branch's bounds, per-row scales, eager and jitted. NaN results are
+compared as NaN (payloads may differ). The PTX renderings are checked for their operand
+numbering.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 
 from trace_jax.kernels import fp4_decode
+from trace_jax.quant import formats
 
 # Every code byte (rows of 256 bytes = 32 blocks) under every scale byte (one per row).
 CODES = np.tile(np.arange(256, dtype=np.uint8), (256, 1))
@@ -63,14 +65,30 @@ def _assert_same(got, want, what: str) -> None:
                          f"got {gb[bad][0]:#06x}, want {wb[bad][0]:#06x}")
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "table"))
-def _decode_jit(codes, bits, ts, *, dtype, table=None):
-  return fp4_decode.decode_blocks(codes, bits, ts, dtype, asm=False, table=table)
+def _decode(codes, bits, ts, dtype, table=None):
+  """The words decoder on code bytes [R, C] (as words), block-scale bytes [R, C // 8] and a
+  tensor scale (scalar, or [R] per row) -> [R, 2 C] in dtype, natural element order."""
+  r = codes.shape[0]
+  w = fp4_decode.to_words(jnp.asarray(codes))
+  factors = fp4_decode.tensor_scale_factors(ts)
+  if jnp.ndim(ts):  # per-row scales
+    factors = tuple(f.reshape(r, 1) for f in factors)
+  return fp4_decode.decode_words(w[..., 0], w[..., 1], jnp.asarray(bits), dtype, asm=False,
+                                 factors=factors, table=table)
+
+
+_decode_jit = jax.jit(_decode, static_argnames=("dtype", "table"))
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def _reference(codes, bits, ts, *, dtype):
-  return fp4_decode.reference_pairs(codes, bits, ts, dtype)
+  """`formats.nvfp4_dequantize` of the same bytes in dtype: [R, 2 C]."""
+  r, c = codes.shape
+  q = formats.NVFP4Tensor(
+      codes=formats.unpack_fp4(codes.astype(jnp.uint8)),
+      block_scale=jax.lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fn),
+      tensor_scale=(ts.reshape(r, 1) if jnp.ndim(ts) else ts))
+  return formats.nvfp4_dequantize(q).astype(dtype).reshape(r, 2 * c)
 
 
 # ----------------------------------------------------------------------------- prmt
@@ -111,10 +129,8 @@ def test_every_code_and_scale_byte(name, dtype):
   if name != "subnormal":  # XLA's CPU runtime reads subnormals as 0 (fast there)
     assert fast == (name in FAST), name
   dt = jnp.dtype(dtype)
-  lo, hi = _decode_jit(CODES, SCALE_BITS, ts, dtype=dt)
-  want_lo, want_hi = _reference(CODES, SCALE_BITS, ts, dtype=dt)
-  _assert_same(lo, want_lo, f"{name}/{dtype} low nibbles")
-  _assert_same(hi, want_hi, f"{name}/{dtype} high nibbles")
+  got = _decode_jit(CODES, SCALE_BITS, ts, dtype=dt)
+  _assert_same(got, _reference(CODES, SCALE_BITS, ts, dtype=dt), f"{name}/{dtype}")
 
 
 @pytest.mark.parametrize("name", sorted(FAST))
@@ -123,8 +139,7 @@ def test_fast_and_exact_tables_agree(name):
   ts = jnp.float32(TENSOR_SCALES[name])
   fast = _decode_jit(CODES, SCALE_BITS, ts, dtype=jnp.dtype(jnp.bfloat16), table="fast")
   exact = _decode_jit(CODES, SCALE_BITS, ts, dtype=jnp.dtype(jnp.bfloat16), table="exact")
-  for f, e, half in zip(fast, exact, ("low", "high")):
-    _assert_same(f, e, f"{name} {half}")
+  _assert_same(fast, exact, name)
 
 
 def test_fast_table_is_not_exact_outside_its_range():
@@ -134,7 +149,7 @@ def test_fast_table_is_not_exact_outside_its_range():
   dt = jnp.dtype(jnp.bfloat16)
   fast = _decode_jit(CODES, SCALE_BITS, ts, dtype=dt, table="fast")
   want = _reference(CODES, SCALE_BITS, ts, dtype=dt)
-  assert any((_bits(f) != _bits(w)).any() for f, w in zip(fast, want))
+  assert (_bits(fast) != _bits(want)).any()
 
 
 @pytest.mark.parametrize("rows", ["all_fast", "mixed"])
@@ -149,9 +164,7 @@ def test_per_row_scales(rows):
   assert bool(jnp.all(fp4_decode.tensor_scale_factors(ts)[0])) == (rows == "all_fast")
   dt = jnp.dtype(jnp.bfloat16)
   got = _decode_jit(CODES, SCALE_BITS, ts, dtype=dt)
-  want = _reference(CODES, SCALE_BITS, ts, dtype=dt)
-  for g, w, half in zip(got, want, ("low", "high")):
-    _assert_same(g, w, f"{rows} {half}")
+  _assert_same(got, _reference(CODES, SCALE_BITS, ts, dtype=dt), rows)
 
 
 @pytest.mark.parametrize("name", ["random_mantissa", "below_fast"])
@@ -159,11 +172,8 @@ def test_eager_equals_reference(name):
   """Eager (op by op) on a slice of the exhaustive tile: the same bits as under jit."""
   ts = jnp.float32(TENSOR_SCALES[name])
   codes, bits = CODES[::8], SCALE_BITS[::8]  # 32 scale bytes x all code bytes
-  got = fp4_decode.decode_blocks(jnp.asarray(codes), jnp.asarray(bits), ts, jnp.bfloat16,
-                                 asm=False)
-  want = _reference(codes, bits, ts, dtype=jnp.dtype(jnp.bfloat16))
-  for g, w, half in zip(got, want, ("low", "high")):
-    _assert_same(g, w, f"eager {name} {half}")
+  got = _decode(codes, bits, ts, jnp.bfloat16)
+  _assert_same(got, _reference(codes, bits, ts, dtype=jnp.dtype(jnp.bfloat16)), f"eager {name}")
 
 
 def test_e4m3_to_f32_every_byte():
@@ -177,27 +187,18 @@ def test_e4m3_to_f32_every_byte():
 
 def test_bad_table_name():
   with pytest.raises(ValueError, match="table"):
-    fp4_decode.decode_blocks(jnp.asarray(CODES[:1]), jnp.asarray(SCALE_BITS[:1]),
-                             jnp.float32(1), jnp.bfloat16, asm=False, table="quick")
+    _decode(CODES[:1], SCALE_BITS[:1], jnp.float32(1), jnp.bfloat16, table="quick")
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "table"))
-def _decode_words_jit(codes, bits, ts, *, dtype, table=None):
-  w = fp4_decode.to_words(codes)
-  return fp4_decode.decode_words(w[..., 0], w[..., 1], bits, dtype, asm=False, table=table,
-                                 factors=fp4_decode.tensor_scale_factors(ts))
-
-
-@pytest.mark.parametrize("table", [None, "exact"])
 @pytest.mark.parametrize("name", ["one", "random_mantissa", "below_fast", "tiny_c24", "negative",
                                   "nan"])
-def test_words_decoder_every_code_and_scale_byte(name, table):
-  """The word-layout decoder (one table per block, 16 results per block in natural order):
-  every code byte under every scale byte, bit for bit the reference's interleaved elements."""
+def test_exact_table_every_code_and_scale_byte(name):
+  """The exact table forced (any tensor scale): every code byte under every scale byte, bit
+  for bit the reference's."""
   ts = jnp.float32(TENSOR_SCALES[name])
-  got = _decode_words_jit(CODES, SCALE_BITS, ts, dtype=jnp.dtype(jnp.bfloat16), table=table)
-  lo, hi = _reference(CODES, SCALE_BITS, ts, dtype=jnp.dtype(jnp.bfloat16))
-  _assert_same(got, jnp.stack([lo, hi], axis=-1).reshape(got.shape), f"{name}/{table}")
+  got = _decode_jit(CODES, SCALE_BITS, ts, dtype=jnp.dtype(jnp.bfloat16), table="exact")
+  _assert_same(got, _reference(CODES, SCALE_BITS, ts, dtype=jnp.dtype(jnp.bfloat16)),
+               f"{name}/exact")
 
 
 def test_mma_order_permutes_tile_and_rows_alike():
@@ -240,21 +241,15 @@ def _operands(text: str) -> set[int]:
 
 
 def test_ptx_programs_use_their_operands():
-  """The rendered inline assembly names exactly the operands Triton passes: lookup: 2
-  results, the code word and 4 tables x 4 bytes (bytes 0 and 2 read); tables: 1 result and
-  the float32 inputs; results assigned once."""
-  for half in (0, 1):
-    text = fp4_decode._asm_lookup_text(half)
-    ops = _operands(text)
-    assert ops <= set(range(19)) and {0, 1, 2} <= ops
-    assert {3 + 4 * t for t in range(4)} | {5 + 4 * t for t in range(4)} <= ops
-    assert text.count("mov.b32 $0,") == 1 and text.count("mov.b32 $1,") == 1
+  """The rendered inline assembly names exactly the operands Triton passes: tables: 1 result
+  and the float32 inputs; lookups of words: 1 result, the block's word and its 4 tables;
+  results assigned once."""
   for dtype, cvt in ((jnp.bfloat16, "cvt.rn.bf16x2.f32"), (jnp.float16, "cvt.rn.f16x2.f32")):
     for which in range(4):
-      text = fp4_decode._asm_table_text(fp4_decode._exact_table_program, 8, dtype, which)
+      text = fp4_decode._asm_table_text(fp4_decode.exact_table_program, 8, dtype, which)
       assert _operands(text) == set(range(9)) and text.count(cvt) == 4
   for j in range(16):  # words: result $0 (16 bits), the block's word, 4 tables
     text = fp4_decode._asm_word_text(j)
     assert _operands(text) == {0, 1 + j // 8, 3, 4, 5, 6} and text.count("mov.b16 $0,") == 1
-  text = fp4_decode._asm_table_text(fp4_decode._fast_table_program, 2, jnp.bfloat16, 0)
+  text = fp4_decode._asm_table_text(fp4_decode.fast_table_program, 2, jnp.bfloat16, 0)
   assert _operands(text) == {0, 1, 2} and text.count("mul.rn.bf16x2") == 3

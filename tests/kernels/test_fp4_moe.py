@@ -2,7 +2,8 @@
 
 Packing: `pack_nvfp4` / `dequantize` against `qat.fake_quant_weight` (bit for bit) and the
 nibble order of `formats.pack_fp4`. Kernel: on CPU through the Pallas interpreter, on GPU the
-Triton kernel itself (`interpret=None`), against a float64 numpy product of the same weights
+Triton kernel itself (`interpret=None`) and the wgmma kernel (`impl="wgmma"`, GPU only),
+against a float64 numpy product of the same weights
 and against `grouped_matmul_reference` (dequantize + ragged_dot); in-kernel dequantization
 bit for bit through one-hot rows; lowering to Triton IR checked on CPU.
 
@@ -27,10 +28,12 @@ import numpy_ref
 import pytest
 from cases import adversarial_cases, assert_bits_equal
 
-from trace_jax.kernels import fp4_moe, wgmma_moe
+from trace_jax.kernels import common, fp4_moe
+from trace_jax.kernels.fp4_moe import DecodeConfig
 from trace_jax.quant import exact, formats, qat
 
 E, N, K = 8, 64, 128
+K_WGMMA = 256  # the wgmma kernel's K: a multiple of 256
 M = 40  # not a multiple of the 16-row block
 BLOCKS = dict(block_m=16, block_n=32, block_k=64)  # 2 N tiles, 2 K steps, several row blocks
 
@@ -44,35 +47,24 @@ GROUPS = [
     ("trailing_rows", (2, 0, 5, 0, 0, 3, 0, 0)),
     ("all_empty", (0,) * E),
 ]
-# (name, kernel options): the defaults per weight kind and the tuning variants.
+# (name, weight kind, DecodeConfig fields): the kernel per weight kind and table choices.
 VARIANTS = [
     ("bf16", "bf16", {}),
-    ("bf16_swap_ab", "bf16", {"swap_ab": True}),
-    ("fp4", "fp4", {}),  # the default: table decoder on the GPU, float16 in interpret mode
-    ("fp4_table", "fp4", {"decoder": "table"}),  # even/odd split dots
-    ("fp4_table_no_swap", "fp4", {"decoder": "table", "swap_ab": False}),
-    ("fp4_table_interleaved", "fp4", {"decoder": "table", "split": False}),
-    ("fp4_table_exact", "fp4", {"decoder": "table", "table": "exact"}),
-    ("fp4_float16", "fp4", {"decoder": "float16"}),
-    ("fp4_float16_split", "fp4", {"decoder": "float16", "split": True}),
-    ("fp4_words", "fp4_words", {}),  # codes as words (impl=None: `fp4_moe.WGMMA_BY_DEFAULT`)
-    ("fp4_words_triton", "fp4_words", {"impl": "triton"}),  # one table per block
-    ("fp4_words_exact", "fp4_words", {"impl": "triton", "table": "exact"}),
-    ("fp4_words_natural", "fp4_words", {"impl": "triton", "words_order": "natural"}),
-    ("fp4_words_no_prefetch", "fp4_words", {"impl": "triton", "prefetch": False}),
+    ("fp4", "fp4", {}),  # codes as bytes: the float16 decoder
+    ("fp4_words", "fp4_words", {}),  # codes as words: one table per block, MMA order
+    ("fp4_words_exact", "fp4_words", {"table": "exact"}),
+    ("fp4_words_k32", "fp4_words", {"block_k": 32}),  # K tiles below 64: natural order
 ]
 # The wgmma kernel (`wgmma_moe`: Mosaic GPU, inline PTX) runs on a Hopper GPU only; its CPU
 # coverage is tests/kernels/test_wgmma_moe.py (every thread's registers from its PTX text).
 WGMMA_VARIANTS = [
-    ("fp4_wgmma", "fp4_words", {"impl": "wgmma"}),  # the exact table
-    ("fp4_wgmma_fast", "fp4_words", {"impl": "wgmma", "table": "fast"}),
-    ("fp4_wgmma_rows_8", "fp4_words", {"impl": "wgmma", "block_m": 8}),  # passes of 8 rows
+    ("fp4_wgmma", "fp4_words_k256", {"impl": "wgmma"}),  # the exact table
+    ("fp4_wgmma_fast", "fp4_words_k256", {"impl": "wgmma", "table": "fast"}),
+    ("fp4_wgmma_rows_8", "fp4_words_k256", {"impl": "wgmma", "block_m": 8}),  # passes of 8
 ]
 ON_GPU = jax.default_backend() == "gpu"
 _NO_WGMMA = ("wgmma_moe runs on a Hopper GPU only (its CPU coverage: "
              "tests/kernels/test_wgmma_moe.py)")
-# Lowered only (test_lowers_to_triton): the deeper carry's loop must pass Triton's lowering.
-LOWERING_ONLY = [("fp4_words_prefetch2", "fp4_words", {"prefetch": 2})]
 
 
 _pack = jax.jit(fp4_moe.pack_nvfp4)
@@ -82,20 +74,20 @@ _quantize = jax.jit(lambda w: formats.nvfp4_quantize(w, formats.nvfp4_tensor_sca
 
 
 @functools.cache
-def _weights(dtype: str = "bfloat16", seed: int = 0) -> jax.Array:
-  """[E, N, K] weights with per-expert and per-row magnitudes spread over 2**-8..2**4."""
+def _weights(dtype: str = "bfloat16", seed: int = 0, k: int = K) -> jax.Array:
+  """[E, N, k] weights with per-expert and per-row magnitudes spread over 2**-8..2**4."""
   rng = np.random.default_rng(seed)
-  w = rng.standard_normal((E, N, K)) * np.exp2(rng.integers(-8, 4, (E, N, 1)))
+  w = rng.standard_normal((E, N, k)) * np.exp2(rng.integers(-8, 4, (E, N, 1)))
   return jnp.asarray(w, dtype)
 
 
 @functools.cache
-def _packed(dtype: str = "bfloat16") -> fp4_moe.PackedNVFP4Weights:
-  return _pack(_weights(dtype))
+def _packed(dtype: str = "bfloat16", k: int = K) -> fp4_moe.PackedNVFP4Weights:
+  return _pack(_weights(dtype, k=k))
 
 
-def _x(m: int, dtype=jnp.bfloat16, seed: int = 1) -> jax.Array:
-  return jnp.asarray(np.random.default_rng(seed).standard_normal((m, K)), dtype)
+def _x(m: int, dtype=jnp.bfloat16, seed: int = 1, k: int = K) -> jax.Array:
+  return jnp.asarray(np.random.default_rng(seed).standard_normal((m, k)), dtype)
 
 
 def _check_close(y, x, wd, sizes, what: str) -> None:
@@ -116,14 +108,15 @@ def _check_close(y, x, wd, sizes, what: str) -> None:
 
 
 def _weights_of(kind: str):
-  return {"fp4": _packed, "fp4_words": lambda: _packed().as_words(), "bf16": _weights}[kind]()
+  return {"fp4": _packed, "fp4_words": lambda: _packed().as_words(), "bf16": _weights,
+          "fp4_words_k256": lambda: _packed(k=K_WGMMA).as_words()}[kind]()
 
 
 def _run(kind: str, sizes, opts: dict, x=None):
   w = _weights_of(kind)
-  x = _x(M) if x is None else x
+  x = _x(M, k=w.shape[-1]) if x is None else x
   gs = jnp.asarray(sizes, jnp.int32)
-  return x, w, gs, fp4_moe.grouped_matmul_decode(x, w, gs, **opts)
+  return x, w, gs, fp4_moe.grouped_matmul_decode(x, w, gs, config=DecodeConfig(**opts))
 
 
 def _kind(w) -> str:
@@ -257,13 +250,11 @@ def test_decode_helpers_are_exact(jit):
   assert_bits_equal(dec(scale), exact.e4m3_value(scale) * np.float32(2.0**14), "e4m3")
 
 
-# (name, kernel options, block_n, block_k): the table decoder needs >= 4 code bytes per thread
-# on the GPU, so its cases use a tile of 32 x 64 (both run the Triton kernel there).
+# (name, DecodeConfig fields, block_n, block_k): codes as bytes (the float16 decoder) or as
+# words (the name's prefix; the table decoder); both run the Triton kernel on the GPU.
 DEQUANT_CASES = [
-    ("float16", {"decoder": "float16"}, 16, 32),
-    ("table", {"decoder": "table"}, 32, 64),
-    ("table_exact", {"decoder": "table", "table": "exact"}, 32, 64),
-    ("words", {}, 32, 64),  # codes held as words (the name's prefix)
+    ("bytes", {}, 16, 32),
+    ("words", {}, 32, 64),
     ("words_exact", {"table": "exact"}, 32, 64),
 ]
 
@@ -274,8 +265,8 @@ def test_kernel_dequantizes_bit_exactly(name, opts, block_n, block_k):
   """One-hot rows make every output one weight times 1 (exact): the kernel's in-register
   weights equal `dequantize` for random packed bytes (every code, every finite E4M3 scale
   byte, subnormal ones included) — up to the sign of zero, which a sum does not keep. The
-  last expert's tensor scale (2**-118) lies outside the table decoder's fast range, so its
-  program takes the exact table (its scale bytes are >= 1, so no weight is subnormal)."""
+  last expert's tensor scale (2**-118) lies outside the words decoder's fast table range, so
+  its program takes the exact table (its scale bytes are >= 1, so no weight is subnormal)."""
   e, n, k = 4, 32, 64
   rng = np.random.default_rng(5)
   scale_bytes = rng.integers(0, 0x7F, (e, n, k // 16)) | (rng.integers(0, 2, (e, n, k // 16))
@@ -291,34 +282,31 @@ def test_kernel_dequantizes_bit_exactly(name, opts, block_n, block_k):
   if name.startswith("words"):
     p = p.as_words()
   x = jnp.tile(jnp.eye(k, dtype=jnp.bfloat16), (e, 1))  # expert i gets the k one-hot rows
-  y = fp4_moe.grouped_matmul_decode(x, p, jnp.full((e,), k, jnp.int32), block_m=16,
-                                    block_n=block_n, block_k=block_k, **opts)
+  y = fp4_moe.grouped_matmul_decode(x, p, jnp.full((e,), k, jnp.int32), config=DecodeConfig(
+      block_m=16, block_n=block_n, block_k=block_k, **opts))
   want = np.asarray(_dequantize(p, jnp.bfloat16), np.float32).transpose(0, 2, 1)
   got = np.asarray(y, np.float32).reshape(e, k, n)
   assert np.array_equal(got, want), f"{name}: {int((got != want).sum())} weights differ"
   assert (np.asarray(scale_bytes) & 0x78 == 0).any()  # subnormal E4M3 scales were covered
 
 
-# (name, table, rows per pass, stream: the codes' shared-memory ring, 0 for registers).
-WGMMA_DEQUANT_CASES = [("exact", "exact", 128, 0), ("exact_rows_16", "exact", 16, 0),
-                       ("fast", "fast", 128, 0), ("exact_stream4", "exact", 128, 4),
-                       ("exact_stream2_rows_16", "exact", 16, 2)]
+# (name, table, rows per pass).
+WGMMA_DEQUANT_CASES = [("exact", "exact", 128), ("exact_rows_16", "exact", 16),
+                       ("fast", "fast", 128)]
 
 
-@pytest.mark.parametrize("name,table,rows,stream", WGMMA_DEQUANT_CASES,
+@pytest.mark.parametrize("name,table,rows", WGMMA_DEQUANT_CASES,
                          ids=[c[0] for c in WGMMA_DEQUANT_CASES])
-def test_wgmma_kernel_dequantizes_bit_exactly(name, table, rows, stream, monkeypatch):
-  """The wgmma kernel's weights through one-hot rows (as above), over 5 K chunks (its x ring
-  of 4 refilled, its loads 2 chunks ahead; 6 chunks with the codes' ring, which needs K a
-  multiple of 256, refilled too) and 2 feature tiles: random code and scale bytes
+def test_wgmma_kernel_dequantizes_bit_exactly(name, table, rows):
+  """The wgmma kernel's weights through one-hot rows (as above), over 6 K chunks (its x ring
+  of 4 and its codes' ring of 4 refilled) and 2 feature tiles: random code and scale bytes
   under tensor scales across the exact table's branches (2**-130 and 1.5 * 2**126 scaled by
   powers of two, 2**-118 below the fast range) for the exact table; for the fast one, scales
   inside its range. The reference is numpy's IEEE float32 (`_dequantized_ieee`), which the
   GPU's XLA agrees with (no flushing)."""
   if not ON_GPU:
     pytest.skip(_NO_WGMMA)
-  monkeypatch.setattr(wgmma_moe, "STREAM", stream)
-  e, n, k = 4, 128, 768 if stream else 640
+  e, n, k = 4, 128, 768
   rng = np.random.default_rng(7)
   # (tensor scale, E4M3 scale byte range): every weight normal and finite (a one-hot row
   # multiplies all of its weight row, so one NaN or inf would hide the others); any sign.
@@ -333,8 +321,8 @@ def test_wgmma_kernel_dequantizes_bit_exactly(name, table, rows, stream, monkeyp
                                                jnp.float8_e4m3fn),
       tensor_scale=jnp.asarray([t for t, _, _ in experts], jnp.float32)).as_words()
   x = jnp.tile(jnp.eye(k, dtype=jnp.bfloat16), (e, 1))
-  y = fp4_moe.grouped_matmul_decode(x, p, jnp.full((e,), k, jnp.int32), block_m=rows,
-                                    impl="wgmma", table=table)
+  y = fp4_moe.grouped_matmul_decode(x, p, jnp.full((e,), k, jnp.int32),
+                                    config=DecodeConfig(impl="wgmma", block_m=rows, table=table))
   want = _dequantized_ieee(p).astype(np.float32).transpose(0, 2, 1)
   assert np.isfinite(want).all() and not (np.abs(want) < 2.0**-126)[want != 0].any()
   got = np.asarray(y, np.float32).reshape(e, k, n)
@@ -342,60 +330,11 @@ def test_wgmma_kernel_dequantizes_bit_exactly(name, table, rows, stream, monkeyp
   assert not bad.any(), f"{name}: {int(bad.sum())} weights differ, first {np.argwhere(bad)[0]}"
 
 
-@pytest.mark.parametrize("stream", [2, 4], ids=["ring_2", "ring_4"])
-@pytest.mark.parametrize("group,sizes", GROUPS, ids=[g[0] for g in GROUPS])
-def test_wgmma_codes_ring_changes_no_bits(group, sizes, stream):
-  """The codes through a shared-memory ring (`stream`) only move loads: on ragged groups
-  (empty experts, one expert with every row, unaligned starts, several passes of 16 rows) the
-  output equals the codes-in-registers kernel's bit for bit, rows past the groups zero."""
-  if not ON_GPU:
-    pytest.skip(_NO_WGMMA)
-  e, n, k = len(sizes), 128, 512
-  rng = np.random.default_rng(11)
-  p = fp4_moe.PackedNVFP4Weights(
-      codes=jnp.asarray(rng.integers(0, 256, (e, n, k // 2)), jnp.uint8),
-      block_scale=jax.lax.bitcast_convert_type(
-          jnp.asarray(rng.integers(0x20, 0x50, (e, n, k // 16)), jnp.uint8), jnp.float8_e4m3fn),
-      tensor_scale=jnp.asarray(rng.uniform(0.1, 1.0, e), jnp.float32)).as_words()
-  x = jnp.asarray(rng.standard_normal((M, k)), jnp.bfloat16)
-  gs = jnp.asarray(sizes, jnp.int32)
-  run = functools.partial(wgmma_moe.grouped_matmul, x, p.codes[None], p.block_scale[None],
-                          p.tensor_scale[None], gs, jnp.zeros((), jnp.int32), rows=16)
-  want, got = np.asarray(run(stream=0)), np.asarray(run(stream=stream))
-  assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), \
-      f"{group}/ring {stream}: {int((got != want).sum())} outputs differ"
-  assert np.abs(want[: int(np.sum(sizes))]).max() > 0
-  assert not want[int(np.sum(sizes)):].any()
-
-
 def _dequantized_ieee(p: fp4_moe.PackedNVFP4Weights) -> np.ndarray:
   """`numpy_ref.dequantize_packed_nvfp4` of packed weights (IEEE float32, subnormals kept)."""
   return numpy_ref.dequantize_packed_nvfp4(
       np.asarray(p.as_bytes().codes),
       np.asarray(jax.lax.bitcast_convert_type(p.block_scale, jnp.uint8)), p.tensor_scale)
-
-
-def test_decoder_choice(monkeypatch):
-  """With `fp4_decode.TABLE_BY_DEFAULT`, None picks the table decoder on the GPU for bf16/f16
-  rows on a supported tile, float16 otherwise (and in interpret mode); without it (the default
-  until a GPU run confirms the table decoder), float16 everywhere. An explicit table decoder on
-  an unsupported GPU tile is an error, in interpret mode it runs on any tile."""
-  from trace_jax.kernels import fp4_decode
-  pick = functools.partial(fp4_moe.resolve_decoder, None, n=N, k=K, num_warps=4)
-  assert pick(dtype=jnp.bfloat16, block_n=64, block_k=256, interpret=False) == (
-      "table" if fp4_decode.TABLE_BY_DEFAULT else "float16")
-  monkeypatch.setattr(fp4_decode, "TABLE_BY_DEFAULT", True)
-  assert pick(dtype=jnp.bfloat16, block_n=64, block_k=256, interpret=False) == "table"
-  assert pick(dtype=jnp.float16, block_n=64, block_k=256, interpret=False) == "table"
-  assert pick(dtype=jnp.float32, block_n=64, block_k=256, interpret=False) == "float16"
-  assert pick(dtype=jnp.bfloat16, block_n=16, block_k=32, interpret=False) == "float16"
-  assert pick(dtype=jnp.bfloat16, block_n=64, block_k=256, interpret=True) == "float16"
-  assert fp4_moe.resolve_decoder("table", jnp.bfloat16, N, K, 16, 32, 4, interpret=True) == \
-      "table"
-  with pytest.raises(ValueError, match="table"):
-    fp4_moe.resolve_decoder("table", jnp.bfloat16, N, K, 16, 32, 4, interpret=False)
-  with pytest.raises(ValueError, match="decoder"):
-    fp4_moe.resolve_decoder("lut", jnp.bfloat16, N, K, 64, 256, 4, interpret=True)
 
 
 # ----------------------------------------------------------------------------- matmul
@@ -413,26 +352,11 @@ def test_matches_reference(group, sizes, variant, kind, opts):
   r = fp4_moe.grouped_matmul_reference(x, w, gs)
   y64, r64 = np.asarray(y, np.float64), np.asarray(r, np.float64)
   s = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(wd, np.float64)).max(0).T
-  assert np.all(np.abs(y64 - r64) <= 2.0**-7 * np.abs(r64) + 2 * K * 2.0**-22 * s), \
+  k = x.shape[1]
+  assert np.all(np.abs(y64 - r64) <= 2.0**-7 * np.abs(r64) + 2 * k * 2.0**-22 * s), \
       f"{variant}/{group}: max |kernel - ragged_dot| {np.abs(y64 - r64).max()}"
   rows = int(np.sum(sizes))
   assert not np.asarray(y[rows:]).any(), "rows past sum(group_sizes) must be zero"
-
-
-def test_prefetch_depth_changes_no_bits():
-  """Loading 0-3 K tiles ahead (4 K steps: the depth-3 carry and its clamped tail loads)
-  only moves loads earlier: the same sums in the same order, so the same bits; a negative
-  depth is refused."""
-  sizes = GROUPS[0][1]
-  x, gs, p = _x(M), jnp.asarray(sizes, jnp.int32), _packed().as_words()
-  run = lambda d: np.asarray(fp4_moe.grouped_matmul_decode(
-      x, p, gs, block_m=16, block_n=32, block_k=32, prefetch=d, impl="triton"), np.float32)
-  ys = {d: run(d) for d in (0, 1, 2, 3)}
-  for d in (0, 2, 3):
-    assert np.array_equal(ys[d], ys[1]), f"prefetch={d} differs from prefetch=1"
-  assert np.abs(ys[1]).sum() > 0
-  with pytest.raises(ValueError, match="prefetch"):
-    fp4_moe.grouped_matmul_decode(x, p, gs, prefetch=-1)
 
 
 def test_float32_rows_and_weights():
@@ -440,7 +364,7 @@ def test_float32_rows_and_weights():
   x = _x(M, jnp.float32)
   gs = jnp.asarray(sizes, jnp.int32)
   for w in (_weights("float32"), _packed("float32")):
-    y = fp4_moe.grouped_matmul_decode(x, w, gs, **BLOCKS)
+    y = fp4_moe.grouped_matmul_decode(x, w, gs, config=DecodeConfig(**BLOCKS))
     assert y.dtype == jnp.float32
     wd = _dequantize(w, jnp.float32) if _kind(w) == "fp4" else w
     _check_close(y, x, wd, sizes, f"float32 {_kind(w)}")
@@ -448,7 +372,7 @@ def test_float32_rows_and_weights():
 
 def test_words_hold_the_same_bytes():
   """`as_words` keeps every code byte (little-endian words per block) and the logical shape;
-  `as_bytes` inverts it; the words decoder refuses byte codes and other decoders words."""
+  `as_bytes` inverts it; codes held as words decode to bf16/f16 rows only."""
   p = _packed()
   w = p.as_words()
   assert w.words and not p.words and w.shape == p.shape and w.codes.shape == (E, N, K // 16, 2)
@@ -459,12 +383,8 @@ def test_words_hold_the_same_bytes():
   assert_bits_equal(fp4_moe.dequantize(w, jnp.bfloat16), fp4_moe.dequantize(p, jnp.bfloat16),
                     "dequantize(words)")
   x, gs = _x(M), jnp.asarray(GROUPS[0][1], jnp.int32)
-  with pytest.raises(ValueError, match="as_words"):
-    fp4_moe.grouped_matmul_decode(x, p, gs, decoder="words", **BLOCKS)
-  with pytest.raises(ValueError, match="words"):
-    fp4_moe.grouped_matmul_decode(x, w, gs, decoder="table", **BLOCKS)
   with pytest.raises(ValueError, match="bf16"):
-    fp4_moe.grouped_matmul_decode(x.astype(jnp.float32), w, gs, **BLOCKS)
+    fp4_moe.grouped_matmul_decode(x.astype(jnp.float32), w, gs, config=DecodeConfig(**BLOCKS))
 
 
 def test_wrong_weights_fail_the_comparison():
@@ -473,7 +393,8 @@ def test_wrong_weights_fail_the_comparison():
   p = _packed()
   swapped = p.replace(codes=(p.codes >> 4) | (p.codes << 4))
   x = _x(M)
-  y = fp4_moe.grouped_matmul_decode(x, swapped, jnp.asarray(sizes, jnp.int32), **BLOCKS)
+  y = fp4_moe.grouped_matmul_decode(x, swapped, jnp.asarray(sizes, jnp.int32),
+                                    config=DecodeConfig(**BLOCKS))
   with pytest.raises(AssertionError, match="outputs off"):
     _check_close(y, x, _dequantize(p, jnp.bfloat16), sizes, "swapped")
 
@@ -486,20 +407,24 @@ def test_bad_arguments():
   with pytest.raises(ValueError, match="group_sizes"):
     fp4_moe.grouped_matmul_decode(x, w, gs[:4])
   with pytest.raises(ValueError, match="power of two"):
-    fp4_moe.grouped_matmul_decode(x, w, gs, block_m=24)
+    fp4_moe.grouped_matmul_decode(x, w, gs, config=DecodeConfig(block_m=24))
+  with pytest.raises(ValueError, match="block_n must be a power of two"):
+    DecodeConfig(block_n=48)
+  with pytest.raises(ValueError, match="table must be one of"):
+    DecodeConfig(table="quick")
   with pytest.raises(TypeError, match="dtype"):
     fp4_moe.grouped_matmul_decode(x.astype(jnp.int32), w, gs)
 
 
 # ----------------------------------------------------------------------------- Triton IR
 
-@pytest.mark.parametrize("variant,kind,opts", VARIANTS + LOWERING_ONLY,
-                         ids=[v[0] for v in VARIANTS + LOWERING_ONLY])
+@pytest.mark.parametrize("variant,kind,opts", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_lowers_to_triton(variant, kind, opts):
   """The kernel passes Pallas' Triton lowering (power-of-two values, supported primitives)
   for the CUDA platform, on any host; Triton's own compilation needs the GPU run."""
   w = _weights_of(kind)
-  f = functools.partial(fp4_moe.grouped_matmul_decode, interpret=False, **opts)
+  f = functools.partial(fp4_moe.grouped_matmul_decode,
+                        config=DecodeConfig(interpret=False, **opts))
   text = jax.jit(f).trace(_x(M), w, jnp.zeros((E,), jnp.int32)).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "triton" in text
@@ -516,10 +441,12 @@ def test_stacked_layer_is_read_in_place(kind):
     per_layer = [p.as_words() for p in per_layer] if kind == "fp4_words" else per_layer
   stack = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
   x, gs = _x(M), jnp.asarray(GROUPS[0][1], jnp.int32)
-  run = jax.jit(lambda x, w, gs, i: fp4_moe.grouped_matmul_decode(x, w, gs, layer=i, **BLOCKS))
+  config = DecodeConfig(**BLOCKS)
+  run = jax.jit(lambda x, w, gs, i: fp4_moe.grouped_matmul_decode(x, w, gs, layer=i,
+                                                                  config=config))
   outs = [np.asarray(run(x, stack, gs, jnp.int32(i))) for i in range(3)]
   for i, w in enumerate(per_layer):
-    alone = fp4_moe.grouped_matmul_decode(x, w, gs, **BLOCKS)
+    alone = fp4_moe.grouped_matmul_decode(x, w, gs, config=config)
     assert_bits_equal(outs[i], alone, f"{kind}: layer {i} of the stack vs alone")
   assert not np.array_equal(outs[0], outs[1])  # the index does select another layer
   with pytest.raises((ValueError, TypeError), match=r"\[L, E, N, K"):
@@ -533,6 +460,6 @@ def test_stacked_layer_is_read_in_place(kind):
     pytest.param(48, 1, 16, id="odd_width"),              # largest power of two dividing 48
 ])
 def test_default_block_n_fills_the_gpu_for_few_experts(n, experts, want):
-  bn = fp4_moe.default_block_n(n, experts)
+  bn = common.default_block_n(n, experts)
   assert bn == want and n % bn == 0
-  assert experts * (n // bn) >= fp4_moe.MIN_PROGRAMS or bn == 16 or n % (bn // 2)
+  assert experts * (n // bn) >= common.MIN_PROGRAMS or bn == 16 or n % (bn // 2)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from cases import assert_bits_equal, to_numpy
 
-from trace_jax.kernels import fp4_moe, nvfp4_act
+from trace_jax.kernels import common, nvfp4_act
 from trace_jax.quant import exact, formats
 
 F32 = np.float32
@@ -485,7 +485,7 @@ def test_gpu_trace_rejects_exact_fori_loop(traced_as_on_gpu):
     o_ref[...] = exact.ieee_div(x_ref[...], np.float32(3.0))
 
   f = lambda x: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32),
-                               compiler_params=fp4_moe._compiler_params(4, 1))(x)
+                               compiler_params=common.compiler_params(4, 1))(x)
   try:
     jax.jit(f).trace(jnp.ones((16,), jnp.float32)).lower(lowering_platforms=("cuda",))
   except NotImplementedError:

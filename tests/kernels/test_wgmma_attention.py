@@ -1,11 +1,12 @@
 """The wgmma scores kernel's register map, checked on CPU against the numpy reference quantizer.
 
-The kernel itself runs only on a Hopper GPU (Mosaic GPU, inline PTX; `bench_decode_attention
---impls=kernel_packed_wgmma` checks its outputs there). Here every thread's part of a K tile is
-rebuilt as the kernel builds it: its code words, block scales and row scales read at the
-kernel's addresses, the same table and lookup programs (`fp4_decode`'s, run as jnp integer ops)
-and its registers placed where Mosaic GPU's WGMMA layout puts them (lane // 4 + 16 warp + 8 half,
-columns 8 ct + 2 (lane % 4)); the tile must equal the dequantized K in `column_order`.
+The kernel itself runs only on a Hopper GPU (Mosaic GPU, inline PTX; `python -m
+experiments.bench.decode_attention --impls=kernel_packed_wgmma` checks its outputs there).
+Here every thread's part of a K tile is rebuilt as the kernel builds it: its code words, block
+scales and row scales read at the kernel's addresses, the same table and lookup programs
+(`fp4_decode`'s, run as jnp integer ops) and its registers placed where Mosaic GPU's WGMMA
+layout puts them (lane // 4 + 16 warp + 8 half, columns 8 ct + 2 (lane % 4)); the tile must
+equal the dequantized K in `column_order`.
 """
 
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ def _tile_as_the_kernel_builds_it(codes: np.ndarray, scale_bits: np.ndarray,
   PV kernel's mask): rows at or beyond it get scales 0."""
   h = 2 * codes.shape[1]
   nb = 2 * h // wgmma_decode.SPAN
-  o = fp4_decode._JnpOps(jnp.bfloat16)
+  o = fp4_decode.JnpOps(jnp.bfloat16)
   own = codes.astype(np.uint32).reshape(-1, 4, 2 * nb, 4)  # [row, quad, word, byte]
   words = own[..., 0] | own[..., 1] << 8 | own[..., 2] << 16 | own[..., 3] << 24
   bs = scale_bits.reshape(-1, 4, nb).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -37,9 +38,9 @@ def _tile_as_the_kernel_builds_it(codes: np.ndarray, scale_bits: np.ndarray,
   for i in range(nb):
     p = jnp.asarray(bs[:, :, i] * ts)
     q = jnp.asarray((bs[:, :, i] * np.float32(1.5)) * ts)
-    tabs = fp4_decode._fast_table_program(o, p, q)
+    tabs = fp4_decode.fast_table_program(o, p, q)
     for k in range(2):
-      res = fp4_decode._lookup_program(o, jnp.asarray(words[:, :, 2 * i + k]), tabs, tabs)
+      res = fp4_decode.lookup_program(o, jnp.asarray(words[:, :, 2 * i + k]), tabs, tabs)
       for m in range(4):
         pair = np.asarray(res[m]).astype(np.uint32)
         out[:, 8 * i + 4 * k + m, :, 0] = pair & 0xFFFF
@@ -138,11 +139,16 @@ def test_decode_attention_refuses_wgmma_where_it_cannot_run():
   lengths = jnp.full((b,), t, jnp.int32)
   for impl in ("wgmma", "wgmma_scores"):
     with pytest.raises(ValueError, match="needs a packed cache of code words on the GPU"):
-      da.decode_attention(q, cache, lengths, interpret=True, impl=impl)
+      da.decode_attention(q, cache, lengths,
+                          config=da.AttentionConfig(interpret=True, impl=impl))
   with pytest.raises(ValueError, match="impl must be one of"):
-    da.decode_attention(q, cache, lengths, interpret=True, impl="cuda")
+    da.AttentionConfig(interpret=True, impl="cuda")
   with pytest.raises(ValueError, match="needs impl='triton'"):
-    da.decode_attention(q, cache, lengths, interpret=True, impl="wgmma", table="exact")
+    da.decode_attention(q, cache, lengths,
+                        config=da.AttentionConfig(interpret=True, impl="wgmma", table="exact"))
+  # where the kernels do not run, the model's choice for a call is the Triton pair
+  assert da.wgmma_impl(q, cache, interpret=True) == "triton"
+  assert da.wgmma_impl(q, cache.as_bytes()) == "triton"
 
 
 @pytest.mark.parametrize("half", [0, 1], ids=["low_scale_byte", "high_scale_byte"])
@@ -162,12 +168,12 @@ def test_block_ptx_text_runs_as_the_emulated_program(half):
   ts = np.float32(0.37)
   got = ptx_sim.run(wgmma_decode.block_ptx(half, "fast"),
                     {8: w0, 9: w1, 10: pair, 11: np.full(n, ts).view(np.uint32)})
-  o = fp4_decode._JnpOps(jnp.bfloat16)
+  o = fp4_decode.JnpOps(jnp.bfloat16)
   bs = byte.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-  tabs = fp4_decode._fast_table_program(o, jnp.asarray(bs * ts),
+  tabs = fp4_decode.fast_table_program(o, jnp.asarray(bs * ts),
                                         jnp.asarray((bs * np.float32(1.5)) * ts))
-  want = [*fp4_decode._lookup_program(o, jnp.asarray(w0), tabs, tabs),
-          *fp4_decode._lookup_program(o, jnp.asarray(w1), tabs, tabs)]
+  want = [*fp4_decode.lookup_program(o, jnp.asarray(w0), tabs, tabs),
+          *fp4_decode.lookup_program(o, jnp.asarray(w1), tabs, tabs)]
   for i in range(8):
     g, w = got[i].astype(np.uint32), np.asarray(want[i]).astype(np.uint32)
     for s in (0, 16):  # NaN results compare by NaN-ness (either side's NaN bits)

@@ -2,9 +2,9 @@
 
 The kernel (`trace_jax.kernels.wgmma_moe`) runs only on a Hopper GPU (Mosaic GPU, inline PTX;
 its outputs are checked there by tests/kernels/test_fp4_moe.py's GPU cases and
-`bench_moe_decode`). Here each thread's chunk of an expert's weights is rebuilt as the kernel
-builds it: the code words and scale bytes read at `_load_chunk`'s addresses, the tensor
-scale's factors from `wgmma_decode.factors_ptx` and each block from `wgmma_decode.block_ptx`,
+`experiments.bench.moe_decode`). Here each thread's chunk of an expert's weights is rebuilt
+as the kernel builds it: the code words and scale bytes read at `_load_chunk`'s addresses, the
+tensor scale's factors from `wgmma_decode.factors_ptx` and each block from `wgmma_decode.block_ptx`,
 both PTX programs executed by a numpy interpreter (`ptx_sim`), the results placed where Mosaic
 GPU's WGMMA layout puts them. The tile must equal `fp4_moe.dequantize` in `span_order`, bit for
 bit, for quantizer-made weights and for raw bytes under extreme tensor scales (the exact
@@ -154,9 +154,13 @@ def test_grouped_matmul_decode_refuses_wgmma_where_it_cannot_run():
   x = jnp.zeros((8, 256), jnp.bfloat16)
   gs = jnp.asarray([8, 0, 0], jnp.int32)
   with pytest.raises(ValueError, match="impl='wgmma' needs packed weights held as words"):
-    fp4_moe.grouped_matmul_decode(x, p, gs, interpret=True, impl="wgmma")
+    fp4_moe.grouped_matmul_decode(x, p, gs, config=fp4_moe.DecodeConfig(impl="wgmma",
+                                                                        interpret=True))
   with pytest.raises(ValueError, match="impl must be one of"):
-    fp4_moe.grouped_matmul_decode(x, p, gs, impl="cuda")
+    fp4_moe.DecodeConfig(impl="cuda")
+  assert not fp4_moe.wgmma_supported(jnp.bfloat16, p)  # no Hopper GPU here
+  assert wgmma_moe.supported(128, 256, jnp.bfloat16)
   assert not wgmma_moe.supported(96, 256, jnp.bfloat16)  # N not a multiple of 64
-  assert not wgmma_moe.supported(128, 192, jnp.bfloat16)  # K not a multiple of 128
+  assert not wgmma_moe.supported(128, 192, jnp.bfloat16)  # K not a multiple of 256
+  assert not wgmma_moe.supported(128, 384, jnp.bfloat16)
   assert not wgmma_moe.supported(128, 256, jnp.float16)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from cases import count_eqns
 
-from trace_jax.model import batch_local, expert_parallel, sharding
+from trace_jax.model import batch_local, mesh_context, sharding
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices: run with "
                              "XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -56,7 +56,7 @@ def test_each_device_runs_its_own_rows(shape, b, local):
   want = _call(*args, [])
   seen = []
   fn = jax.jit(lambda *a: _call(*a, seen))
-  with expert_parallel.use_mesh(mesh, sharding.ENGINE_RULES):
+  with mesh_context.use_mesh(mesh, sharding.ENGINE_RULES):
     got = fn(*args)
     jaxpr = jax.make_jaxpr(lambda *a: _call(*a, []))(*args).jaxpr
   assert seen == [((local, 3), (2, local, 4), (2, 3))]  # local rows, the whole weight
@@ -71,11 +71,11 @@ def test_each_device_runs_its_own_rows(shape, b, local):
 def test_inside_a_shard_map_body_it_is_the_call():
   mesh = sharding.make_mesh(dict(data=2, expert=4), jax.devices()[:8])
   args = _inputs(8)
-  with expert_parallel.use_mesh(mesh, sharding.ENGINE_RULES), expert_parallel.manual_body():
+  with mesh_context.use_mesh(mesh, sharding.ENGINE_RULES), mesh_context.manual_body():
     assert batch_local.batch_axes(8) is None
     jaxpr = jax.make_jaxpr(lambda *a: _call(*a, []))(*args).jaxpr
   assert count_eqns(jaxpr, "shard_map") == 0
-  with expert_parallel.use_mesh(mesh, sharding.ENGINE_RULES):
+  with mesh_context.use_mesh(mesh, sharding.ENGINE_RULES):
     assert batch_local.batch_axes(8) == ("data", "expert")
 
 
@@ -88,7 +88,7 @@ def test_summed_over_batch_shards_adds_each_devices_partial():
   mesh = sharding.make_mesh(dict(data=2, expert=4), jax.devices()[:8])
   seen = []
   fn = lambda r: seen.append(r.shape) or gram(r)
-  with expert_parallel.use_mesh(mesh, sharding.ENGINE_RULES):
+  with mesh_context.use_mesh(mesh, sharding.ENGINE_RULES):
     got = jax.jit(lambda a: batch_local.summed_over_batch_shards(fn, (a,), (0,), 8))(x)
   assert seen == [(1, 3)]
   np.testing.assert_array_equal(got, gram(x))

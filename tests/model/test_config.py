@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
 from trace_jax.model import config as cfg
 from trace_jax.model.policies import FORWARDS
@@ -87,3 +90,56 @@ def test_hf_dict_missing_key():
   del d["hidden_size"]
   with pytest.raises(ValueError, match="missing required keys"):
     cfg.ModelConfig.from_hf_dict(d)
+
+
+# ----------------------------------------------------------------------------- config files
+
+CONFIG_FILES = sorted(p.name for p in pathlib.Path(__file__).resolve().parents[2].joinpath(
+    "configs").glob("*.py") if p.name != "__init__.py")
+
+
+def _parsed(name: str, *overrides: str):
+  """The config file as a launcher's `--config` flag parses it, with `overrides` (flags)."""
+  path = pathlib.Path(__file__).resolve().parents[2] / "configs" / name
+  argv = ["prog", f"--config={path}", *overrides]
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=fv, sys_argv=argv)
+  fv(argv)
+  return fv.config
+
+
+@pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")  # ml_collections' loader
+@pytest.mark.parametrize("name", CONFIG_FILES)
+def test_every_config_file_exposes_every_model_field(name):
+  """Any ModelConfig field, the kernel plan's included, is settable from the command line of
+  any config file; the section resolves (`config.resolve`) as the file means it."""
+  fields = {f.name for f in dataclasses.fields(cfg.ModelConfig)}
+  plain = _parsed(name)
+  assert fields <= set(plain.model), sorted(fields - set(plain.model))
+  base = cfg.resolve(plain.model)
+  c = _parsed(name, "--config.model.decode_impl=kernel", "--config.model.plan=reference",
+              "--config.model.kv_cache=dense", "--config.model.guided_layers=(0,)",
+              "--config.model.scan_unroll=2")
+  got = cfg.resolve(c.model)
+  assert (got.decode_impl, got.plan, got.kv_cache, got.guided_layers, got.scan_unroll) == (
+      "kernel", "reference", "dense", (0,), 2)
+  assert dataclasses.replace(got, decode_impl=base.decode_impl, plan=base.plan,
+                             kv_cache=base.kv_cache, guided_layers=base.guided_layers,
+                             scan_unroll=base.scan_unroll) == base
+  with pytest.raises(ValueError, match="decode_impl must be one of"):
+    cfg.resolve(_parsed(name, "--config.model.decode_impl=cuda").model)
+
+
+def test_section_is_the_preset_with_the_files_choices():
+  """`section` holds every field at the preset's value but for the choices; guided_layers
+  stays the default (the deepest half) of whatever depth resolves."""
+  s = cfg.section("tiny", num_hidden_layers=4, dtype="bfloat16")
+  assert s["preset"] == "tiny" and s["guided_layers"] is None
+  assert cfg.resolve(s) == cfg.tiny(num_hidden_layers=4, dtype="bfloat16")
+  assert cfg.resolve(s).guided_layers == (2, 3)
+  assert cfg.resolve(dict(s, num_hidden_layers=6)).guided_layers == (3, 4, 5)
+  assert cfg.section("tiny", guided_layers=(1,))["guided_layers"] == (1,)
+  with pytest.raises(ValueError, match="unknown model fields"):
+    cfg.section("tiny", hidden=3)
+  with pytest.raises(ValueError, match="unknown model preset"):
+    cfg.section("llama")

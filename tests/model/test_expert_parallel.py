@@ -12,7 +12,7 @@ import pytest
 from cases import assert_bits_equal
 
 from trace_jax import model as M
-from trace_jax.model import expert_parallel, expert_weights, sharding
+from trace_jax.model import expert_parallel, expert_weights, mesh_context, sharding
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices: run with "
                              "XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -38,7 +38,7 @@ def _on_mesh(fn, mesh, params, *args):
   """fn(params, *args) jitted on params sharded over `mesh`, batch sharded, experts parallel."""
   sp = sharding.shard_params(params, mesh)
   args = [jax.device_put(a, sharding.activation_sharding(mesh, a.shape)) for a in args]
-  with expert_parallel.use_mesh(mesh):
+  with mesh_context.use_mesh(mesh):
     return jax.jit(fn)(sp, *args), sp
 
 
@@ -106,7 +106,7 @@ def test_records_match_one_device():
   routing = {l: sites["routing"] for l, sites in ref.taps.items()}
   guided = lambda p, t, g, r: M.forward(p, config, t, guidance=g, routing=r).logits
   want = np.asarray(jax.jit(guided)(params, toks, guidance, routing), np.float32)
-  with expert_parallel.use_mesh(mesh):
+  with mesh_context.use_mesh(mesh):
     got = np.asarray(jax.jit(guided)(sp, toks, guidance, routing), np.float32)
   # bf16 over 2 layers: a token whose layer-1 router sits at a near tie may pick another
   # expert than on one device (the layer-0 outputs differ in summation order); the rest agree.
@@ -133,7 +133,7 @@ def test_prepared_weights_match_one_device(policy):
       (r.gate_up, r.down)))
   params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   toks = jax.device_put(toks, sharding.activation_sharding(mesh, toks.shape))
-  with expert_parallel.use_mesh(mesh, sharding.ENGINE_RULES):
+  with mesh_context.use_mesh(mesh, sharding.ENGINE_RULES):
     out = jax.jit(lambda *a: run(*a))(params, placed, toks)
   assert_bits_equal(out.taps[0]["routing"], ref.taps[0]["routing"], "layer 0 routing")
   want, got = np.asarray(ref.logits, np.float32), np.asarray(out.logits, np.float32)
@@ -161,7 +161,7 @@ def test_expert_weights_stay_sharded():
   sp = sharding.shard_params(params, mesh)
   st = jax.device_put(toks, sharding.activation_sharding(mesh, toks.shape))
   fn = jax.jit(lambda p, t: M.forward(p, config, t).logits)
-  with expert_parallel.use_mesh(mesh):
+  with mesh_context.use_mesh(mesh):
     hlo = fn.lower(sp, st).compile().as_text()
   shapes = _collective_shapes(hlo)
   assert shapes and not full & set(shapes), shapes
@@ -173,10 +173,10 @@ def test_expert_weights_stay_sharded():
 
 def test_mesh_that_does_not_divide_the_experts_is_refused():
   mesh = sharding.make_mesh(dict(expert=1), jax.devices()[:1])
-  with expert_parallel.use_mesh(mesh):
+  with mesh_context.use_mesh(mesh):
     assert expert_parallel.active_mesh(8) is None  # expert axis of 1: off
   if len(jax.devices()) >= 3:
     mesh = sharding.make_mesh(dict(expert=3), jax.devices()[:3])
-    with expert_parallel.use_mesh(mesh), pytest.raises(ValueError, match="do not split"):
+    with mesh_context.use_mesh(mesh), pytest.raises(ValueError, match="do not split"):
       expert_parallel.active_mesh(8)
   assert expert_parallel.active_mesh(8) is None  # outside the context

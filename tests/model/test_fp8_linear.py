@@ -13,7 +13,7 @@ from cases import pallas_calls
 
 from trace_jax import model as M
 from trace_jax.kernels import fp8_gemm
-from trace_jax.model import expert_parallel, fp8_linear, grouped, sharding
+from trace_jax.model import fp8_linear, grouped, mesh_context, sharding
 from trace_jax.quant import formats, qat
 
 T, D, N, E = 200, 256, 384, 4  # T: not a multiple of 128 (the WGrad's 128x1 groups pad it)
@@ -132,7 +132,7 @@ def test_dense_kernel_on_a_mesh_runs_on_each_devices_rows():
   mesh = sharding.make_mesh(dict(data=2, expert=2), jax.devices()[:4])
   rows = lambda a: jax.device_put(a, sharding.activation_sharding(mesh, a.shape))
   on_mesh = lambda *a: fwd_bwd(*a)
-  with expert_parallel.use_mesh(mesh):
+  with mesh_context.use_mesh(mesh):
     calls = pallas_calls(jax.make_jaxpr(on_mesh)(x, w, dy).jaxpr)
     got = jax.jit(on_mesh)(rows(x), w, rows(dy))
   assert len(calls) == 3 and all(inside for _, inside in calls), calls

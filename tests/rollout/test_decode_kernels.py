@@ -8,7 +8,7 @@ import pytest
 from cases import count_eqns
 
 from trace_jax import model as M
-from trace_jax.kernels import decode_attention, fp4_moe, kv_cache
+from trace_jax.kernels import kv_cache
 from trace_jax.model import expert_weights
 from trace_jax.quant import qat
 from trace_jax.rollout import engine as engine_lib
@@ -53,11 +53,11 @@ def test_kernel_decode_matches_the_reference(policy):
 
 
 @pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
-def test_packed_experts_are_the_fake_quantized_weights(words, monkeypatch):
+def test_packed_experts_are_the_fake_quantized_weights(words):
   """The engine's packed experts dequantize to the fake-quantized weights, with the codes as
-  bytes (CPU default) or as words per block (the GPU's layout, `fp4_moe.pack_for_kernel`)."""
-  monkeypatch.setattr(fp4_moe, "words_by_default", lambda: words)
-  config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=1)
+  bytes (CPU default) or as words per block (the GPU's layout; the plan's `fp4_codes`)."""
+  config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=1,
+                  fp4_codes="words" if words else "bytes")
   params = M.init_params(config, 0)
   (run,) = jax.jit(lambda p: expert_weights.prepare(p, config))(params)
   ew = jax.tree.map(lambda a: a[0], run)  # the run's one layer
@@ -168,10 +168,12 @@ def test_packed_kv_cache_holds_the_codes_and_sessions_match_the_reference():
   a three-turn session (the second turn fed as several tokens: the XLA path over the packed
   cache; the third only the pending token: a one-token decode step) gives the reference
   engine's greedy tokens."""
-  config = M.tiny(policy="fp4_trace", dtype="bfloat16", num_hidden_layers=2, vocab_size=128)
-  assert config.replace(decode_impl="kernel").packed_kv_cache
-  assert not config.packed_kv_cache and not config.replace(policy="bf16",
-                                                           decode_impl="kernel").packed_kv_cache
+  config = M.tiny(policy="fp4_trace", dtype="bfloat16", num_hidden_layers=2, vocab_size=128,
+                  decode_impl="xla")
+  kv = lambda cfg: M.resolve_plan(cfg).kv_cache
+  assert kv(config.replace(decode_impl="kernel")) == "packed"
+  assert kv(config) == "dense" and kv(config.replace(policy="bf16", decode_impl="kernel")) == \
+      "dense"
   dense, packed = (M.init_cache(config.replace(decode_impl=d), 2, 16) for d in ("xla", "kernel"))
   assert all(isinstance(c, kv_cache.PackedKVCache) for c in packed)
   nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
@@ -206,16 +208,12 @@ def test_packed_kv_cache_holds_the_codes_and_sessions_match_the_reference():
   assert turns[0] == turns[1]
 
 
-def test_packed_kv_cache_as_words_in_the_decode_step(monkeypatch):
-  """The GPU's layout on CPU: a cache whose codes are words per block (`kv_cache.
-  words_by_default` forced on), written by the layer scan's decode step and read by the words
-  decoder (forced too: interpret mode picks the bits decoder), holds the dense cache's values
-  bit for bit and gives its logits."""
-  monkeypatch.setattr(kv_cache, "words_by_default", lambda: True)
-  resolve = decode_attention.resolve_decoder
-  monkeypatch.setattr(decode_attention, "resolve_decoder",
-                      lambda d, *a, words=False: resolve("words" if words else d, *a, words=words))
-  config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=2, vocab_size=128)
+def test_packed_kv_cache_as_words_in_the_decode_step():
+  """The GPU's layout on CPU: a cache whose codes are words per block (the plan's
+  `fp4_codes="words"`), written by the layer scan's decode step and read by the words
+  decoder, holds the dense cache's values bit for bit and gives its logits."""
+  config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=2, vocab_size=128,
+                  fp4_codes="words")
   dense, packed = (M.init_cache(config.replace(decode_impl=d), 2, 16) for d in ("xla", "kernel"))
   assert all(c.words and c.k_codes.dtype == jnp.uint32 for c in packed)
   params = jax.tree.map(lambda a: a if a.ndim == 1 else a * 4.0, M.init_params(config, 3))

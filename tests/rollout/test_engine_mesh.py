@@ -15,7 +15,7 @@ from cases import assert_bits_equal, count_eqns, pallas_calls
 from jax.sharding import PartitionSpec
 
 from trace_jax import model as M
-from trace_jax.model import expert_parallel, sharding
+from trace_jax.model import expert_parallel, mesh_context, sharding
 from trace_jax.rollout import decode
 from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import SamplingParams
@@ -249,7 +249,7 @@ def test_kernel_decode_runs_the_local_experts_in_the_block():
   cache = M.init_cache(config, 2, 8)
   step = lambda e, s, c: M.decode_step(eng.params, config, c, np.zeros(2, np.int32),
                                        np.zeros(2, np.int32), experts=e, layers=s).logits
-  with expert_parallel.use_mesh(mesh, sharding.ENGINE_RULES):
+  with mesh_context.use_mesh(mesh, sharding.ENGINE_RULES):
     jaxpr = jax.make_jaxpr(step)(eng.experts, eng.layers, cache).jaxpr
   blocks = [eqn.params["jaxpr"] for eqn in _eqns(jaxpr) if eqn.primitive.name == "shard_map"]
   assert len(blocks) == len(M.layer_runs(config))  # one scan body per run of layers

@@ -1,12 +1,12 @@
 """Decode attention (one query token per sequence) over a BF16 or packed NVFP4 KV cache.
 
 `decode_attention` runs two Pallas kernels (Triton GPU lowering; `interpret=True` on CPU)
-around `attention.attention_probs`, so that its probabilities are `attention.attend`'s:
+around `attention_math.attention_probs`, so that its probabilities are `attention_math.attend`'s:
 1. scores: grid (B, G, key blocks). Program (b, g, j) takes the R = N // G query heads that
    read kv head g (padded to 16 rows, the smallest Triton dot) and key block j of the
    sequence (skipped at or beyond its length), and writes the float32 scores [R, block_t]
    (float32 dot times float32 H**-0.5, as `attend`) into [B, G, R, T].
-2. XLA: `attention.attention_probs` on those scores, the very function `attend` calls
+2. XLA: `attention_math.attention_probs` on those scores, the very function `attend` calls
    (masked beyond each length, float32 softmax, one rounding to q.dtype).
 3. PV: grid (B, G, S). Program (b, g, s) sums its share of the key blocks below the length of
    probabilities x V in float32; S = 1 writes the output in q.dtype, S > 1 each split's sums,
@@ -21,7 +21,7 @@ unnormalized probabilities: tokens of the tiny model left the reference at step 
 Packed cache (`kv_cache.PackedKVCache`): each block loads the E2M1 codes, E4M3 block scales
 and FP32 row scales and decodes them in registers (no float8 `astype`, which XLA or Triton may
 rewrite, no gathers) to `formats.nvfp4_dequantize`'s values in q.dtype, bit for bit, with one
-of two decoders (`decoder`):
+of two decoders, by the cache's codes layout (the kernel plan's `fp4_codes`):
 - "words" (the GPU's, bf16/f16; the cache's codes held as words per block,
   `PackedKVCache.as_words`): `fp4_decode.decode_words`, one table of the block's 8 results
   per (row, block), built by the thread that decodes the block, and byte-permute lookups in
@@ -30,25 +30,25 @@ of two decoders (`decoder`):
   MMA operand order (`fp4_decode.mma_order`, head_dim a multiple of 64) and q's columns are
   put in the same order outside the kernel: the dot's terms are the same, summed in another
   float32 order.
-- "bits" (interpret mode; codes as bytes or words, read as bytes): integer/bit arithmetic per
-  element (`_e2m1_half`), `(code_value * block_scale) * row_scale` in float32 (the first
+- "bits" (codes as bytes, the interpreter's layout): integer/bit arithmetic per element
+  (`_e2m1_half`), `(code_value * block_scale) * row_scale` in float32 (the first
   product exact, the second rounding once), then a cast to q.dtype.
 So the kernel's K/V are the trainer's fake-quantized values bit for bit (tests check this
 through `dequantize_pallas`, which runs the same decoders, and through the exact output at
-length 1). The bytes' per-byte table decoder (`fp4_decode.decode_blocks`, even and odd columns
-apart), the GPU default from 2026-12-02 to 12-04, is gone: on the H200 it failed
-`bench_decode_attention`'s check (err/tol 24 at 8k contexts, 2026-12-04) where the words
-decoder passes (0.145, the BF16 kernel 0.136) and runs 1.08-1.13x faster. H200 (ncu, batch
-256, 8k): the packed kernels are bound by the L1/shared-memory pipe (scores 93%, PV 84% of
-its peak; DRAM 31-33%), not by the decode's instructions: the decoded tile reaches the MMA
-through shared memory.
+length 1). A per-byte table decoder of the bytes layout is gone: on the H200 it failed the
+check of `experiments/bench/decode_attention.py` (err/tol 24 at 8k contexts) where the words
+decoder passes (0.145, the BF16 kernel 0.136) and runs 1.08-1.13x faster (docs/benchmarks.md).
+H200 (ncu, batch 256, 8k): the packed kernels are bound by the L1/shared-memory pipe (scores
+93%, PV 84% of its peak; DRAM 31-33%), not by the decode's instructions: the decoded tile
+reaches the MMA through shared memory.
 
 On a Hopper GPU the packed cache's attention takes `wgmma_attention`'s Mosaic GPU kernels
-where the shape allows (`impl`): the same probabilities and K/V values, with K decoded straight
-into wgmma's A registers and V into its shared-memory B tile (0.66x the Triton pair's time at
-batch 256, 8k).
+where the shape allows (`AttentionConfig.impl`; `wgmma_impl`, which the model asks where its
+kernel plan says `decode_attention="wgmma"`): the same probabilities and K/V values, with K
+decoded straight into wgmma's A registers and V into its shared-memory B tile (0.66x the
+Triton pair's time at batch 256, 8k).
 
-Numerics against `attention.attend` (the model's decode path, `decode_attention_reference`):
+Numerics against `attention_math.attend` (the model's decode path, `decode_attention_reference`):
 the same float32 scores up to the dot's float32 accumulation order, the same probabilities
 from them (same function), and the PV sum in float32 in another order, rounded once. On CPU
 the outputs are bit-equal to `attend`'s in nearly every element (tests). The GPU's exp and
@@ -61,6 +61,7 @@ cache row (also unwritten ones) reach every output through 0 * NaN in its PV ein
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -68,46 +69,52 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from trace_jax.kernels import fp4_decode, wgmma_attention, wgmma_decode
+from trace_jax.kernels import attention_math, common, fp4_decode, wgmma_attention, wgmma_decode
 from trace_jax.kernels.kv_cache import PackedKVCache, dequantize
 from trace_jax.quant import formats
 
-try:  # Triton-specific APIs (jax >= 0.4.31); masked loads/stores moved here from `pl`.
-  from jax.experimental.pallas import triton as plgpu
-except ImportError:  # pragma: no cover
-  plgpu = None
-
 BF16Cache = tuple[jax.Array, jax.Array]
-IMPLS = ("triton", "wgmma", "wgmma_scores")  # `decode_attention(impl=...)`
+IMPLS = ("triton", "wgmma", "wgmma_scores")  # `AttentionConfig.impl`
 MIN_ROWS = 16  # Triton's smallest dot tile along M (and N, K)
 DEFAULT_BLOCK_T = 64
+SM_COUNT = 132  # an H100/H200's; the caller passes its device's (the kernel plan's sm_count)
 
 
-# ----------------------------------------------------------------------------- version guards
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """How `decode_attention` (and `dequantize_pallas`) run.
 
-def _load(ref, idx, mask=None):
-  """Masked load of ref[idx] (lanes where mask is False are undefined; callers select)."""
-  if plgpu is not None and hasattr(plgpu, "load"):
-    return plgpu.load(ref.at[idx], mask=mask)
-  return pl.load(ref, idx, mask=mask)  # older jax
+  impl: "triton" (the Pallas kernels of the module docstring), "wgmma" (a packed cache of code
+    words on a Hopper GPU, `wgmma_attention`'s shapes: K decoded into wgmma's A registers for
+    the scores, V into shared memory for the PV sum, with the fast table, exact for every row
+    scale the quantizer makes) or "wgmma_scores" (the wgmma scores with the Triton PV kernel's
+    key splits, for fewer PV programs than SMs); `wgmma_impl` picks between them for a call.
+  table: codes as words: None picks the bf16 fast table per key block where its row scales
+    allow it, "exact" always takes the exact one (for tests), "fast" always the fast one (only
+    exact for row scales in `fp4_decode.tensor_scale_factors`' fast range).
+  block_t: keys per block of the Triton kernels (a power of two >= 16).
+  num_splits: key splits of the Triton PV kernel (None: `default_num_splits`).
+  num_warps / num_stages: Triton launch parameters.
+  sm_count: the device's SMs (the kernel plan's): the PV kernel's default key splits.
+  interpret: None runs the kernels on the GPU and the Pallas interpreter elsewhere.
+  """
+  impl: str = "triton"
+  table: str | None = None
+  block_t: int = DEFAULT_BLOCK_T
+  num_splits: int | None = None
+  num_warps: int = 4
+  num_stages: int = 2
+  sm_count: int = SM_COUNT
+  interpret: bool | None = None
 
-
-def _store(ref, idx, val, mask=None) -> None:
-  if plgpu is not None and hasattr(plgpu, "store"):
-    plgpu.store(ref.at[idx], val, mask=mask)
-  else:
-    pl.store(ref, idx, val, mask=mask)  # older jax
-
-
-def _compiler_params(num_warps: int, num_stages: int):
-  cls = getattr(plgpu, "CompilerParams", None) or getattr(pl, "TritonCompilerParams", None)
-  if cls is None:  # pragma: no cover
-    return {"triton": {"num_warps": num_warps, "num_stages": num_stages}}
-  return cls(num_warps=num_warps, num_stages=num_stages)
-
-
-def _default_interpret() -> bool:
-  return jax.default_backend() != "gpu"
+  def __post_init__(self):
+    if self.impl not in IMPLS:
+      raise ValueError(f"AttentionConfig: impl must be one of {IMPLS}, got {self.impl!r}")
+    if self.table not in (None, *fp4_decode.TABLES):
+      raise ValueError(f"AttentionConfig: table must be one of {(None, *fp4_decode.TABLES)}, "
+                       f"got {self.table!r}")
+    if self.block_t < MIN_ROWS or self.block_t & (self.block_t - 1):
+      raise ValueError(f"block_t must be a power of two >= {MIN_ROWS}, got {self.block_t}")
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -185,27 +192,16 @@ def _block_bits(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype != jnp.uint8 else x
 
 
-def resolve_decoder(decoder: str | None, dtype: jnp.dtype, interpret: bool,
-                    words: bool = False) -> str:
-  """The packed-cache decoder: "words" (codes held as words, `PackedKVCache.as_words`, bf16 or
-  f16) or "bits" (any layout in interpret mode; bytes on the GPU). None picks "words" for a
-  cache of words on the GPU and "bits" otherwise (in interpret mode the words' byte-permute
-  emulation is the slower one)."""
-  if decoder not in (None, "words", "bits"):
-    raise ValueError(f"decoder must be 'words', 'bits' or None, got {decoder!r}")
-  runs = fp4_decode.supported_dtype(dtype) and (interpret or fp4_decode.ASM_AVAILABLE)
-  if decoder is None:
-    decoder = "words" if words and runs and not interpret else "bits"
-  if decoder == "words" and not words:
-    raise ValueError("decoder='words' needs the codes held as words (PackedKVCache.as_words)")
-  if decoder == "words" and not runs:
-    raise ValueError(f"the words decoder produces bf16/f16 with Pallas' Triton inline "
-                     f"assembly; got {jnp.dtype(dtype)} (asm available: "
-                     f"{fp4_decode.ASM_AVAILABLE})")
-  if decoder == "bits" and words and not interpret:
-    raise ValueError("on the GPU a cache of code words decodes with 'words' (bf16/f16); for "
-                     "the bits decoder hold the codes as bytes (PackedKVCache.as_bytes)")
-  return decoder
+def _check_words(words: bool, dtype: jnp.dtype, interpret: bool) -> None:
+  """A cache of code words decodes with the words decoder: bf16/f16, with Pallas' Triton
+  inline assembly on the GPU (in interpret mode its programs run as jnp integer ops)."""
+  if not words:
+    return
+  if not fp4_decode.supported_dtype(dtype):
+    raise ValueError(f"a cache of code words decodes to bf16/f16 (the words decoder), got "
+                     f"{jnp.dtype(dtype)}; hold the codes as bytes (PackedKVCache.as_bytes)")
+  if not interpret and not fp4_decode.ASM_AVAILABLE:
+    raise ValueError("a cache of code words needs Pallas' Triton inline assembly on the GPU")
 
 
 def decode_words_rows(words: jax.Array, block_bits: jax.Array, row: jax.Array,
@@ -227,10 +223,11 @@ def decode_words_rows(words: jax.Array, block_bits: jax.Array, row: jax.Array,
 
 
 def _kv_tile(refs, lyr, b, g, t0: int, ok: jax.Array, block_t: int, dtype, *, packed: bool,
-             decoder: str, asm: bool, table: str | None, order: str = "natural") -> jax.Array:
+             asm: bool, table: str | None, order: str = "natural") -> jax.Array:
   """K or V rows t0 .. t0 + block_t of (layer lyr, sequence b, kv head g) in dtype: [bt, H]
-  (decoder "words": in `order`). Rows outside `ok` come out zero (masked loads leave them
-  undefined, and 0 * NaN would reach the PV sum)."""
+  (codes as words: the words decoder, in `order`; as bytes: the bits decoder). Rows outside
+  `ok` come out zero (masked loads leave them undefined, and 0 * NaN would reach the PV
+  sum)."""
   rows = pl.ds(t0, block_t)
   if packed:
     c_ref, b_ref, r_ref = refs
@@ -238,26 +235,24 @@ def _kv_tile(refs, lyr, b, g, t0: int, ok: jax.Array, block_t: int, dtype, *, pa
     mask_of = lambda shape: jnp.broadcast_to(ok.reshape((block_t,) + (1,) * len(shape)),
                                              (block_t,) + shape)
     tail = (slice(None),) * (2 if words else 1)
-    codes = _load(c_ref, (lyr, b, rows, g, *tail), mask_of(tuple(c_ref.shape[4:]) if words
-                                                           else (c_ref.shape[-1],)))
-    bits = _load(b_ref, (lyr, b, rows, g, slice(None)), mask_of((b_ref.shape[-1],)))
-    row = _load(r_ref, (lyr, b, rows, g), ok)
-    if decoder == "words":
+    code_shape = tuple(c_ref.shape[4:]) if words else (c_ref.shape[-1],)
+    codes = common.masked_load(c_ref, (lyr, b, rows, g, *tail), mask_of(code_shape))
+    bits = common.masked_load(b_ref, (lyr, b, rows, g, slice(None)), mask_of((b_ref.shape[-1],)))
+    row = common.masked_load(r_ref, (lyr, b, rows, g), ok)
+    if words:
       return decode_words_rows(codes, bits, row, dtype, asm=asm, valid=ok, table=table,
                                order=order)
-    if words:  # the bits decoder on words (interpret mode): their bytes
-      codes = fp4_decode.from_words(codes)
     return decode_nvfp4_rows(codes, bits, row, dtype, valid=ok)
   (ref,) = refs
   mask = jnp.broadcast_to(ok[:, None], (block_t, ref.shape[-1]))
-  x = _load(ref, (lyr, b, rows, g, slice(None)), mask).astype(dtype)
+  x = common.masked_load(ref, (lyr, b, rows, g, slice(None)), mask).astype(dtype)
   return jnp.where(mask, x, jnp.zeros((), dtype))
 
 
-def _scores_kernel(layer_ref, len_ref, q_ref, *refs, packed: bool, decoder: str, asm: bool,
+def _scores_kernel(layer_ref, len_ref, q_ref, *refs, packed: bool, asm: bool,
                    table: str | None, order: str, r: int, block_t: int, scale: float):
   """Program (b, g, j): float32 scores of key block j for the R query heads of kv head g, as
-  `attention.attend` computes them (float32 dot times float32 H**-0.5); blocks at or beyond
+  `attention_math.attend` computes them (float32 dot times float32 H**-0.5); blocks at or beyond
   the sequence's length are skipped (left unwritten)."""
   k_refs, s_ref = refs[:-1], refs[-1]
   b, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -268,16 +263,16 @@ def _scores_kernel(layer_ref, len_ref, q_ref, *refs, packed: bool, decoder: str,
   def _():
     ok = t0 + jnp.arange(block_t) < length
     k = _kv_tile(k_refs, layer_ref[0], b, g, t0, ok, block_t, q_ref.dtype, packed=packed,
-                 decoder=decoder, asm=asm, table=table, order=order)
+                 asm=asm, table=table, order=order)
     s = jax.lax.dot_general(q_ref[b, g], k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)        # [Rp, block_t]
     s = s * np.float32(scale)
     rp = s.shape[0]
     mask = (jnp.arange(rp) < r)[:, None] & ok[None, :]
-    _store(s_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), s, mask)
+    common.masked_store(s_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), s, mask)
 
 
-def _pv_kernel(layer_ref, len_ref, p_ref, *refs, packed: bool, decoder: str, asm: bool,
+def _pv_kernel(layer_ref, len_ref, p_ref, *refs, packed: bool, asm: bool,
                table: str | None, r: int, block_t: int, blocks_per_split: int, splits: int):
   """Program (b, g, split): sum over this split's key blocks of probabilities x V in float32;
   the output (one split) or the split's partial sums."""
@@ -293,36 +288,24 @@ def _pv_kernel(layer_ref, len_ref, p_ref, *refs, packed: bool, decoder: str, asm
   def body(i, acc):
     t0 = pl.multiple_of(i * block_t, block_t)
     ok = t0 + jnp.arange(block_t) < length
-    p = _load(p_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), row_ok & ok[None, :])
+    p = common.masked_load(p_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), row_ok & ok[None, :])
     p = jnp.where(row_ok & ok[None, :], p, jnp.zeros((), dtype))
     v = _kv_tile(v_refs, layer_ref[0], b, g, t0, ok, block_t, dtype, packed=packed,
-                 decoder=decoder, asm=asm, table=table)
+                 asm=asm, table=table)
     return acc + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())),
                                      preferred_element_type=jnp.float32)
 
   acc = jax.lax.fori_loop(first, last, body, jnp.zeros((rp, width), jnp.float32))
   idx = (b, g) if splits == 1 else (b, g, si)
-  _store(o_ref, idx + (slice(None), slice(None)), acc.astype(o_ref.dtype),
+  common.masked_store(o_ref, idx + (slice(None), slice(None)), acc.astype(o_ref.dtype),
          jnp.broadcast_to(row_ok, (rp, width)))
 
 
-def _next_pow2(x: int) -> int:
-  return 1 << max(int(x) - 1, 0).bit_length()
-
-
-def _sm_count() -> int:
-  """The device's SM count (132, an H100/H200's, off-GPU)."""
-  try:
-    return int(getattr(jax.devices()[0], "core_count", 0)) or 132
-  except Exception:  # pragma: no cover
-    return 132
-
-
-def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int) -> int:
-  """Key splits of the PV kernel so that about 2 programs per SM run (132 SMs assumed
-  off-GPU), with at least 4 key blocks per split."""
-  sms = _sm_count()
-  want = -(-2 * sms // max(batch * num_kv_heads, 1))
+def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int,
+                       sm_count: int = SM_COUNT) -> int:
+  """Key splits of the PV kernel so that about 2 programs per SM run on a GPU of `sm_count`
+  SMs, with at least 4 key blocks per split."""
+  want = -(-2 * sm_count // max(batch * num_kv_heads, 1))
   return int(max(1, min(want, num_blocks // 4)))
 
 
@@ -336,81 +319,110 @@ def _cache_arrays(cache, packed: bool) -> tuple[tuple[jax.Array, ...], tuple[jax
           (cache.v_codes, bits(cache.v_block), cache.v_row))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_t", "num_splits", "num_warps",
-                                             "num_stages", "decoder", "table", "words_order",
-                                             "impl", "wgmma_tiles"))
-def _decode_attention(q, cache, lengths, layer, *, interpret: bool, block_t: int,
-                      num_splits: int, num_warps: int, num_stages: int, decoder: str = "bits",
-                      table: str | None = None, words_order: str = "mma",
-                      impl: str = "triton", wgmma_tiles: int = 4):
-  from trace_jax.model import attention  # here: trace_jax.model imports this module
+def _scores(q, ks, lengths, lyr, *, packed: bool, config: AttentionConfig,
+            interpret: bool) -> jax.Array:
+  """float32 scores [B, G, R, T] of the Triton scores kernel or wgmma's."""
+  b, n, h = q.shape
+  t, g = ks[0].shape[2], ks[0].shape[3]
+  r = n // g
+  scale = attention_math.score_scale(h)
+  if config.impl in ("wgmma", "wgmma_scores"):  # K decoded into wgmma's A registers (Mosaic GPU)
+    kc, kbits, krow = ks
+    qw = jnp.take(q.reshape(b, g, r, h), wgmma_decode.column_order(h), axis=-1)
+    return wgmma_attention.scores(qw, kc.reshape(kc.shape[:4] + (h // 8,)), kbits, krow,
+                                  lengths, lyr, scale=float(scale))
+  rp = max(MIN_ROWS, common.next_pow2(r))
+  qg = jnp.pad(q.reshape(b, g, r, h), ((0, 0), (0, 0), (0, rp - r), (0, 0)))
+  # codes as words: K decoded in the MMA operand order where H allows it, q's columns alike
+  words = packed and ks[0].dtype == jnp.uint32
+  order = "mma" if words and h % fp4_decode.MMA_ORDER_SPAN == 0 else "natural"
+  if order == "mma":
+    qg = fp4_decode.mma_order_columns(qg)
+  return pl.pallas_call(
+      functools.partial(_scores_kernel, packed=packed, asm=not interpret, table=config.table,
+                        order=order, r=r, block_t=config.block_t, scale=scale),
+      grid=(b, g, -(-t // config.block_t)),
+      out_shape=jax.ShapeDtypeStruct((b, g, r, t), jnp.float32), interpret=interpret,
+      compiler_params=None if interpret else common.compiler_params(config.num_warps,
+                                                                    config.num_stages),
+      name="decode_attention_scores_nvfp4" if packed else "decode_attention_scores",
+  )(lyr, lengths, qg, *ks)
 
+
+def _pv(probs, vs, lengths, lyr, h: int, *, packed: bool, config: AttentionConfig,
+        num_splits: int, interpret: bool) -> jax.Array:
+  """[B, G, R, H]: probabilities [B, G, R, T] times V, by the Triton PV kernel (its key splits
+  summed in float32 by XLA) or wgmma's."""
+  b, g, r, t = probs.shape
+  if config.impl == "wgmma":  # V decoded into shared memory, probabilities in wgmma's A registers
+    vc, vbits, vrow = vs
+    out = wgmma_attention.pv(probs, vc.reshape(vc.shape[:4] + (h // 8,)), vbits, vrow,
+                             lengths, lyr)
+    return jnp.take(out, np.argsort(wgmma_decode.column_order(h)), axis=-1)
+  rp = max(MIN_ROWS, common.next_pow2(r))
+  nblk = -(-t // config.block_t)
+  bps = -(-nblk // max(1, min(num_splits, nblk)))
+  splits = -(-nblk // bps)  # no split without blocks
+  if splits == 1:
+    out_shape = jax.ShapeDtypeStruct((b, g, rp, h), probs.dtype)
+  else:
+    out_shape = jax.ShapeDtypeStruct((b, g, splits, rp, h), jnp.float32)
+  out = pl.pallas_call(
+      functools.partial(_pv_kernel, packed=packed, asm=not interpret, table=config.table, r=r,
+                        block_t=config.block_t, blocks_per_split=bps, splits=splits),
+      grid=(b, g, splits), out_shape=out_shape, interpret=interpret,
+      compiler_params=None if interpret else common.compiler_params(config.num_warps,
+                                                                    config.num_stages),
+      name="decode_attention_pv_nvfp4" if packed else "decode_attention_pv",
+  )(lyr, lengths, probs, *vs)
+  if splits > 1:
+    out = jnp.sum(out, axis=2).astype(probs.dtype)
+  return out[:, :, :r]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_splits", "interpret"))
+def _decode_attention(q, cache, lengths, layer, *, config: AttentionConfig, num_splits: int,
+                      interpret: bool):
   packed = isinstance(cache, PackedKVCache)
   if layer is None:  # one layer: a leading axis of 1 (a free reshape)
     cache = jax.tree.map(lambda a: a[None], cache)
     layer = jnp.zeros((), jnp.int32)
   ks, vs = _cache_arrays(cache, packed)
   b, n, h = q.shape
-  t, g = ks[0].shape[2], ks[0].shape[3]
-  r = n // g
-  rp = max(MIN_ROWS, _next_pow2(r))
-  nblk = -(-t // block_t)
-  splits = max(1, min(num_splits, nblk))
-  bps = -(-nblk // splits)
-  splits = -(-nblk // bps)  # no split without blocks
-  qg = q.reshape(b, g, r, h)
-  if rp != r:
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rp - r), (0, 0)))
-  # words: K decoded in the MMA operand order where H allows it, q's columns in the same order
-  k_order = "mma" if (decoder == "words" and words_order == "mma"
-                      and h % fp4_decode.MMA_ORDER_SPAN == 0) else "natural"
-  if k_order == "mma":
-    qg = fp4_decode.mma_order_columns(qg)
+  t = ks[0].shape[2]
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
-  params = None if interpret else _compiler_params(num_warps, num_stages)
-  if impl in ("wgmma", "wgmma_scores"):  # K decoded into wgmma's A registers (Mosaic GPU)
-    kc, kbits, krow = ks
-    qw = jnp.take(q.reshape(b, g, r, h), wgmma_decode.column_order(h), axis=-1)
-    scores = wgmma_attention.scores(qw, kc.reshape(kc.shape[:4] + (h // 8,)), kbits, krow,
-                                 lengths, lyr, scale=float(attention.score_scale(h)),
-                                 tiles_per_program=wgmma_tiles)
-  else:
-    scores = pl.pallas_call(
-        functools.partial(_scores_kernel, packed=packed, decoder=decoder,
-                          asm=not interpret, table=table, order=k_order, r=r,
-                          block_t=block_t, scale=attention.score_scale(h)),
-        grid=(b, g, nblk), out_shape=jax.ShapeDtypeStruct((b, g, r, t), jnp.float32),
-        interpret=interpret, compiler_params=params,
-        name="decode_attention_scores_nvfp4" if packed else "decode_attention_scores",
-    )(lyr, lengths, qg, *ks)
+  scores = _scores(q, ks, lengths, lyr, packed=packed, config=config, interpret=interpret)
   # `attend`'s probabilities from the same scores: masked beyond each length (blocks the
   # kernel skipped hold no data and are masked), float32 softmax, one rounding.
   mask = (jnp.arange(t)[None, :] < lengths[:, None])[:, None, None, None, :]
-  probs = attention.attention_probs(scores[:, :, :, None, :], mask, q.dtype)[:, :, :, 0, :]
-  if impl == "wgmma":  # V decoded into shared memory, probabilities in wgmma's A registers
-    vc, vbits, vrow = vs
-    out = wgmma_attention.pv(probs, vc.reshape(vc.shape[:4] + (h // 8,)), vbits, vrow,
-                             lengths, lyr)
-    inverse = np.argsort(wgmma_decode.column_order(h))
-    return jnp.take(out, inverse, axis=-1).reshape(b, n, h)
-  if splits == 1:
-    out_shape = jax.ShapeDtypeStruct((b, g, rp, h), q.dtype)
-  else:
-    out_shape = jax.ShapeDtypeStruct((b, g, splits, rp, h), jnp.float32)
-  out = pl.pallas_call(
-      functools.partial(_pv_kernel, packed=packed, decoder=decoder,
-                        asm=not interpret, table=table, r=r, block_t=block_t,
-                        blocks_per_split=bps, splits=splits),
-      grid=(b, g, splits), out_shape=out_shape, interpret=interpret, compiler_params=params,
-      name="decode_attention_pv_nvfp4" if packed else "decode_attention_pv",
-  )(lyr, lengths, probs, *vs)
-  if splits > 1:
-    out = jnp.sum(out, axis=2).astype(q.dtype)
-  return out[:, :, :r].reshape(b, n, h)
+  probs = attention_math.attention_probs(scores[:, :, :, None, :], mask,
+                                         q.dtype)[:, :, :, 0, :]
+  out = _pv(probs, vs, lengths, lyr, h, packed=packed, config=config, num_splits=num_splits,
+            interpret=interpret)
+  return out.reshape(b, n, h)
 
 
-def _check(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: jax.Array, block_t: int,
+def wgmma_impl(q: jax.Array, cache: PackedKVCache | BF16Cache, *,
+               layer: jax.Array | None = None, interpret: bool | None = None,
+               sm_count: int = SM_COUNT) -> str:
+  """The wgmma kernels' impl for this call where they run (a packed cache of code words on a
+  GPU with the Mosaic GPU API, `wgmma_attention.supported`'s shapes): "wgmma" where B x G
+  gives at least one PV program per SM (`sm_count`), "wgmma_scores" (the wgmma scores with the
+  Triton PV kernel's key splits) where it gives fewer; else "triton". On the H200 the pair
+  took 0.66x the Triton pair's time at batch 256 x 8k (docs/benchmarks.md)."""
+  if not isinstance(cache, PackedKVCache) or not cache.words:
+    return "triton"
+  interpret = common.default_interpret() if interpret is None else interpret
+  if interpret or not wgmma_decode.available():
+    return "triton"
+  b, t, g = cache.k_codes.shape[(0 if layer is None else 1):][:3]
+  if not wgmma_attention.supported(q.shape[-1], q.shape[1] // g, t, q.dtype):
+    return "triton"
+  return "wgmma" if b * g >= sm_count else "wgmma_scores"
+
+
+def _check(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: jax.Array,
            layer: jax.Array | None) -> None:
   if q.ndim != 3:
     raise ValueError(f"q must be [B, N, H] (one query token per sequence), got {q.shape}")
@@ -439,73 +451,46 @@ def _check(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: jax.Array, b
     raise ValueError(f"lengths must be [B] = ({b},), got {lengths.shape}")
   if layer is not None and jnp.shape(layer) != ():
     raise ValueError(f"layer must be a scalar, got {jnp.shape(layer)}")
-  if block_t < MIN_ROWS or block_t & (block_t - 1):
-    raise ValueError(f"block_t must be a power of two >= {MIN_ROWS}, got {block_t}")
   if h < MIN_ROWS or h & (h - 1):
     raise ValueError(f"head_dim must be a power of two >= {MIN_ROWS}, got {h}")
 
 
 def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: jax.Array, *,
-                     layer: jax.Array | None = None, interpret: bool | None = None,
-                     block_t: int = DEFAULT_BLOCK_T, num_splits: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2, decoder: str | None = None,
-                     table: str | None = None, words_order: str = "mma",
-                     impl: str | None = None, wgmma_tiles: int = 4) -> jax.Array:
+                     layer: jax.Array | None = None,
+                     config: AttentionConfig = AttentionConfig()) -> jax.Array:
   """Attention of one query token per sequence over its cache: q [B, N, H] -> [B, N, H].
 
-  cache: a `PackedKVCache` (NVFP4) or BF16 (k, v), each [B, T, G, H]; with `layer` (int32
-  scalar, may be traced: a scan over layers) every array has a leading layer axis [L, ...]
-  and layer `layer` is read in place (slicing it out first would copy it at every step).
-  lengths [B]: keys 0..lengths-1 are valid (the cache already holds the current token;
-  lengths >= 1; 0 gives zeros). Query head n reads kv head n // (N // G). interpret=None:
-  interpret off-GPU. num_splits=None: `default_num_splits` (PV kernel). decoder (packed
-  cache): "words", "bits" or None (`resolve_decoder`); table (decoder "words"): None picks the
-  bf16 fast table per key block where its row scales allow it, "exact" always takes the exact
-  one (for tests), "fast" always the fast one (only exact for row scales in
-  `fp4_decode.tensor_scale_factors`' fast range). words_order (decoder "words"): K decoded in
-  the "mma" operand order (head_dim a multiple of 64; q's columns permuted to match) or
-  "natural" (measured slower on the H200). impl: "triton" (the Pallas kernels above), "wgmma"
-  (packed words cache on the GPU, `wgmma_attention`'s shapes: K decoded into wgmma's A
-  registers for the scores, V into shared memory for the PV sum, with the fast table, exact for
-  every row scale the quantizer makes; `wgmma_tiles` 64-key tiles per scores program),
-  "wgmma_scores" (the wgmma scores, the Triton PV kernel with its key splits) or None: "wgmma"
-  where it runs with at least one PV program per SM (B x G), "wgmma_scores" where it runs with
-  fewer, else "triton" (also for table="exact"). Output in q.dtype; numerics: the module's.
+  cache: a `PackedKVCache` (NVFP4; codes as words take the words decoder, as bytes the bits
+  decoder) or BF16 (k, v), each [B, T, G, H]; with `layer` (int32 scalar, may be traced: a
+  scan over layers) every array has a leading layer axis [L, ...] and layer `layer` is read
+  in place (slicing it out first would copy it at every step). lengths [B]: keys
+  0..lengths-1 are valid (the cache already holds the current token; lengths >= 1; 0 gives
+  zeros). Query head n reads kv head n // (N // G). config: the kernels and their tiles
+  (`AttentionConfig`). Output in q.dtype; numerics: the module's.
   """
-  _check(q, cache, lengths, block_t, layer)
-  if impl not in (None, *IMPLS):
-    raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
-  if words_order not in ("mma", "natural"):
-    raise ValueError(f"words_order must be 'mma' or 'natural', got {words_order!r}")
-  if interpret is None:
-    interpret = _default_interpret()
+  _check(q, cache, lengths, layer)
+  interpret = common.default_interpret() if config.interpret is None else config.interpret
   packed = isinstance(cache, PackedKVCache)
   lead = 0 if layer is None else 1
   b, t, g = (cache.k_codes if packed else cache[0]).shape[lead:lead + 3]
+  if packed:
+    _check_words(cache.words, q.dtype, bool(interpret))
+  num_splits = config.num_splits
   if num_splits is None:
-    num_splits = default_num_splits(b, g, -(-t // block_t))
-  decoder = resolve_decoder(decoder, q.dtype, bool(interpret),
-                            words=cache.words) if packed else "bits"
-  wgmma_ok = (packed and not interpret and cache.words and wgmma_decode.available()
-              and wgmma_attention.supported(q.shape[-1], q.shape[1] // g, t, q.dtype))
-  if impl is None:
-    impl = "triton"
-    if wgmma_ok and decoder == "words" and table != "exact":
-      impl = "wgmma" if b * g >= _sm_count() else "wgmma_scores"
-  if impl != "triton":
-    if table == "exact":
-      raise ValueError(f"impl={impl!r} builds the fast table only (exact for every row scale "
-                       "the quantizer makes); table='exact' needs impl='triton'")
-    if not wgmma_ok:
-      raise ValueError(f"impl={impl!r} needs a packed cache of code words on the GPU, "
-                       f"bf16, {wgmma_attention.ROWS} query heads per kv head, head_dim a multiple "
-                       f"of {wgmma_decode.SPAN} and a context a multiple of "
+    num_splits = default_num_splits(b, g, -(-t // config.block_t), config.sm_count)
+  if config.impl != "triton":
+    if config.table == "exact":
+      raise ValueError(f"impl={config.impl!r} builds the fast table only (exact for every row "
+                       "scale the quantizer makes); table='exact' needs impl='triton'")
+    ok = (packed and not interpret and cache.words and wgmma_decode.available()
+          and wgmma_attention.supported(q.shape[-1], q.shape[1] // g, t, q.dtype))
+    if not ok:
+      raise ValueError(f"impl={config.impl!r} needs a packed cache of code words on the GPU, "
+                       f"bf16, {wgmma_attention.ROWS} query heads per kv head, head_dim a "
+                       f"multiple of {wgmma_decode.SPAN} and a context a multiple of "
                        f"{wgmma_decode.TILE}; got q {q.shape} {q.dtype}, T={t}")
-  return _decode_attention(q, cache, lengths, layer, interpret=bool(interpret),
-                           block_t=block_t, num_splits=int(num_splits), num_warps=num_warps,
-                           num_stages=num_stages, decoder=decoder, table=table,
-                           words_order=words_order, impl=impl,
-                           wgmma_tiles=int(wgmma_tiles))
+  return _decode_attention(q, cache, lengths, layer, config=config, num_splits=int(num_splits),
+                           interpret=bool(interpret))
 
 
 # ----------------------------------------------------------------------------- references
@@ -513,16 +498,14 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
 def decode_attention_reference(q: jax.Array, cache: PackedKVCache | BF16Cache,
                                lengths: jax.Array) -> jax.Array:
   """The same contract in plain JAX: dequantize (packed) or cast the cache to q.dtype, then
-  `attention.attend` with query position lengths - 1 (the model's decode path)."""
-  from trace_jax.model import attention  # here: trace_jax.model imports this module
-
+  `attention_math.attend` with query position lengths - 1 (the model's decode path)."""
   if isinstance(cache, PackedKVCache):
     k, v = dequantize(cache, q.dtype)
   else:
     k, v = (a.astype(q.dtype) for a in cache)
   b, t = k.shape[:2]
   key_pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-  out = attention.attend(q[:, None], k, v, (lengths.astype(jnp.int32) - 1)[:, None], key_pos)
+  out = attention_math.attend(q[:, None], k, v, (lengths.astype(jnp.int32) - 1)[:, None], key_pos)
   return out[:, 0]
 
 
@@ -548,22 +531,22 @@ def output_tolerance(v: jax.Array, lengths: jax.Array, ref: jax.Array,
 
 # ----------------------------------------------------------------------------- dequantize kernel
 
-def _dequant_kernel(c_ref, b_ref, r_ref, o_ref, *, block_t: int, t: int, decoder: str,
-                    asm: bool, table: str | None):
+def _dequant_kernel(c_ref, b_ref, r_ref, o_ref, *, block_t: int, t: int, asm: bool,
+                    table: str | None):
   """Program i: rows i * block_t .. of a [1, 1, t, 1, ...] cache, decoded by `_kv_tile`."""
   t0 = pl.program_id(0) * block_t
   ok = t0 + jnp.arange(block_t) < t
   zero = jnp.int32(0)  # layer, sequence and kv head of the flat view
   x = _kv_tile((c_ref, b_ref, r_ref), zero, zero, zero, t0, ok, block_t, o_ref.dtype,
-               packed=True, decoder=decoder, asm=asm, table=table)
-  _store(o_ref, (pl.ds(t0, block_t), slice(None)), x,
-         jnp.broadcast_to(ok[:, None], (block_t, o_ref.shape[-1])))
+               packed=True, asm=asm, table=table)
+  common.masked_store(o_ref, (pl.ds(t0, block_t), slice(None)), x,
+                      jnp.broadcast_to(ok[:, None], (block_t, o_ref.shape[-1])))
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block_t", "decoder",
-                                             "num_warps", "table"))
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block_t", "num_warps",
+                                             "table"))
 def _dequantize_pallas(codes, block, row, *, dtype, interpret: bool, block_t: int,
-                       decoder: str = "bits", num_warps: int = 4, table: str | None = None):
+                       num_warps: int = 4, table: str | None = None):
   words = codes.dtype == jnp.uint32
   lead = row.shape
   h = block.shape[-1] * formats.NVFP4_BLOCK
@@ -572,25 +555,23 @@ def _dequantize_pallas(codes, block, row, *, dtype, interpret: bool, block_t: in
   c = flat(codes, codes.shape[-2:] if words else codes.shape[-1:])
   bb, rr = flat(_block_bits(block), block.shape[-1:]), flat(row, ())
   out = pl.pallas_call(
-      functools.partial(_dequant_kernel, block_t=block_t, t=t, decoder=decoder,
-                        asm=not interpret, table=table),
+      functools.partial(_dequant_kernel, block_t=block_t, t=t, asm=not interpret,
+                        table=table),
       grid=(-(-t // block_t),), out_shape=jax.ShapeDtypeStruct((t, h), dtype),
-      interpret=interpret, compiler_params=_compiler_params(num_warps, 1),
+      interpret=interpret, compiler_params=common.compiler_params(num_warps, 1),
       name="nvfp4_kv_dequantize")(c, bb, rr)
   return out.reshape(lead + (h,))
 
 
 def dequantize_pallas(cache: PackedKVCache, dtype: jnp.dtype = jnp.bfloat16, *,
-                      interpret: bool | None = None, block_t: int = DEFAULT_BLOCK_T,
-                      decoder: str | None = None,
-                      table: str | None = None) -> tuple[jax.Array, jax.Array]:
+                      config: AttentionConfig = AttentionConfig()
+                      ) -> tuple[jax.Array, jax.Array]:
   """(k, v) [B, T, G, H] decoded by the attention kernels' in-register decoder (`_kv_tile`,
-  in a Pallas kernel of its own), so tests can compare its bits with `kv_cache.dequantize`.
-  decoder, table: as in `decode_attention`."""
-  if interpret is None:
-    interpret = _default_interpret()
-  decoder = resolve_decoder(decoder, dtype, bool(interpret), words=cache.words)
+  in a Pallas kernel of its own; the cache's codes layout picks it), so tests can compare its
+  bits with `kv_cache.dequantize`. config: block_t, table, num_warps and interpret apply."""
+  interpret = common.default_interpret() if config.interpret is None else config.interpret
+  _check_words(cache.words, dtype, bool(interpret))
   f = functools.partial(_dequantize_pallas, dtype=jnp.dtype(dtype), interpret=bool(interpret),
-                        block_t=block_t, decoder=decoder, table=table)
+                        block_t=config.block_t, num_warps=config.num_warps, table=config.table)
   return (f(cache.k_codes, cache.k_block, cache.k_row),
           f(cache.v_codes, cache.v_block, cache.v_row))

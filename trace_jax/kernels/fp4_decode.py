@@ -57,13 +57,12 @@ lowers one result per inline-asm statement, so each table / result register is i
 statement holding the whole program: ptxas removes the unused parts and merges the
 duplicates (the counts above are after that).
 
-Layout assumption of the lookup (`lookup`): Triton hands the inline assembly 4 consecutive
-elements (bytes) of a thread's register list at a time; each pair of them must be adjacent
-bytes of one block (the lookup reads byte 0's table for bytes 0 and 1, byte 2's for bytes 2
-and 3). It holds for every layout Triton 3.6 gave the kernels' code tiles (runs of 4 or 8
-contiguous bytes of a row per thread, 8-byte aligned blocks), for tiles of at least 4 bytes
-per thread (`lookup_supported`, which the kernels check before choosing this decoder); the
-kernels' bit-exact GPU tests would catch another.
+Layout: the codes are held as words per block (`to_words`: a block's 8 code bytes as two
+little-endian uint32 words), so a tile of words [R, kb] has the block scales' shape [R, kb]
+and, whatever register layout Triton gives it, each block's table is built by the one thread
+that decodes it (`decode_words`). The decoder that looked codes up as bytes needed 4
+consecutive bytes of one block per thread, rebuilt each table in 4 threads, and failed the
+packed attention's check at 8k contexts on the H200; it is gone (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -76,7 +75,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax.quant import exact, formats
+from trace_jax.quant import exact
 
 try:  # Triton-specific Pallas API (jax >= 0.4.31)
   from jax.experimental.pallas import triton as _plgpu
@@ -84,12 +83,6 @@ except ImportError:  # pragma: no cover
   _plgpu = None
 
 ASM_AVAILABLE = _plgpu is not None and hasattr(_plgpu, "elementwise_inline_asm")
-# Whether the kernels pick the table decoder when `decoder=None` on the GPU. On since the H200
-# run of 2026-12-02 (jax 0.11.2, Triton): tests/kernels/test_fp4_decode.py passed on the GPU
-# (51 tests, bits equal to formats.nvfp4_dequantize) and the MoE decode kernel ran 1.04-1.61x
-# faster with it than with the float16 decoder in 5 of 6 Qwen3 shapes (0.88x at batch 8,
-# down projection; docs/benchmarks.md). decoder="float16" keeps the old decoder.
-TABLE_BY_DEFAULT = True
 BLOCK = 16
 _U32 = jnp.uint32
 _DTYPES = (jnp.bfloat16, jnp.float16)  # compute dtypes the table decoder produces
@@ -98,24 +91,6 @@ _DTYPES = (jnp.bfloat16, jnp.float16)  # compute dtypes the table decoder produc
 def supported_dtype(dtype: Any) -> bool:
   """True for the compute dtypes of the table decoder (2-byte floats)."""
   return jnp.dtype(dtype) in tuple(jnp.dtype(d) for d in _DTYPES)
-
-
-def choose(decoder: str | None, fallback: str, dtype: Any, rows: int, row_bytes: int,
-           num_warps: int, interpret: bool) -> str:
-  """A kernel's packed-NVFP4 decoder: `decoder` checked, or None -> "table" where it runs and
-  is the default (`TABLE_BY_DEFAULT`, on the GPU only: in interpret mode its byte-permute
-  emulation is the slower one), else the kernel's own `fallback`. rows x row_bytes: the code
-  tile one program decodes at a time."""
-  ok = supported_dtype(dtype) and (interpret or lookup_supported(rows, row_bytes, num_warps))
-  if decoder is None:
-    return "table" if ok and not interpret and TABLE_BY_DEFAULT else fallback
-  if decoder not in ("table", fallback):
-    raise ValueError(f"decoder must be one of {('table', fallback)} or None, got {decoder!r}")
-  if decoder == "table" and not ok:
-    raise ValueError(f"decoder='table' needs bf16/f16 and >= 4 code bytes per thread on the "
-                     f"GPU; got {jnp.dtype(dtype)}, tile {rows} x {row_bytes} code bytes, "
-                     f"{num_warps} warps")
-  return decoder
 
 
 def _u32(x: int) -> np.uint32:
@@ -141,8 +116,8 @@ def prmt_jnp(a: jax.Array, b: jax.Array, sel: jax.Array | int) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- tiny programs
-# Each program below is written once against an "ops" object: `_JnpOps` runs it on uint32 jnp
-# arrays (the interpret-mode path and the tests), `_PtxOps` renders it as PTX for the GPU.
+# Each program below is written once against an "ops" object: `JnpOps` runs it on uint32 jnp
+# arrays (the interpret-mode path and the tests), `PtxOps` renders it as PTX for the GPU.
 
 _BF16 = jnp.dtype(jnp.bfloat16)
 
@@ -151,7 +126,7 @@ def _is_bf16(dtype: Any) -> bool:
   return jnp.dtype(dtype) == _BF16
 
 
-class _JnpOps:
+class JnpOps:
   """Executes a decode program on uint32 jnp arrays (float inputs: float32 arrays)."""
 
   def __init__(self, dtype: Any = jnp.bfloat16):
@@ -192,7 +167,7 @@ class _JnpOps:
     return self._bits(lo) | (self._bits(hi) << _u32(16))
 
 
-class _PtxOps:
+class PtxOps:
   """Renders a decode program as PTX; values are register names."""
 
   def __init__(self, dtype: Any = jnp.bfloat16):
@@ -238,7 +213,7 @@ class _PtxOps:
     return "{\n" + "\n".join(body) + "\n}"
 
 
-def _lookup_program(o, w, tabs_a, tabs_b):
+def lookup_program(o, w, tabs_a, tabs_b):
   """Codes word w (4 bytes = 8 codes, nibble i = element i) -> (lo01, lo23, hi01, hi23):
   16-bit pairs [T(low nibble of byte j), T(low nibble of byte j+1)] for j = 0, 2 and the
   same for the high nibbles. tabs_a (bytes 0, 1) and tabs_b (bytes 2, 3) are (TL0, TL1, TH0,
@@ -259,15 +234,15 @@ def _lookup_program(o, w, tabs_a, tabs_b):
           o.prmt(l0, h0, 0x7351), o.prmt(l1, h1, 0x7351))  # [L H](n1), [L H](n3) ...
 
 
-def _split_program(o, p01, p23, p45, p67):
+def split_program(o, p01, p23, p45, p67):
   """16-bit pairs [T0 T1] .. [T6 T7] -> (TL0, TL1, TH0, TH1)."""
   return (o.prmt(p01, p23, 0x6420), o.prmt(p45, p67, 0x6420),
           o.prmt(p01, p23, 0x7531), o.prmt(p45, p67, 0x7531))
 
 
-def _exact_table_program(o, *y):
+def exact_table_program(o, *y):
   """The 8 float32 entries y0..y7 -> (TL0, TL1, TH0, TH1): 4 packed conversions, 4 permutes."""
-  return _split_program(o, *(o.cvt2(y[2 * i + 1], y[2 * i]) for i in range(4)))
+  return split_program(o, *(o.cvt2(y[2 * i + 1], y[2 * i]) for i in range(4)))
 
 
 # bf16 pairs [lo | hi << 16] of the constant factors of the fast table
@@ -276,7 +251,7 @@ _BF16_2_2 = 0x40004000  # [2.0, 2.0]
 _BF16_4_4 = 0x40804080  # [4.0, 4.0]
 
 
-def _fast_table_program(o, big_p, big_q):
+def fast_table_program(o, big_p, big_q):
   """bf16 tables from P = RN(bs * ts) and Q = RN(1.5 * bs * ts) (float32): the other entries
   are p / 2, 0 * q (the signed zero, or NaN, of code 0: q has p's sign and NaN-ness) and the
   pair [p q] times 2 and 4, exact in bf16 when no value is subnormal (`tensor_scale_factors`).
@@ -293,27 +268,16 @@ def _fast_table_program(o, big_p, big_q):
 # holding the whole program; ptxas removes the unused parts and merges the duplicates (the
 # SASS counts in the module docstring are after that).
 
-def _asm_lookup_text(half: int) -> str:
-  """half 0: the low-nibble results (2 registers), 1: the high-nibble ones."""
-  o = _PtxOps()
-  # Operands: $0, $1 the results, $2 the 4 code bytes, then each of the 4 table inputs as 4
-  # registers (one per byte of the group): TL0 $3-$6, TL1 $7-$10, TH0 $11-$14, TH1 $15-$18.
-  tab = lambda t, j: f"${3 + 4 * t + j}"
-  res = _lookup_program(o, "$2", tuple(tab(t, 0) for t in range(4)),
-                        tuple(tab(t, 2) for t in range(4)))
-  return o.render(["$0", "$1"], res[2 * half:2 * half + 2])
-
-
 def _asm_table_text(program, n_in: int, dtype: Any, which: int) -> str:
   """Table `which` (0: TL0, 1: TL1, 2: TH0, 3: TH1) of `program` from inputs $1..$n_in."""
-  o = _PtxOps(dtype)
+  o = PtxOps(dtype)
   res = program(o, *(f"${1 + i}" for i in range(n_in)))
   return o.render(["$0"], res[which:which + 1])
 
 
 def _run_table(program, args: Sequence[jax.Array], dtype: Any, asm: bool) -> tuple:
   if not asm:
-    return program(_JnpOps(dtype), *args)
+    return program(JnpOps(dtype), *args)
   shape = jax.ShapeDtypeStruct(args[0].shape, jnp.int32)  # asm results must be signless
   return tuple(_plgpu.elementwise_inline_asm(
       _asm_table_text(program, len(args), dtype, i), args=list(args),
@@ -381,7 +345,7 @@ def block_tables(bs: jax.Array, factors: Sequence[jax.Array], dtype: Any, *, asm
   holds, the caller's promise), "exact", or None: bf16 takes the fast table where `fast`
   holds for the whole tile (one branch per tile) and the exact one otherwise, f16 the exact
   one."""
-  exact = lambda b: _run_table(_exact_table_program, exact_entries(b, factors), dtype, asm)
+  exact = lambda b: _run_table(exact_table_program, exact_entries(b, factors), dtype, asm)
   if table not in (None, *TABLES):
     raise ValueError(f"table must be one of {TABLES} or None, got {table!r}")
   if table == "exact" or not _is_bf16(dtype):
@@ -389,7 +353,7 @@ def block_tables(bs: jax.Array, factors: Sequence[jax.Array], dtype: Any, *, asm
   fast, ts = factors[0], factors[1]
 
   def fast_tables(b):
-    return _run_table(_fast_table_program, [b * ts, (b * np.float32(1.5)) * ts], dtype, asm)
+    return _run_table(fast_table_program, [b * ts, (b * np.float32(1.5)) * ts], dtype, asm)
 
   if table == "fast":
     return fast_tables(bs)
@@ -397,71 +361,6 @@ def block_tables(bs: jax.Array, factors: Sequence[jax.Array], dtype: Any, *, asm
     fast = jnp.min(fast.astype(jnp.int32)) > 0
   out = jax.lax.cond(fast, fast_tables, exact, bs)
   return tuple(out)
-
-
-def lookup_supported(rows: int, row_bytes: int, num_warps: int) -> bool:
-  """Whether `lookup`'s inline assembly may run on a [rows, row_bytes] uint8 tile: this jax
-  has Pallas' inline assembly, at least 4 elements per thread, rows of whole blocks (module
-  docstring)."""
-  return ASM_AVAILABLE and row_bytes % (BLOCK // 2) == 0 and \
-      rows * row_bytes >= 4 * 32 * num_warps
-
-
-def lookup(codes: jax.Array, tabs: Sequence[jax.Array], dtype: Any, *,
-           asm: bool) -> tuple[jax.Array, jax.Array]:
-  """(lo, hi) in dtype, each codes.shape: the decoded values of the low (element 2i) and high
-  (element 2i+1) nibbles of the code bytes (uint8 [..., 8 * blocks]). tabs: (TL0, TL1, TH0,
-  TH1) uint32 per byte (each block's tables broadcast over its 8 bytes)."""
-  if asm:
-    tabs = [jnp.broadcast_to(t, codes.shape) for t in tabs]
-    lo, hi = (_plgpu.elementwise_inline_asm(
-        _asm_lookup_text(half), args=[codes.astype(jnp.uint8), *tabs],
-        constraints="=r,=r," + ",".join(["r"] * 17), pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, dtype)])[0] for half in (0, 1))
-    return lo, hi
-  # Emulation: the same program on words of 4 bytes (tables: the first byte's of each pair).
-  lead, n = codes.shape[:-1], codes.shape[-1]
-  words = jax.lax.bitcast_convert_type(codes.astype(jnp.uint8).reshape(lead + (n // 4, 4)), _U32)
-  tabs = [jnp.broadcast_to(t, codes.shape).reshape(lead + (n // 4, 4)) for t in tabs]
-  lo01, lo23, hi01, hi23 = _lookup_program(_JnpOps(dtype), words, tuple(t[..., 0] for t in tabs),
-                                           tuple(t[..., 2] for t in tabs))
-
-  def halves(p01, p23):  # [.., n/4] pairs of 16-bit results -> [.., n] in dtype
-    h = jnp.stack([p01 & _u32(0xFFFF), p01 >> _u32(16), p23 & _u32(0xFFFF), p23 >> _u32(16)],
-                  axis=-1).astype(jnp.uint16)
-    return jax.lax.bitcast_convert_type(h, dtype).reshape(lead + (n,))
-
-  return halves(lo01, lo23), halves(hi01, hi23)
-
-
-def decode_blocks(codes: jax.Array, block_bits: jax.Array, ts: jax.Array | None, dtype: Any,
-                  *, asm: bool, factors: tuple | None = None,
-                  table: str | None = None) -> tuple[jax.Array, jax.Array]:
-  """(lo, hi) [R, C] in dtype (elements 2i, 2i+1) of packed codes [R, C] (uint8, C = 8 * kb)
-  with block-scale bytes [R, kb] (E4M3 bits as ints) and tensor scale(s) ts (a scalar, or
-  [R] per row): `formats.nvfp4_dequantize(...).astype(dtype)` bit for bit. factors: the
-  `tensor_scale_factors(ts)` computed once by the caller (then ts is unused); table: as in
-  `block_tables`."""
-  r, c = codes.shape
-  factors = tensor_scale_factors(ts) if factors is None else factors
-  if jnp.ndim(factors[1]):  # per-row scales
-    factors = tuple(x.reshape(r, 1) for x in factors)
-  tabs = block_tables(e4m3_to_f32(block_bits, asm=asm), factors, dtype, asm=asm, table=table)
-  tabs = [x[:, :, None] for x in tabs]  # broadcast over each block's 8 bytes
-  lo, hi = lookup(codes.reshape(r, c // (BLOCK // 2), BLOCK // 2), tabs, dtype, asm=asm)
-  return lo.reshape(r, c), hi.reshape(r, c)
-
-
-def reference_pairs(codes: jax.Array, block_bits: jax.Array, ts: jax.Array,
-                    dtype: Any) -> tuple[jax.Array, jax.Array]:
-  """The same contract computed as `formats.nvfp4_dequantize` does (for tests)."""
-  r, c = codes.shape
-  q = formats.NVFP4Tensor(
-      codes=formats.unpack_fp4(codes.astype(jnp.uint8)),
-      block_scale=jax.lax.bitcast_convert_type(block_bits.astype(jnp.uint8), jnp.float8_e4m3fn),
-      tensor_scale=(ts.reshape(r, 1) if jnp.ndim(ts) else ts))
-  v = formats.nvfp4_dequantize(q).astype(dtype).reshape(r, c, 2)
-  return v[..., 0], v[..., 1]
 
 
 # ----------------------------------------------------------------------------- word layout
@@ -474,9 +373,9 @@ def reference_pairs(codes: jax.Array, block_bits: jax.Array, ts: jax.Array,
 
 
 def _word_element(j: int) -> tuple[int, int, int]:
-  """Element j (0..15) of a block -> (word, result of `_lookup_program`, 16-bit half)."""
+  """Element j (0..15) of a block -> (word, result of `lookup_program`, 16-bit half)."""
   word, e = divmod(j, 8)
-  # _lookup_program's results: (lo01, lo23, hi01, hi23) = pairs [e0 e2], [e4 e6], [e1 e3],
+  # lookup_program's results: (lo01, lo23, hi01, hi23) = pairs [e0 e2], [e4 e6], [e1 e3],
   # [e5 e7] of the word's 8 elements.
   return word, 2 * (e % 2) + e // 4, (e // 2) % 2
 
@@ -484,10 +383,10 @@ def _word_element(j: int) -> tuple[int, int, int]:
 def _asm_word_text(j: int) -> str:
   """PTX of element j of each block: operands $0 (the 16-bit result), $1 w0, $2 w1, then
   TL0, TL1, TH0, TH1 ($3..$6)."""
-  o = _PtxOps()
+  o = PtxOps()
   word, res, half = _word_element(j)
   tabs = ("$3", "$4", "$5", "$6")
-  pair = _lookup_program(o, f"${1 + word}", tabs, tabs)[res]
+  pair = lookup_program(o, f"${1 + word}", tabs, tabs)[res]
   return o.render([], []).replace(
       "\n}", f"\n{{\n.reg .b16 %lo, %hi;\nmov.b32 {{%lo, %hi}}, {pair};\n"
       f"mov.b16 $0, {'%hi' if half else '%lo'};\n}}\n}}")
@@ -503,8 +402,8 @@ def words_lookup(w0: jax.Array, w1: jax.Array, tabs: Sequence[jax.Array], dtype:
   """[R, kb, 16] in dtype: the decoded elements of blocks whose codes are the words w0, w1
   (uint32 [R, kb]), tables (TL0, TL1, TH0, TH1) of the same shape."""
   if not asm:
-    o = _JnpOps(dtype)
-    outs = [_lookup_program(o, w, tuple(tabs), tuple(tabs)) for w in (w0, w1)]
+    o = JnpOps(dtype)
+    outs = [lookup_program(o, w, tuple(tabs), tuple(tabs)) for w in (w0, w1)]
     els = []
     for j in range(16):
       word, res, half = _word_element(j)

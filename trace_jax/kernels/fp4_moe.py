@@ -11,62 +11,55 @@ two E2M1 codes per byte (`formats.pack_fp4` nibble order), E4M3 block scales per
 and one float32 second-level scale per expert. The kernel dequantizes in registers with the
 operations and rounding order of `formats.nvfp4_dequantize` (code value * block scale, exact;
 then * tensor scale, one float32 rounding; then one rounding to x.dtype), so the weights it
-multiplies are bit for bit those of today's fake-quantized path, without materialising them.
+multiplies are bit for bit those of the fake-quantized path, without materialising them.
 
-Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewhere):
+Two kernels (`DecodeConfig.impl`; the model passes its kernel plan's `decode_moe_kernel`):
+"triton" (below; `pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewhere) and
+"wgmma" (`wgmma_moe`: packed words on a Hopper GPU, decoded into wgmma's A registers).
+
+The Triton kernel:
 - grid (E, N // block_n): one program per (expert, output tile). A program reads its
   expert's row offset and size; an expert with no rows returns before loading anything, so
   untouched experts' weights are never read.
 - Each program loops over its expert's rows in blocks of `block_m` (masked loads/stores, so
   M needs no padding), and for each row block over K in tiles of `block_k`: load the weight
   tile (packed codes + block scales, or BF16), dequantize, dot with the x tile (float32
-  accumulator [block_m, block_n]), store the row block's output tile once.
+  accumulator), store the row block's output tile once.
 - Loop order: row blocks outside, K inside. The accumulator must be a static-size register
   tile while the number of row blocks is dynamic, so the K loop cannot be outermost with
   every row block's accumulator live. The first row block reads the expert's [block_n, K]
   weight slab from HBM; further row blocks (only experts holding more than `block_m` rows)
-  re-read the same slab (64 KiB packed FP4 at block_n=64, K=2048) right after, from L2.
-  `block_m` defaults to about twice the mean group size (16..64), so at decode nearly every
-  expert fits one row block and its weights cross HBM once per step.
+  re-read the same slab right after, from L2. `block_m` defaults to about twice the mean
+  group size (16..64), so at decode nearly every expert fits one row block and its weights
+  cross HBM once per step.
 - Decoding never uses float8/float4 conversions in jnp (which XLA or Triton may rewrite). The
-  codes tile is loaded as whole contiguous rows [block_n, block_k // 2] (coalesced). Three
-  decoders (`decoder`):
-  - "table" (default on the GPU for bf16/f16 rows): `fp4_decode`, per-block tables of the 8
-    results dtype(RN(v * bs * ts)) and byte-permute (`prmt`) lookups, 4 codes per
-    instruction, in PTX inline assembly. It yields the even and odd elements apart, so by
-    default (`split`) x's even and odd columns (split outside the kernel, one small XLA copy
-    of x per call) meet them in two dots; split=False re-interleaves them in registers. The
-    tensor scale picks the table per program: the fast one (3 float32 products and 3 packed
-    bf16 products per block; every scale the quantizer makes) or the exact one (8 products;
-    extreme tensor scales, f16): two copies of the loops, one runs.
-  - "float16" (interpret mode, float32 rows, tiles too small for the table decoder): the
-    block scale from its E4M3 bits (`exact.e4m3_value`), each byte's two E2M1 codes placed
-    into float16 bit patterns by two integer multiplies and masks (`e2m1_pair_scaled`: the
-    float16 is the code's value times 2**-14, folded back exactly into the block scale),
-    then the two float32 products per weight; the nibbles re-interleaved with a 2-way stack
-    + reshape (Triton `join` + `reshape`) or, with split=True, two dots.
-  - "words" (codes held as words, `PackedNVFP4Weights.as_words`; the engine's layout on the
-    GPU, `pack_for_kernel`): the same tables and byte permutes, but the codes tile is [bn, kb,
-    2] uint32, the block scales' shape, so each block's tables are built once, by the thread
-    that decodes it (in the byte layout Triton decoded in the MMA fragment's layout, where 4
-    threads share a block and each rebuilt its tables). The 16 results of a block are laid out
-    in the MMA operand order (`fp4_decode.mma_order`, x's columns permuted alike outside the
-    kernel) so no element changes thread on its way to the MMA, and the next K tile's codes
-    and scales are loaded before the current one is decoded (`prefetch`). H200, gate/up at
-    batch 64: 1.13x faster than "table" (docs/benchmarks.md, 2026-12-03).
-  All give `formats.nvfp4_dequantize`'s bits (`fp4_decode`'s docstring proves the table's).
-- `swap_ab` (default for packed weights) computes each tile transposed, weights as the MMA's
-  first operand: at decode the weight tile is the large side. SASS of the K loop (Triton 3.6,
-  sm_90, compiled offline from this kernel's Triton IR after Triton's `make_ttir` passes, as
-  XLA runs them; block 64 x 256, 4 warps, 3 stages, block_m 16): table decoder 521
-  instructions per thread per tile = 4.1 per weight (577 = 4.5 with the exact table), 176
-  registers; float16 decoder 1228 = 9.6 per weight, 212 registers; BF16 weights 182 = 1.4;
-  no spills. Timings need the GPU (`experiments/bench_moe_decode.py`).
+  codes' layout picks the decoder:
+  - codes as words (`PackedNVFP4Weights.as_words`, the kernel plan's `fp4_codes="words"`, the
+    GPU's layout): `fp4_decode.decode_words`, per-block tables of the 8 results
+    dtype(RN(v * bs * ts)) and byte-permute (`prmt`) lookups in PTX inline assembly (jnp
+    integer ops in interpret mode), one table per block built by the thread that decodes it.
+    The 16 results of a block are laid out in the MMA operand order (`fp4_decode.mma_order`,
+    x's columns permuted alike outside the kernel, where the K tile is a multiple of 64) so no
+    element changes thread on its way to the MMA, and the next K tile's codes and scales are
+    loaded before the current one is decoded. The tensor scale picks the table per program:
+    the fast one (every scale the quantizer makes) or the exact one (extreme tensor scales,
+    f16): two copies of the loops, one runs. H200, gate/up at batch 64: 1.13x faster than
+    the bytes' table decoder it replaced (docs/benchmarks.md).
+  - codes as bytes (the interpreter's layout): the block scale from its E4M3 bits
+    (`exact.e4m3_value`), each byte's two E2M1 codes placed into float16 bit patterns by two
+    integer multiplies and masks (`e2m1_pair_scaled`: the float16 is the code's value times
+    2**-14, folded back exactly into the block scale), then the two float32 products per
+    weight; the nibbles re-interleaved with a 2-way stack + reshape.
+  Both give `formats.nvfp4_dequantize`'s bits (`fp4_decode`'s docstring proves the tables').
+- Packed weights are the MMA's first operand (each tile computed transposed: at decode the
+  weight tile is the large side); dense weights the second.
 - Rows past sum(group_sizes) are zeroed by the programs of the last expert.
+Timings need the GPU (`experiments/bench/moe_decode.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -76,19 +69,10 @@ import numpy as np
 from flax import struct
 from jax.experimental import pallas as pl
 
-from trace_jax.kernels import fp4_decode, wgmma_decode, wgmma_moe
+from trace_jax.kernels import common, fp4_decode, grouped_gemm, wgmma_decode, wgmma_moe
 from trace_jax.quant import exact, formats
 
-try:  # Triton-specific Pallas names (masked load/store, compiler params)
-  from jax.experimental.pallas import triton as _plgpu
-except ImportError:  # pragma: no cover - every jax with Pallas ships it
-  _plgpu = None
-
 NVFP4_BLOCK = formats.NVFP4_BLOCK
-# Whether weights packed for the GPU kernel hold their codes as words per block (`as_words`,
-# decoder "words": one table per block). Off the GPU the bytes' float16 decoder is the faster
-# interpreter path, so `words_by_default` is False there.
-WORDS_BY_DEFAULT = True
 _BYTES_PER_BLOCK = NVFP4_BLOCK // 2  # packed code bytes under one block scale
 
 
@@ -177,17 +161,11 @@ def pack_nvfp4(w: jax.Array) -> PackedNVFP4Weights:
                             tensor_scale=ts.reshape(w.shape[0]))
 
 
-def words_by_default() -> bool:
-  """Whether `pack_for_kernel` holds the codes as words: `WORDS_BY_DEFAULT`, on the GPU with
-  Pallas' inline assembly."""
-  return WORDS_BY_DEFAULT and jax.default_backend() == "gpu" and fp4_decode.ASM_AVAILABLE
-
-
-def pack_for_kernel(w: jax.Array) -> PackedNVFP4Weights:
-  """`pack_nvfp4` in the codes layout the decode kernel reads fastest here (words on the GPU:
-  `words_by_default`): the same values either way."""
+def pack_for_kernel(w: jax.Array, words: bool) -> PackedNVFP4Weights:
+  """`pack_nvfp4` with the codes as words per block (`as_words`, the GPU kernels' decoder) or
+  as bytes (the interpreter's faster path): the same values either way."""
   p = pack_nvfp4(w)
-  return p.as_words() if words_by_default() else p
+  return p.as_words() if words else p
 
 
 def pack_nvfp4_gate_up(gate: jax.Array, up: jax.Array
@@ -228,86 +206,69 @@ def weight_bytes_per_expert(w: jax.Array | PackedNVFP4Weights) -> int:
 def grouped_matmul_reference(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
                              group_sizes: jax.Array) -> jax.Array:
   """The kernel's contract in plain JAX: dequantize (or cast) to x.dtype, then ragged_dot."""
-  from trace_jax.model import grouped  # here: trace_jax.model imports this module
-
   wd = dequantize(w, x.dtype) if isinstance(w, PackedNVFP4Weights) else w.astype(x.dtype)
-  return grouped.grouped_matmul(x, wd, group_sizes.astype(jnp.int32), "ragged_dot")
+  return grouped_gemm.ragged_dot(x, wd, group_sizes.astype(jnp.int32))
 
 
-# ----------------------------------------------------------------------------- Pallas glue
+# ----------------------------------------------------------------------------- config
 
-def _masked_load(ref: Any, idx: tuple[Any, ...], mask: jax.Array, other: Any) -> jax.Array:
-  if _plgpu is not None and hasattr(_plgpu, "load"):  # jax >= 0.7: pallas.triton.load
-    return _plgpu.load(ref.at[idx], mask=mask, other=other)
-  return pl.load(ref, idx, mask=mask, other=other)  # pragma: no cover - older jax
+IMPLS = ("triton", "wgmma")
+TABLES = (None, *fp4_decode.TABLES)
 
 
-def _masked_store(ref: Any, idx: tuple[Any, ...], val: jax.Array, mask: jax.Array) -> None:
-  if _plgpu is not None and hasattr(_plgpu, "store"):
-    _plgpu.store(ref.at[idx], val, mask=mask)
-  else:  # pragma: no cover - older jax
-    pl.store(ref, idx, val, mask=mask)
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """How `grouped_matmul_decode` runs.
 
+  impl: "triton" (the Pallas kernel of the module docstring) or "wgmma" (`wgmma_moe`: packed
+    words on a Hopper GPU, bf16 rows; `wgmma_supported` says where it runs).
+  table: packed words: None picks the fast or exact table per expert from its tensor scale;
+    "exact" always takes the exact one (any scale; for tests); "fast" always the fast one
+    (exact only for tensor scales in `fp4_decode.tensor_scale_factors`' fast range). wgmma:
+    None or "exact" the exact table, "fast" the fast one.
+  block_m: rows per block (None: `default_block_m`); wgmma: rows per pass, a multiple of 8 up
+    to `wgmma_moe.MAX_ROWS` (None: `wgmma_moe.default_rows`).
+  block_n / block_k: Triton's output / contraction tile caps, each reduced to the largest power
+    of two dividing N / K (N and K must be multiples of 16); block_n None: 64 in interpret
+    mode, on the GPU `common.default_block_n` (smaller for few experts).
+  num_warps / num_stages: Triton launch parameters.
+  interpret: None runs the kernel on the GPU and the Pallas interpreter elsewhere.
+  """
+  impl: str = "triton"
+  table: str | None = None
+  block_m: int | None = None
+  block_n: int | None = None
+  block_k: int = 256
+  num_warps: int = 4
+  num_stages: int = 3
+  interpret: bool | None = None
 
-def zero_rows_past(o_ref: Any, total: jax.Array, m: int, bm: int, n0: jax.Array,
-                   bn: int) -> None:
-  """Zeros output rows total..m of columns n0..n0+bn (rows no group holds, as ragged_dot
-  gives them), in masked blocks of bm rows: for one program per output tile to call."""
-  rows = jnp.arange(bm, dtype=jnp.int32)[:, None]
-
-  def zero_block(i, carry):
-    row0 = total + i * bm
-    valid = jnp.broadcast_to((row0 + rows) < m, (bm, bn))
-    _masked_store(o_ref, (pl.ds(row0, bm), pl.ds(n0, bn)), jnp.zeros((bm, bn), o_ref.dtype),
-                  valid)
-    return carry
-
-  jax.lax.fori_loop(0, jax.lax.div(m - total + (bm - 1), bm), zero_block, 0)
-
-
-def _compiler_params(num_warps: int, num_stages: int) -> Any:
-  cls = (getattr(_plgpu, "CompilerParams", None) or getattr(_plgpu, "TritonCompilerParams", None)
-         if _plgpu is not None else None)
-  if cls is not None:
-    return cls(num_warps=num_warps, num_stages=num_stages)
-  return {"triton": {"num_warps": num_warps, "num_stages": num_stages}}  # pragma: no cover
-
-
-def _pow2_divisor(n: int, cap: int) -> int:
-  """The largest power of two that divides n and is at most cap."""
-  b = 1
-  while b * 2 <= cap and n % (b * 2) == 0:
-    b *= 2
-  return b
-
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, n - 1).bit_length()
-
-
-# Programs a decode launch should have at least (two per SM of an H100/H200, 132 SMs): with
-# fewer, a few SMs stream the weights and the rest idle (one 4096-row projection in 64-row
-# tiles is 64 programs).
-MIN_PROGRAMS = 256
-
-
-def default_block_n(n: int, num_experts: int, cap: int = 64, floor: int = 16) -> int:
-  """Output tile rows: the largest power of two <= cap dividing n, halved (not below floor)
-  while the grid (num_experts x n / block_n) has fewer than `MIN_PROGRAMS` programs."""
-  bn = _pow2_divisor(n, cap)
-  while bn > floor and num_experts * (n // bn) < MIN_PROGRAMS and n % (bn // 2) == 0:
-    bn //= 2
-  return bn
+  def __post_init__(self):
+    if self.impl not in IMPLS:
+      raise ValueError(f"DecodeConfig: impl must be one of {IMPLS}, got {self.impl!r}")
+    if self.table not in TABLES:
+      raise ValueError(f"DecodeConfig: table must be one of {TABLES}, got {self.table!r}")
+    for name in ("block_n", "block_k"):
+      value = getattr(self, name)
+      if value is not None:
+        common.check_block(f"DecodeConfig: {name}", value, 16)
 
 
 def default_block_m(m: int, num_experts: int) -> int:
   """Rows per block: about twice the mean group size, a power of two in [16, 64]."""
-  return min(64, max(16, _next_pow2(2 * -(-m // num_experts))))
+  return min(64, max(16, common.next_pow2(2 * -(-m // num_experts))))
 
 
-def _check_block(name: str, value: int, lo: int) -> None:
-  if value < lo or value & (value - 1):
-    raise ValueError(f"{name} must be a power of two >= {lo}, got {value}")
+def wgmma_supported(dtype: Any, w: Any) -> bool:
+  """Whether impl="wgmma" takes rows of `dtype` times `w` here: packed weights held as words
+  on a GPU with the Mosaic GPU API, bf16 rows, shapes `wgmma_moe.supported` takes. On the
+  H200 (docs/benchmarks.md) its gate/up at batch 64 ran in 61.5-61.7 us against the Triton
+  words kernel's 76.9-79.3, the 8-layer engine's fp4_rtn decode 1.054x faster."""
+  if not isinstance(w, PackedNVFP4Weights) or not w.words:
+    return False
+  _, n, k = w.shape[-3:]
+  return (jax.default_backend() == "gpu" and wgmma_decode.available()
+          and wgmma_moe.supported(n, k, dtype))
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -344,279 +305,179 @@ def e4m3_value_scaled(scale: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------------- kernel
 
-def _kernel(offs_ref, sizes_ref, layer_ref, *refs, fp4: bool, split: bool, swap_ab: bool,
-            lut: bool, words: bool, order: str, prefetch: int, asm: bool, table: str | None,
-            m: int, k: int,
-            num_experts: int, bm: int, bn: int, bk: int):
-  """One (expert, N tile) program: see the module docstring. The weights carry a leading
-  layer axis; layer_ref [1] names the layer read (in place: no copy of a layer's slice)."""
-  if split:  # x's even and odd columns as two inputs, each [M, K // 2]
-    x_refs, (*w_refs, o_ref) = refs[:2], refs[2:]
-  else:
-    x_refs, (*w_refs, o_ref) = refs[:1], refs[1:]
-  dt = o_ref.dtype
-  e = pl.program_id(0)
-  lyr = layer_ref[0]
-  n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
-  start = offs_ref[e]
-  size = sizes_ref[e]
-  end = jnp.minimum(start + size, m)
-  row_iota = jnp.arange(bm, dtype=jnp.int32)[:, None]  # [bm, 1]
-  xk = bk // 2 if split else bk  # x columns per K tile and input
 
-  if fp4:
-    codes_ref, bs_ref, ts_ref = w_refs
-    kb = bk // NVFP4_BLOCK  # scale blocks per K tile
 
-    def load_raw(t):  # words: K tile t's codes [bn, kb, 2] and scale bytes [bn, kb]
-      kb0 = t * kb if isinstance(t, int) else pl.multiple_of(t * kb, kb)
-      return (codes_ref[lyr, e, pl.ds(n0, bn), pl.ds(kb0, kb), :],
-              jax.lax.bitcast_convert_type(bs_ref[lyr, e, pl.ds(n0, bn), pl.ds(kb0, kb)],
-                                           jnp.uint8))
+# ----------------------------------------------------------------------------- kernel
 
-    def decode_raw(raw, ts, table):
-      w0, w1 = jnp.unstack(raw[0], axis=-1)
-      return (fp4_decode.decode_words(w0, w1, raw[1], dt, asm=asm, factors=ts, table=table,
-                                      order=order),)
-
-    def load_w(t, ts, table=None):
-      if words:  # [bn, kb, 2] words: each block's 8 bytes, in the scales' [bn, kb] shape
-        return decode_raw(load_raw(t), ts, table)
-      kb0 = pl.multiple_of(t * kb, kb)
-      scale = bs_ref[lyr, e, pl.ds(n0, bn), pl.ds(kb0, kb)]
-      # A 2-D tile of whole contiguous rows (coalesced loads).
-      p = codes_ref[lyr, e, pl.ds(n0, bn),
-                    pl.ds(pl.multiple_of(t * (bk // 2), bk // 2), bk // 2)]
-      if lut:  # per-block byte tables + prmt lookups (fp4_decode); ts: tensor_scale_factors
-        bits = jax.lax.bitcast_convert_type(scale, jnp.uint8)
-        lo, hi = fp4_decode.decode_blocks(p, bits, None, dt, asm=asm, factors=ts, table=table)
-      else:
-        # Viewed as [bn, kb, 8]: the bytes under each block scale on their own axis, so the
-        # scales broadcast over it.
-        p = p.reshape(bn, kb, _BYTES_PER_BLOCK)                              # uint8
-        s = e4m3_value_scaled(scale)[:, :, None]
-        lo, hi = e2m1_pair_scaled(p)                                         # elements 2i, 2i+1
-        # formats.nvfp4_dequantize's order: code value * block scale, exact (the 2**-14 and
-        # 2**14 factors cancel exactly), then * tensor scale, one float32 rounding; then dt.
-        lo, hi = ((lo * s) * ts).astype(dt), ((hi * s) * ts).astype(dt)
-      if split:
-        return lo.reshape(bn, bk // 2), hi.reshape(bn, bk // 2)
-      return (jnp.stack([lo.reshape(bn, bk // 2), hi.reshape(bn, bk // 2)], axis=-1
-                        ).reshape(bn, bk),)
-  else:
+def _weight_tiles(w_refs: tuple[Any, ...], kind: str, lyr: jax.Array, e: jax.Array,
+                  n0: jax.Array, bn: int, bk: int, dt: Any, asm: bool, order: str):
+  """(load, load_raw, decode) of one program's weight tiles [bn, bk] in dt, K tile t:
+  load(t, ts, table) loads and decodes; with codes as words, load_raw(t) loads the tile's
+  codes [bn, kb, 2] and scale bytes [bn, kb] and decode(raw, ts, table) decodes them (the
+  prefetch's two halves); else both None. ts: the tensor scale (bytes) or its
+  `tensor_scale_factors` (words); unused for dense weights."""
+  if kind == "dense":
     (w_ref,) = w_refs
+    load = lambda t, ts, table: w_ref[lyr, e, pl.ds(n0, bn),
+                                      pl.ds(pl.multiple_of(t * bk, bk), bk)].astype(dt)
+    return load, None, None
+  codes_ref, bs_ref, _ = w_refs
+  kb = bk // NVFP4_BLOCK  # scale blocks per K tile
+  start = lambda t, size: t * size if isinstance(t, int) else pl.multiple_of(t * size, size)
 
-    def load_w(t, ts, table=None):
-      del ts, table
+  def scale_bytes(t):
+    return bs_ref[lyr, e, pl.ds(n0, bn), pl.ds(start(t, kb), kb)]
+
+  if kind == "words":  # [bn, kb, 2] words: each block's 8 bytes, in the scales' [bn, kb] shape
+    def load_raw(t):
+      return (codes_ref[lyr, e, pl.ds(n0, bn), pl.ds(start(t, kb), kb), :],
+              jax.lax.bitcast_convert_type(scale_bytes(t), jnp.uint8))
+
+    def decode(raw, factors, table):
+      w0, w1 = jnp.unstack(raw[0], axis=-1)
+      return fp4_decode.decode_words(w0, w1, raw[1], dt, asm=asm, factors=factors, table=table,
+                                     order=order)
+
+    return (lambda t, ts, table: decode(load_raw(t), ts, table)), load_raw, decode
+
+  def load_bytes(t, ts, table):
+    # A 2-D tile of whole contiguous rows (coalesced loads), viewed as [bn, kb, 8]: the bytes
+    # under each block scale on their own axis, so the scales broadcast over it.
+    p = codes_ref[lyr, e, pl.ds(n0, bn), pl.ds(start(t, bk // 2), bk // 2)]
+    p = p.reshape(bn, kb, _BYTES_PER_BLOCK)
+    s = e4m3_value_scaled(scale_bytes(t))[:, :, None]
+    lo, hi = e2m1_pair_scaled(p)  # elements 2i, 2i+1
+    # formats.nvfp4_dequantize's order: code value * block scale, exact (the 2**-14 and 2**14
+    # factors cancel exactly), then * tensor scale, one float32 rounding; then dt.
+    lo, hi = ((lo * s) * ts).astype(dt), ((hi * s) * ts).astype(dt)
+    return jnp.stack([lo.reshape(bn, bk // 2), hi.reshape(bn, bk // 2)], axis=-1
+                     ).reshape(bn, bk)
+
+  return load_bytes, None, None
+
+
+def _row_blocks(x_ref, o_ref, tiles, ts, table, *, start, size, end, n0, bm: int, bn: int,
+                bk: int, nk: int, swap_ab: bool) -> None:
+  """The program's matmul: its expert's rows in blocks of bm, each over K in nk tiles of bk
+  (with codes as words, tile t + 1's loads issued before tile t's decode and dot)."""
+  load, load_raw, decode = tiles
+  dt = o_ref.dtype
+  rows = jnp.arange(bm, dtype=jnp.int32)[:, None]  # [bm, 1]
+
+  def row_block(r, carry):
+    row0 = start + r * bm
+    valid = (row0 + rows) < end  # [bm, 1]
+    x_mask = jnp.broadcast_to(valid, (bm, bk))
+
+    def k_step(t, acc, wt):
       k0 = pl.multiple_of(t * bk, bk)
-      return (w_ref[lyr, e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(dt),)
+      xt = common.masked_load(x_ref, (pl.ds(row0, bm), pl.ds(k0, bk)), x_mask, 0).astype(dt)
+      a, b = (wt, xt) if swap_ab else (xt, wt)
+      return acc + jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
 
-  def matmul(ts, table):
-    def row_block(r, carry):
-      row0 = start + r * bm
-      valid = (row0 + row_iota) < end                                       # [bm, 1]
-      x_mask = jnp.broadcast_to(valid, (bm, xk))
+    zeros = jnp.zeros((bn, bm) if swap_ab else (bm, bn), jnp.float32)
+    if load_raw is not None:
+      def prefetched(t, carry):
+        acc, raw = carry
+        nxt = load_raw(jnp.minimum(t + 1, nk - 1))
+        return k_step(t, acc, decode(raw, ts, table)), nxt
 
-      def k_step(t, acc, wts=None):
-        k0 = pl.multiple_of(t * xk, xk)
-        for x_ref, wt in zip(x_refs, load_w(t, ts, table) if wts is None else wts):
-          xt = _masked_load(x_ref, (pl.ds(row0, bm), pl.ds(k0, xk)), x_mask, 0).astype(dt)
-          a, b = (wt, xt) if swap_ab else (xt, wt)
-          acc = acc + jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                                          preferred_element_type=jnp.float32)
-        return acc
+      acc, _ = jax.lax.fori_loop(0, nk, prefetched, (zeros, load_raw(0)))
+    else:
+      acc = jax.lax.fori_loop(0, nk, lambda t, acc: k_step(t, acc, load(t, ts, table)), zeros)
+    acc = acc.T if swap_ab else acc
+    common.masked_store(o_ref, (pl.ds(row0, bm), pl.ds(n0, bn)), acc.astype(dt),
+                        jnp.broadcast_to(valid, (bm, bn)))
+    return carry
 
-      zeros = jnp.zeros((bn, bm) if swap_ab else (bm, bn), jnp.float32)
-      nk = k // bk
-      depth = min(prefetch, nk) if words else 0
-      if depth:  # tiles t + 1 .. t + depth's loads issued before tile t's decode and dot
-        def k_step_prefetch(t, carry):
-          acc, raws = carry
-          nxt = load_raw(jnp.minimum(t + depth, nk - 1))
-          return k_step(t, acc, decode_raw(raws[0], ts, table)), (*raws[1:], nxt)
+  jax.lax.fori_loop(0, jax.lax.div(size + (bm - 1), bm), row_block, 0)
 
-        first = tuple(load_raw(i) for i in range(depth))
-        acc, _ = jax.lax.fori_loop(0, nk, k_step_prefetch, (zeros, first))
-      else:
-        acc = jax.lax.fori_loop(0, nk, k_step, zeros)
-      acc = acc.T if swap_ab else acc
-      _masked_store(o_ref, (pl.ds(row0, bm), pl.ds(n0, bn)), acc.astype(dt),
-                    jnp.broadcast_to(valid, (bm, bn)))
-      return carry
 
-    jax.lax.fori_loop(0, jax.lax.div(size + (bm - 1), bm), row_block, 0)
+def _kernel(offs_ref, sizes_ref, layer_ref, x_ref, *refs, kind: str, order: str, asm: bool,
+            table: str | None, m: int, k: int, num_experts: int, bm: int, bn: int, bk: int):
+  """One (expert, N tile) program: see the module docstring. The weights carry a leading
+  layer axis; layer_ref [1] names the layer read (in place: no copy of a layer's slice).
+  kind: "dense", "bytes" or "words" (packed codes' layout)."""
+  *w_refs, o_ref = refs
+  dt = o_ref.dtype
+  e, lyr = pl.program_id(0), layer_ref[0]
+  n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+  start, size = offs_ref[e], sizes_ref[e]
+  tiles = _weight_tiles(tuple(w_refs), kind, lyr, e, n0, bn, bk, dt, asm, order)
+  run = functools.partial(_row_blocks, x_ref, o_ref, tiles, start=start, size=size,
+                          end=jnp.minimum(start + size, m), n0=n0, bm=bm, bn=bn, bk=bk,
+                          nk=k // bk, swap_ab=kind != "dense")
 
   @pl.when(size > 0)
   def _matmul():
-    if not fp4:
-      matmul(None, None)
-    elif not (lut or words):
-      matmul(ts_ref[lyr, e], None)
+    if kind == "dense":
+      run(None, None)
+    elif kind == "bytes":
+      run(w_refs[2][lyr, e], None)
     else:  # the tensor scale's exact factors, once per program
-      factors = fp4_decode.tensor_scale_factors(ts_ref[lyr, e])
+      factors = fp4_decode.tensor_scale_factors(w_refs[2][lyr, e])
       if jnp.dtype(dt) != jnp.dtype(jnp.bfloat16) or table is not None:
-        matmul(factors, table or "exact")
+        run(factors, table or "exact")
       else:  # two copies of the loops: the fast table (every quantizer scale), or the exact
-        pl.when(factors[0])(lambda: matmul(factors, "fast"))
-        pl.when(jnp.logical_not(factors[0]))(lambda: matmul(factors, "exact"))
+        pl.when(factors[0])(lambda: run(factors, "fast"))
+        pl.when(jnp.logical_not(factors[0]))(lambda: run(factors, "exact"))
 
   total = offs_ref[num_experts - 1] + sizes_ref[num_experts - 1]
-
-  pl.when((e == num_experts - 1) & (total < m))(lambda: zero_rows_past(o_ref, total, m, bm,
-                                                                        n0, bn))
-
-
-_STATIC = ("interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages", "split",
-           "swap_ab", "decoder", "table", "words_order", "prefetch", "debug")
-IMPLS = ("triton", "wgmma")
-# Whether packed words on the GPU take the wgmma kernel when impl=None (`wgmma_moe`). On since
-# its codes go through a shared ring (`wgmma_moe.STREAM`): on the H200 (2026-12-05, ncu, one
-# process) gate/up at batch 64 in 61.5-61.7 us against the Triton words kernel's 76.9-79.3, and the
-# 8-layer engine's fp4_rtn decode at 1.054x the tokens/s of `decode_moe_kernel="triton"` at
-# batch 64 (docs/benchmarks.md). With the codes in registers it was no faster (80.5 us).
-WGMMA_BY_DEFAULT = True
+  pl.when((e == num_experts - 1) & (total < m))(
+      lambda: common.zero_rows_past(o_ref, total, m, bm, n0, bn))
 
 
-def _tiles(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:
-  return _pow2_divisor(n, block_n), _pow2_divisor(k, block_k)
-
-
-def resolve_decoder(decoder: str | None, dtype: Any, n: int, k: int, block_n: int, block_k: int,
-                    num_warps: int, interpret: bool) -> str:
-  """The packed-weight decoder a call uses. None: "table" (per-block byte tables and byte
-  permutes; ~2.3x fewer static instructions per weight on sm_90) on the GPU for bf16/f16 rows
-  on tiles it supports, while `fp4_decode.TABLE_BY_DEFAULT` is set (since the H200 run of
-  2026-12-02); else "float16" (`e2m1_pair_scaled`), always so in interpret mode, where XLA has
-  no byte permute and the table decoder's emulation is the slower one."""
-  bn, bk = _tiles(n, k, block_n, block_k)
-  return fp4_decode.choose(decoder, "float16", dtype, bn, bk // 2, num_warps, interpret)
-
-
-def _resolve_packed_decoder(w: PackedNVFP4Weights, decoder: str | None, dtype: Any, n: int,
-                            k: int, block_n: int, block_k: int, num_warps: int,
-                            interpret: bool) -> str:
-  """Codes held as words take the "words" decoder (one table per block, `fp4_decode`); bytes
-  take `resolve_decoder`'s."""
-  if not w.words:
-    if decoder == "words":
-      raise ValueError("decoder='words' needs the codes as words (PackedNVFP4Weights.as_words)")
-    return resolve_decoder(decoder, dtype, n, k, block_n, block_k, num_warps, interpret)
-  if decoder not in (None, "words"):
-    raise ValueError(f"codes held as words take decoder 'words' (or None), got {decoder!r}")
-  if not fp4_decode.supported_dtype(dtype):
-    raise ValueError(f"the words decoder produces bf16/f16 rows, got {jnp.dtype(dtype)}")
-  if not interpret and not fp4_decode.ASM_AVAILABLE:
-    raise ValueError("the words decoder needs Pallas' Triton inline assembly on the GPU")
-  return "words"
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode(x, w, group_sizes, layer, *, interpret, block_m, block_n, block_k, num_warps,
-            num_stages, split, swap_ab, decoder, table, words_order, prefetch, debug):
+@functools.partial(jax.jit, static_argnames=("interpret", "bm", "bn", "bk", "num_warps",
+                                             "num_stages", "table"))
+def _triton(x, w, group_sizes, layer, *, interpret, bm, bn, bk, num_warps, num_stages, table):
   m, k = x.shape
-  fp4 = isinstance(w, PackedNVFP4Weights)
+  packed = isinstance(w, PackedNVFP4Weights)
   if layer is None:  # one layer: a leading axis of 1 (a free reshape)
     w = jax.tree.map(lambda a: a[None], w)
     layer = jnp.zeros((), jnp.int32)
-  e, n = (w.codes if fp4 else w).shape[1:3]
+  e, n = (w.codes if packed else w).shape[1:3]
   if m == 0:
     return jnp.zeros((0, n), x.dtype)
   gs = group_sizes.astype(jnp.int32)
-  offs = jnp.cumsum(gs) - gs
-  bn, bk = _tiles(n, k, block_n, block_k)
-  words = fp4 and w.words
-  # dense weights: one dot per tile (a strided split does not lower); words: natural order
-  split = split and fp4 and not words
-  if split and bk < 32:
-    raise ValueError(f"split=True needs K tiles of >= 32 columns; K={k} allows {bk}")
+  kind = ("words" if w.words else "bytes") if packed else "dense"
   # words: the tile's columns in the MMA operand order (`fp4_decode.mma_order`) where the K
-  # tile allows it, x's columns permuted alike; split: x's even and odd columns. Either is one
-  # small XLA copy of x per call.
-  order = "mma" if words and bk % fp4_decode.MMA_ORDER_SPAN == 0 and words_order == "mma" \
-      else "natural"
-  if order == "mma":
-    xs = (fp4_decode.mma_order_columns(x),)
-  else:
-    xs = (x[:, 0::2], x[:, 1::2]) if split else (x,)
-  if fp4:
-    weights = (w.codes, w.block_scale, w.tensor_scale)
-  else:
-    weights = (w,)
-  kernel = functools.partial(_kernel, fp4=fp4, split=split, swap_ab=swap_ab,
-                             lut=fp4 and decoder == "table", words=words, order=order,
-                             prefetch=prefetch, asm=not interpret, table=table,
-                             m=m, k=k, num_experts=e, bm=block_m, bn=bn, bk=bk)
+  # tile allows it, x's columns permuted alike (one small XLA copy of x per call).
+  order = "mma" if kind == "words" and bk % fp4_decode.MMA_ORDER_SPAN == 0 else "natural"
+  xs = fp4_decode.mma_order_columns(x) if order == "mma" else x
+  weights = (w.codes, w.block_scale, w.tensor_scale) if packed else (w,)
+  kernel = functools.partial(_kernel, kind=kind, order=order, asm=not interpret, table=table,
+                             m=m, k=k, num_experts=e, bm=bm, bn=bn, bk=bk)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(e, n // bn),
-      interpret=interpret, debug=debug,
-      name="grouped_matmul_decode_fp4" if fp4 else "grouped_matmul_decode",
-      compiler_params=None if interpret else _compiler_params(num_warps, num_stages),
-  )(offs, gs, jnp.reshape(layer, (1,)).astype(jnp.int32), *xs, *weights)
+      interpret=interpret,
+      name="grouped_matmul_decode_fp4" if packed else "grouped_matmul_decode",
+      compiler_params=None if interpret else common.compiler_params(num_warps, num_stages),
+  )(jnp.cumsum(gs) - gs, gs, jnp.reshape(layer, (1,)).astype(jnp.int32), xs, *weights)
 
 
-def matmul_decode(x: jax.Array, w: jax.Array, *, layer: jax.Array | None = None,
-                  **kw) -> jax.Array:
-  """x [M, K] times one dense weight w [N, K] -> [M, N], as one "expert" of
-  `grouped_matmul_decode` (its grid spreads N over the GPU); with `layer`, w is a stack
-  [L, N, K] read at that layer in place."""
-  stacked = jnp.expand_dims(w, 0 if layer is None else 1)
-  return grouped_matmul_decode(x, stacked, jnp.full((1,), x.shape[0], jnp.int32), layer=layer,
-                               **kw)
+def _wgmma(x: jax.Array, w: PackedNVFP4Weights, group_sizes: jax.Array,
+           layer: jax.Array | None, config: DecodeConfig) -> jax.Array:
+  e, n, k = w.shape[-3:]
+  if not wgmma_supported(x.dtype, w) or config.interpret:
+    raise ValueError("impl='wgmma' needs packed weights held as words on a Hopper GPU, bf16 "
+                     f"rows, N a multiple of {wgmma_decode.TILE} and K of 256; got x "
+                     f"{x.shape} {x.dtype}, w {w.shape}")
+  rows = wgmma_moe.default_rows(x.shape[0], e) if config.block_m is None else config.block_m
+  if rows % 8 or not 8 <= rows <= wgmma_moe.MAX_ROWS:
+    raise ValueError(f"impl='wgmma' takes block_m (rows per pass) a multiple of 8 in "
+                     f"[8, {wgmma_moe.MAX_ROWS}], got {rows}")
+  if x.shape[0] == 0:
+    return jnp.zeros((0, n), x.dtype)
+  if layer is None:  # one layer: a leading axis of 1 (a free reshape)
+    w, layer = jax.tree.map(lambda a: a[None], w), jnp.zeros((), jnp.int32)
+  return wgmma_moe.grouped_matmul(x, w.codes, w.block_scale, w.tensor_scale, group_sizes,
+                                  layer, rows=rows, table=config.table or "exact")
 
 
-def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
-                          group_sizes: jax.Array, *, layer: jax.Array | None = None,
-                          interpret: bool | None = None,
-                          block_m: int | None = None, block_n: int | None = None,
-                          block_k: int = 256,
-                          num_warps: int = 4, num_stages: int = 3, split: bool | None = None,
-                          swap_ab: bool | None = None, debug: bool = False,
-                          decoder: str | None = None, table: str | None = None,
-                          words_order: str = "mma", prefetch: int | None = None,
-                          impl: str | None = None) -> jax.Array:
-  """Rows x [M, K] sorted by expert times w [E, N, K] (dense or packed NVFP4) -> [M, N].
-
-  layer: with it, w holds a stack of layers ([L, E, N, K]; packed: every field with a leading
-  L) and the kernel reads layer `layer` (int32 scalar, may be traced: a scan over layers) in
-  place, where slicing the stack first would copy the layer's weights at every call.
-
-  interpret: None runs the Triton kernel on GPU and the Pallas interpreter elsewhere.
-  block_m: rows per block (None: `default_block_m`); block_n / block_k: output / contraction
-  tile caps, each reduced to the largest power of two dividing N / K (N and K must be
-  multiples of 16); block_n None: 64, on the GPU `default_block_n` (smaller for few
-  experts). num_warps / num_stages: Triton launch parameters.
-  split: packed weights only: contract even and odd columns as two dots (x split outside the
-  kernel) instead of interleaving the two nibbles of each byte in registers. None: True for
-  the table decoder (its natural output; K tiles of >= 32), False otherwise.
-  swap_ab: compute each output tile transposed, weights as the MMA's first operand (M = the
-  weight tile's rows) and x rows as its N; the same products. None: True for packed weights
-  (fewer instructions per weight in Triton 3.6's sm_90 code), False for dense ones.
-  decoder: packed weights only: "table", "float16" or None (`resolve_decoder`); codes held as
-  words take "words" (None picks it).
-  table: decoder "table" only: None picks the fast or exact table per expert from its tensor
-  scale; "exact" always takes the exact one (any scale; for tests); "fast" always the fast
-  one (exact only for tensor scales in `fp4_decode.tensor_scale_factors`' fast range).
-  words_order: codes held as words: "mma" (K tiles of >= 64 columns) lays each decoded tile
-  out in the MMA operand order (`fp4_decode.mma_order`, x's columns permuted alike) so each
-  block stays in the thread that decodes it; "natural" keeps the columns in order.
-  prefetch: codes held as words: how many K tiles ahead the codes and scales are loaded (into
-  registers) before tile t is decoded, so their latency overlaps the decode; 0 (or False)
-  loads each tile where it is decoded. True counts as 1. None: 1 (Triton), `wgmma_moe.PREFETCH`
-  K chunks of 128 (wgmma).
-  impl: "triton" (the Pallas kernel above), "wgmma" (packed words on a Hopper GPU, bf16, N a
-  multiple of 64 and K of 128: `wgmma_moe`, the weights decoded into wgmma's A registers;
-  block_m is its rows per pass, a multiple of 8 up to `wgmma_moe.MAX_ROWS`, default
-  `wgmma_moe.default_rows`; table None or "exact": the exact table, "fast" the fast one; the
-  Triton launch parameters do not apply) or None: "wgmma" where it runs (while
-  `WGMMA_BY_DEFAULT`), else "triton".
-  """
-  if impl not in (None, *IMPLS):
-    raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
-  prefetch = None if prefetch is None else int(prefetch)
-  if prefetch is not None and prefetch < 0:
-    raise ValueError(f"prefetch must be >= 0 K tiles, got {prefetch}")
-  if words_order not in ("mma", "natural"):
-    raise ValueError(f"words_order must be 'mma' or 'natural', got {words_order!r}")
+def _check_operands(x: jax.Array, w: jax.Array | PackedNVFP4Weights, group_sizes: jax.Array,
+                    layer: jax.Array | None) -> tuple[int, int, int]:
+  """(E, N, K) of valid operands; raises ValueError/TypeError naming what is wrong."""
   if x.ndim != 2:
     raise ValueError(f"grouped_matmul_decode: x must be [M, K], got {x.shape}")
   if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
@@ -636,46 +497,44 @@ def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
                      f"{group_sizes.shape}")
   if n % 16 or k % 16:
     raise ValueError(f"grouped_matmul_decode: N={n} and K={k} must be multiples of 16")
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
-  packed = isinstance(w, PackedNVFP4Weights)
-  wgmma_ok = (packed and w.words and not interpret and jax.default_backend() == "gpu"
-              and wgmma_decode.available() and wgmma_moe.supported(n, k, x.dtype))
-  if impl is None:
-    impl = "wgmma" if wgmma_ok and WGMMA_BY_DEFAULT else "triton"
-  if impl == "wgmma":
-    if not wgmma_ok:
-      raise ValueError("impl='wgmma' needs packed weights held as words on a Hopper GPU, bf16 "
-                       f"rows, N a multiple of {wgmma_decode.TILE} and K of "
-                       f"{wgmma_decode.SPAN}; got x {x.shape} {x.dtype}, w {w.shape}")
-    if table not in (None, *wgmma_decode.TABLES):
-      raise ValueError(f"table must be one of {wgmma_decode.TABLES} or None, got {table!r}")
-    rows = wgmma_moe.default_rows(x.shape[0], e) if block_m is None else block_m
-    if rows % 8 or not 8 <= rows <= wgmma_moe.MAX_ROWS:
-      raise ValueError(f"impl='wgmma' takes block_m (rows per pass) a multiple of 8 in "
-                       f"[8, {wgmma_moe.MAX_ROWS}], got {rows}")
-    if x.shape[0] == 0:
-      return jnp.zeros((0, n), x.dtype)
-    if layer is None:  # one layer: a leading axis of 1 (a free reshape)
-      w, layer = jax.tree.map(lambda a: a[None], w), jnp.zeros((), jnp.int32)
-    return wgmma_moe.grouped_matmul(
-        x, w.codes, w.block_scale, w.tensor_scale, group_sizes, layer, rows=rows,
-        table=table or "exact", prefetch=wgmma_moe.PREFETCH if prefetch is None else prefetch,
-        stream=wgmma_moe.STREAM if k % 256 == 0 else 0, group=wgmma_moe.GROUP)
-  block_m = default_block_m(x.shape[0], e) if block_m is None else block_m
-  if block_n is None:  # the interpreter runs programs one by one: fewer, larger tiles there
-    block_n = 64 if interpret else default_block_n(n, e)
-  _check_block("block_m", block_m, 16)
-  _check_block("block_n", block_n, 16)
-  _check_block("block_k", block_k, 16)
-  if swap_ab is None:
-    swap_ab = packed
-  decoder = _resolve_packed_decoder(w, decoder, x.dtype, n, k, block_n, block_k, num_warps,
-                                    bool(interpret)) if packed else "float16"
-  if split is None:  # the table decoder's natural output: even and odd elements apart
-    split = packed and decoder == "table" and _tiles(n, k, block_n, block_k)[1] >= 32
-  return _decode(x, w, group_sizes, layer, interpret=bool(interpret), block_m=block_m,
-                 block_n=block_n, block_k=block_k, num_warps=num_warps,
-                 num_stages=num_stages, split=bool(split), swap_ab=bool(swap_ab),
-                 decoder=decoder, table=table, words_order=words_order,
-                 prefetch=1 if prefetch is None else prefetch, debug=debug)
+  return e, n, k
+
+
+def grouped_matmul_decode(x: jax.Array, w: jax.Array | PackedNVFP4Weights,
+                          group_sizes: jax.Array, *, layer: jax.Array | None = None,
+                          config: DecodeConfig = DecodeConfig()) -> jax.Array:
+  """Rows x [M, K] sorted by expert times w [E, N, K] (dense or packed NVFP4) -> [M, N].
+
+  layer: with it, w holds a stack of layers ([L, E, N, K]; packed: every field with a leading
+  L) and the kernel reads layer `layer` (int32 scalar, may be traced: a scan over layers) in
+  place, where slicing the stack first would copy the layer's weights at every call.
+  config: the kernel and its tiles (`DecodeConfig`).
+  """
+  e, n, k = _check_operands(x, w, group_sizes, layer)
+  if config.impl == "wgmma":
+    return _wgmma(x, w, group_sizes, layer, config)
+  interpret = common.default_interpret() if config.interpret is None else config.interpret
+  if isinstance(w, PackedNVFP4Weights) and w.words:
+    if not fp4_decode.supported_dtype(x.dtype):
+      raise ValueError(f"codes held as words decode to bf16/f16 rows, got {x.dtype}")
+    if not interpret and not fp4_decode.ASM_AVAILABLE:
+      raise ValueError("codes held as words need Pallas' Triton inline assembly on the GPU")
+  block_m = default_block_m(x.shape[0], e) if config.block_m is None else config.block_m
+  common.check_block("block_m", block_m, 16)
+  if config.block_n is None:  # the interpreter runs programs one by one: fewer, larger tiles
+    block_n = 64 if interpret else common.default_block_n(n, e)
+  else:
+    block_n = config.block_n
+  return _triton(x, w, group_sizes, layer, interpret=bool(interpret), bm=block_m,
+                 bn=common.pow2_divisor(n, block_n), bk=common.pow2_divisor(k, config.block_k),
+                 num_warps=config.num_warps, num_stages=config.num_stages, table=config.table)
+
+
+def matmul_decode(x: jax.Array, w: jax.Array, *, layer: jax.Array | None = None,
+                  config: DecodeConfig = DecodeConfig()) -> jax.Array:
+  """x [M, K] times one dense weight w [N, K] -> [M, N], as one "expert" of
+  `grouped_matmul_decode` (its grid spreads N over the GPU); with `layer`, w is a stack
+  [L, N, K] read at that layer in place."""
+  stacked = jnp.expand_dims(w, 0 if layer is None else 1)
+  return grouped_matmul_decode(x, stacked, jnp.full((1,), x.shape[0], jnp.int32), layer=layer,
+                               config=config)

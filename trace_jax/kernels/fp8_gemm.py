@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from trace_jax.kernels import fp4_moe
+from trace_jax.kernels import common
 from trace_jax.quant import formats
 
 GROUP = formats.FP8_GROUP  # 128: the K group of every scale (and the weight block's N side)
@@ -143,7 +143,7 @@ def _kernel(offs_ref, sizes_ref, layer_ref, a_ref, sa_ref, b_ref, sb_ref, o_ref,
     acc = jax.lax.fori_loop(0, k // (GROUP * group_k), k_step,
                             jnp.zeros((bn, bm) if swap_ab else (bm, bn), jnp.float32))
     acc = acc.T if swap_ab else acc
-    fp4_moe._masked_store(o_ref, (pl.ds(row0, bm), pl.ds(n0, bn)), acc.astype(o_ref.dtype),
+    common.masked_store(o_ref, (pl.ds(row0, bm), pl.ds(n0, bn)), acc.astype(o_ref.dtype),
                           jnp.broadcast_to(valid, (bm, bn)))
     return carry
 
@@ -154,7 +154,7 @@ def _kernel(offs_ref, sizes_ref, layer_ref, a_ref, sa_ref, b_ref, sb_ref, o_ref,
 
   # rows no group holds: zeros, as ragged_dot gives
   pl.when((e == num_experts - 1) & (r == 0) & (total < m))(
-      lambda: fp4_moe.zero_rows_past(o_ref, total, m, bm, n0, bn))
+      lambda: common.zero_rows_past(o_ref, total, m, bm, n0, bn))
 
 
 _STATIC = ("b_block", "out_dtype", "interpret", "block_m", "block_n", "reps", "swap_ab",
@@ -184,7 +184,7 @@ def _call(a_values, a_scale, b_values, b_scale, group_sizes, layer, *, b_block, 
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(e, n // block_n, reps),
       interpret=interpret, name="fp8_grouped_gemm" if e > 1 else "fp8_gemm",
-      compiler_params=None if interpret else fp4_moe._compiler_params(num_warps, num_stages),
+      compiler_params=None if interpret else common.compiler_params(num_warps, num_stages),
   )(offs, gs, jnp.reshape(layer, (1,)).astype(jnp.int32), a_values, a_scale, b_values, b_scale)
 
 
@@ -201,7 +201,7 @@ def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.
   b: 128x128 blocks (weights) or 1x128 groups. group_sizes [E] sums to at most M.
   interpret: None runs the Triton kernel on GPU and the Pallas interpreter elsewhere.
   block_m / block_n: tile rows / columns (powers of two; block_n <= 128 with 128x128 blocks;
-    None: 64, on the GPU halved down to 16 while the grid has < `fp4_moe.MIN_PROGRAMS`).
+    None: 64, on the GPU halved down to 16 while the grid has < `common.MIN_PROGRAMS`).
   reps: programs per (expert, N tile); None: enough for M / E rows per expert in 2 blocks.
   swap_ab: tiles computed transposed (b the MMA's M side); None: when block_m < 64.
   group_k: 128-wide K groups per loop step (their dots issued before any is scaled); None: 1
@@ -216,8 +216,8 @@ def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.
   if group_sizes.shape != (e,):
     raise ValueError(f"grouped_matmul: group_sizes must be [{e}], got {group_sizes.shape}")
   if block_m is None:
-    block_m = min(128, max(16, fp4_moe._next_pow2(-(-m // e))))
-  fp4_moe._check_block("block_m", block_m, 16)
+    block_m = min(128, max(16, common.next_pow2(-(-m // e))))
+  common.check_block("block_m", block_m, 16)
   if block_m > 256:
     raise ValueError(f"grouped_matmul: block_m={block_m} > 256")
   if reps is None:
@@ -226,10 +226,10 @@ def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.
     interpret = jax.default_backend() != "gpu"
   if block_n is None:  # 64 (with block_m 128, 4 warps): the H200 sweep's best at M 8192;
     # on the GPU smaller where the grid (E x reps x N / block_n) is too small (decode)
-    block_n = (fp4_moe._pow2_divisor(n, 64) if interpret
-               else fp4_moe.default_block_n(n, e * reps))
-  fp4_moe._check_block("block_m", block_m, 16)
-  fp4_moe._check_block("block_n", block_n, 16)
+    block_n = (common.pow2_divisor(n, 64) if interpret
+               else common.default_block_n(n, e * reps))
+  common.check_block("block_m", block_m, 16)
+  common.check_block("block_n", block_n, 16)
   if n % block_n or (b.block_rows == GROUP and block_n > GROUP):
     raise ValueError(f"grouped_matmul: block_n={block_n} must divide N={n} (and be <= 128 "
                      "with 128x128 blocks)")
@@ -257,7 +257,7 @@ def matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, *, out_dtype: Any = jnp.b
   _check("matmul b", b, 2 + (layer is not None), (1, GROUP))
   m = a.values.shape[0]
   if block_m is None:
-    block_m = min(128, max(16, fp4_moe._next_pow2(m)))
+    block_m = min(128, max(16, common.next_pow2(m)))
   axis = 0 if layer is None else 1  # one "expert"
   stacked = formats.FP8Tensor(values=jnp.expand_dims(b.values, axis),
                               scale=jnp.expand_dims(b.scale, axis), block_rows=b.block_rows)
@@ -348,7 +348,7 @@ def _wgrad_call(d_values, d_scale, x_values, x_scale, group_sizes, *, out_dtype,
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((e, n, k), out_dtype),
       grid=(e, n // block_n, k // block_k), interpret=interpret, name="fp8_grouped_wgrad",
-      compiler_params=None if interpret else fp4_moe._compiler_params(num_warps, num_stages),
+      compiler_params=None if interpret else common.compiler_params(num_warps, num_stages),
   )(first, count, d_values, d_scale, x_values, x_scale)
 
 
@@ -366,10 +366,10 @@ def grouped_wgrad(dyt: formats.FP8Tensor, xt: formats.FP8Tensor, group_sizes: ja
   """
   _check_wgrad("grouped_wgrad", dyt, xt, group_sizes)
   n, k = dyt.values.shape[0], xt.values.shape[0]
-  block_n = fp4_moe._pow2_divisor(n, 128) if block_n is None else block_n
-  block_k = fp4_moe._pow2_divisor(k, 64) if block_k is None else block_k
-  fp4_moe._check_block("block_n", block_n, 16)
-  fp4_moe._check_block("block_k", block_k, 16)
+  block_n = common.pow2_divisor(n, 128) if block_n is None else block_n
+  block_k = common.pow2_divisor(k, 64) if block_k is None else block_k
+  common.check_block("block_n", block_n, 16)
+  common.check_block("block_k", block_k, 16)
   if n % block_n or k % block_k:
     raise ValueError(f"grouped_wgrad: block_n={block_n} and block_k={block_k} must divide "
                      f"N={n} and K={k}")

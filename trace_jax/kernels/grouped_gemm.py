@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from trace_jax.kernels import fp4_moe
+from trace_jax.kernels import common
 
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -52,6 +52,20 @@ def _precision(dtype: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- references
+
+# lhs [M, in] (ragged over M) x rhs [E, out, in] (group axis 0, contraction axis 2) -> [M, out].
+_RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+
+
+def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """Rows x [M, in] sorted by group times w [E, out, in] -> [M, out] in x.dtype, as XLA's
+  `ragged_dot_general` computes it (the model's moe_impl="ragged_dot", and the decode
+  kernels' reference)."""
+  return jax.lax.ragged_dot_general(x, w, group_sizes, _RAGGED_DN,
+                                    preferred_element_type=x.dtype)
+
 
 def reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
               transpose_w: bool = False) -> jax.Array:
@@ -97,7 +111,7 @@ def _mm_kernel(offs_ref, sizes_ref, x_ref, w_ref, o_ref, *, transpose_w: bool, m
 
     def k_step(t, acc):
       k0 = pl.multiple_of(t * bk, bk)
-      xt = fp4_moe._masked_load(x_ref, (pl.ds(row0, bm), pl.ds(k0, bk)), in_x, 0)
+      xt = common.masked_load(x_ref, (pl.ds(row0, bm), pl.ds(k0, bk)), in_x, 0)
       if transpose_w:
         wt = w_ref[e, pl.ds(k0, bk), pl.ds(n0, bn)]                         # [bk, bn]
       else:
@@ -107,7 +121,7 @@ def _mm_kernel(offs_ref, sizes_ref, x_ref, w_ref, o_ref, *, transpose_w: bool, m
 
     acc = jax.lax.fori_loop(0, k // bk, k_step, jnp.zeros((bm, bn), jnp.float32))
     valid = jnp.broadcast_to((row0 + rows) < end, (bm, bn))
-    fp4_moe._masked_store(o_ref, (pl.ds(row0, bm), pl.ds(n0, bn)), acc.astype(o_ref.dtype),
+    common.masked_store(o_ref, (pl.ds(row0, bm), pl.ds(n0, bn)), acc.astype(o_ref.dtype),
                           valid)
     return carry
 
@@ -119,7 +133,7 @@ def _mm_kernel(offs_ref, sizes_ref, x_ref, w_ref, o_ref, *, transpose_w: bool, m
 
   # rows no group holds: zeros, as ragged_dot gives
   pl.when((e == num_experts - 1) & (r == 0) & (total < m))(
-      lambda: fp4_moe.zero_rows_past(o_ref, total, m, bm, n0, bn))
+      lambda: common.zero_rows_past(o_ref, total, m, bm, n0, bn))
 
 
 _MM_STATIC = ("transpose_w", "interpret", "block_m", "block_n", "block_k", "reps", "num_warps",
@@ -141,7 +155,7 @@ def _mm_call(x, w, group_sizes, *, transpose_w, interpret, block_m, block_n, blo
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(e, n // block_n, reps),
       interpret=interpret, name="grouped_dgrad" if transpose_w else "grouped_fprop",
-      compiler_params=None if interpret else fp4_moe._compiler_params(num_warps, num_stages),
+      compiler_params=None if interpret else common.compiler_params(num_warps, num_stages),
   )(jnp.cumsum(gs) - gs, gs, x, w.astype(x.dtype))
 
 
@@ -160,8 +174,8 @@ def _tile(name: str, dim: int, cap: int, value: int | None) -> int:
   """A power-of-two tile >= 16 dividing dim: `value` checked, or the largest <= cap."""
   if dim % 16:
     raise ValueError(f"{name}: dimension {dim} must be a multiple of 16")
-  t = fp4_moe._pow2_divisor(dim, cap) if value is None else value
-  fp4_moe._check_block(name, t, 16)
+  t = common.pow2_divisor(dim, cap) if value is None else value
+  common.check_block(name, t, 16)
   if dim % t:
     raise ValueError(f"{name}={t} must divide {dim}")
   return t
@@ -193,7 +207,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                      f"(transpose_w={transpose_w})")
   m, k = x.shape
   block_m = 128 if block_m is None else block_m
-  fp4_moe._check_block("block_m", block_m, 16)
+  common.check_block("block_m", block_m, 16)
   block_n = _tile("block_n", n, 256, block_n)
   block_k = _tile("block_k", k, 64, block_k)
   if reps is None:
@@ -221,9 +235,9 @@ def _wgrad_kernel(offs_ref, sizes_ref, d_ref, x_ref, o_ref, *, m: int, bm: int, 
   def row_block(i, acc):
     row0 = start + i * bm
     mine = (row0 + rows) < end                                              # [bm, 1]
-    d = fp4_moe._masked_load(d_ref, (pl.ds(row0, bm), pl.ds(n0, bn)),
+    d = common.masked_load(d_ref, (pl.ds(row0, bm), pl.ds(n0, bn)),
                              jnp.broadcast_to(mine, (bm, bn)), 0)
-    xt = fp4_moe._masked_load(x_ref, (pl.ds(row0, bm), pl.ds(k0, bk)),
+    xt = common.masked_load(x_ref, (pl.ds(row0, bm), pl.ds(k0, bk)),
                               jnp.broadcast_to(mine, (bm, bk)), 0)
     return acc + jax.lax.dot_general(d, xt, (((0,), (0,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)   # [bn, bk]
@@ -246,7 +260,7 @@ def _wgrad_call(dy, x, group_sizes, *, out_dtype, interpret, block_m, block_n, b
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((e, n, k), out_dtype),
       grid=(e, n // block_n, k // block_k), interpret=interpret, name="grouped_wgrad",
-      compiler_params=None if interpret else fp4_moe._compiler_params(num_warps, num_stages),
+      compiler_params=None if interpret else common.compiler_params(num_warps, num_stages),
   )(jnp.cumsum(gs) - gs, gs, dy, x.astype(dy.dtype))
 
 
@@ -270,7 +284,7 @@ def grouped_wgrad(dy: jax.Array, x: jax.Array, group_sizes: jax.Array, *,
                      f"x {x.shape}")
   n, k = dy.shape[1], x.shape[1]
   block_m = 64 if block_m is None else block_m
-  fp4_moe._check_block("block_m", block_m, 16)
+  common.check_block("block_m", block_m, 16)
   block_n = _tile("block_n", n, 256, block_n)
   block_k = _tile("block_k", k, 128, block_k)
   if num_warps is None:

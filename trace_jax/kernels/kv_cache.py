@@ -10,8 +10,8 @@ values the trainer's forward sees, bit for bit: `formats.nvfp4_dequantize(q).ast
 The codes are held as bytes (`formats.pack_fp4`'s layout) or, on the GPU, as the same bytes
 viewed as two little-endian uint32 words per block of 16 (`as_words`, the layout the attention
 kernels' "words" decoder reads: one table per block, built by the thread that decodes it, as
-`fp4_moe.PackedNVFP4Weights`' words); `init_packed_cache` picks the layout the kernels read
-fastest here (`fp4_moe.words_by_default`), and every writer keeps the cache's layout.
+`fp4_moe.PackedNVFP4Weights`' words); the caller picks the layout (the kernel plan's
+`fp4_codes`), and every writer keeps the cache's layout.
 
 The quantizer is `trace_jax.quant.formats` itself (RTN, as the rollout records it). `write`
 must get K/V rows *before* the site's fake quantization: quantizing already-dequantized values
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from trace_jax.kernels import fp4_decode, fp4_moe
+from trace_jax.kernels import fp4_decode
 from trace_jax.quant import formats
 
 
@@ -95,19 +95,13 @@ def _check_head_dim(head_dim: int) -> None:
                      f"{formats.NVFP4_BLOCK}")
 
 
-def words_by_default() -> bool:
-  """Whether new caches hold their codes as words: as the experts' packed weights do
-  (`fp4_moe.words_by_default`: on the GPU, the kernels' faster decoder)."""
-  return fp4_moe.words_by_default()
-
-
 def init_packed_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-                      words: bool | None = None) -> PackedKVCache:
+                      words: bool = False) -> PackedKVCache:
   """An empty (all-zero) cache of [batch, max_len, num_kv_heads, head_dim] K and V; codes as
-  words or bytes (None: `words_by_default`)."""
+  words or bytes."""
   _check_head_dim(head_dim)
   lead = (batch, max_len, num_kv_heads)
-  if words_by_default() if words is None else words:
+  if words:
     codes = jnp.zeros(lead + (head_dim // formats.NVFP4_BLOCK, 2), jnp.uint32)
   else:
     codes = jnp.zeros(lead + (head_dim // 2,), jnp.uint8)
@@ -180,11 +174,10 @@ def write(cache: PackedKVCache, k: jax.Array, v: jax.Array,
   return write_quantized(cache, qk, qv, positions)
 
 
-def pack_rows(k: jax.Array, v: jax.Array, words: bool | None = None) -> PackedKVCache:
+def pack_rows(k: jax.Array, v: jax.Array, words: bool = False) -> PackedKVCache:
   """A whole cache from K/V rows [B, T, G, H] (a prefill; no scatter): the same bytes as
-  `write` of every position into an empty cache (codes as words or bytes, None:
-  `words_by_default`)."""
-  return _pack_rows(k, v, words=bool(words_by_default() if words is None else words))
+  `write` of every position into an empty cache (codes as words or bytes)."""
+  return _pack_rows(k, v, words=bool(words))
 
 
 @functools.partial(jax.jit, static_argnames=("words",))

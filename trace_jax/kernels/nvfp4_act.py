@@ -21,12 +21,12 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
   whose two little-endian bytes are `guided.pack_bits(codes & 1)`'s: the compact guidance
   record's payload, so a recording site needs no XLA fusion to pack it.
 - Defaults (`default_block_m`, `default_num_warps`): tiles of at most `TILE_ELEMENTS` (4096)
-  elements, fewer rows still while the grid has fewer than `MIN_PROGRAMS` programs (decode is
-  launch- and latency-bound: more, smaller programs spread over the SMs); num_warps so that
-  each thread holds ~16 elements (1..8 warps). The decode sites: [64, 2048] -> block_m 1
+  elements, fewer rows still while the grid has fewer than `common.MIN_PROGRAMS` programs
+  (decode is launch- and latency-bound: more, smaller programs spread over the SMs); num_warps
+  so that each thread holds ~16 elements (1..8 warps). The decode sites: [64, 2048] -> block_m 1
   (64 programs, 4 warps); [512, 768] -> 2 (256 programs of [2, 64, 16], 4 warps); [512, 128]
   -> 2 (256 programs of [2, 8, 16], 1 warp). Rows of K > 8192 hold > 32 elements per thread.
-  Not tuned on the GPU yet: `experiments/bench_quant.py --sites` times them against XLA's.
+  Not tuned on the GPU yet: `experiments/bench/quant.py --sites` times them against XLA's.
 
 Numerics are `formats`' (exact float32 scale arithmetic from `exact`), in-kernel. Reused as they
 are: `exact.flush_subnormal`, `exact.round_mantissa`, `exact.sign_bit` (through
@@ -50,18 +50,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from trace_jax.kernels import fp4_moe
+from trace_jax.kernels import common
 from trace_jax.quant import exact, formats
 
 BLOCK = formats.NVFP4_BLOCK
 # Elements per program's tile at most (block_m * nbp * 16), unless one row is larger.
 TILE_ELEMENTS = 4096
-# Programs a launch should have where M allows (about two per SM of an H100/H200).
-MIN_PROGRAMS = 256
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, n - 1).bit_length()
 
 
 def _prev_pow2(n: int) -> int:
@@ -70,14 +65,15 @@ def _prev_pow2(n: int) -> int:
 
 def padded_blocks(k: int) -> int:
   """Blocks per row in the kernel's tile: K // 16 rounded up to a power of two."""
-  return _next_pow2(k // BLOCK)
+  return common.next_pow2(k // BLOCK)
 
 
 def default_block_m(m: int, k: int) -> int:
   """Rows per program: the largest power of two with tiles of at most `TILE_ELEMENTS`
-  elements (at least 1 row), halved while the grid has fewer than `MIN_PROGRAMS` programs."""
+  elements (at least 1 row), halved while the grid has fewer than `common.MIN_PROGRAMS`
+  programs (about two per SM of an H100/H200)."""
   bm = max(1, _prev_pow2(TILE_ELEMENTS // (padded_blocks(k) * BLOCK)))
-  while bm > 1 and -(-m // bm) < MIN_PROGRAMS:
+  while bm > 1 and -(-m // bm) < common.MIN_PROGRAMS:
     bm //= 2
   return bm
 
@@ -115,7 +111,7 @@ def _kernel(x_ref, y_ref, codes_ref, scale_ref, ts_ref, *mant_ref, m: int, nb: i
   ok2 = row_ok[:, None] & blk_ok[None, :]                                # [bm, nbp]
   ok3 = jnp.broadcast_to(ok2[:, :, None], (bm, nbp, BLOCK))
   idx3 = (pl.ds(r0, bm), pl.ds(0, nbp), pl.ds(0, BLOCK))
-  x = fp4_moe._masked_load(x_ref, idx3, ok3, 0).astype(jnp.float32)
+  x = common.masked_load(x_ref, idx3, ok3, 0).astype(jnp.float32)
   x = exact.flush_subnormal(x)
 
   # formats._amax per block; the row's amax is the max of its blocks' (max is exact).
@@ -142,14 +138,14 @@ def _kernel(x_ref, y_ref, codes_ref, scale_ref, ts_ref, *mant_ref, m: int, nb: i
   # formats.nvfp4_dequantize(...).astype(dtype): (code value * block scale) * row scale
   y = (_e2m1_value(codes) * bs[:, :, None]) * ts[:, None, None]
 
-  fp4_moe._masked_store(y_ref, idx3, y.astype(y_ref.dtype), ok3)
-  fp4_moe._masked_store(codes_ref, idx3, codes, ok3)
-  fp4_moe._masked_store(scale_ref, idx3[:2], _e4m3_bits(bs), ok2)
-  fp4_moe._masked_store(ts_ref, idx3[:1], ts, row_ok)
+  common.masked_store(y_ref, idx3, y.astype(y_ref.dtype), ok3)
+  common.masked_store(codes_ref, idx3, codes, ok3)
+  common.masked_store(scale_ref, idx3[:2], _e4m3_bits(bs), ok2)
+  common.masked_store(ts_ref, idx3[:1], ts, row_ok)
   if mant_ref:  # bit j of a block's uint16: element j's code low bit (a sum of distinct bits)
     shifts = jnp.arange(BLOCK, dtype=jnp.int32)[None, None, :]
     bits = jnp.sum((codes & 1).astype(jnp.int32) << shifts, axis=2)
-    fp4_moe._masked_store(mant_ref[0], idx3[:2], bits.astype(jnp.uint16), ok2)
+    common.masked_store(mant_ref[0], idx3[:2], bits.astype(jnp.uint16), ok2)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "num_warps", "mantissa"))
@@ -172,7 +168,7 @@ def _quantize_rows(x: jax.Array, *, interpret: bool, block_m: int, num_warps: in
                  jax.ShapeDtypeStruct((m,), jnp.float32))
                 + ((jax.ShapeDtypeStruct((m, nb), jnp.uint16),) if mantissa else ()),
       grid=(pl.cdiv(m, block_m),), interpret=interpret, name="nvfp4_quantize_rows",
-      compiler_params=None if interpret else fp4_moe._compiler_params(num_warps, 1),
+      compiler_params=None if interpret else common.compiler_params(num_warps, 1),
   )(x.reshape(m, nb, BLOCK))
   q = formats.NVFP4Tensor(codes=codes.reshape(m, k),
                           block_scale=jax.lax.bitcast_convert_type(scale, jnp.float8_e4m3fn),

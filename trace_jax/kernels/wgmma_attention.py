@@ -39,6 +39,9 @@ import numpy as np
 from trace_jax.kernels.wgmma_decode import SPAN, TILE, decode_block, thread_coords
 
 ROWS = 8  # query heads per kv head (the wgmma N)
+# 64-key tiles per scores program: on the H200 (batch 256 x 8k) 1, 2, 4, 8 and 16 tiles took
+# 1.289, 1.254, 1.239, 1.251 and 1.257 ms of attention (docs/benchmarks.md).
+TILES_PER_PROGRAM = 4
 
 
 def supported(h: int, r: int, t: int, dtype) -> bool:
@@ -281,10 +284,9 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
                 rows)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tiles_per_program"))
+@functools.partial(jax.jit, static_argnames=("scale",))
 def scores(q: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Array,
-             lengths: jax.Array, layer: jax.Array, *, scale: float,
-             tiles_per_program: int = 4) -> jax.Array:
+             lengths: jax.Array, layer: jax.Array, *, scale: float) -> jax.Array:
   """float32 scores [B, G, R, T]: (q . K) * scale for every key of every sequence.
 
   q: bf16 [B, G, R, H] with its columns in `column_order(H)`; codes: uint32 [L, B, T, G, H/8]
@@ -299,7 +301,7 @@ def scores(q: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   if not supported(h, r, t, q.dtype):
     raise ValueError(f"wgmma scores: unsupported shape/dtype {q.shape} {q.dtype}, T={t}")
   n_tiles = t // TILE
-  per = max(1, min(tiles_per_program, n_tiles))
+  per = max(1, min(TILES_PER_PROGRAM, n_tiles))
   while n_tiles % per:
     per -= 1
   decode = _inline_decode(h, g, masked=False)

@@ -51,7 +51,7 @@ def available() -> bool:
 # ----------------------------------------------------------------------------- the layout
 
 def _lookup_pairs() -> tuple[tuple[int, int], ...]:
-  """Elements (within a word's 8) of the 4 results of `fp4_decode._lookup_program`, in order:
+  """Elements (within a word's 8) of the 4 results of `fp4_decode.lookup_program`, in order:
   each a 16-bit pair [low half, high half]."""
   return ((0, 2), (4, 6), (1, 3), (5, 7))
 
@@ -121,7 +121,7 @@ def block_ptx(half: int, table: str = "fast") -> str:
   (tensor) scale; "exact": $11..$16 its factors (`factors_ptx`)."""
   if table not in TABLES:
     raise ValueError(f"table must be one of {TABLES}, got {table!r}")
-  o = fp4_decode._PtxOps(jnp.bfloat16)
+  o = fp4_decode.PtxOps(jnp.bfloat16)
   y = [f"%y{i}" for i in range(8)]
   floats = "%P, %Q, %b15" if table == "fast" else "%b, %i15, %b15, " + ", ".join(y)
   head = [f".reg .f32 %bs, {floats};", ".reg .b32 %sc;", ".reg .b16 %s0, %s1;",
@@ -129,20 +129,20 @@ def block_ptx(half: int, table: str = "fast") -> str:
           "mov.b32 {%s0, %s1}, %sc;",
           f"cvt.f32.f16 %bs, %s{half};"]
   if table == "fast":
-    tabs = fp4_decode._fast_table_program(o, "%P", "%Q")
+    tabs = fp4_decode.fast_table_program(o, "%P", "%Q")
     head += ["mul.rn.f32 %P, %bs, $11;",  # P = RN(bs * ts)
              "mul.rn.f32 %b15, %bs, 0f3FC00000;",  # 1.5 bs, exact
              "mul.rn.f32 %Q, %b15, $11;"]  # Q = RN(1.5 bs * ts)
   else:  # fp4_decode.exact_entries: b = bs * inv, b15 = bs * (inv * 1.5), then 8 products
-    tabs = fp4_decode._exact_table_program(o, *y)
+    tabs = fp4_decode.exact_table_program(o, *y)
     head += ["mul.rn.f32 %b, %bs, $11;",
              "mul.rn.f32 %i15, $11, 0f3FC00000;",
              "mul.rn.f32 %b15, %bs, %i15;"]
     for i, (base, t) in enumerate([("%b", 12), ("%b", 13), ("%b", 14), ("%b15", 14),
                                    ("%b", 15), ("%b15", 15), ("%b", 16), ("%b15", 16)]):
       head.append(f"mul.rn.f32 {y[i]}, {base}, ${t};")
-  out = [*fp4_decode._lookup_program(o, "$8", tabs, tabs),
-         *fp4_decode._lookup_program(o, "$9", tabs, tabs)]
+  out = [*fp4_decode.lookup_program(o, "$8", tabs, tabs),
+         *fp4_decode.lookup_program(o, "$9", tabs, tabs)]
   return "{\n" + "\n".join(head) + "\n" + o.render([f"${i}" for i in range(8)], out) + "\n}"
 
 

@@ -13,10 +13,11 @@ two whole NVFP4 blocks per chunk), x's rows of the expert the B operand in share
 a ring of `STAGES` chunks; a pass's window of R + 8 rows starts at its first row rounded down
 to a multiple of 8, as TMA into the tiled shared layout needs, and the columns outside the
 expert's rows are not stored), x's columns put in the decoded order
-(`wgmma_decode.span_order`) outside the kernel. The codes and scales of the chunks `PREFETCH`
-ahead are loaded before a chunk is decoded (the carry of a loop over chunks), so their latency
-overlaps the decode. wgmma reads its A registers while in flight: each chunk waits for its
-wgmma before the next chunk's registers are made (as `wgmma_attention`'s PV kernel).
+(`wgmma_decode.span_order`) outside the kernel. The codes go through a shared-memory ring of
+`RING` chunks by TMA and the pass's scales by one TMA (K a multiple of 256), so the loads run
+ahead of the decode without holding registers. wgmma reads its A registers while in flight:
+each chunk waits for its wgmma before the next chunk's registers are made (as
+`wgmma_attention`'s PV kernel).
 
 Grid (E, N / 64); an expert with no rows returns before reading anything; one with more than R
 rows runs several passes over its weights (the later ones from L2). Weights: the tables
@@ -26,36 +27,40 @@ Rows past sum(group_sizes) come out zero (the last expert's programs write them)
 ragged_dot's. Runs on a Hopper GPU only (inline PTX; `tests/kernels/test_wgmma_moe.py`
 rebuilds every thread's registers on CPU).
 
-H200 (docs/benchmarks.md): with the codes in registers, correct but no faster than the Triton
-words kernel (2026-12-04, gate/up at batch 64: 80.5 vs 77.9 us; both ~31% of DRAM's peak with
-~3 programs per SM, waiting on the load-and-decode latency). With the codes through a shared
-ring of `STREAM` = 4 chunks (2026-12-05; 96 registers a thread against 142), 61.5-61.7 us against
-the Triton kernel's 76.9-79.3 in one process, and the 8-layer engine's fp4_rtn decode 1.054x its
-tokens/s at batch 64, so `fp4_moe` picks it on Hopper where K is a multiple of 256.
+H200 (docs/benchmarks.md): with the codes carried in registers (loads 2 chunks ahead) the
+kernel was correct but no faster than the Triton words kernel (gate/up at batch 64: 80.5 vs
+77.9 us; ~3 programs per SM waiting on the load-and-decode latency); that variant is gone.
+With the codes through the shared ring (96 registers a thread against 142), 61.5-61.7 us
+against the Triton kernel's 76.9-79.3 in one process, and the 8-layer engine's fp4_rtn decode
+1.054x its tokens/s at batch 64: the kernel plan's `decode_moe_kernel="wgmma"` on Hopper
+(`fp4_moe`; shapes with K not a multiple of 256 run the Triton kernel). Decoding two chunks
+before their wgmmas are waited for did not complete on the H200.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 from trace_jax.kernels import wgmma_decode
 from trace_jax.kernels.wgmma_decode import SPAN, TILE
 
 STAGES = 4  # x chunks in shared memory (TMA ring)
-PREFETCH = 2  # chunks whose codes and scales are loaded ahead of the decode
-STREAM = 4  # `grouped_matmul_decode`'s stream (codes through a shared ring; 0: registers)
-GROUP = 1  # and its group (2 has not completed on the H200: its first run hung the call)
+RING = 4  # code chunks in shared memory (TMA ring)
 MAX_ROWS = 128  # rows per pass at most (wgmma N; the accumulator is R / 2 registers)
 _RAW_COLS = 24  # the loaded chunk carried as a [64, 24] int32 WGMMA-layout array: per row 6
 
 
 def supported(n: int, k: int, dtype) -> bool:
-  """Whether the kernel runs this shape: bf16 rows, N a multiple of 64, K of 128."""
-  return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and n % TILE == 0 and k % SPAN == 0
+  """Whether the kernel runs this shape: bf16 rows, N a multiple of 64, K of 256 (the codes'
+  and scales' TMA rows)."""
+  return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and n % TILE == 0 and k % 256 == 0
 
 
 def default_rows(m: int, num_experts: int) -> int:
@@ -214,167 +219,196 @@ def _zero_rows(n: int, m: int):
 
 # ----------------------------------------------------------------------------- the kernel
 
-@functools.partial(jax.jit, static_argnames=("rows", "table", "prefetch", "stream", "group"))
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """One call's static shape and its inline Mosaic GPU functions."""
+  rows: int  # rows per pass
+  width: int  # the x window's rows per pass (rows + 8)
+  nk: int  # K chunks
+  stages: int  # x chunks in flight
+  num_experts: int
+  load: Any
+  decode: Any
+  store: Any
+  zero: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refs:
+  """One program's refs and indices (expert ei, feature tile `feats`, layer lyr)."""
+  x: Any
+  codes: Any
+  scales: Any
+  ts: Any
+  x_smem: Any
+  bars: Any
+  c_smem: Any
+  s_smem: Any
+  cbars: Any
+  sbar: Any
+  lyr: Any
+  ei: Any
+  feats: Any
+
+
+def _start(c: Any, size: int) -> Any:
+  """Chunk c's first index along an axis of `size` per chunk."""
+  return c * size if isinstance(c, int) else pl.multiple_of(c * size, size)
+
+
+def _fetch_x(r: _Refs, call: _Call, row_a: Any, c: Any) -> None:
+  """x's window of the pass, chunk c, into x slot c % stages."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # Hopper only: loaded on use
+
+  cols = pl.ds(_start(c, SPAN), SPAN)
+  plgpu.copy_gmem_to_smem(r.x.at[pl.ds(row_a, call.width), cols], r.x_smem.at[c % call.stages],
+                          r.bars.at[c % call.stages])
+
+
+def _fetch_codes(r: _Refs, c: Any) -> None:
+  """Chunk c's codes into ring slot c % RING."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # Hopper only: loaded on use
+
+  plgpu.copy_gmem_to_smem(
+      r.codes.at[r.lyr, r.ei, r.feats, pl.ds(_start(c, SPAN // 8), SPAN // 8)],
+      r.c_smem.at[c % RING], r.cbars.at[c % RING])
+
+
+def _refill(r: _Refs, call: _Call, row_a: Any, c: Any) -> None:
+  """After chunk c: its slots refilled with chunks c + RING (codes) and c + stages (x), every
+  warp's reads of them done first."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # Hopper only: loaded on use
+
+  plgpu.commit_smem()
+  pl.when(c + RING < call.nk)(functools.partial(_fetch_codes, r, c + RING))
+  pl.when(c + call.stages < call.nk)(functools.partial(_fetch_x, r, call, row_a,
+                                                       c + call.stages))
+
+
+def _mma(acc_ref: Any, r: _Refs, call: _Call, row_a: Any) -> jax.Array:
+  """One pass's sums [64 features, width rows]: the pass's scales by one TMA, the codes
+  through the ring, each chunk decoded into A registers and multiplied by its x chunk."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # Hopper only: loaded on use
+
+  plgpu.copy_gmem_to_smem(r.scales.at[r.lyr, r.ei, r.feats], r.s_smem, r.sbar)
+  for c in range(min(RING, call.nk)):
+    _fetch_codes(r, c)
+  plgpu.barrier_wait(r.sbar)
+  ts = r.ts.at[r.lyr, pl.ds(r.ei, 1)]
+
+  def step(c, carry):
+    plgpu.barrier_wait(r.cbars.at[c % RING])
+    raw = call.load(r.c_smem.at[c % RING],
+                    r.s_smem.at[:, pl.ds(_start(c, SPAN // 16), SPAN // 16)])
+    w = call.decode(raw, ts)
+    plgpu.barrier_wait(r.bars.at[c % call.stages])
+    plgpu.wgmma(acc_ref, w, r.x_smem.at[c % call.stages].T)
+    # wgmma reads its A registers and the x chunk while in flight: wait before the next
+    # chunk's registers are made and before a slot is refilled.
+    plgpu.wgmma_wait(0)
+    pl.when(c + min(RING, call.stages) < call.nk)(
+        functools.partial(_refill, r, call, row_a, c))
+    return carry
+
+  jax.lax.fori_loop(0, call.nk, step, 0)
+  return acc_ref[...]
+
+
+def _one_pass(p: Any, carry: Any, *, r: _Refs, call: _Call, start: Any, size: Any,
+              out: Any) -> Any:
+  """Rows start + p * rows .. of the expert: its x window fetched, the sums, the store."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # Hopper only: loaded on use
+
+  row0 = start + p * call.rows
+  row_a = pl.multiple_of(row0 - row0 % 8, 8)
+  plgpu.commit_smem()  # the previous pass's wgmma reads done in every warp
+  for c in range(call.stages):
+    _fetch_x(r, call, row_a, c)
+  acc = pl.run_scoped(functools.partial(_mma, r=r, call=call, row_a=row_a),
+                      plgpu.ACC((TILE, call.width), jnp.float32))
+  lo = row0 - row_a
+  call.store(acc, out.at[pl.ds(row_a, call.width), r.feats], lo,
+             lo + jnp.minimum(call.rows, start + size - row0))
+  return carry
+
+
+def _body(layer_ref, offs_ref, sizes_ref, x_ref, c_ref, s_ref, ts_ref, o_ref, x_smem, bars,
+          c_smem, s_smem, cbars, sbar, *, call: _Call):
+  """Program (expert e, feature tile j): the expert's passes; the last expert's programs zero
+  the rows no group holds."""
+  ei, ji = jax.lax.axis_index("e"), jax.lax.axis_index("j")
+  feats = pl.ds(pl.multiple_of(ji * TILE, TILE), TILE)
+  r = _Refs(x=x_ref, codes=c_ref, scales=s_ref, ts=ts_ref, x_smem=x_smem, bars=bars,
+            c_smem=c_smem, s_smem=s_smem, cbars=cbars, sbar=sbar, lyr=layer_ref[0], ei=ei,
+            feats=feats)
+  start, size = offs_ref[ei], sizes_ref[ei]
+  jax.lax.fori_loop(0, (size + call.rows - 1) // call.rows,
+                    functools.partial(_one_pass, r=r, call=call, start=start, size=size,
+                                      out=o_ref), 0)
+  e = call.num_experts
+  total = offs_ref[e - 1] + sizes_ref[e - 1]
+  pl.when(ei == e - 1)(lambda: call.zero(o_ref.at[:, feats], total))
+
+
+def _inline_functions(n: int, m: int, k: int, table: str) -> dict[str, Any]:
+  """The call's Mosaic GPU functions: load, decode, store, zero."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # Hopper only: loaded on use
+
+  raw = plgpu.ShapeDtypeStruct((TILE, _RAW_COLS), jnp.int32, layout=plgpu.Layout.WGMMA)
+  tile = plgpu.ShapeDtypeStruct((TILE, SPAN), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+  scalar = plgpu.Layout.WG_SPLAT(shape=())
+  return dict(
+      load=plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2, return_type=raw)(
+          _load_chunk(SPAN // 2, k // 16, True)),
+      decode=plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                               return_type=tile)(_decode_chunk(table)),
+      store=plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), scalar, scalar))(
+          _store_transposed(n)),
+      zero=plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar))(_zero_rows(n, m)))
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "table"))
 def grouped_matmul(x: jax.Array, codes: jax.Array, block_scale: jax.Array,
                    tensor_scale: jax.Array, group_sizes: jax.Array, layer: jax.Array, *,
-                   rows: int, table: str = "exact", prefetch: int = PREFETCH,
-                   stream: int = 0, group: int = 1) -> jax.Array:
+                   rows: int, table: str = "exact") -> jax.Array:
   """bf16 [M, N]: rows x [M, K] (sorted by expert) times each group's expert weights,
   products summed in float32 (wgmma's order), rounded once.
 
   codes: uint32 [L, E, N, K/16, 2] (`PackedNVFP4Weights.as_words`); block_scale:
   float8_e4m3fn [L, E, N, K/16] (read as its bytes); tensor_scale: float32 [L, E]; group_sizes:
-  int [E]; layer: int32 scalar. rows: rows per pass (`default_rows`); prefetch: K chunks whose
-  codes and scales are loaded ahead of the decode (>= 0; the carry of the loop over chunks:
-  unrolled, the loop took 213 registers a thread against 142 and ran no faster on the H200).
-  stream > 0: the codes go through a ring of that many chunks in shared memory by TMA and the
-  scales of the pass by one TMA (K a multiple of 256), instead of into registers (prefetch
-  then does not apply); group (stream only, dividing K / 128): chunks decoded before their
-  wgmmas are issued and waited for together (only 1 has run to completion on a GPU)."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import mosaic_gpu as plgpu
+  int [E]; layer: int32 scalar. rows: rows per pass (`default_rows`); table: "exact" or
+  "fast" (the caller's promise that every tensor scale is in the fast range)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # Hopper only: loaded on use
 
   m, k = x.shape
   num_layers, e, n = codes.shape[:3]
   if not supported(n, k, x.dtype) or rows % 8 or not 8 <= rows <= MAX_ROWS:
-    raise ValueError(f"wgmma MoE: unsupported x {x.shape} {x.dtype}, N={n}, rows={rows}")
+    raise ValueError(f"wgmma MoE: unsupported x {x.shape} {x.dtype}, N={n}, rows={rows} (bf16, "
+                     f"N a multiple of {TILE}, K of 256, rows a multiple of 8 up to "
+                     f"{MAX_ROWS})")
   if table not in wgmma_decode.TABLES:
     raise ValueError(f"table must be one of {wgmma_decode.TABLES}, got {table!r}")
-  if stream and k % 256:
-    raise ValueError(f"wgmma MoE: stream needs K a multiple of 256 (TMA rows of 16-byte "
-                     f"multiples of scale bytes), got {k}")
-  nk = k // SPAN
-  stages = min(STAGES, nk)
-  if stream and (nk % group or group > min(stream, stages)):
-    raise ValueError(f"wgmma MoE: group {group} must divide K / 128 = {nk} and fit the rings")
   gs = group_sizes.astype(jnp.int32)
-  offs = jnp.cumsum(gs) - gs
   # A pass reads rows row0 .. row0 + rows - 1 through a TMA window of `width` rows from row0
   # rounded down to a multiple of 8 (the shared tile's rows: TMA windows start on them). x's
   # columns go in the decoded order, and `width` zero rows after the last keep every window
   # inside the array.
   width = rows + 8
-  xs = jnp.pad(jnp.take(x, wgmma_decode.span_order(k), axis=1), ((0, width), (0, 0)))
-  words = codes.reshape(num_layers, e, n, k // 8)
-  scale_bits = jax.lax.bitcast_convert_type(block_scale, jnp.uint8)
-  load = plgpu.inline_mgpu(
-      arg_types=(plgpu.RefType(),) * 2,
-      return_type=plgpu.ShapeDtypeStruct((TILE, _RAW_COLS), jnp.int32,
-                                         layout=plgpu.Layout.WGMMA))(
-          _load_chunk(SPAN // 2, k // 16, True) if stream else _load_chunk(k // 2, k // 16))
-  decode = plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
-      return_type=plgpu.ShapeDtypeStruct((TILE, SPAN), jnp.bfloat16,
-                                         layout=plgpu.Layout.WGMMA))(_decode_chunk(table))
-  store = plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=()),
-                 plgpu.Layout.WG_SPLAT(shape=())))(
-          _store_transposed(n))
-  zero = plgpu.inline_mgpu(
-      arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())))(_zero_rows(n, m))
+  nk = k // SPAN
+  stages = min(STAGES, nk)
+  call = _Call(rows=rows, width=width, nk=nk, stages=stages, num_experts=e,
+               **_inline_functions(n, m, k, table))
   x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-  def body(layer_ref, offs_ref, sizes_ref, x_ref, c_ref, s_ref, ts_ref, o_ref, x_smem, bars,
-           *ring):
-    ei, ji = jax.lax.axis_index("e"), jax.lax.axis_index("j")
-    lyr = layer_ref[0]
-    start, size = offs_ref[ei], sizes_ref[ei]
-    feats = pl.ds(pl.multiple_of(ji * TILE, TILE), TILE)
-    ts = ts_ref.at[lyr, pl.ds(ei, 1)]
-
-    def start_of(c, size):  # chunk c's first index along an axis of `size` per chunk
-      return c * size if isinstance(c, int) else pl.multiple_of(c * size, size)
-
-    def load_chunk(c):
-      cw = pl.ds(start_of(c, SPAN // 8), SPAN // 8)
-      sw = pl.ds(start_of(c, SPAN // 16), SPAN // 16)
-      return load(c_ref.at[lyr, ei, feats, cw], s_ref.at[lyr, ei, feats, sw])
-
-    def fetch(row_a, c):
-      cols = pl.ds(start_of(c, SPAN), SPAN)
-      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row_a, width), cols], x_smem.at[c % stages],
-                              bars.at[c % stages])
-
-    def fetch_codes(c):  # stream: chunk c's codes into ring slot c % stream
-      c_smem, cbars = ring[0], ring[2]
-      plgpu.copy_gmem_to_smem(c_ref.at[lyr, ei, feats, pl.ds(start_of(c, SPAN // 8), SPAN // 8)],
-                              c_smem.at[c % stream], cbars.at[c % stream])
-
-    def chunks_mma(acc_ref, chunks):
-      """Decodes [(chunk c, its raw load)], then issues their wgmmas and waits for them."""
-      ws = [decode(raw, ts) for _, raw in chunks]
-      for (c, _), w in zip(chunks, ws):
-        plgpu.barrier_wait(bars.at[c % stages])
-        plgpu.wgmma(acc_ref, w, x_smem.at[c % stages].T)
-      # wgmma reads its A registers and the x chunk while in flight: wait before the next
-      # chunk's registers are made and before a slot is refilled.
-      plgpu.wgmma_wait(0)
-
-    def one_pass(p, carry):
-      row0 = start + p * rows
-      row_a = pl.multiple_of(row0 - row0 % 8, 8)
-      plgpu.commit_smem()  # the previous pass's wgmma reads done in every warp
-      for c in range(stages):
-        fetch(row_a, c)
-
-      def refill(cs):  # after chunks cs: their slots refilled, every warp's reads done first
-        plgpu.commit_smem()
-        for c in cs:
-          if stream:  # the caller checked cs[0] only
-            pl.when(c + stream < nk)(functools.partial(fetch_codes, c + stream))
-            pl.when(c + stages < nk)(functools.partial(fetch, row_a, c + stages))
-          else:  # the caller checked c + stages < nk
-            fetch(row_a, c + stages)
-
-      def mma(acc_ref):
-        if stream:  # codes by TMA through a ring of `stream` chunks; scales once per pass
-          c_smem, s_smem, cbars, sbar = ring
-          plgpu.copy_gmem_to_smem(s_ref.at[lyr, ei, feats], s_smem, sbar)
-          for c in range(min(stream, nk)):
-            fetch_codes(c)
-          plgpu.barrier_wait(sbar)
-
-          def raw_of(c):
-            plgpu.barrier_wait(cbars.at[c % stream])
-            return load(c_smem.at[c % stream],
-                        s_smem.at[:, pl.ds(start_of(c, SPAN // 16), SPAN // 16)])
-
-          def step(g, carry):
-            cs = [g * group + i for i in range(group)]
-            chunks_mma(acc_ref, [(c, raw_of(c)) for c in cs])
-            pl.when(cs[0] + min(stream, stages) < nk)(functools.partial(refill, cs))
-            return carry
-
-          jax.lax.fori_loop(0, nk // group, step, 0)
-        else:  # chunks 0 .. prefetch - 1 loaded first, then c + prefetch in step c
-          def step(c, raws):
-            nxt = load_chunk(jnp.minimum(c + prefetch, nk - 1)) if prefetch else None
-            chunks_mma(acc_ref, [(c, raws[0] if prefetch else load_chunk(c))])
-            pl.when(c + stages < nk)(functools.partial(refill, [c]))
-            return (*raws[1:], nxt) if prefetch else raws
-
-          jax.lax.fori_loop(0, nk, step, tuple(load_chunk(i) for i in range(min(prefetch, nk))))
-        return acc_ref[...]
-
-      acc = pl.run_scoped(mma, plgpu.ACC((TILE, width), jnp.float32))
-      lo = row0 - row_a
-      store(acc, o_ref.at[pl.ds(row_a, width), feats], lo,
-            lo + jnp.minimum(rows, start + size - row0))
-      return carry
-
-    jax.lax.fori_loop(0, (size + rows - 1) // rows, one_pass, 0)
-    total = offs_ref[e - 1] + sizes_ref[e - 1]
-    pl.when(ei == e - 1)(lambda: zero(o_ref.at[:, feats], total))
-
   kernel = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+      functools.partial(_body, call=call), out_type=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
       grid=(e, n // TILE), grid_names=("e", "j"), kernel_name="grouped_matmul_fp4_wgmma",
       scratch_types=[plgpu.SMEM((stages, width, SPAN), jnp.bfloat16, transforms=x_transforms),
                      plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-                     *([plgpu.SMEM((stream, TILE, SPAN // 8), jnp.uint32),
-                        plgpu.SMEM((TILE, k // 16), jnp.uint8),
-                        plgpu.Barrier(num_arrivals=1, num_barriers=stream),
-                        plgpu.Barrier(num_arrivals=1)] if stream else [])],
-  )
-  return kernel(jnp.reshape(layer, (1,)).astype(jnp.int32), offs, gs, xs, words, scale_bits,
-                tensor_scale)
+                     plgpu.SMEM((RING, TILE, SPAN // 8), jnp.uint32),
+                     plgpu.SMEM((TILE, k // 16), jnp.uint8),
+                     plgpu.Barrier(num_arrivals=1, num_barriers=RING),
+                     plgpu.Barrier(num_arrivals=1)])
+  xs = jnp.pad(jnp.take(x, wgmma_decode.span_order(k), axis=1), ((0, width), (0, 0)))
+  return kernel(jnp.reshape(layer, (1,)).astype(jnp.int32), jnp.cumsum(gs) - gs, gs, xs,
+                codes.reshape(num_layers, e, n, k // 8),
+                jax.lax.bitcast_convert_type(block_scale, jnp.uint8), tensor_scale)

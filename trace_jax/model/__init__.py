@@ -29,14 +29,17 @@ from trace_jax.model.attention import LayerCache
 from trace_jax.model.config import MOE_IMPLS, ModelConfig, qwen3_30b_a3b, tiny
 from trace_jax.model.layer_runs import layer_runs, stack_layers
 from trace_jax.model.moe import load_balancing_loss
+from trace_jax.model.plan import KernelPlan
+from trace_jax.model.plan import resolve as resolve_plan
 from trace_jax.model.precision import SITES, GuidanceTree, Precision
 from trace_jax.model.transformer import ForwardOut, Transformer, rows_of_layers
 
 __all__ = [
     "MOE_IMPLS",
-    "SITES", "ForwardOut", "ModelConfig", "Transformer", "abstract_params", "aux_loss",
-    "decode_step", "forward", "graphdef", "init_cache", "init_params", "layer_runs", "logits",
-    "prefill", "qwen3_30b_a3b", "rows_of_layers", "sharding", "stack_layers", "tiny",
+    "SITES", "ForwardOut", "KernelPlan", "ModelConfig", "Transformer", "abstract_params",
+    "aux_loss", "decode_step", "forward", "graphdef", "init_cache", "init_params", "layer_runs",
+    "logits", "prefill", "qwen3_30b_a3b", "resolve_plan", "rows_of_layers", "sharding",
+    "stack_layers", "tiny",
 ]
 
 
@@ -73,7 +76,8 @@ def forward(params: nnx.State, config: ModelConfig, tokens: jax.Array,
             routing: dict[int, jax.Array] | None = None, replay: bool = False,
             tap_layers: tuple[int, ...] = (), tap_mode: str | None = None,
             tap_routing: bool | None = None, record: bool = False,
-            experts: list[Any] | None = None, layers: list[Any] | None = None) -> ForwardOut:
+            experts: list[Any] | None = None, layers: list[Any] | None = None,
+            plan: KernelPlan | None = None) -> ForwardOut:
   """One forward pass in `config.policy` and `config.dtype`.
 
   tokens, positions: int32 [B, S] (positions default to 0..S-1).
@@ -95,6 +99,8 @@ def forward(params: nnx.State, config: ModelConfig, tokens: jax.Array,
   layers: per run the layers' params stacked (`stack_layers`), used instead of
     params["layers"] (which may then be empty arrays): the engine stacks them once per update
     rather than at every step.
+  plan: the kernel plan this forward runs (`trace_jax.model.plan`); None: resolved here from
+    the config on the default backend (a program resolves its plan once, as it is traced).
   """
   tokens = jnp.asarray(tokens, jnp.int32)
   if tokens.ndim != 2:
@@ -110,7 +116,8 @@ def forward(params: nnx.State, config: ModelConfig, tokens: jax.Array,
       raise ValueError(f"forward: {name} for {len(per_run)} runs of layers, config has {runs} "
                        f"(`layer_runs`: {layer_runs(config)})")
   prec = Precision(config, guidance=guidance, tap_layers=tuple(tap_layers), tap_mode=tap_mode,
-                   record=record, tap_routing=tap_routing)
+                   record=record, tap_routing=tap_routing,
+                   plan=resolve_plan(config) if plan is None else plan)
   if replay and not routing:
     raise ValueError("forward: replay=True needs `routing` (the rollout's expert ids)")
   model = nnx.merge(graphdef(config), params)
@@ -129,14 +136,18 @@ def logits(params: nnx.State, config: ModelConfig, tokens: jax.Array) -> jax.Arr
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int,
-               dtype: str | jnp.dtype | None = None) -> list[LayerCache | PackedKVCache]:
+               dtype: str | jnp.dtype | None = None,
+               plan: KernelPlan | None = None) -> list[LayerCache | PackedKVCache]:
   """Zero KV cache: per run of `layer_runs` (k, v) [n, batch, max_len, G, H] in `dtype`
-  (default config.dtype), or, where `config.packed_kv_cache`, a `PackedKVCache` whose arrays
-  carry the run's n layers first (NVFP4 codes, block and row scales; all zero bytes decode
-  to +0, as a zero cache holds)."""
+  (default config.dtype), or, where the plan's `kv_cache` is "packed" (None: the config's,
+  resolved here), a `PackedKVCache` whose arrays carry the run's n layers first (NVFP4 codes
+  in the plan's `fp4_codes` layout, block and row scales; all zero bytes decode to +0, as a
+  zero cache holds)."""
   g, h = config.num_key_value_heads, config.head_dim
-  if config.packed_kv_cache:
-    one = jax.eval_shape(lambda: kv_cache.init_packed_cache(batch, max_len, g, h))
+  plan = resolve_plan(config) if plan is None else plan
+  if plan.kv_cache == "packed":
+    one = jax.eval_shape(lambda: kv_cache.init_packed_cache(batch, max_len, g, h,
+                                                            words=plan.words))
     return [jax.tree.map(lambda a, n=b - a: jnp.zeros((n,) + a.shape, a.dtype), one)
             for a, b in layer_runs(config)]
   dt = jnp.dtype(config.dtype if dtype is None else dtype)
@@ -150,7 +161,7 @@ def prefill(params: nnx.State, config: ModelConfig, tokens: jax.Array, max_len: 
   """Full-sequence forward over tokens [B, S] that also returns a filled KV cache of max_len."""
   if tokens.shape[1] > max_len:
     raise ValueError(f"prefill: {tokens.shape[1]} tokens exceed the cache length {max_len}")
-  cache = init_cache(config, tokens.shape[0], max_len)
+  cache = init_cache(config, tokens.shape[0], max_len, plan=kwargs.get("plan"))
   return forward(params, config, tokens, cache=cache, decode=False, **kwargs)
 
 

@@ -13,18 +13,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx, struct
 
 from trace_jax.kernels import decode_attention, fp4_moe, kv_cache
+from trace_jax.kernels.attention_math import attend
 from trace_jax.kernels.kv_cache import PackedKVCache
 from trace_jax.model import batch_local
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import Linear, RMSNorm, apply_rope
+from trace_jax.model.plan import KernelPlan
 from trace_jax.model.precision import Precision
 
 # A run's cache: (k, v), each [L, B, T, G, H] (the run's L layers) in the compute dtype, or a
-# `PackedKVCache` whose arrays carry the L layers first (`ModelConfig.packed_kv_cache`).
+# `PackedKVCache` whose arrays carry the L layers first (the plan's `kv_cache`).
 LayerCache = tuple[jax.Array, jax.Array]
 
 
@@ -65,60 +66,20 @@ class Attention(nnx.Module):
     """
     b, s, _ = x.shape
     n, g, h = self.num_heads, self.num_kv_heads, self.head_dim
-    names = ("q_proj", "k_proj", "v_proj")
-    qkv = None  # the engine's q, k and v stacked: one projection, split below
-    if quantized is None:
-      q, k, v = prec.linears(x, [getattr(self, p).kernel[...].astype(x.dtype) for p in names])
-      o_proj = lambda a: self.o_proj(a, prec.linear)
-    elif quantized.fp8:  # the engine's FP8 weights, read in place at this layer
-      lin = lambda a, name: prec.linear(a, quantized.run.attention[name], layer=quantized.index)
-      qkv = lin(x, "qkv")
-      o_proj = lambda a: lin(a, "o_proj")
-    elif decode and s == 1 and prec.config.decode_impl == "kernel":
-      # One-token decode: qkv and o each as one "expert" of the decode kernel, which reads
-      # the layer's weights in place in the run's stack (no per-step copy of a slice).
-      def proj(a, name):
-        mm = lambda rows, w, i: fp4_moe.matmul_decode(rows, w, layer=i)
-        out = batch_local.on_batch_shards(
-            mm, (a.reshape(b, a.shape[-1]), quantized.run.attention[name], quantized.index),
-            (0, None, None), b)
-        return out.reshape(b, s, -1)
-      qkv = proj(x, "qkv")
-      o_proj = lambda a: proj(a, "o_proj")
-    else:  # prefill: the layer's projections sliced out of the stack
-      w = quantized.attention
-      qkv = prec.linear(x, w["qkv"])
-      o_proj = lambda a: prec.linear(a, w["o_proj"])
-    if qkv is not None:
-      q, k, v = jnp.split(qkv, [n * h, (n + g) * h], axis=-1)
+    kernel = decode and s == 1 and prec.plan.decode_impl == "kernel"  # a one-token step
+    (q, k, v), o_proj = self._projections(x, prec, kernel, quantized)
     q, k, v = q.reshape(b, s, n, h), k.reshape(b, s, g, h), v.reshape(b, s, g, h)
     q = apply_rope(self.q_norm(q), cos, sin)
     k = apply_rope(self.k_norm(k), cos, sin)
-    packed = cache is not None and isinstance(cache.run, PackedKVCache)
-    new_cache = None
-    if packed:  # the cache takes the NVFP4 codes and scales; attention uses their values
-      k, v, qk, qv = prec.kv_site(layer, k, v, codes=True)
-      new_cache = kv_cache.write_quantized(cache.run, qk, qv, positions, layer=cache.index)
-    else:
-      k, v = prec.kv_site(layer, k, v)
-    i = None if cache is None else cache.index
-    if cache is not None and not packed:
-      ck, cv = cache.run
-      bidx = jnp.arange(b)[:, None]
-      new_cache = (ck.at[i, bidx, positions].set(k.astype(ck.dtype)),
-                   cv.at[i, bidx, positions].set(v.astype(cv.dtype)))
+    k, v, new_cache = _write_cache(prec, layer, k, v, cache, positions)
     if decode and new_cache is None:
       raise ValueError("decode=True needs a KV cache")
-    if decode and s == 1 and prec.config.decode_impl == "kernel":
-      # One-token decode: the decode-attention kernels read this layer's cache in place in
-      # the run's stack, with `attend`'s scores and probabilities.
-      # On a mesh each device attends for its own sequences (`batch_local`).
-      attn = lambda q1, c, lens, j: decode_attention.decode_attention(q1, c, lens, layer=j)
-      out = batch_local.on_batch_shards(attn, (q[:, 0], new_cache, positions[:, 0] + 1, i),
-                                        (0, 0 if i is None else 1, 0, None), b)[:, None]
+    i = None if cache is None else cache.index
+    if kernel:
+      out = _decode_kernel_attention(prec.plan, q, new_cache, positions, i)
     else:
       if decode:
-        if packed:  # the XLA path: the layer's cache dequantized (at every call)
+        if isinstance(new_cache, PackedKVCache):  # the XLA path: the layer's cache dequantized
           keys, values = kv_cache.dequantize(jax.tree.map(lambda a: a[i], new_cache), x.dtype)
         else:
           keys, values = (a[i].astype(x.dtype) for a in new_cache)
@@ -128,36 +89,67 @@ class Attention(nnx.Module):
       out = attend(q, keys, values, positions, key_pos)
     return o_proj(out.reshape(b, s, n * h)), new_cache
 
+  def _projections(self, x: jax.Array, prec: Precision, kernel: bool, quantized: Any
+                   ) -> tuple[list[jax.Array], Any]:
+    """([q, k, v] [B, S, heads * H], o_proj): the params' projections, or the engine's
+    (`quantized`: FP8 read in place; on a one-token kernel step each of qkv and o one "expert"
+    of the decode kernel, reading the layer's weights in place in the run's stack; else the
+    layer's projections sliced out of the stack)."""
+    b, s, _ = x.shape
+    n, g, h = self.num_heads, self.num_kv_heads, self.head_dim
+    if quantized is None:
+      names = ("q_proj", "k_proj", "v_proj")
+      qkv = prec.linears(x, [getattr(self, p).kernel[...].astype(x.dtype) for p in names])
+      return qkv, lambda a: self.o_proj(a, prec.linear)
+    if quantized.fp8:  # the engine's FP8 weights, read in place at this layer
+      proj = lambda a, name: prec.linear(a, quantized.run.attention[name],
+                                         layer=quantized.index)
+    elif kernel:
+      def proj(a, name):
+        mm = lambda rows, w, i: fp4_moe.matmul_decode(rows, w, layer=i)
+        out = batch_local.on_batch_shards(
+            mm, (a.reshape(b, a.shape[-1]), quantized.run.attention[name], quantized.index),
+            (0, None, None), b)
+        return out.reshape(b, s, -1)
+    else:  # prefill
+      w = quantized.attention
+      proj = lambda a, name: prec.linear(a, w[name])
+    qkv = proj(x, "qkv")  # the engine's q, k and v stacked: one projection, split here
+    return (jnp.split(qkv, [n * h, (n + g) * h], axis=-1),
+            lambda a: proj(a, "o_proj"))
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-           k_pos: jax.Array) -> jax.Array:
-  """Causal GQA: q [B, S, N, H], k/v [B, T, G, H], positions [B, S] / [B, T] -> [B, S, N, H].
 
-  Scores are float32 (the dot's float32 sum times float32 H**-0.5, never rounded to the
-  compute dtype: a rounding XLA may or may not elide under jit, differently on CPU and GPU),
-  soft-maxed in float32, and the probabilities rounded once to the compute dtype for the PV
-  product; query head n reads kv head n // (N / G). The decode-attention kernel
-  (`trace_jax.kernels.decode_attention`) computes the same scores and takes its probabilities
-  from `attention_probs`, so both normalize and round alike.
-  """
-  b, s, n, h = q.shape
-  g = k.shape[2]
-  qg = q.reshape(b, s, g, n // g, h)
-  scores = jnp.einsum("bsgrh,btgh->bgrst", qg, k, preferred_element_type=jnp.float32)
-  scores = scores * score_scale(h)
-  mask = k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]
-  probs = attention_probs(scores, mask, q.dtype)
-  out = jnp.einsum("bgrst,btgh->bsgrh", probs, v)
-  return out.reshape(b, s, n, h)
+def _write_cache(prec: Precision, layer: int, k: jax.Array, v: jax.Array,
+                 cache: CacheSlot | None, positions: jax.Array
+                 ) -> tuple[jax.Array, jax.Array, LayerCache | PackedKVCache | None]:
+  """The k/v sites' values and the run's cache stack with them written at `positions` in the
+  slot's layer (None without a cache). A packed cache takes the NVFP4 codes and scales;
+  attention uses their values."""
+  if cache is not None and isinstance(cache.run, PackedKVCache):
+    k, v, qk, qv = prec.kv_site(layer, k, v, codes=True)
+    return k, v, kv_cache.write_quantized(cache.run, qk, qv, positions, layer=cache.index)
+  k, v = prec.kv_site(layer, k, v)
+  if cache is None:
+    return k, v, None
+  ck, cv = cache.run
+  i, bidx = cache.index, jnp.arange(k.shape[0])[:, None]
+  return k, v, (ck.at[i, bidx, positions].set(k.astype(ck.dtype)),
+                cv.at[i, bidx, positions].set(v.astype(cv.dtype)))
 
 
-def score_scale(head_dim: int) -> np.float32:
-  """The float32 factor of the attention scores, head_dim**-0.5."""
-  return np.float32(head_dim ** -0.5)
+def _decode_kernel_attention(plan: KernelPlan, q: jax.Array, cache: Any, positions: jax.Array,
+                             i: jax.Array | None) -> jax.Array:
+  """One-token decode: the decode-attention kernels (the plan's) read this layer's cache in
+  place in the run's stack, with `attend`'s scores and probabilities. On a mesh each device
+  attends for its own sequences (`batch_local`)."""
+  b = q.shape[0]
 
+  def attn(q1, c, lens, j):
+    impl = "triton"
+    if plan.decode_attention == "wgmma":  # the plan's kernels where they run
+      impl = decode_attention.wgmma_impl(q1, c, layer=j, sm_count=plan.sm_count)
+    config = decode_attention.AttentionConfig(impl=impl, sm_count=plan.sm_count)
+    return decode_attention.decode_attention(q1, c, lens, layer=j, config=config)
 
-def attention_probs(scores: jax.Array, mask: jax.Array, dtype: Any) -> jax.Array:
-  """Probabilities in `dtype` of float32 scores [B, G, R, S, T] over T: masked (mask
-  broadcast to scores; False -> excluded), soft-maxed in float32, rounded once."""
-  masked = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-  return jax.nn.softmax(masked, axis=-1).astype(dtype)
+  return batch_local.on_batch_shards(attn, (q[:, 0], cache, positions[:, 0] + 1, i),
+                                     (0, 0 if i is None else 1, 0, None), b)[:, None]

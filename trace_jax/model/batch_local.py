@@ -9,7 +9,7 @@ Pallas interpreter (CPU) hides this: its kernels are plain HLO, which XLA partit
 `on_batch_shards` runs a kernel whose work is independent per batch row (decode attention per
 sequence; the decode projections, lm_head, NVFP4 sites and dense FP8 GEMMs per token row;
 `summed_over_batch_shards` one that contracts over the rows, the FP8 WGrad) under `jax.shard_map`
-over the mesh entered with `expert_parallel.use_mesh`: its batch-indexed operands split as the
+over the mesh entered with `mesh_context.use_mesh`: its batch-indexed operands split as the
 entered rules split the batch (the `batch` logical axis), every other operand replicated (the
 engine's dense weights are: `sharding.ENGINE_RULES`), each output split along its first axis.
 Outside a mesh, where the batch does not split, or inside another `shard_map` body (the
@@ -24,14 +24,14 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from trace_jax.model import expert_parallel, sharding
+from trace_jax.model import mesh_context, sharding
 
 
 def batch_axes(size: int) -> Any:
   """The mesh axes a batch of `size` rows splits over on the entered mesh (a PartitionSpec
   entry: None, one axis name or a tuple of them); None outside a mesh or a shard_map body."""
-  entered = expert_parallel.entered()
-  if entered is None or expert_parallel.in_manual_body():
+  entered = mesh_context.entered()
+  if entered is None or mesh_context.in_manual_body():
     return None
   return sharding.batch_axes(size, *entered)
 
@@ -61,12 +61,12 @@ def _shard_map(fn: Callable[..., Any], args: Sequence[Any], batch_dims: Sequence
   axes = batch_axes(size)
   if axes is None:
     return fn(*args)
-  mesh, _ = expert_parallel.entered()
+  mesh, _ = mesh_context.entered()
   in_specs = tuple(PartitionSpec() if d is None else PartitionSpec(*([None] * d), axes)
                    for d in batch_dims)
 
   def body(*local: Any) -> Any:
-    with expert_parallel.manual_body():
+    with mesh_context.manual_body():
       out = fn(*local)
     return jax.tree.map(lambda a: jax.lax.psum(a, axes), out) if summed else out
 

@@ -13,13 +13,14 @@ from typing import Any
 
 from trace_jax.guidance.record import MODES as GUIDANCE_MODES
 from trace_jax.guidance.record import SITES as SITES  # re-exported: the model's sites
+from trace_jax.model import plan as plan_lib
 from trace_jax.model.policies import Forward, forward_of
 
 DTYPES = ("float32", "bfloat16")
-MOE_IMPLS = ("ragged_dot", "tiled", "kernel")  # trace_jax.model.grouped
-DECODE_IMPLS = ("xla", "kernel")  # the rollout's one-token decode steps (trace_jax.kernels)
-DECODE_MOE_KERNELS = ("auto", "triton", "wgmma")  # decode_impl="kernel"'s packed experts
-FP8_GEMMS = ("xla", "kernel")  # fp8_unified's GEMMs (trace_jax.model.fp8_linear)
+# The implementations a config may force per operation (`trace_jax.model.plan`).
+MOE_IMPLS = plan_lib.FIELDS["moe_impl"]  # trace_jax.model.grouped
+DECODE_IMPLS = plan_lib.FIELDS["decode_impl"]  # the rollout's one-token decode steps
+FP8_GEMMS = plan_lib.FIELDS["fp8_gemm"]  # FP8 linears' GEMMs (trace_jax.model.fp8_linear)
 
 # HF keys that carry no information for this model but are written for SGLang / transformers.
 _HF_CONSTANTS = {
@@ -42,19 +43,27 @@ class ModelConfig:
   guided_layers: indices of the decoder layers whose quantization sites take rollout guidance
     in a guided policy (`fp4_trace`, `mxfp4_trace`); None means the deepest half
     (`num_hidden_layers // 2 ..`).
-  moe_impl: how the experts' grouped matmuls run (`trace_jax.model.grouped`); not a shape:
-    "tiled" (XLA, the default), "ragged_dot" (XLA), "kernel" (Pallas grouped GEMMs reading the
-    stacked weights in place: the fastest on the GPU, the Pallas interpreter elsewhere; N and
-    K multiples of 16).
-  decode_impl: how the rollout engine's one-token decode steps run the experts given as
-    `expert_weights.ExpertWeights`: "xla" (dequantize + moe_impl) or "kernel" (the Pallas
-    grouped matmul reading packed NVFP4 / BF16 weights in place, and the decode-attention
-    kernels reading the layer's cache in place, packed NVFP4 under NVFP4 forwards:
-    `packed_kv_cache`); training never uses it.
-  decode_moe_kernel: under decode_impl="kernel", the packed NVFP4 experts' kernel
-    (`fp4_moe.grouped_matmul_decode(impl=)`): "auto" (`fp4_moe`'s default: the wgmma kernel
-    on a Hopper GPU, else Triton; `fp4_moe.WGMMA_BY_DEFAULT`), "triton" or "wgmma" (Hopper
-    only); the same weights, sums in another float32 order.
+  plan: the kernel plan's preset (`trace_jax.model.plan.PRESETS`: "auto", the fastest measured
+    implementations on the backend, or "reference", XLA everywhere); the per-operation fields
+    below, "auto" by default, force one operation's implementation over it. `plan.resolve`
+    turns the config into the `KernelPlan` its programs run; docs of every field there.
+  moe_impl: the experts' grouped matmuls of training and prefill (`trace_jax.model.grouped`):
+    "tiled" (XLA), "ragged_dot" (XLA) or "kernel" (Pallas grouped GEMMs reading the stacked
+    weights in place; N and K multiples of 16).
+  decode_impl: the rollout engine's one-token decode steps: "xla" (dequantize + moe_impl,
+    XLA attention) or "kernel" (the decode kernels: experts, attention projections and lm_head
+    through `kernels.fp4_moe` reading packed NVFP4 / BF16 / FP8 weights in place, attention
+    through `kernels.decode_attention`); training never uses it.
+  decode_moe_kernel: under decode_impl="kernel", the packed NVFP4 experts' kernel: "triton" or
+    "wgmma" (Hopper; shapes it does not take run Triton); the same weights, sums in another
+    float32 order.
+  fp4_codes: packed NVFP4 codes (the engine's experts, the packed KV cache) held as "bytes"
+    (`formats.pack_fp4`'s layout) or "words" per block (the GPU kernels' decoder).
+  decode_attention: the packed KV cache's decode attention: "triton" or "wgmma" (Hopper).
+  kv_cache: under NVFP4 forwards, the KV cache "dense" (fake-quantized values) or "packed"
+    (NVFP4 codes and scales, `kernels.kv_cache`).
+  nvfp4_sites: the rollout's unguided NVFP4 activation sites: "xla" or "kernel"
+    (`kernels.nvfp4_act`, one Pallas kernel per site).
   fp8_gemm: how forwards with FP8 linears (`fp8_unified`) run their block-scaled FP8 GEMMs
     (`trace_jax.model.fp8_linear`): "xla" (the plain-JAX reference: dequantized float32
     operands) or "kernel" (Pallas on the FP8 tensor cores); the same sums up to order.
@@ -89,10 +98,15 @@ class ModelConfig:
   policy: str = "bf16"
   guided_layers: tuple[int, ...] | None = None
   guidance_mode: str = "compact"
-  moe_impl: str = "tiled"
-  decode_impl: str = "xla"
+  plan: str = "auto"
+  moe_impl: str = "auto"
+  decode_impl: str = "auto"
   decode_moe_kernel: str = "auto"
-  fp8_gemm: str = "xla"
+  fp4_codes: str = "auto"
+  decode_attention: str = "auto"
+  kv_cache: str = "auto"
+  nvfp4_sites: str = "auto"
+  fp8_gemm: str = "auto"
   fp8_backward: bool = False
   scan_layers: bool = True
   scan_unroll: int = 1
@@ -136,18 +150,7 @@ class ModelConfig:
       fwd = None
     if self.guidance_mode not in GUIDANCE_MODES:
       errors.append(f"guidance_mode must be one of {GUIDANCE_MODES}, got {self.guidance_mode!r}")
-    if self.moe_impl not in MOE_IMPLS:
-      errors.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
-    elif self.moe_impl == "kernel" and (self.hidden_size % 16 or self.moe_intermediate_size % 16):
-      errors.append(f'moe_impl="kernel" needs hidden_size ({self.hidden_size}) and '
-                    f"moe_intermediate_size ({self.moe_intermediate_size}) multiples of 16")
-    if self.decode_impl not in DECODE_IMPLS:
-      errors.append(f"decode_impl must be one of {DECODE_IMPLS}, got {self.decode_impl!r}")
-    if self.decode_moe_kernel not in DECODE_MOE_KERNELS:
-      errors.append(f"decode_moe_kernel must be one of {DECODE_MOE_KERNELS}, got "
-                    f"{self.decode_moe_kernel!r}")
-    if self.fp8_gemm not in FP8_GEMMS:
-      errors.append(f"fp8_gemm must be one of {FP8_GEMMS}, got {self.fp8_gemm!r}")
+    errors += plan_lib.check(self)
     if not isinstance(self.fp8_backward, bool):
       errors.append(f"fp8_backward must be a bool, got {self.fp8_backward!r}")
     if not isinstance(self.scan_layers, bool):
@@ -184,13 +187,6 @@ class ModelConfig:
   def forward(self) -> Forward:
     """The precision policy of this forward, as data (`trace_jax.model.policies`)."""
     return forward_of(self.policy)
-
-  @property
-  def packed_kv_cache(self) -> bool:
-    """Whether a KV cache of this forward holds packed NVFP4 (`kernels.kv_cache`, 4.5 bits per
-    element) rather than the fake-quantized values: with the rollout's kernels
-    (decode_impl="kernel") under a forward that quantizes K/V in NVFP4."""
-    return self.decode_impl == "kernel" and self.forward.fp4 == "nvfp4"
 
   def replace(self, **changes: Any) -> ModelConfig:
     return dataclasses.replace(self, **changes)
@@ -308,6 +304,25 @@ def qwen3_30b_a3b(**overrides: Any) -> ModelConfig:
 
 
 PRESETS = {"tiny": tiny, "qwen3_30b_a3b": qwen3_30b_a3b}
+
+
+def section(preset: str = "tiny", **choices: Any) -> dict[str, Any]:
+  """A config file's `model` section holding every ModelConfig field: the preset's values with
+  the file's `choices` over them, and "preset", so that any field (shape, precision, the kernel
+  plan's) can be overridden on the command line (`--config.model.decode_impl=kernel`);
+  `resolve` reads it back to the same ModelConfig as `resolve({"preset": preset, **choices})`.
+  guided_layers stays None (the deepest half of whatever depth the run has) unless chosen.
+  Unknown presets or fields, or invalid values, raise ValueError naming them."""
+  if preset not in PRESETS:
+    raise ValueError(f"unknown model preset {preset!r}; known: {sorted(PRESETS)}")
+  names = [f.name for f in dataclasses.fields(ModelConfig)]
+  unknown = sorted(set(choices) - set(names))
+  if unknown:
+    raise ValueError(f"unknown model fields {unknown}; ModelConfig has {sorted(names)}")
+  config = PRESETS[preset](**choices)
+  fields = {name: getattr(config, name) for name in names}
+  fields["guided_layers"] = choices.get("guided_layers")
+  return {"preset": preset, **fields}
 
 
 def resolve(section: Any, **overrides: Any) -> ModelConfig:

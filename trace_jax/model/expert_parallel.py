@@ -28,8 +28,8 @@ record is put in (token, slot) order with zeros elsewhere and reduce-scattered a
 (integers of the same width, so adding zeros is exact, signed zeros and NaN payloads
 included): the gathered record equals the one-device record bit for bit.
 
-Enabled by `use_mesh(mesh)` around the tracing of a forward (the training steps enter it for
-their state's mesh, `train.step.ShardedStep`; the rollout engine for its mesh,
+Enabled by `mesh_context.use_mesh(mesh)` around the tracing of a forward (the training steps
+enter it for their state's mesh, `train.step.ShardedStep`; the rollout engine for its mesh,
 `InProcessEngine(mesh=)`) when the mesh's `expert` axis is > 1 and divides the expert count;
 with an `expert` axis of 1 the same block runs data-parallel wherever the tokens split over
 the mesh (each device every expert and its own tokens: no all-gather, and the sums over the
@@ -38,28 +38,18 @@ axis of one are the local ones).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from trace_jax.model import sharding
+from trace_jax.model import mesh_context, sharding
 from trace_jax.model.grouped import inverse_permutation
 
-if TYPE_CHECKING:  # precision runs its site kernels through `batch_local`, which imports this
-  from trace_jax.model.precision import Precision
-
 AXIS = "expert"
-_MESH: contextvars.ContextVar[tuple[Mesh, Mapping[str, tuple[str, ...]]] | None] = (
-    contextvars.ContextVar("expert_mesh", default=None))
-# True while a shard_map body over the entered mesh is traced (its arrays are local): the MoE
-# block's here, `batch_local`'s; nothing in it starts another shard_map.
-_MANUAL: contextvars.ContextVar[bool] = contextvars.ContextVar("manual_body", default=False)
 
 Fn = Callable[[jax.Array], jax.Array]
 
@@ -81,48 +71,14 @@ class Experts:
   specs: Any = None
 
 
-@contextlib.contextmanager
-def use_mesh(mesh: Mesh | None,
-             rules: Mapping[str, tuple[str, ...]] = sharding.DEFAULT_RULES) -> Iterator[None]:
-  """Forwards traced inside run their MoE blocks expert-parallel over `mesh` (None: off).
-
-  rules: the logical-axis rules the weights and tokens are laid out by (`sharding`): the
-  block's `shard_map` takes them in that layout, so nothing is resharded on the way in."""
-  token = _MESH.set(None if mesh is None else (mesh, rules))
-  try:
-    yield
-  finally:
-    _MESH.reset(token)
-
-
-def entered() -> tuple[Mesh, Mapping[str, tuple[str, ...]]] | None:
-  """(mesh, rules) entered with `use_mesh`, or None."""
-  return _MESH.get()
-
-
-@contextlib.contextmanager
-def manual_body() -> Iterator[None]:
-  """Marks the tracing of a shard_map body over the entered mesh (`in_manual_body`)."""
-  token = _MANUAL.set(True)
-  try:
-    yield
-  finally:
-    _MANUAL.reset(token)
-
-
-def in_manual_body() -> bool:
-  """Whether a shard_map body over the entered mesh is being traced."""
-  return _MANUAL.get()
-
-
 def active_mesh(num_experts: int, tokens: int | None = None) -> Mesh | None:
   """The mesh to run an MoE block of `num_experts` over, or None: the entered mesh when its
   `expert` axis is > 1 (it must divide the experts), or, with `expert` of 1, when the block's
   `tokens` split over the mesh's batch axes (data-parallel: each device all the experts and its
   own tokens; the experts' kernels are Pallas calls, which XLA's partitioner would run on every
-  token on every device). None outside `use_mesh` and inside a shard_map body."""
-  entered = _MESH.get()
-  if entered is None or _MANUAL.get() or AXIS not in entered[0].shape:
+  token on every device). None outside `mesh_context.use_mesh` and inside a shard_map body."""
+  entered = mesh_context.entered()
+  if entered is None or mesh_context.in_manual_body() or AXIS not in entered[0].shape:
     return None
   mesh, rules = entered
   if mesh.shape[AXIS] == 1:
@@ -135,17 +91,11 @@ def active_mesh(num_experts: int, tokens: int | None = None) -> Mesh | None:
   return mesh
 
 
-def active_rules() -> Mapping[str, tuple[str, ...]]:
-  """The sharding rules entered with the mesh (`sharding.DEFAULT_RULES` outside)."""
-  entered = _MESH.get()
-  return sharding.DEFAULT_RULES if entered is None else entered[1]
-
-
 def param_specs(gate: jax.Array, up: jax.Array, down: jax.Array,
                 mesh: Mesh) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
   """The params' expert weights' PartitionSpecs on `mesh` by the entered rules."""
   return tuple(sharding.logical_to_spec(sharding.PARAM_AXES[("moe", n)], w.shape, mesh,
-                                        active_rules())
+                                        mesh_context.active_rules())
                for n, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)))
 
 
@@ -171,7 +121,62 @@ def _as_bits(a: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{8 * a.dtype.itemsize}"))
 
 
-def moe(prec: Precision, layer: int, xq: jax.Array, ids: jax.Array, weights: jax.Array,
+@dataclasses.dataclass(frozen=True)
+class _Block:
+  """What one device's part of an expert-parallel MoE block needs besides its arrays."""
+  prec: Any  # the forward's `precision.Precision`
+  layer: int
+  experts: Experts
+  e_local: int  # experts per device along `expert`
+  gathered: bool  # the tokens are split along `expert` too: gathered in, scattered back
+
+
+def _local_block(blk: _Block, rec_dtypes: list[Any], xq, ids, wts, arrays, rids, g):
+  """One device's part (inside the shard_map): its experts' rows of the group's tokens, their
+  outputs and expert_mid record in (token, slot) order, summed over the devices along
+  `expert` (module docstring)."""
+  prec, layer, e = blk.prec, blk.layer, blk.experts.count
+  is_spec = lambda s: isinstance(s, PartitionSpec)
+  arrays = jax.tree.map(lambda s, w: _gather_weight(w, s), blk.experts.specs, arrays,
+                        is_leaf=is_spec)
+  if blk.gathered:  # this expert group's tokens
+    xq, ids, wts, rids, g = jax.tree.map(
+        lambda a: jax.lax.all_gather(a, AXIS, axis=0, tiled=True), (xq, ids, wts, rids, g))
+  (tg, d), k = xq.shape, ids.shape[1]
+  me = jax.lax.axis_index(AXIS)
+  flat = ids.reshape(-1)
+  sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+  start = jnp.sum(jnp.where(jnp.arange(e) < me * blk.e_local, sizes, 0))
+  local_sizes = jax.lax.dynamic_slice(sizes, (me * blk.e_local,), (blk.e_local,))
+  # this device's rows first, in expert order
+  local_order = jnp.roll(jnp.argsort(flat, stable=True), -start)
+  local_inverse = inverse_permutation(local_order)
+  live = jnp.arange(tg * k) < jnp.sum(local_sizes)  # [M]: rows of this device's experts
+  hidden, down = blk.experts.local(arrays, local_sizes)
+  h = hidden(xq[local_order // k])
+  h = jnp.where(live[:, None], h, 0).astype(h.dtype)
+  if g is not None:  # the tap layout [tokens, 1, K, ...]
+    g = jax.tree.map(lambda a: a.reshape((tg, 1) + a.shape[1:]), g)
+  view = prec.view(layer, None if g is None else {"expert_mid": g})
+  h = view.site(layer, "expert_mid", h, row_order=local_order, row_inverse=local_inverse,
+                tap_shape=(tg, 1, k), experts=ids.reshape(tg, 1, k),
+                rollout_experts=None if rids is None else rids.reshape(tg, 1, k))
+  y = jnp.where(live[:, None], down(h), 0).astype(xq.dtype)  # [M, D]
+  out = jnp.sum(y[local_inverse].reshape(tg, k, d) * wts[..., None], axis=1)
+  rec = view.taps.get(layer, {}).get("expert_mid")
+  if rec is not None:  # (token, slot) rows of this device's experts; zeros elsewhere
+    rec_dtypes.append(jax.tree.map(lambda a: a.dtype, rec))
+    mine = live[local_inverse].reshape(tg, 1, k)
+    rec = jax.tree.map(lambda a: jnp.where(
+        mine.reshape(mine.shape + (1,) * (a.ndim - 3)), _as_bits(a), 0), rec)
+  if blk.gathered:
+    reduce = lambda a: jax.lax.psum_scatter(a, AXIS, scatter_dimension=0, tiled=True)
+  else:
+    reduce = lambda a: jax.lax.psum(a, AXIS)
+  return reduce(out), jax.tree.map(reduce, rec)
+
+
+def moe(prec: Any, layer: int, xq: jax.Array, ids: jax.Array, weights: jax.Array,
         experts: Experts, rollout_ids: jax.Array | None, mesh: Mesh,
         tap_shape: tuple[int, int, int]) -> jax.Array:
   """The routed experts of one MoE block, expert-parallel (module docstring).
@@ -180,73 +185,24 @@ def moe(prec: Precision, layer: int, xq: jax.Array, ids: jax.Array, weights: jax
   and combine weights; experts: their arrays laid out on `mesh` by `experts.specs`, and their
   computation; rollout_ids [T, K] or None (the rollout's experts, for expert_mid guidance);
   tap_shape (B, S, K) with B * S = T: the layout of the expert_mid record. Returns [T, D];
-  records expert_mid in `prec`.
+  records expert_mid in `prec` (the forward's `precision.Precision`).
   """
   t, d = xq.shape
-  k = ids.shape[1]
-  e, specs = experts.count, experts.specs
-  ep = mesh.shape[AXIS]
-  e_local = e // ep
-  tok_spec = sharding.logical_to_spec(("batch", None), (t, d), mesh, active_rules())
-  tok_axes = _axes_of(tok_spec[0])
-  gathered = AXIS in tok_axes
-  g = prec._guidance(layer, "expert_mid")
+  tok_spec = sharding.logical_to_spec(("batch", None), (t, d), mesh,
+                                      mesh_context.active_rules())
+  blk = _Block(prec=prec, layer=layer, experts=experts,
+               e_local=experts.count // mesh.shape[AXIS],
+               gathered=AXIS in _axes_of(tok_spec[0]))
+  g = prec.site_guidance(layer, "expert_mid")
   row_spec = PartitionSpec(tok_spec[0])
-  is_spec = lambda s: isinstance(s, PartitionSpec)
   rec_dtypes: list[Any] = []  # the record's field dtypes, found while tracing the body
 
   def body(*args):
-    with manual_body():
-      return local_block(*args)
-
-  def local_block(xq, ids, wts, arrays, rids, g):
-    arrays = jax.tree.map(lambda s, w: _gather_weight(w, s), specs, arrays, is_leaf=is_spec)
-    if gathered:  # this expert group's tokens
-      xq, ids, wts, rids, g = jax.tree.map(
-          lambda a: jax.lax.all_gather(a, AXIS, axis=0, tiled=True), (xq, ids, wts, rids, g))
-    tg = xq.shape[0]
-    me = jax.lax.axis_index(AXIS)
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    start = jnp.sum(jnp.where(jnp.arange(e) < me * e_local, sizes, 0))
-    local_sizes = jax.lax.dynamic_slice(sizes, (me * e_local,), (e_local,))
-    n_local = jnp.sum(local_sizes)
-    m = tg * k
-    local_order = jnp.roll(order, -start)          # this device's rows first, in expert order
-    local_inverse = inverse_permutation(local_order)
-    live = jnp.arange(m) < n_local                 # [M]: rows of this device's experts
-    rows = xq[local_order // k]
-    hidden, down = experts.local(arrays, local_sizes)
-    h = hidden(rows)
-    h = jnp.where(live[:, None], h, 0).astype(h.dtype)
-    if g is not None:  # the tap layout [tokens, 1, K, ...]
-      g = jax.tree.map(lambda a: a.reshape((tg, 1) + a.shape[1:]), g)
-    view = prec.view(layer, None if g is None else {"expert_mid": g})
-    h = view.site(layer, "expert_mid", h, row_order=local_order, row_inverse=local_inverse,
-                  tap_shape=(tg, 1, k),
-                  experts=ids.reshape(tg, 1, k),
-                  rollout_experts=None if rids is None else rids.reshape(tg, 1, k))
-    y = jnp.where(live[:, None], down(h), 0).astype(xq.dtype)                    # [M, D]
-    y = y[local_inverse].reshape(tg, k, d)
-    out = jnp.sum(y * wts[..., None], axis=1)
-    rec = view.taps.get(layer, {}).get("expert_mid")
-    if rec is not None:  # (token, slot) rows of this device's experts; zeros elsewhere
-      rec_dtypes.append(jax.tree.map(lambda a: a.dtype, rec))
-      mine = live[local_inverse].reshape(tg, 1, k)
-      rec = jax.tree.map(lambda a: jnp.where(
-          mine.reshape(mine.shape + (1,) * (a.ndim - 3)), _as_bits(a), 0), rec)
-    if gathered:
-      out = jax.lax.psum_scatter(out, AXIS, scatter_dimension=0, tiled=True)
-      rec = jax.tree.map(lambda a: jax.lax.psum_scatter(a, AXIS, scatter_dimension=0,
-                                                        tiled=True), rec)
-    else:
-      out = jax.lax.psum(out, AXIS)
-      rec = jax.tree.map(lambda a: jax.lax.psum(a, AXIS), rec)
-    return out, rec
+    with mesh_context.manual_body():
+      return _local_block(blk, rec_dtypes, *args)
 
   g_in = None if g is None else jax.tree.map(lambda a: a.reshape((t,) + a.shape[2:]), g)
-  in_specs = (row_spec, row_spec, row_spec, specs, row_spec, row_spec)
+  in_specs = (row_spec, row_spec, row_spec, experts.specs, row_spec, row_spec)
   out, rec = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(row_spec, row_spec),
                            check_vma=False)(xq, ids, weights, experts.arrays, rollout_ids, g_in)
   if rec is not None:  # back from raw bits; [T, 1, K, ...] -> the forward's tap layout

@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from trace_jax.kernels import fp4_moe
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layer_runs import at_layer, layer_runs, stack
+from trace_jax.model.plan import KernelPlan, resolve
 from trace_jax.quant import formats
 
 DenseOrPacked = jax.Array | fp4_moe.PackedNVFP4Weights | formats.FP8Tensor
@@ -93,26 +94,30 @@ def supported(config: ModelConfig) -> bool:
   return config.forward.fp4 in (None, "nvfp4")
 
 
-def prepare(params: Any, config: ModelConfig) -> list[ExpertWeights]:
+def prepare(params: Any, config: ModelConfig,
+            plan: KernelPlan | None = None) -> list[ExpertWeights]:
   """Each layer run's ExpertWeights (`layer_runs`), stacked [n, ...] as the
-  forward's `experts` takes them, from the model's params (jit it: one program per shape)."""
+  forward's `experts` takes them, from the model's params (jit it: one program per shape);
+  packed NVFP4 codes in the plan's `fp4_codes` layout (None: the config's plan)."""
   if not supported(config):
     raise ValueError(f"policy {config.policy!r}: the engine prepares BF16, NVFP4 and FP8 "
                      "weights only")
-  layers = [prepare_layer(params["layers"][i], config)
+  layers = [prepare_layer(params["layers"][i], config, plan)
             for i in range(config.num_hidden_layers)]
   return [stack(layers[a:b]) for a, b in layer_runs(config)]
 
 
-def run_structs(params: Any, config: ModelConfig) -> list[ExpertWeights]:
+def run_structs(params: Any, config: ModelConfig,
+                plan: KernelPlan | None = None) -> list[ExpertWeights]:
   """The shapes and dtypes (`jax.ShapeDtypeStruct`s) of `prepare`'s runs, nothing computed."""
-  one = jax.eval_shape(functools.partial(prepare_layer, config=config), params["layers"][0])
+  one = jax.eval_shape(functools.partial(prepare_layer, config=config, plan=plan),
+                       params["layers"][0])
   return [jax.tree.map(lambda s, n=b - a: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), one)
           for a, b in layer_runs(config)]
 
 
-def write_layer(run: ExpertWeights, layer: Any, index: jax.Array,
-                config: ModelConfig) -> ExpertWeights:
+def write_layer(run: ExpertWeights, layer: Any, index: jax.Array, config: ModelConfig,
+                plan: KernelPlan | None = None) -> ExpertWeights:
   """`run` with entry `index` of its stacks replaced by `prepare_layer(layer)`.
 
   Jitted with `run` donated, this is `prepare` one layer at a time: one program, compiled once
@@ -120,7 +125,7 @@ def write_layer(run: ExpertWeights, layer: Any, index: jax.Array,
   25-35 s at 8 layers and 93-103 s at 24 on the H200 for NVFP4), updating the stack in place.
   """
   return jax.tree.map(lambda s, x: jax.lax.dynamic_update_index_in_dim(s, x, index, 0), run,
-                      prepare_layer(layer, config))
+                      prepare_layer(layer, config, plan))
 
 
 def shardings(runs: Any, mesh: Mesh) -> Any:
@@ -139,8 +144,10 @@ def shardings(runs: Any, mesh: Mesh) -> Any:
           for r in runs]
 
 
-def prepare_layer(layer: Any, config: ModelConfig) -> ExpertWeights:
-  """One decoder layer's params (`params["layers"][i]`) as the engine holds them."""
+def prepare_layer(layer: Any, config: ModelConfig,
+                  plan: KernelPlan | None = None) -> ExpertWeights:
+  """One decoder layer's params (`params["layers"][i]`) as the engine holds them (packed NVFP4
+  codes in the plan's `fp4_codes` layout; None: the config's plan)."""
   dtype = jnp.dtype(config.dtype)
   moe = layer["moe"]
   gate, up, down = (moe[n][...].astype(dtype) for n in ("gate_proj", "up_proj", "down_proj"))
@@ -153,8 +160,9 @@ def prepare_layer(layer: Any, config: ModelConfig) -> ExpertWeights:
         gate_up=formats.fp8_quantize_weight(gate_up), down=formats.fp8_quantize_weight(down),
         attention={n: formats.fp8_quantize_weight(a) for n, a in attention.items()})
   if config.forward.fp4 == "nvfp4":
-    return ExpertWeights(gate_up=fp4_moe.pack_for_kernel(gate_up),
-                         down=fp4_moe.pack_for_kernel(down),
+    words = (resolve(config) if plan is None else plan).words
+    return ExpertWeights(gate_up=fp4_moe.pack_for_kernel(gate_up, words),
+                         down=fp4_moe.pack_for_kernel(down, words),
                          attention=attention)
   return ExpertWeights(gate_up=gate_up, down=down, attention=attention)
 

@@ -28,18 +28,12 @@ import jax.numpy as jnp
 from trace_jax.kernels import grouped_gemm
 from trace_jax.model.config import MOE_IMPLS
 
-# lhs [M, in] (ragged over M) x rhs [E, out, in] (group axis 0, contraction axis 2) -> [M, out].
-_RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
-    rhs_group_dimensions=[0])
-
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str
                    ) -> jax.Array:
   """Rows x [M, in] sorted by group, weights w [E, out, in] -> [M, out] in x.dtype."""
   if impl == "ragged_dot":
-    return jax.lax.ragged_dot_general(x, w, group_sizes, _RAGGED_DN,
-                                      preferred_element_type=x.dtype)
+    return grouped_gemm.ragged_dot(x, w, group_sizes)
   if impl == "tiled":
     return _tiled(x, w, group_sizes, tile_rows(x.shape[0], w.shape[0]))
   if impl == "kernel":

@@ -81,9 +81,6 @@ class MoE(nnx.Module):
     self.num_experts = config.num_experts  # not the weights' shape: an engine may drop them
     self.k = config.num_experts_per_tok
     self.norm_topk_prob = config.norm_topk_prob
-    self.impl = config.moe_impl
-    self.decode_impl = config.decode_impl
-    self.decode_moe_kernel = config.decode_moe_kernel
 
   def __call__(self, x: jax.Array, prec: Precision, layer: int,
                rollout_ids: jax.Array | None = None, replay: bool = False,
@@ -94,8 +91,8 @@ class MoE(nnx.Module):
     expert_mid guidance to experts, and with `replay` they replace the router's top-k.
     experts: this layer of the rollout engine's weights (`expert_weights.LayerOf`, made once
     per weight update) instead of the params' expert weights; one-token decode steps then run
-    the decode kernel (`trace_jax.kernels.fp4_moe`) when `config.decode_impl` is "kernel".
-    Traced inside `expert_parallel.use_mesh` (a mesh with `expert` > 1), either kind of
+    the decode kernel (`trace_jax.kernels.fp4_moe`) when the plan's `decode_impl` is "kernel".
+    Traced inside `mesh_context.use_mesh` (a mesh with `expert` > 1), either kind of
     weights runs expert-parallel, each device its own experts (the same local computation);
     on a mesh whose `expert` axis is 1, data-parallel where the tokens split over it.
     """
@@ -139,7 +136,7 @@ class MoE(nnx.Module):
     local computation): the params' weights, quantized as `Precision` does, or the engine's
     prepared ones (`experts`, a `expert_weights.LayerOf`). Prepared FP8 weights run in
     `Precision.grouped` read in place in the run's stack; one-token decode steps run the decode
-    kernel (`fp4_moe`, in place) when `config.decode_impl` is "kernel"; the other XLA paths
+    kernel (`fp4_moe`, in place) when the plan's `decode_impl` is "kernel"; the other paths
     (prefill) slice the layer out of the stack and dequantize it. With `mesh`, the arrays'
     PartitionSpecs: the params' by the entered rules, the prepared stacks' split along E."""
     if experts is None:
@@ -152,21 +149,25 @@ class MoE(nnx.Module):
 
       specs = None if mesh is None else expert_parallel.param_specs(*arrays, mesh)
       return expert_parallel.Experts(arrays, self.num_experts, local, specs)
-    kernel = one_token and self.decode_impl == "kernel"
-    impl = self.impl
-    kernel_impl = None if self.decode_moe_kernel == "auto" else self.decode_moe_kernel
+    plan = prec.plan
+    kernel = one_token and plan.decode_impl == "kernel"
+
+    def decode_kernel(a: jax.Array, w: Any, sizes: jax.Array, index: jax.Array) -> jax.Array:
+      # the plan's packed experts' kernel where it takes these weights, else Triton's
+      impl = plan.decode_moe_kernel if fp4_moe.wgmma_supported(a.dtype, w) else "triton"
+      return fp4_moe.grouped_matmul_decode(a, w, sizes, layer=index,
+                                           config=fp4_moe.DecodeConfig(impl=impl))
 
     def local_prepared(ws: Any, sizes: jax.Array) -> Any:
       gate_up, down, index = ws
       if isinstance(down, formats.FP8Tensor):  # quantized once per update, read in place
         mm = lambda a, w: prec.grouped(a, w, sizes, layer=index)
       elif kernel:  # the decode kernel reads this layer's weights in place in the run's stack
-        mm = lambda a, w: fp4_moe.grouped_matmul_decode(
-            a, w, sizes, layer=index,
-            impl=kernel_impl if isinstance(w, fp4_moe.PackedNVFP4Weights) else None)
+        mm = lambda a, w: decode_kernel(a, w, sizes, index)
       else:  # the XLA paths (prefill): the layer's weights sliced out of the stack
         gate_up, down = at_layer((gate_up, down), index)
-        mm = lambda a, w: grouped_matmul(a, expert_weights.dense(w, a.dtype), sizes, impl)
+        mm = lambda a, w: grouped_matmul(a, expert_weights.dense(w, a.dtype), sizes,
+                                         plan.moe_impl)
       return lambda rows: swiglu(mm(rows, gate_up)), lambda h: mm(h, down)
 
     arrays = (experts.run.gate_up, experts.run.down, experts.index)

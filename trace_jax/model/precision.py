@@ -32,6 +32,7 @@ from trace_jax.kernels import nvfp4_act
 from trace_jax.model import batch_local, fp8_linear
 from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.model.grouped import grouped_matmul
+from trace_jax.model.plan import KernelPlan, resolve
 from trace_jax.quant import formats, guided, qat
 
 
@@ -59,12 +60,16 @@ class Precision:
   tap_layers: layers whose site outcomes are returned as Guidance records (mode `tap_mode`).
   tap_routing: also return every layer's routed expert ids (default: when tap_layers is set).
   record: rollout side; quantize with `quantize_act_record` semantics (no gradient rule).
+  plan: the kernel plan of the forward (`trace_jax.model.plan`), which the model's modules
+    read (None: the config's, resolved here).
   """
 
   def __init__(self, config: ModelConfig, guidance: GuidanceTree | None = None,
                tap_layers: tuple[int, ...] = (), tap_mode: str | None = None,
-               record: bool = False, tap_routing: bool | None = None):
+               record: bool = False, tap_routing: bool | None = None,
+               plan: KernelPlan | None = None):
     self.config = config
+    self.plan = resolve(config) if plan is None else plan
     fwd = config.forward
     self.fmt = fwd.fp4  # the FP4 format of the TRACE sites, or None
     self.fp4 = fwd.fp4 is not None
@@ -85,9 +90,9 @@ class Precision:
     self.tap_mode = tap_mode or config.guidance_mode
     self.tap_routing = bool(tap_layers) if tap_routing is None else tap_routing
     self.record = record
-    # The engine's rollout forwards (kernel decode) quantize NVFP4 sites without guidance in
-    # one Pallas kernel per site (`kernels.nvfp4_act`, the same bits as `formats`).
-    self.site_kernel = record and self.fmt == "nvfp4" and config.decode_impl == "kernel"
+    # Rollout forwards quantize NVFP4 sites without guidance in one Pallas kernel per site
+    # where the plan says so (`kernels.nvfp4_act`, the same bits as `formats`).
+    self.site_kernel = record and self.fmt == "nvfp4" and self.plan.nvfp4_sites == "kernel"
     self.taps: dict[int, dict[str, Any]] = {}
 
   def guided_sites(self, layer: int) -> tuple[str, ...]:
@@ -107,7 +112,8 @@ class Precision:
 
   # --------------------------------------------------------------------------- activations
 
-  def _guidance(self, layer: int, name: str) -> Guidance | None:
+  def site_guidance(self, layer: int, name: str) -> Guidance | None:
+    """The guidance of `layer`'s site `name` in this forward, or None."""
     if layer in self.config.guided_layers:
       return self.guidance.get(layer, {}).get(name)
     return None
@@ -172,7 +178,7 @@ class Precision:
     if not self.fp4:
       return x
     x = dtype_rounded(x)
-    g = self._guidance(layer, name)
+    g = self.site_guidance(layer, name)
     guided_rows = None
     if g is not None and experts is not None:
       if rollout_experts is None:
@@ -203,7 +209,7 @@ class Precision:
     dequantization either way, bit for bit."""
     if not self.fp4:
       return k, v
-    gk, gv = self._guidance(layer, "k"), self._guidance(layer, "v")
+    gk, gv = self.site_guidance(layer, "k"), self.site_guidance(layer, "v")
     if (gk is None) != (gv is None):
       raise ValueError(f"layer {layer}: guidance for one of k/v only; give both or neither")
     g = None if gk is None else jax.tree.map(lambda a, b: jnp.stack([a, b]), gk, gv)
@@ -263,14 +269,14 @@ class Precision:
     128x128 weight blocks) in forwards with FP8 linears, else the compute dtype's matmul.
     w may be the rollout engine's already quantized weight (`expert_weights.prepare`); with
     `layer`, the stack of its run's layers [L, out, in], read at that layer."""
-    c = self.config
+    p = self.plan
     if isinstance(w, formats.FP8Tensor):
-      return fp8_linear.apply(x, w, c.fp8_gemm, layer=layer)
+      return fp8_linear.apply(x, w, p.fp8_gemm, layer=layer)
     if layer is not None:
       raise ValueError("Precision.linear: layer= is for the engine's FP8 weights")
     if not self.fp8:
       return jnp.einsum("...i,oi->...o", x, w)
-    return fp8_linear.linear(x, w, c.fp8_gemm, "fp8" if c.fp8_backward else "bf16")
+    return fp8_linear.linear(x, w, p.fp8_gemm, "fp8" if self.config.fp8_backward else "bf16")
 
   def linears(self, x: jax.Array, ws: list[jax.Array | formats.FP8Tensor]) -> list[jax.Array]:
     """Several projections [out_i, in] of one input (q, k, v): under FP8 linears one GEMM of
@@ -287,16 +293,16 @@ class Precision:
               group_sizes: jax.Array, layer: jax.Array | None = None) -> jax.Array:
     """Expert rows [M, in] sorted by expert times w [E, out, in]: FP8 in forwards with FP8
     linears (w possibly already quantized, as `linear`, also with `layer`), else the compute
-    dtype's grouped matmul (`ModelConfig.moe_impl`)."""
-    c = self.config
+    dtype's grouped matmul (the plan's `moe_impl`)."""
+    p = self.plan
     if isinstance(w, formats.FP8Tensor):
-      return fp8_linear.apply(rows, w, c.fp8_gemm, group_sizes, c.moe_impl, layer)
+      return fp8_linear.apply(rows, w, p.fp8_gemm, group_sizes, p.moe_impl, layer)
     if layer is not None:
       raise ValueError("Precision.grouped: layer= is for the engine's FP8 weights")
     if not self.fp8:
-      return grouped_matmul(rows, w, group_sizes, c.moe_impl)
-    return fp8_linear.grouped(rows, w, group_sizes, c.fp8_gemm,
-                              "fp8" if c.fp8_backward else "bf16", c.moe_impl)
+      return grouped_matmul(rows, w, group_sizes, p.moe_impl)
+    return fp8_linear.grouped(rows, w, group_sizes, p.fp8_gemm,
+                              "fp8" if self.config.fp8_backward else "bf16", p.moe_impl)
 
 
 def quantize_rows(x: jax.Array, mantissa: bool = False) -> tuple[Any, ...]:

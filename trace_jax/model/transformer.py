@@ -142,7 +142,7 @@ class Transformer(nnx.Module):
       if new_cache is not None:
         new_cache.append(run_cache)
     h = self.final_norm(x)
-    if (decode and tokens.shape[1] == 1 and c.decode_impl == "kernel"
+    if (decode and tokens.shape[1] == 1 and prec.plan.decode_impl == "kernel"
         and c.vocab_size % 16 == 0 and c.hidden_size % 16 == 0):
       # One-token decode: lm_head as one "expert" of the decode kernel, whose grid spreads
       # the vocabulary over every SM (XLA's GEMM read it at ~1.4 TB/s on the H200).

@@ -26,13 +26,13 @@ from trace_jax.guidance import byte_rows
 from trace_jax.model.config import ModelConfig
 from trace_jax.rollout import sampling as sampling_lib
 
-_STATIC = ("config", "max_new", "truncate", "tap_layers", "tap_mode", "tap_routing")
+_STATIC = ("config", "max_new", "truncate", "tap_layers", "tap_mode", "tap_routing", "plan")
 
 
 def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, start,
                        max_new_each, temps, top_ps, top_ks, keys, stop_ids, live0, *,
                        max_new: int, truncate: bool, tap_layers: tuple[int, ...], tap_mode: str,
-                       tap_routing: bool, experts=None, layers=None):
+                       tap_routing: bool, experts=None, layers=None, plan=None):
   """Samples a first token from last_logits [B, V], then decodes up to max_new tokens.
 
   start [B]: the position the first sampled token will be fed at. live0 [B]: rows that sample
@@ -73,7 +73,7 @@ def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, st
     pos = start + step - 1  # position of `tok`, the token fed in this step
     o = model_lib.decode_step(params, config, cache, tok, pos, tap_layers=tap_layers,
                               tap_mode=tap_mode, tap_routing=tap_routing, record=True,
-                              experts=experts, layers=layers)
+                              experts=experts, layers=layers, plan=plan)
     live = ~done
     if steps is not None:  # the scans' byte rows as they are (unpacking them is dead code)
       row = model_lib.rows_of_layers(o.tap_rows)
@@ -113,14 +113,15 @@ def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, st
 def generate(params, config: ModelConfig, tokens, prompt_lens, max_new_each, temps, top_ps,
              top_ks, keys, stop_ids, *, max_new: int, truncate: bool,
              tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool, experts=None,
-             layers=None):
+             layers=None, plan=None):
   """Prefill + decode loop for one padded batch.
 
   tokens [B, P] (right-padded), prompt_lens [B], per-request sampling arrays [B], keys [B]
   (typed PRNG keys), stop_ids [B, S] (-1 = none); truncate: whether any row is
   `sampling.truncating` (static: one program per value); experts: the engine's per-run
   `expert_weights.ExpertWeights`, or None (the params' experts); layers: the layers' params
-  stacked per run (`model.stack_layers`), or None (params["layers"]). Returns generated ids
+  stacked per run (`model.stack_layers`), or None (params["layers"]); plan: the engine's
+  `KernelPlan` (None: the config's, resolved as the program is traced). Returns generated ids
   [B, N], their log-probs [B, N], the number generated per row [B], and the tap buffers with
   rows [B, P + N, ...] indexed by absolute position.
   """
@@ -128,7 +129,7 @@ def generate(params, config: ModelConfig, tokens, prompt_lens, max_new_each, tem
   total = p + max_new
   out = model_lib.prefill(params, config, tokens, total, tap_layers=tap_layers,
                           tap_mode=tap_mode, tap_routing=tap_routing, record=True,
-                          experts=experts, layers=layers)
+                          experts=experts, layers=layers, plan=plan)
   taps = jax.tree.map(lambda a: jnp.zeros((b, total) + a.shape[2:], a.dtype).at[:, :p].set(a),
                       out.taps)
   last = out.logits[jnp.arange(b), prompt_lens - 1]
@@ -136,12 +137,13 @@ def generate(params, config: ModelConfig, tokens, prompt_lens, max_new_each, tem
       params, config, out.cache, taps, last, prompt_lens, max_new_each, temps, top_ps, top_ks,
       keys, stop_ids, jnp.ones(b, bool), max_new=max_new, truncate=truncate,
       tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing, experts=experts,
-      layers=layers)
+      layers=layers, plan=plan)
   return gen, logps, n_gen, taps
 
 
 def _feed(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, *,
-          tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool, experts=None, layers=None):
+          tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool, experts=None, layers=None,
+          plan=None):
   """Feeds chunk [B, C] (row r: its first chunk_lens[r] tokens) at positions lens[r]...
 
   Decode-mode attention over the cache: each new token sees the session's earlier tokens and
@@ -153,7 +155,7 @@ def _feed(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, *,
   pos = lens[:, None] + jnp.arange(c)[None, :]
   out = model_lib.forward(params, config, chunk, pos, cache=cache, decode=True,
                           tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing,
-                          record=True, experts=experts, layers=layers)
+                          record=True, experts=experts, layers=layers, plan=plan)
   real = jnp.arange(c)[None, :] < chunk_lens[:, None]
   rows = jnp.arange(b)[:, None]
   taps = jax.tree.map(
@@ -167,35 +169,38 @@ def _feed(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, *,
 def extend(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, max_new_each,
            temps, top_ps, top_ks, keys, stop_ids, *, max_new: int, truncate: bool,
            tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool, experts=None,
-           layers=None):
+           layers=None, plan=None):
   """One session turn: `_feed` the chunk, then sample and decode (rows with chunk_lens 0 sit
   the turn out). Returns (ids [B, N], log-probs [B, N], number generated [B], cache, taps)."""
   tap = dict(tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing,
-             experts=experts, layers=layers)
+             experts=experts, layers=layers, plan=plan)
   last, cache, taps = _feed(params, config, cache, taps, lens, chunk, chunk_lens, **tap)
   return _sample_and_decode(params, config, cache, taps, last, lens + chunk_lens, max_new_each,
                             temps, top_ps, top_ks, keys, stop_ids, chunk_lens > 0,
                             max_new=max_new, truncate=truncate, **tap)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tap_layers", "tap_mode", "tap_routing"),
-                   donate_argnames=("cache", "taps"))
+FEED_STATIC = ("config", "tap_layers", "tap_mode", "tap_routing", "plan")
+
+
+@functools.partial(jax.jit, static_argnames=FEED_STATIC, donate_argnames=("cache", "taps"))
 def feed(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, *,
-         tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool, experts=None, layers=None):
+         tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool, experts=None, layers=None,
+         plan=None):
   """A session's closing tokens, recorded without sampling. Returns (cache, taps)."""
   _, cache, taps = _feed(params, config, cache, taps, lens, chunk, chunk_lens,
                          tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing,
-                         experts=experts, layers=layers)
+                         experts=experts, layers=layers, plan=plan)
   return cache, taps
 
 
 def tap_buffers(params, config: ModelConfig, batch: int, total: int, *,
                 tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool,
-                experts=None, layers=None) -> Any:
+                experts=None, layers=None, plan=None) -> Any:
   """Zero record buffers [batch, total, ...] of what one decode step taps (shapes only)."""
-  cache = model_lib.init_cache(config, batch, 1)
+  cache = model_lib.init_cache(config, batch, 1, plan=plan)
   step = jax.eval_shape(lambda p, c, e, s: model_lib.decode_step(
       p, config, c, jnp.zeros(batch, jnp.int32), jnp.zeros(batch, jnp.int32),
       tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing, record=True,
-      experts=e, layers=s).taps, params, cache, experts, layers)
+      experts=e, layers=s, plan=plan).taps, params, cache, experts, layers)
   return jax.tree.map(lambda a: jnp.zeros((batch, total) + a.shape[2:], a.dtype), step)

@@ -41,7 +41,7 @@ from trace_jax import model as model_lib
 from trace_jax.guidance import layout as guidance_layout
 from trace_jax.guidance import store as guidance_store
 from trace_jax.guidance.handle import GuidanceHandle
-from trace_jax.model import expert_parallel, expert_weights, sharding
+from trace_jax.model import expert_parallel, expert_weights, mesh_context, sharding
 from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.rollout import decode
 from trace_jax.rollout import sampling as sampling_lib
@@ -90,7 +90,9 @@ class InProcessEngine:
   `mesh` (axes as `model.sharding.make_mesh` builds them, one process): the weights placed on
   it by `sharding.ENGINE_RULES` (the routed experts, params or prepared, split along E over
   `expert`; the rest replicated), the programs jitted for this engine and traced with the
-  MoE blocks expert-parallel (`expert_parallel.use_mesh`; on when `expert` > 1).
+  MoE blocks expert-parallel (`mesh_context.use_mesh`; on when `expert` > 1).
+  The engine's kernel plan (`plan`, `trace_jax.model.plan`) is resolved once here from the
+  config on the default backend; every program it builds runs that plan.
   """
 
   def __init__(self, params: Any, config: ModelConfig, *, guidance_store: Any = None,
@@ -102,8 +104,9 @@ class InProcessEngine:
     if not 0.0 <= audit_fraction <= 1.0:
       raise ValueError(f"audit_fraction must be in [0, 1], got {audit_fraction}")
     self.config = config
+    self.plan = model_lib.resolve_plan(config)
     self.mesh = mesh
-    self._programs = _Programs(config, mesh)
+    self._programs = _Programs(config, self.plan, mesh)
     self._set_params(params)
     self.store = guidance_store
     self.record = config.forward.guided if record_guidance is None else record_guidance
@@ -188,12 +191,12 @@ class InProcessEngine:
   # ---------------------------------------------------------------------------- internals
 
   def _set_params(self, params: Any) -> None:
-    """The weights decode runs; with `config.decode_impl == "kernel"` also the routed experts
+    """The weights decode runs; with the plan's decode_impl "kernel" also the routed experts
     as the decode kernel reads them (packed NVFP4 under an NVFP4 forward) and, under FP8
     linears, every FP8 GEMM's weights quantized (`expert_weights.prepare`), made once here."""
     self._param_shapes = jax.tree.map(lambda a: (a.shape, jnp.asarray(a).dtype), params)
     self.experts = None
-    if self.config.decode_impl == "kernel":
+    if self.plan.decode_impl == "kernel":
       if not expert_weights.supported(self.config):
         raise ValueError(f"decode_impl='kernel' runs BF16, NVFP4 and FP8 weights; policy "
                          f"{self.config.policy!r} is none of them")
@@ -237,7 +240,7 @@ class InProcessEngine:
             *self._sampling_arrays(sampling, b))
     return args, dict(max_new=max_new, truncate=self._truncates(sampling),
                       tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=self.record_routing,
-                      experts=self.experts, layers=self.layers)
+                      experts=self.experts, layers=self.layers, plan=self.plan)
 
   def _generate_batch(self, prompts: list[list[int]],
                       sampling: list[SamplingParams]) -> list[Sample]:
@@ -298,9 +301,10 @@ class InProcessEngine:
     with self._programs.traced():
       taps = (decode.tap_buffers(self.params, self.config, b, total, tap_layers=tap_layers,
                                  tap_mode=tap_mode, tap_routing=self.record_routing,
-                                 experts=self.experts, layers=self.layers)
+                                 experts=self.experts, layers=self.layers, plan=self.plan)
               if tap_layers or self.record_routing else {})
-    cache, taps = self._programs.place_session(model_lib.init_cache(self.config, b, total), taps)
+    cache, taps = self._programs.place_session(
+        model_lib.init_cache(self.config, b, total, plan=self.plan), taps)
     return Session(n=n, batch=b, total=total, cache=cache, taps=taps,
                    lens=np.zeros(b, np.int32), pending=[None] * b)
 
@@ -330,7 +334,8 @@ class InProcessEngine:
           self.params, self.config, session.cache, session.taps, jnp.asarray(session.lens),
           chunk, chunk_lens, *self._sampling_arrays(sp, session.batch), max_new=max_new,
           truncate=self._truncates(sp), tap_layers=tap_layers, tap_mode=tap_mode,
-          tap_routing=self.record_routing, experts=self.experts, layers=self.layers)
+          tap_routing=self.record_routing, experts=self.experts, layers=self.layers,
+          plan=self.plan)
     n_gen = np.asarray(n_gen)
     gen_np = np.asarray(gen)
     for r in rows:
@@ -357,7 +362,8 @@ class InProcessEngine:
       session.cache, session.taps = self._programs.feed(
           self.params, self.config, session.cache, session.taps, jnp.asarray(session.lens),
           chunk, chunk_lens, tap_layers=tap_layers, tap_mode=tap_mode,
-          tap_routing=self.record_routing, experts=self.experts, layers=self.layers)
+          tap_routing=self.record_routing, experts=self.experts, layers=self.layers,
+          plan=self.plan)
     for r in rows:
       session.lens[r] += len(fed[r])
       session.pending[r] = None
@@ -496,7 +502,8 @@ class Session:
   pending: list[int | None]
 
 
-_write_layer = jax.jit(expert_weights.write_layer, static_argnums=3, donate_argnums=0)
+_write_layer = jax.jit(expert_weights.write_layer, static_argnames=("config", "plan"),
+                       donate_argnums=0)
 _stack_layers = jax.jit(model_lib.stack_layers, static_argnums=1)
 
 
@@ -505,7 +512,7 @@ class _Programs:
 
   Without a mesh: `decode`'s programs (shared by every such engine) and the weights where the
   jits put them. On a mesh: programs of this engine's own, traced inside
-  `expert_parallel.use_mesh` (`traced`), and the weights placed by `sharding.ENGINE_RULES` as
+  `mesh_context.use_mesh` (`traced`), and the weights placed by `sharding.ENGINE_RULES` as
   the programs' MoE blocks read them; a session's KV cache and records are split along the
   batch between turns (`session_shardings`).
   Own programs because jit's trace cache does not see `use_mesh`: it is keyed by the function
@@ -514,8 +521,8 @@ class _Programs:
   wrapper) has a cache of its own.
   """
 
-  def __init__(self, config: ModelConfig, mesh: Mesh | None):
-    self.config, self.mesh = config, mesh
+  def __init__(self, config: ModelConfig, plan: model_lib.KernelPlan, mesh: Mesh | None):
+    self.config, self.plan, self.mesh = config, plan, mesh
     if mesh is None:
       self.generate, self.extend, self.feed = decode.generate, decode.extend, decode.feed
       return
@@ -530,8 +537,8 @@ class _Programs:
                             static_argnames=decode._STATIC)
     self.extend = jax.jit(self._pinned(decode.extend), static_argnames=decode._STATIC,
                           donate_argnames=donated)
-    self.feed = jax.jit(self._pinned(decode.feed), static_argnames=(
-        "config", "tap_layers", "tap_mode", "tap_routing"), donate_argnames=donated)
+    self.feed = jax.jit(self._pinned(decode.feed), static_argnames=decode.FEED_STATIC,
+                        donate_argnames=donated)
     self._write: Any = None
     self._stack: Any = None
 
@@ -570,20 +577,21 @@ class _Programs:
     """The context the programs are called (and traced) in."""
     if self.mesh is None:
       return contextlib.nullcontext()
-    return expert_parallel.use_mesh(self.mesh, sharding.ENGINE_RULES)
+    return mesh_context.use_mesh(self.mesh, sharding.ENGINE_RULES)
 
   def prepare(self, params: Any) -> list[expert_weights.ExpertWeights]:
     """`expert_weights.prepare`'s runs, written one layer at a time into each run's stacks by
     one program whatever the depth (`expert_weights.write_layer`); on a mesh the stacks lie
     where `expert_weights.shardings` puts them (experts split along E)."""
-    structs = expert_weights.run_structs(params, self.config)
+    structs = expert_weights.run_structs(params, self.config, self.plan)
     if self.mesh is None:
-      write = functools.partial(_write_layer, config=self.config)
+      write = functools.partial(_write_layer, config=self.config, plan=self.plan)
       zeros = lambda struct: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), struct)
     else:
       places = expert_weights.shardings(structs, self.mesh)
       if self._write is None:  # every run's stacks are placed alike
-        self._write = jax.jit(functools.partial(expert_weights.write_layer, config=self.config),
+        self._write = jax.jit(functools.partial(expert_weights.write_layer, config=self.config,
+                                                plan=self.plan),
                               out_shardings=places[0], donate_argnums=0)
       write = self._write
       zeros = lambda struct: jax.tree.map(lambda s, p: jnp.zeros(s.shape, s.dtype, device=p),

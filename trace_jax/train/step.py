@@ -23,7 +23,7 @@ from flax import struct
 
 from trace_jax import model as model_lib
 from trace_jax.io import integrity
-from trace_jax.model import expert_parallel, sharding
+from trace_jax.model import mesh_context, sharding
 from trace_jax.model.config import ModelConfig
 from trace_jax.rl import losses
 from trace_jax.train.batch import RLBatch
@@ -121,7 +121,7 @@ class ShardedStep:
     if mesh is not None:
       batch = jax.tree.map(lambda a: jax.device_put(a, sharding.activation_sharding(
           mesh, np.shape(a))) if np.ndim(a) else a, batch)
-    with expert_parallel.use_mesh(mesh):
+    with mesh_context.use_mesh(mesh):
       return self._jits[key](state, batch)
 
   def _cache_size(self) -> int:
@@ -136,7 +136,7 @@ def _mesh_of(tree: Any) -> jax.sharding.Mesh | None:
 
 
 class OnParamsMesh:
-  """`fn(params, *args, **static)` under `jax.jit`, traced inside `expert_parallel.use_mesh`
+  """`fn(params, *args, **static)` under `jax.jit`, traced inside `mesh_context.use_mesh`
   for the mesh the params lie on (none off a mesh): one jit per (mesh, static arguments), as
   jit's trace cache does not see `use_mesh`. Off the mesh's context a forward would leave its
   MoE blocks and kernels to XLA's partitioner (expert weights gathered, kernels replicated)."""
@@ -151,7 +151,7 @@ class OnParamsMesh:
     key = (mesh, tuple(sorted(static.items())))
     if key not in self._jits:
       self._jits[key] = jax.jit(functools.partial(self._fn, **static))
-    with expert_parallel.use_mesh(mesh):
+    with mesh_context.use_mesh(mesh):
       return self._jits[key](params, *args)
 
 

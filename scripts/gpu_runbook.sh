@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The GPU runbook: named steps for the device machine, each one function writing its logs and
+# JSON under $OUT. `bash scripts/gpu_runbook.sh STEP...` runs the steps in the order given
+# (no step: `check`); carry the wheels the image lacks (`carry: [".whl"]`, see WORKSPACE.md).
+#
+# Steps:
+#   check       bit-exactness on the GPU (`experiments.bench.gpu_check`: the quantizers' tests
+#               on the device, exhaustive on-GPU checks, the quantizer benchmark)
+#   kernels     the kernels' tests on the GPU (Triton and Mosaic GPU; the wgmma cases run only
+#               there), then the decode experts' and the decode attention's benchmarks
+#   rollout     the engine's decode: BF16 vs FP4 policies, the decode on XLA ("xla") against the
+#               decode kernels ("kernel", the plan's Hopper default) at fixed batches, and the
+#               fixed-memory case
+#   mismatch    the rollout/trainer mismatch of the kernel plan against the reference plan
+#               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio)
+#   train_step  the training step at Qwen3 layer width: BF16, FP8 and FP4 policies on the
+#               grouped GEMM kernels against the tiled reference
+#   multi_gpu   expert parallelism on a multi-GPU kind: its tests, then 1 vs 2 GPUs
+#   tests       the test suite's GPU-marked and kernel files on the GPU (no `-x`)
+#
+# Every step has a time limit in seconds (T_<STEP>, e.g. T_ROLLOUT=300; 0 or 1 skips it) and
+# takes extra arguments from <STEP>_ARGS (e.g. ROLLOUT_ARGS="--layers=24"). The kernel plan of
+# every run is its config's (`ModelConfig.plan`, "auto": the kernels on Hopper); a step that
+# compares plans says so. Check the script with `bash -n scripts/gpu_runbook.sh`.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+
+log() { tee -a "$OUT/runbook.log"; }
+stamp() { echo "[$(date -u +%H:%M:%S)] $*" | log; }
+
+setup() {
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  fi
+  export PYTHONPATH=/tmp/site:.
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | log
+  fi
+}
+
+# run NAME SECONDS CMD...: CMD's output to $OUT/NAME.log (its last TAIL lines to the runbook
+# log), stopped after SECONDS (`timeout -k 5`: a plain timeout did not stop ncu once).
+run() {
+  local name=$1 secs=$2
+  shift 2
+  if [ "$secs" -le 1 ]; then
+    stamp "$name skipped"
+    return 0
+  fi
+  stamp "$name (limit ${secs}s)"
+  timeout -k 5 "$secs" "$@" > "$OUT/$name.log" 2>&1
+  echo "  exit $?" | log
+  tail -n "${TAIL:-8}" "$OUT/$name.log" | log
+}
+
+step_check() {
+  run check "${T_CHECK:-300}" python3 -m experiments.bench.gpu_check --out="$OUT/check" \
+    ${CHECK_ARGS:-}
+}
+
+step_kernels() {
+  local t=${T_KERNELS:-540}
+  TAIL=20 run kernel_tests "$((t / 2))" python3 -m pytest -q -p no:cacheprovider -rf \
+    tests/kernels
+  run moe_decode "$((t / 4))" python3 -m experiments.bench.moe_decode --experts=64 \
+    --json_out="$OUT/moe_decode.json" ${KERNELS_ARGS:-}
+  run decode_attention "$((t / 4))" python3 -m experiments.bench.decode_attention \
+    --json_out="$OUT/decode_attention.json"
+}
+
+step_rollout() {
+  local t=${T_ROLLOUT:-540}
+  TAIL=40 run rollout "$t" python3 -m experiments.bench.rollout --impls=xla,kernel+unroll4 \
+    --key_impl=kernel+unroll4 --budget_impl=kernel+unroll4 --batches=64 --reps=3 \
+    --transformers=false --budget_s="$((t - 90))" --json_out="$OUT/rollout.json" \
+    ${ROLLOUT_ARGS:-}
+}
+
+step_mismatch() {
+  TAIL=20 run mismatch "${T_MISMATCH:-300}" python3 -m experiments.measure_mismatch \
+    --config=configs/small_h200.py --decode_impls=xla,kernel --num_prompts=64 \
+    --max_new_tokens=64 --json_out="$OUT/mismatch.json" ${MISMATCH_ARGS:-}
+}
+
+step_train_step() {
+  TAIL=20 run train_step "${T_TRAIN_STEP:-400}" python3 -m experiments.bench.train_step \
+    --preset=qwen3_layers --steps=5 --moe_impls=tiled,kernel ${TRAIN_STEP_ARGS:-}
+}
+
+step_multi_gpu() {
+  local t=${T_MULTI_GPU:-540}
+  run ep_tests "$((t / 4))" python3 -m pytest -q -p no:cacheprovider -rf \
+    tests/model/test_expert_parallel.py tests/rollout/test_engine_mesh.py
+  TAIL=20 run multi_gpu "$((3 * t / 4))" python3 -m experiments.bench.multi_gpu --preset=h200 \
+    --devices="${DEVICES:-1,2}" --json_out="$OUT/multi_gpu.json" ${MULTI_GPU_ARGS:-}
+}
+
+step_tests() {
+  TAIL=30 run tests "${T_TESTS:-540}" python3 -m pytest -q -p no:cacheprovider -rf \
+    --durations=10 ${TESTS_ARGS:-tests/kernels tests/quant tests/model/test_plan.py}
+}
+
+main() {
+  local steps=("$@")
+  if [ ${#steps[@]} -eq 0 ]; then
+    steps=(check)
+  fi
+  for s in "${steps[@]}"; do
+    if ! declare -F "step_$s" > /dev/null; then
+      echo "unknown step '$s'; steps: check kernels rollout mismatch train_step multi_gpu tests" >&2
+      exit 2
+    fi
+  done
+  setup
+  stamp "steps: ${steps[*]}"
+  for s in "${steps[@]}"; do
+    "step_$s"
+  done
+  stamp done
+}
+
+main "$@"

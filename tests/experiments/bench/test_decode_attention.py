@@ -1,0 +1,38 @@
+"""experiments/bench/decode_attention.py: the on-device bit check of the packed cache's decoders."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.bench import decode_attention as bda
+from trace_jax.kernels import decode_attention as da
+
+
+def test_every_byte_cache_covers_every_code_under_every_scale():
+  cache = bda.every_byte_cache(32)
+  codes = np.asarray(cache.k_codes).reshape(-1, 8)  # 8 code bytes per block
+  scales = np.asarray(cache.k_block).view(np.uint8).reshape(-1)
+  pairs = {(int(s), int(c)) for s, block in zip(scales, codes) for c in block}
+  assert len(pairs) == 256 * 256
+  rows = np.asarray(cache.k_row).reshape(-1)
+  assert np.any(rows >= 2.0**118) and np.any(rows == 1.0)
+
+
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
+def test_decoder_check_passes_and_can_fail(monkeypatch, words):
+  """Equal bits on the real decoders (the cache's layout picks the words or the bits one); a
+  decoder off by one ulp in one element is reported."""
+  res = bda.decoder_check(32, [16], words)
+  assert set(res) == {("words" if words else "bytes") + "_default_bt16", "bytes_bits_bt16"}
+  assert all(v["bits_equal"] for v in res.values()), res
+  real = da.dequantize_pallas
+
+  def off_by_one(*a, **k):
+    k_, v_ = real(*a, **k)
+    bits = np.asarray(k_).view(np.uint16).copy()
+    bits[0, 1, 0, 3] ^= 1
+    return jnp.asarray(bits.view(jnp.bfloat16)), v_
+
+  monkeypatch.setattr(da, "dequantize_pallas", off_by_one)
+  res = bda.decoder_check(32, [16], words)
+  assert all(not v["bits_equal"] and v["mismatches"] == 1 for v in res.values()), res

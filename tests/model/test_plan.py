@@ -1,0 +1,216 @@
+"""The kernel plan (`trace_jax.model.plan`): its resolution per backend (faked `Backend`s),
+presets and forced fields, and that a forced field reaches its operation (the traced program
+holds that implementation's kernel and not the other's)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases import pallas_calls
+
+from trace_jax import model as M
+from trace_jax.kernels import decode_attention, fp4_moe
+from trace_jax.model import expert_weights
+from trace_jax.model import plan as plan_lib
+from trace_jax.model.plan import Backend, KernelPlan
+
+CPU = Backend("cpu")
+HOPPER = Backend("gpu", (9, 0), sm_count=132, mosaic_gpu=True, triton_asm=True)
+AMPERE = Backend("gpu", (8, 0), sm_count=108, mosaic_gpu=False, triton_asm=True)
+REFERENCE = dict(moe_impl="tiled", decode_impl="xla", decode_moe_kernel="triton",
+                 fp4_codes="bytes", decode_attention="triton", kv_cache="dense",
+                 nvfp4_sites="xla", fp8_gemm="xla")
+KERNELS = dict(moe_impl="kernel", decode_impl="kernel", decode_moe_kernel="wgmma",
+               fp4_codes="words", decode_attention="wgmma", kv_cache="packed",
+               nvfp4_sites="kernel", fp8_gemm="kernel")
+
+
+def _fields(plan: KernelPlan) -> dict[str, str]:
+  return {k: v for k, v in plan.as_dict().items() if k != "sm_count"}
+
+
+@pytest.mark.parametrize("make", [M.qwen3_30b_a3b, M.tiny], ids=["qwen3_30b_a3b", "tiny"])
+def test_default_config_resolves_to_the_kernels_on_hopper_and_the_reference_on_cpu(make):
+  config = make(policy="fp4_trace")
+  assert _fields(plan_lib.resolve(config, HOPPER)) == KERNELS
+  assert _fields(plan_lib.resolve(config, CPU)) == REFERENCE
+  assert plan_lib.resolve(config, CPU) == plan_lib.reference()
+  assert plan_lib.resolve(config, HOPPER).sm_count == 132
+
+
+def test_this_machine_resolves_to_the_reference():
+  """The suite runs on CPU: every default config's plan is today's CPU path."""
+  backend = Backend.current()
+  assert backend.platform == "cpu" and not backend.hopper and backend is Backend.current()
+  for policy in ("bf16", "fp4_trace", "fp8_unified"):
+    extra = dict(moe_intermediate_size=128, head_dim=64) if policy == "fp8_unified" else {}
+    assert plan_lib.resolve(M.tiny(policy=policy, **extra)) == plan_lib.reference()
+
+
+def test_other_gpus_resolve_to_the_reference_but_words():
+  """"auto" picks the kernels on Hopper only; the packed codes' layout is the GPU kernels'
+  (inert while nothing is packed)."""
+  want = dict(REFERENCE, fp4_codes="words")
+  assert _fields(plan_lib.resolve(M.tiny(policy="fp4_trace"), AMPERE)) == want
+  no_asm = Backend("gpu", (8, 0), triton_asm=False)
+  assert _fields(plan_lib.resolve(M.tiny(policy="fp4_trace"), no_asm)) == REFERENCE
+
+
+@pytest.mark.parametrize("policy,want", [
+    pytest.param("bf16", dict(KERNELS, kv_cache="dense", nvfp4_sites="xla"), id="bf16"),
+    pytest.param("fp4_rtn", KERNELS, id="fp4_rtn"),
+    pytest.param("mxfp4_trace", dict(KERNELS, decode_impl="xla", kv_cache="dense",
+                                     nvfp4_sites="xla"), id="mxfp4_decodes_on_xla"),
+])
+def test_hopper_plan_follows_the_forward(policy, want):
+  """The packed cache and the site kernel are NVFP4's; MXFP4 forwards' weights are not
+  prepared for the decode kernels, so their decode stays on XLA."""
+  assert _fields(plan_lib.resolve(M.tiny(policy=policy), HOPPER)) == want
+
+
+def test_auto_falls_back_where_shapes_rule_the_kernels_out():
+  config = M.tiny(moe_intermediate_size=40)  # bf16: no block constraint of its own
+  plan = plan_lib.resolve(config, HOPPER)
+  assert plan.moe_impl == "tiled" and plan.decode_impl == "xla"
+  with pytest.raises(ValueError, match='moe_impl="kernel" needs'):
+    config.replace(moe_impl="kernel")
+
+
+def test_forced_fields_win_over_the_backend_and_the_preset():
+  config = M.tiny(policy="fp4_trace", plan="reference", decode_impl="kernel",
+                  decode_attention="wgmma")
+  plan = plan_lib.resolve(config, HOPPER)
+  assert _fields(plan) == dict(REFERENCE, decode_impl="kernel", decode_attention="wgmma")
+  # "auto" with forced fields: the rest by the backend (the cache and sites follow decode).
+  plan = plan_lib.resolve(M.tiny(policy="fp4_trace", decode_impl="kernel",
+                                 decode_moe_kernel="wgmma"), CPU)
+  assert _fields(plan) == dict(REFERENCE, decode_impl="kernel", decode_moe_kernel="wgmma",
+                               kv_cache="packed", nvfp4_sites="kernel")
+  plan = plan_lib.resolve(M.tiny(policy="fp4_trace", decode_impl="kernel", kv_cache="dense",
+                                 fp4_codes="words"), CPU)
+  assert (plan.kv_cache, plan.nvfp4_sites, plan.fp4_codes) == ("dense", "kernel", "words")
+  # A forward without NVFP4 sites keeps a dense cache whatever is forced: the plan says what
+  # runs.
+  assert plan_lib.resolve(M.tiny(kv_cache="packed", nvfp4_sites="kernel"), HOPPER).kv_cache == \
+      "dense"
+
+
+def test_reference_preset_on_hopper_and_as_dict():
+  plan = plan_lib.resolve(M.tiny(policy="fp4_trace", plan="reference"), HOPPER)
+  assert _fields(plan) == REFERENCE
+  d = plan.as_dict()
+  assert set(d) == set(plan_lib.FIELDS) | {"sm_count"} and d["sm_count"] == 132
+  assert KernelPlan(**d) == plan
+  hash(plan)  # a static argument of the engine's programs
+
+
+@pytest.mark.parametrize("field,value,pattern", [
+    pytest.param("plan", "fastest", "plan must be one of", id="preset"),
+    pytest.param("kv_cache", "bytes", "kv_cache must be one of", id="kv_cache"),
+    pytest.param("fp4_codes", "nibbles", "fp4_codes must be one of", id="fp4_codes"),
+    pytest.param("decode_attention", "cuda", "decode_attention must be one of", id="attention"),
+    pytest.param("nvfp4_sites", "pallas", "nvfp4_sites must be one of", id="sites"),
+])
+def test_bad_plan_fields_are_refused(field, value, pattern):
+  with pytest.raises(ValueError, match=pattern):
+    M.tiny(**{field: value})
+  with pytest.raises(ValueError, match=field):
+    KernelPlan(**{**REFERENCE, field: value}) if field != "plan" else M.tiny(plan=value)
+
+
+# ----------------------------------------------------------------------------- reaching the ops
+
+def _kernels(fn, *args) -> list[str]:
+  """The Pallas kernels the traced program of fn(*args) calls, by name."""
+  return [name for name, _ in pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr)]
+
+
+@functools.cache
+def _tiny(policy: str = "fp4_rtn", **fields):
+  extra = dict(moe_intermediate_size=128, head_dim=64) if policy == "fp8_unified" else {}
+  config = M.tiny(policy=policy, dtype="bfloat16", num_hidden_layers=1, **extra, **fields)
+  return config, M.init_params(config, 0)
+
+
+def _decode_kernels(**fields) -> list[str]:
+  config, params = _tiny(**fields)
+  plan = M.resolve_plan(config)
+  experts = expert_weights.prepare(params, config, plan)
+  cache = M.init_cache(config, 2, 8, plan=plan)
+  return _kernels(lambda p, e, c: M.decode_step(
+      p, config, c, np.zeros(2, np.int32), np.zeros(2, np.int32), experts=e, record=True,
+      plan=plan).logits, params, experts, cache)
+
+
+@pytest.mark.parametrize("impl,has,lacks", [
+    pytest.param("kernel", "grouped_fprop", None, id="kernel"),
+    pytest.param("tiled", None, "grouped_fprop", id="tiled"),
+])
+def test_moe_impl_reaches_the_grouped_matmuls(impl, has, lacks):
+  config, params = _tiny("bf16", moe_impl=impl)
+  names = _kernels(lambda p: M.forward(p, config, jnp.zeros((2, 4), jnp.int32)).logits, params)
+  assert (has is None or has in names) and (lacks is None or lacks not in names), names
+
+
+@pytest.mark.parametrize("impl,fp8_kernels", [("kernel", True), ("xla", False)])
+def test_fp8_gemm_reaches_the_linears(impl, fp8_kernels):
+  config, params = _tiny("fp8_unified", fp8_gemm=impl)
+  names = _kernels(lambda p: M.forward(p, config, jnp.zeros((2, 4), jnp.int32)).logits, params)
+  assert ("fp8_gemm" in names and "fp8_grouped_gemm" in names) == fp8_kernels, names
+  assert fp8_kernels or not names
+
+
+def test_decode_impl_kv_cache_and_sites_reach_the_decode_step():
+  xla = _decode_kernels(decode_impl="xla")
+  assert xla == [], xla
+  packed = _decode_kernels(decode_impl="kernel")  # "auto" cache and sites: packed, kernel
+  assert {"decode_attention_scores_nvfp4", "grouped_matmul_decode_fp4",
+          "nvfp4_quantize_rows"} <= set(packed), packed
+  assert "decode_attention_scores" not in packed
+  dense = _decode_kernels(decode_impl="kernel", kv_cache="dense", nvfp4_sites="xla")
+  assert "decode_attention_scores" in dense and "nvfp4_quantize_rows" not in dense, dense
+  assert "decode_attention_scores_nvfp4" not in dense
+
+
+@pytest.mark.parametrize("codes", ["bytes", "words"])
+def test_fp4_codes_reach_the_weights_and_the_cache(codes):
+  config, params = _tiny(decode_impl="kernel", fp4_codes=codes)
+  plan = M.resolve_plan(config)
+  want = jnp.uint32 if codes == "words" else jnp.uint8
+  (run,) = expert_weights.prepare(params, config, plan)
+  assert run.gate_up.codes.dtype == want and run.down.codes.dtype == want
+  (cache,) = M.init_cache(config, 2, 8, plan=plan)
+  assert cache.k_codes.dtype == want and cache.words == (codes == "words")
+
+
+_MOE_DEFAULT, _ATTENTION_DEFAULT = fp4_moe.DecodeConfig(), decode_attention.AttentionConfig()
+
+
+@pytest.mark.parametrize("moe,attention", [("wgmma", "wgmma"), ("triton", "triton")])
+def test_decode_kernel_choices_reach_their_kernels(moe, attention, monkeypatch):
+  """The plan's experts' and attention kernels are the ones the decode step asks for (the
+  wgmma kernels run on a Hopper GPU only: here the calls are recorded and run on Triton),
+  with the plan's SM count for the attention's launch shape."""
+  seen = []
+  real_mm, real_attn = fp4_moe.grouped_matmul_decode, decode_attention.decode_attention
+
+  def mm(x, w, *a, config=_MOE_DEFAULT, **k):
+    if isinstance(w, fp4_moe.PackedNVFP4Weights):  # the experts (not the BF16 projections)
+      seen.append(("moe", config.impl))
+    return real_mm(x, w, *a, config=dataclasses.replace(config, impl="triton"), **k)
+
+  def attn(*a, config=_ATTENTION_DEFAULT, **k):
+    seen.append(("attention", config.impl, config.sm_count))
+    return real_attn(*a, config=dataclasses.replace(config, impl="triton"), **k)
+
+  monkeypatch.setattr(fp4_moe, "wgmma_supported", lambda dtype, w: True)
+  monkeypatch.setattr(decode_attention, "wgmma_impl", lambda q, c, **k: "wgmma")
+  monkeypatch.setattr(fp4_moe, "grouped_matmul_decode", mm)
+  monkeypatch.setattr(decode_attention, "decode_attention", attn)
+  _decode_kernels(decode_impl="kernel", decode_moe_kernel=moe, decode_attention=attention)
+  assert set(seen) == {("moe", moe), ("attention", attention, plan_lib.DEFAULT_SM_COUNT)}, seen

@@ -1,0 +1,211 @@
+"""The kernel plan: which implementation runs each operation of a model's programs.
+
+One frozen `KernelPlan` says, for every operation whose implementation can be chosen, which
+one runs. It is resolved once from a `ModelConfig` and a `Backend` where a program is built
+(the rollout engine, `model.forward` for the training steps and scoring) and read from there
+by the model's modules, which pass each kernel the small config object it takes. No module
+keeps a switch of its own; a benchmark compares implementations by passing configs (plans).
+
+A config chooses with `ModelConfig.plan` (a preset: "auto" or "reference") and per-operation
+fields of the same names as the plan's (`FIELDS`), each "auto" by default or forced to one of
+its choices. "auto" takes the preset's value where the preset names one, else the fastest
+measured implementation on the backend (docs/benchmarks.md):
+
+| field             | Hopper      | elsewhere | what it selects                                |
+|-------------------|-------------|-----------|------------------------------------------------|
+| moe_impl          | kernel      | tiled     | grouped matmuls of training and prefill        |
+| decode_impl       | kernel      | xla       | one-token decode steps (experts, projections,  |
+|                   |             |           | lm_head, attention) on the decode kernels      |
+| decode_moe_kernel | wgmma       | triton    | the packed NVFP4 experts' decode kernel        |
+| fp4_codes         | words (GPU) | bytes     | packed NVFP4 codes' layout (weights, KV cache) |
+| decode_attention  | wgmma       | triton    | the packed KV cache's decode attention         |
+| kv_cache          | packed (*)  | dense     | NVFP4 forwards' KV cache: codes or values      |
+| nvfp4_sites       | kernel (*)  | xla       | the rollout's unguided NVFP4 activation sites  |
+| fp8_gemm          | kernel      | xla       | FP8 linears' block-scaled GEMMs                |
+
+(*) with decode_impl "kernel" on any backend: the packed cache and the site kernel are the
+kernel decode's. "fp4_codes" is "words" on any GPU with Triton's inline assembly.
+"auto" falls back to the reference where the shapes or the forward rule a kernel out (e.g.
+decode_impl "xla" under MXFP4 forwards, moe_impl "tiled" for widths not multiples of 16).
+Where the code runs each choice: `model.grouped` (moe_impl), `kernels.fp4_moe` (decode_impl,
+decode_moe_kernel, fp4_codes), `kernels.decode_attention` and `kernels.kv_cache`
+(decode_attention, kv_cache), `kernels.nvfp4_act` (nvfp4_sites), `model.fp8_linear`
+(fp8_gemm). A resolved plan states what runs: `kv_cache` is "dense" and
+`nvfp4_sites` "xla" under forwards without NVFP4 sites, whatever was forced. The kernels and
+the reference compute the same values up to float32 summation order (docs/numerics.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from trace_jax.kernels import fp4_decode, wgmma_decode
+
+AUTO = "auto"
+# field -> its choices, the reference (XLA) implementation first.
+FIELDS: dict[str, tuple[str, ...]] = {
+    "moe_impl": ("tiled", "ragged_dot", "kernel"),
+    "decode_impl": ("xla", "kernel"),
+    "decode_moe_kernel": ("triton", "wgmma"),
+    "fp4_codes": ("bytes", "words"),
+    "decode_attention": ("triton", "wgmma"),
+    "kv_cache": ("dense", "packed"),
+    "nvfp4_sites": ("xla", "kernel"),
+    "fp8_gemm": ("xla", "kernel"),
+}
+# Named plans: field -> value; the fields a preset leaves out are resolved per backend.
+PRESETS: dict[str, Mapping[str, str]] = {
+    "auto": {},
+    "reference": {name: choices[0] for name, choices in FIELDS.items()},
+}
+# SMs assumed where the device does not say (an H100/H200's).
+DEFAULT_SM_COUNT = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """What the plan's "auto" depends on: the device platform ("cpu", "gpu", ...), its CUDA
+  compute capability (major, minor) on a GPU, its SM count, and whether this jax has the
+  kernels' GPU APIs (Mosaic GPU's wgmma kernels: `mosaic_gpu`; Triton inline assembly:
+  `triton_asm`). Tests build one by hand; `current()` reads the default device."""
+  platform: str
+  compute_capability: tuple[int, int] | None = None
+  sm_count: int = DEFAULT_SM_COUNT
+  mosaic_gpu: bool = False
+  triton_asm: bool = False
+
+  @property
+  def gpu(self) -> bool:
+    return self.platform == "gpu"
+
+  @property
+  def hopper(self) -> bool:
+    """An sm_90 GPU (H100, H200): the kernels' target."""
+    return self.gpu and self.compute_capability is not None and self.compute_capability[0] == 9
+
+  @classmethod
+  def current(cls) -> Backend:
+    """The default device's backend (`jax.devices()[0]`), read once per process."""
+    return _current_backend()
+
+
+@functools.cache
+def _current_backend() -> Backend:
+  device = jax.devices()[0]
+  platform = "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
+  cc = getattr(device, "compute_capability", None)
+  capability = tuple(int(p) for p in str(cc).split(".")[:2]) if cc else None
+  sms = int(getattr(device, "core_count", 0) or 0) if platform == "gpu" else 0
+  return Backend(platform=platform, compute_capability=capability,
+                 sm_count=sms or DEFAULT_SM_COUNT,
+                 mosaic_gpu=platform == "gpu" and wgmma_decode.available(),
+                 triton_asm=platform == "gpu" and fp4_decode.ASM_AVAILABLE)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+  """The implementation of every operation (`FIELDS`; concrete values, never "auto") and the
+  backend's SM count (the decode attention's launch shape). Hashable: programs take it as a
+  static argument."""
+  moe_impl: str
+  decode_impl: str
+  decode_moe_kernel: str
+  fp4_codes: str
+  decode_attention: str
+  kv_cache: str
+  nvfp4_sites: str
+  fp8_gemm: str
+  sm_count: int = DEFAULT_SM_COUNT
+
+  def __post_init__(self):
+    for name, choices in FIELDS.items():
+      if getattr(self, name) not in choices:
+        raise ValueError(f"KernelPlan: {name} must be one of {choices}, got "
+                         f"{getattr(self, name)!r}")
+
+  @property
+  def words(self) -> bool:
+    """Whether packed NVFP4 codes are held as words per block (`fp4_codes`)."""
+    return self.fp4_codes == "words"
+
+  def as_dict(self) -> dict[str, Any]:
+    """The plan as plain data (for a run's summary)."""
+    return dataclasses.asdict(self)
+
+
+def default_codes(backend: Backend | None = None) -> str:
+  """"auto"'s `fp4_codes` on `backend` (default `Backend.current()`): "words" on a GPU with
+  Triton's inline assembly (the GPU kernels' decoder), else "bytes" (the interpreter's)."""
+  b = Backend.current() if backend is None else backend
+  return "words" if b.gpu and b.triton_asm else "bytes"
+
+
+def reference() -> KernelPlan:
+  """The XLA reference plan (every field's first choice), on any backend."""
+  return KernelPlan(**PRESETS["reference"])
+
+
+def check(config: Any) -> list[str]:
+  """One-line errors for a config's plan fields: `plan` a preset, each field "auto" or one
+  of its choices, a forced moe_impl="kernel" on widths it takes."""
+  errors = []
+  if config.plan not in PRESETS:
+    errors.append(f"plan must be one of {tuple(PRESETS)}, got {config.plan!r}")
+  for name, choices in FIELDS.items():
+    value = getattr(config, name)
+    if value != AUTO and value not in choices:
+      errors.append(f"{name} must be one of {(AUTO, *choices)}, got {value!r}")
+  if config.moe_impl == "kernel" and not _moe_kernel_shapes(config):
+    errors.append(f'moe_impl="kernel" needs hidden_size ({config.hidden_size}) and '
+                  f"moe_intermediate_size ({config.moe_intermediate_size}) multiples of 16")
+  return errors
+
+
+def _moe_kernel_shapes(config: Any) -> bool:
+  return config.hidden_size % 16 == 0 and config.moe_intermediate_size % 16 == 0
+
+
+def _decode_kernel_shapes(config: Any) -> bool:
+  """Widths the decode kernels take: every matmul's N and K multiples of 16, head_dim a power
+  of two >= 16 (the attention kernels)."""
+  h = config.head_dim
+  widths = (config.hidden_size, config.moe_intermediate_size,
+            config.num_attention_heads * h, config.num_key_value_heads * h)
+  return all(w % 16 == 0 for w in widths) and h >= 16 and h & (h - 1) == 0
+
+
+def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:
+  """The plan of `config` (a `ModelConfig`) on `backend` (default `Backend.current()`):
+  forced fields as given, the rest from the config's preset or by the module docstring's
+  rules."""
+  b = Backend.current() if backend is None else backend
+  preset = PRESETS[config.plan]
+
+  def pick(name: str, auto: str) -> str:
+    value = getattr(config, name)
+    return value if value != AUTO else preset.get(name, auto)
+
+  fwd = config.forward
+  kernels = b.hopper
+  decode = pick("decode_impl", "kernel" if kernels and fwd.fp4 in (None, "nvfp4")
+                and _decode_kernel_shapes(config) else "xla")
+  nvfp4 = fwd.fp4 == "nvfp4"
+  return KernelPlan(
+      moe_impl=pick("moe_impl", "kernel" if kernels and _moe_kernel_shapes(config) else "tiled"),
+      decode_impl=decode,
+      decode_moe_kernel=pick("decode_moe_kernel", "wgmma" if kernels and b.mosaic_gpu
+                             else "triton"),
+      fp4_codes=pick("fp4_codes", default_codes(b)),
+      decode_attention=pick("decode_attention", "wgmma" if kernels and b.mosaic_gpu
+                            else "triton"),
+      kv_cache=pick("kv_cache", "packed" if decode == "kernel" else "dense") if nvfp4
+      else "dense",
+      nvfp4_sites=pick("nvfp4_sites", "kernel" if decode == "kernel" else "xla") if nvfp4
+      else "xla",
+      fp8_gemm=pick("fp8_gemm", "kernel" if kernels else "xla"),
+      sm_count=b.sm_count)
