@@ -10,10 +10,11 @@ of the sampled tokens. --format=mxfp4 runs the MXFP4 pair (`mxfp4_rtn`, `mxfp4_t
   python -m experiments.measure_mismatch --json_out=/tmp/mismatch.json [--format=mxfp4]
 
 With no flag but --json_out it uses the tiny CPU config. Writes JSON and a per-layer PNG.
---decode_impls=xla,kernel measures each rollout decode path on its own rollout (the report is
-the first one's) and adds `by_decode_impl` and `fp4_trace_dlogp_kernel_over_xla`: the fast
-path's rollout/trainer mean |dlogp| under fp4_trace over the reference path's (the target is
-<= 1.2, docs/benchmarks.md).
+The rollout decodes on the config's kernel plan (`auto`: the kernels on a Hopper GPU, the XLA
+reference elsewhere; the report's `kernel_plan` says which ran). --decode_impls=xla,kernel
+measures each rollout decode path on its own rollout (the report is the first one's) and adds
+`by_decode_impl` and `fp4_trace_dlogp_kernel_over_xla`: the fast path's rollout/trainer mean
+|dlogp| under fp4_trace over the reference path's (the target is <= 1.2, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from absl import app, flags
 from trace_jax import model as model_lib
 from trace_jax.guidance import layout as guidance_layout
 from trace_jax.guidance.record import bytes_per_row
+from trace_jax.model import plan as plan_lib
 from trace_jax.model import policies
 from trace_jax.model.config import DECODE_IMPLS, SITES, ModelConfig
 from trace_jax.rl import losses
@@ -56,11 +58,13 @@ _REPLAY = flags.DEFINE_bool("routing_replay", False, "Replay the rollout's routi
 _FORMAT = flags.DEFINE_enum("format", "nvfp4", list(policies.FP4_RUNS),
                             "FP4 format of the rollout and both training forwards.")
 _DECODE_IMPLS = flags.DEFINE_list(
-    "decode_impls", ["xla"], f"Rollout decode paths (`decode_impl`, of {DECODE_IMPLS}), each "
+    "decode_impls", None, f"Rollout decode paths (`decode_impl`: auto or one of {DECODE_IMPLS}; "
+    "default: the config's, which is `auto`, the kernels on a Hopper GPU and the XLA "
+    "reference elsewhere), each "
     "measured on its own rollout; the report is the first one's.")
 flags.register_validator(
-    "decode_impls", lambda v: bool(v) and set(v) <= set(DECODE_IMPLS),
-    f"--decode_impls takes a non-empty list of {DECODE_IMPLS}")
+    "decode_impls", lambda v: v is None or (bool(v) and set(v) <= {"auto", *DECODE_IMPLS}),
+    f"--decode_impls takes a non-empty list of auto, {', '.join(DECODE_IMPLS)}")
 
 
 def tiny_config() -> ModelConfig:
@@ -110,7 +114,8 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
   seqs = [s.prompt + s.tokens for s in samples]
   n_new = sum(len(s.tokens) for s in samples)
   rollout_logp = [np.asarray(s.logprobs, np.float32) for s in samples]
-  print(f"[decode_impl={config.decode_impl}] rollout ({runs[1].rollout.name}): "
+  kernel_plan = plan_lib.resolve(rollout_cfg)
+  print(f"[decode_impl={kernel_plan.decode_impl}] rollout ({runs[1].rollout.name}): "
         f"{len(samples)} sequences, {n_new} tokens in {rollout_s:.1f} s (compile included)",
         flush=True)
 
@@ -119,7 +124,7 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
       "num_sequences": len(samples), "generated_tokens": n_new,
       "guided_layers": list(guided_layers), "guidance_mode": guidance_mode, "format": fmt,
       "routing_replay": routing_replay, "rollout_seconds": rollout_s,
-      "policies": {},
+      "kernel_plan": kernel_plan.as_dict(), "policies": {},
   }
   for run in runs:
     policy = run.name
@@ -131,7 +136,7 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
                         routing={layer: rec["routing"][layer] for layer in used} or None,
                         replay=routing_replay, tap_layers=all_layers, tap_mode="full")
     train_routing = {layer: t.pop("routing") for layer, t in out["taps"].items()}
-    print(f"[decode_impl={config.decode_impl}] {policy}: trainer scored in "
+    print(f"[decode_impl={kernel_plan.decode_impl}] {policy}: trainer scored in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     if keep_records:
       report.setdefault("records", {"rollout": rec})[policy] = {
@@ -255,7 +260,7 @@ def _main(config: ModelConfig) -> None:
   report = by_decode_impl({
       impl: measure(params, dataclasses.replace(config, decode_impl=impl), prompts, sampling,
                     _MODE.value, _REPLAY.value, fmt=_FORMAT.value)
-      for impl in dict.fromkeys(_DECODE_IMPLS.value)})
+      for impl in dict.fromkeys(_DECODE_IMPLS.value or [config.decode_impl])})
   os.makedirs(os.path.dirname(os.path.abspath(_JSON_OUT.value)), exist_ok=True)
   with open(_JSON_OUT.value, "w") as f:
     json.dump(report, f, indent=1)

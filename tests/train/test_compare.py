@@ -30,6 +30,9 @@ def test_split_run_then_summary(tmp_path):
   assert (tmp_path / "reward_mismatch.png").stat().st_size > 10_000
   assert (tmp_path / "bf16" / "seed0" / "evals.csv").read_text().count("\n") == 1 + 2  # 0, 2
   assert first["fingerprint"] and first["config_changes"] == []
+  # The kernel plan each forward ran: the reference on this CPU.
+  plans = first["kernel_plans"]["bf16"]
+  assert plans["rollout"]["decode_impl"] == "xla" and plans["train"]["moe_impl"] == "tiled"
   _refuses_another_config(cfg, tmp_path)
 
 

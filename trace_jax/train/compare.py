@@ -21,6 +21,7 @@ from absl import logging
 
 from trace_jax.io import orbax_ckpt
 from trace_jax.model import config as config_lib
+from trace_jax.model import plan as plan_lib
 from trace_jax.model import policies as policies_lib
 from trace_jax.train import evaluation, rl_loop, run_guard, run_log, task_io
 from trace_jax.train.run_config import RunConfig
@@ -170,7 +171,8 @@ def report(rc: RunConfig, workdir: str, policies: Sequence[str],
              "config": rc.source,
              "fingerprint": record.get("fingerprint"),
              "config_changes": record.get("changes", []),
-             "devices": [str(d) for d in jax.devices()]}
+             "devices": [str(d) for d in jax.devices()],
+             "kernel_plans": kernel_plans(rc, policies)}
   _write_json(os.path.join(workdir, "summary.json"), summary)
   plot(workdir, [p for p in policies if p in results], rc.rl.seeds)
   print_table(results)
@@ -178,6 +180,17 @@ def report(rc: RunConfig, workdir: str, policies: Sequence[str],
         f"{os.path.join(workdir, 'reward_mismatch.png')}; per run: "
         f"{workdir}/<policy>/seed<s>/")
   return summary
+
+
+def kernel_plans(rc: RunConfig, policies: Sequence[str]) -> dict[str, dict[str, Any]]:
+  """{policy: {"rollout": plan, "train": plan}}: the kernel plan (`trace_jax.model.plan`)
+  each forward of each policy resolves to on this backend, what its runs ran."""
+  out = {}
+  for p in policies:
+    spec = policies_lib.parse(p)
+    out[p] = {role: plan_lib.resolve(rc.model_for(fwd.name)).as_dict()
+              for role, fwd in (("rollout", spec.policy.rollout), ("train", spec.policy.train))}
+  return out
 
 
 def _write_json(path: str, obj: Any) -> None:
