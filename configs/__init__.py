@@ -21,3 +21,19 @@ def model_section(preset: str = "tiny", **choices: Any) -> ml_collections.Config
   if fields["guided_layers"] is None:
     fields["guided_layers"] = ml_collections.FieldReference(None, field_type=tuple)
   return ml_collections.ConfigDict(fields)
+
+
+def rl_section(**choices: Any) -> ml_collections.ConfigDict:
+  """The `rl` section of a config file: every optional GRPO field at its default
+  (`trace_jax.train.run_config.OPTIONAL`: mini-batches, epochs, loss variants, ...) with the
+  file's choices over them, so any of them can be set on the command line of any config. A
+  default of None is a typed reference, so `--config.rl.clip_eps_high=0.28` takes a float."""
+  from trace_jax.train import run_config
+
+  types = {"clip_eps_high": float, "adv_std": str}
+  fields = {path.split(".", 1)[1]: v for path, v in run_config.OPTIONAL.items()}
+  fields.update(choices)
+  for k, v in fields.items():
+    if v is None and k in types:
+      fields[k] = ml_collections.FieldReference(None, field_type=types[k])
+  return ml_collections.ConfigDict(fields)

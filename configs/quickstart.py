@@ -9,7 +9,7 @@ budget (docs/results.md)."""
 
 import ml_collections
 
-from configs import model_section
+from configs import model_section, rl_section
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -34,13 +34,15 @@ def get_config() -> ml_collections.ConfigDict:
                                          weight_decay=0.0))
   # seeds: one GRPO run per policy and seed from the one warm start (spread in the summary).
   # audit_fraction: share of each batch whose full FP4 codes are recorded to count flips.
-  # Optional: clip_eps_high (clip-higher, default clip_eps), kl_coef (k3 KL to the run's
-  # starting weights, default 0), advantage ("grpo" or "dr_grpo", default "grpo").
-  c.rl = ml_collections.ConfigDict(dict(
+  # `rl_section` adds every optional GRPO field at its default (`trace_jax.train.run_config`):
+  # clip_eps_high (clip-higher; None: clip_eps), kl_coef (k3 KL to the run's starting weights),
+  # advantage ("grpo", "dr_grpo"), adv_std, loss_agg, is_level, epochs and minibatches (one
+  # update per batch), so the command line can set any of them.
+  c.rl = rl_section(
       steps=30, prompts_per_step=8, group_size=8, max_new_tokens=16, temperature=1.0,
       top_p=1.0, lr=1e-4, warmup_steps=3, weight_decay=0.0, clip_eps=0.2, is_mode="truncate",
       is_cap=5.0, aux_loss_coef=0.001, on_missing_guidance="error", keep_guidance=False,
-      seeds=(0, 1, 2), audit_fraction=1.0))
+      seeds=(0, 1, 2), audit_fraction=1.0)
   # 64 prompts: the rollout batch size, so the engine compiles one program per policy.
   # posthoc_fp4: the bf16 runs' weights also evaluated through the FP4 engine.
   c.eval = ml_collections.ConfigDict(dict(num_prompts=64, every=10, posthoc_fp4=True))

@@ -30,7 +30,7 @@ _ALLOW_CHANGE = flags.DEFINE_bool(
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  # Imported here: flag and config-file errors are reported before JAX loads (~4 s).
+  # Imported here: flag and config-file errors are reported before the training code loads.
   from trace_jax.io import orbax_ckpt
   from trace_jax.train import rl_loop
   cfg, workdir = _CONFIG.value, _WORKDIR.value

@@ -63,7 +63,7 @@ def main(argv: Sequence[str]) -> None:
     import jax
     jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
                                num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
-  # Imported here: flag and config-file errors are reported before JAX loads (~4 s).
+  # Imported here: flag and config-file errors are reported before the training code loads.
   from trace_jax.train import compare
   cfg = _CONFIG.value
   policies = [] if _SFT_ONLY.value else (_POLICIES.value or list(cfg.policies))

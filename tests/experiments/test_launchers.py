@@ -32,7 +32,7 @@ def assert_one_line_error(p: subprocess.CompletedProcess, message: str) -> None:
   assert "Traceback" not in p.stderr
 
 
-# The first three fail while parsing flags, before JAX is imported (well under a second each).
+# The first three fail while parsing flags, before anything compiles (~2 s each).
 @pytest.mark.parametrize("args,message", [
     pytest.param(["--config=configs/nope.py"],
                  "--config=configs/nope.py: cannot load the config file: [Errno 2] No such file",
