@@ -147,3 +147,21 @@ def test_bf16_compute_from_f32_params(params):
   bf16 = np.asarray(M.logits(params, CONFIG.replace(dtype="bfloat16"), toks))
   assert bf16.dtype == np.float32
   assert 1e-4 < rel(bf16, f32) < 5e-2  # bf16 rounding, but the same function
+
+
+def test_logits_fp32_rounds_the_lm_head_output_no_more(params):
+  """logits_fp32 under bf16 compute: the LM head's output keeps float32 digits (values no
+  bf16 holds) and rounds to the bf16 head's output; the layers below are unchanged (the bf16
+  head's logits are its float32 logits rounded, for nearly every element)."""
+  toks = np.random.default_rng(6).integers(0, CONFIG.vocab_size, (2, 8), np.int32)
+  bf16 = CONFIG.replace(dtype="bfloat16")
+  plain = np.asarray(M.logits(params, bf16, toks))
+  wide = np.asarray(M.logits(params, bf16.replace(logits_fp32=True), toks))
+  as_bf16 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32))
+  assert np.mean(as_bf16(wide) != wide) > 0.9  # float32 digits below bf16's precision
+  assert np.all(as_bf16(plain) == plain)  # the plain head's output is bf16-rounded
+  assert np.mean(as_bf16(wide) == plain) > 0.95
+  assert rel(wide, plain) < 1e-2
+  f32 = CONFIG.replace(logits_fp32=True)  # float32 compute: the same function either way
+  np.testing.assert_allclose(np.asarray(M.logits(params, f32, toks)),
+                             np.asarray(M.logits(params, CONFIG, toks)), rtol=1e-5, atol=1e-5)

@@ -78,6 +78,10 @@ class ModelConfig:
     condition (is every row done?): on the GPU each check is a device-to-host copy the host
     waits on, so the GPU idles while the host queues the next step. Outputs are the same for
     any value; a call runs up to this many minus one steps past its last live one.
+  logits_fp32: the LM head in float32 (the final norm's output and lm_head's weight, both at
+    `dtype`, multiplied with float32 accumulation and output) in the rollout and the trainer
+    alike, so the log-probs are not rounded to `dtype` before the log-softmax; False: the LM
+    head in `dtype` like every other matmul.
   """
   vocab_size: int
   hidden_size: int
@@ -111,6 +115,7 @@ class ModelConfig:
   scan_layers: bool = True
   scan_unroll: int = 1
   decode_steps_per_sync: int = 1
+  logits_fp32: bool = False
 
   def __post_init__(self):
     if self.guided_layers is None:
@@ -153,8 +158,9 @@ class ModelConfig:
     errors += plan_lib.check(self)
     if not isinstance(self.fp8_backward, bool):
       errors.append(f"fp8_backward must be a bool, got {self.fp8_backward!r}")
-    if not isinstance(self.scan_layers, bool):
-      errors.append(f"scan_layers must be a bool, got {self.scan_layers!r}")
+    for name in ("scan_layers", "logits_fp32"):
+      if not isinstance(getattr(self, name), bool):
+        errors.append(f"{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("scan_unroll", "decode_steps_per_sync"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:

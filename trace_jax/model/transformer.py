@@ -142,8 +142,12 @@ class Transformer(nnx.Module):
       if new_cache is not None:
         new_cache.append(run_cache)
     h = self.final_norm(x)
-    if (decode and tokens.shape[1] == 1 and prec.plan.decode_impl == "kernel"
-        and c.vocab_size % 16 == 0 and c.hidden_size % 16 == 0):
+    if c.logits_fp32:  # the weight rounded as the compute dtype's matmul would, then float32
+      w = self.lm_head.kernel[...].astype(h.dtype).astype(jnp.float32)
+      logits = jnp.einsum("...i,oi->...o", h.astype(jnp.float32), w,
+                          precision=jax.lax.Precision.HIGHEST)
+    elif (decode and tokens.shape[1] == 1 and prec.plan.decode_impl == "kernel"
+          and c.vocab_size % 16 == 0 and c.hidden_size % 16 == 0):
       # One-token decode: lm_head as one "expert" of the decode kernel, whose grid spreads
       # the vocabulary over every SM (XLA's GEMM read it at ~1.4 TB/s on the H200).
       b = h.shape[0]
