@@ -1,4 +1,4 @@
-"""The quickstart's task and schedule under the FP8 policies, on CPU (issue 15's comparison at
+"""The quickstart's task and schedule under the FP8 policies, on CPU (Jet-RL's comparison at
 the smallest size): bf16, fp8_rollout (FP8 rollout, BF16 training: off-policy), fp8_unified
 (Jet-RL: the same FP8 GEMMs in rollout and training) and fp8_unified+fp8bwd (FP8 backward
 GEMMs too), 3 RL seeds each from one SFT start. FP8 blocks need every linear size in

@@ -26,9 +26,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.sft.lr = 1e-3
   # Steps are cheap on the H200 (~0.7 s for FP4; compiles take minutes). At 16 x 8 samples a
   # policy process held ~15 GB with moe_impl="tiled" (60-83 GB with ragged_dot, where 32 x 8
-  # ran out with three processes sharing the GPU); "kernel" (the Pallas grouped GEMMs, since
-  # 2026-12-02: the Qwen3-width train step 1.61x faster than tiled, docs/benchmarks.md) holds
-  # no more temporaries than tiled. The RL results recorded before that date ran tiled.
+  # ran out with three processes sharing the GPU); "kernel" (the Pallas grouped GEMMs: the
+  # Qwen3-width train step 1.61x faster than tiled, docs/benchmarks.md) holds no more
+  # temporaries than tiled. The RL results of docs/results.md ran tiled.
   c.rl.steps = 30
   c.rl.prompts_per_step = 16
   c.rl.group_size = 8

@@ -1,4 +1,4 @@
-"""Issue 15's RL comparison on one H200: the small_h200 model and task under the FP8 policies.
+"""Jet-RL's RL comparison on one H200: the small_h200 model and task under the FP8 policies.
 
 bf16; fp8_rollout (FP8 rollout, BF16 training: the off-policy baseline Jet-RL argues against);
 fp8_unified (the same FP8 GEMMs in rollout and training, Jet-RL); fp8_unified+fp8bwd (its

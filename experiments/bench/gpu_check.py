@@ -5,7 +5,7 @@ Run from the repository root (no install needed):
 It prints, and writes to DIR/gpu_check.log (DIR: --out, else $OUT, else runs/gpu_check):
 1. device information, package versions (missing packages named, not fatal) and XLA_FLAGS,
    checking that XLA runs with default flags (no --xla_allow_excess_precision override: the
-   numerics must be right under the user's defaults, `shared/reference/platform_notes.md`);
+   numerics must be right under the user's defaults, `docs/numerics.md`);
 2. direct checks under `jax.jit` on the default backend: every finite bf16 through
    `e2m1_encode` vs ml_dtypes; E4M3 rounding vs ml_dtypes on every bf16 in [-448, 448] and at
    float32 neighbours of every E4M3 tie; the platform trap (a naive `astype(fp4)` round trip
@@ -329,7 +329,7 @@ def check_exhaustive(checks: Checks) -> None:
 
 
 def check_platform_trap(checks: Checks) -> dict[str, int]:
-  """The trap of platform_notes.md 1, counted on this backend, and our quantizers on it."""
+  """The trap of docs/numerics.md (fact 1), counted on this backend, and our quantizers on it."""
   import jax
   import jax.numpy as jnp
   import ml_dtypes
@@ -670,7 +670,7 @@ def check_grad(checks: Checks) -> None:
 
 def run_bench(checks: Checks, out_dir: str, size: int, reps: int, torch_device: str | None,
               timeout: int) -> dict[str, Any]:
-  """Runs bench_quant in a subprocess (its own memory) and reads back its JSON."""
+  """Runs experiments.bench.quant in a subprocess (its own memory) and reads back its JSON."""
   import json
 
   print("\n== 4. bench_quant", flush=True)

@@ -1,4 +1,4 @@
-"""Expert parallelism on 1 vs N devices of one host, side by side in one process (issue 16):
+"""Expert parallelism on 1 vs N devices of one host, side by side in one process:
 the training step's tokens/s and the rollout engine's decode tokens/s.
 
   python -m experiments.bench.multi_gpu --preset=h200 --devices=1,2 --json_out=/tmp/mg.json
@@ -8,7 +8,7 @@ the training step's tokens/s and the rollout engine's decode tokens/s.
 For each device count n: a mesh of n devices along `expert` (`--mesh_axis=expert`; `data`
 splits the batch instead), or no mesh for n = 1. Decode is `InProcessEngine(mesh=)` greedily
 generating `--new_tokens` after `--prompt_len`-token prompts at `--decode_batch` (prefill
-included, as `bench_rollout` counts it). The training step (`--train_step`) is
+included, as `experiments.bench.rollout` counts it). The training step (`--train_step`) is
 `train.step.grpo_step` on the first count's rollout (its tokens and log-probs, and under a
 guided policy its guidance records and the expert ids that match them: the same batch for
 every n), or `train.step.sft_step` on `--train_batch` x `--seq` random tokens; forward,
@@ -23,7 +23,7 @@ none on CPU).
 
 Top-level plain numbers: `n_gpu_over_one` {n: train tokens/s over n = 1's},
 `n_gpu_decode_over_one`, and for n = 2 `two_gpu_over_one` and `two_gpu_decode_over_one`
-(issue 16's targets: >= 1.8x).
+(the targets: >= 1.8x).
 
 Model (h200 preset): Qwen3-30B-A3B layer width (hidden 2048, 32 / 4 heads of 128, experts of
 width 768, top-8) with 128 experts, `--layers` layers (default 4), vocab 32768, BF16; decode

@@ -51,7 +51,7 @@ else cuda when available), greedy `generate` of exactly `--new_tokens` tokens
 after one warm-up call; `first_token_agreement`: the fraction of its first greedy tokens equal
 to the bf16 engine's at that batch (a check that the export is the same model).
 
-Top-level plain numbers (issue 14/15; `--key_batch`, default 64 on the GPU preset; the cases of
+Top-level plain numbers (`--key_batch`, default 64 on the GPU preset; the cases of
 `--key_impl`, default "kernel"):
 `fp4_over_bf16_fixed_batch`, `fp8_over_bf16_fixed_batch`, `fp4_trace_over_fp4_rtn_b{B}`,
 `decode_bandwidth_fraction` (bf16 kernel, of read bandwidth; `_copy`: of copy bandwidth),
@@ -60,8 +60,7 @@ Top-level plain numbers (issue 14/15; `--key_batch`, default 64 on the GPU prese
 
 Model (GPU preset): a random Qwen3-MoE of hidden 2048, 32 query / 4 KV heads of 128, 64
 experts top-8 of width 768, vocab 32768, `--layers` decoder layers (8: 2.70B parameters);
-prefill's grouped matmuls on the Pallas grouped GEMMs (`moe_impl="kernel"`, since 2026-12-02;
-the earlier records ran "tiled").
+prefill's grouped matmuls on the Pallas grouped GEMMs (`moe_impl="kernel"`).
 """
 
 from __future__ import annotations
@@ -194,8 +193,8 @@ PRESETS = {
                             num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768,
                             max_position_embeddings=4096, moe_impl="kernel"),
                  batches=(8, 64, 256), key_batch=64,
-                 # every sequence FP4 fits in 60 GB decodes at once (1457; it was 512 until
-                 # 2026-12-04: FP4 ran a third of its sequences)
+                 # every sequence FP4 fits in 60 GB decodes at once (1457; a cap of 512 ran a
+                 # third of FP4's sequences)
                  budget_gb=60.0, budget_context=8192, budget_max_batch=2048,
                  budget_policies=None, transformers=True, warmup_calls=1),
     # Budget: 1.6 MB holds the BF16 weights (1.12 MB) and 3 sequences of 256 tokens, FP4 7;
@@ -704,7 +703,7 @@ def ratios(cases: dict[str, Any]) -> dict[str, float]:
 
 
 def summary(res: dict[str, Any]) -> dict[str, Any]:
-  """The record's top-level plain numbers (issue 14/15), from the cases that ran: `key_impl`
+  """The record's top-level plain numbers, from the cases that ran: `key_impl`
   (default kernel) at `key_batch` for the fixed-batch ratios, each policy at its own fit for
   fixed memory."""
   kb, ki = res["key_batch"], res.get("key_impl", "kernel")

@@ -55,7 +55,7 @@ def _config(preset: str) -> tuple[M.ModelConfig, int, int]:
     cfg = small_h200.get_config()
     return (rl_loop.model_config(cfg), cfg.rl.prompts_per_step * cfg.rl.group_size,
             cfg.seq_len)
-  if preset == "qwen3_layers":  # issue 15's FP8 comparison: 8 x 1024 tokens per step
+  if preset == "qwen3_layers":  # the FP8 comparison: 8 x 1024 tokens per step
     return M.qwen3_30b_a3b(num_hidden_layers=4, num_experts=64, vocab_size=32768,
                            dtype="bfloat16"), 8, 1024
   # Qwen3-30B-A3B layer width with 32 experts, 2 layers and a 32k vocabulary: matmuls

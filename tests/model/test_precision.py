@@ -201,8 +201,8 @@ def test_site_input_is_rounded_to_the_compute_dtype_under_jit():
   """A quantizer fused with the bf16 expression feeding it sees the bf16 value, as an eager
   (materialized) input does: XLA's excess precision would otherwise hand it float32
   (docs/numerics.md). Control, on the CPU: the same program without `dtype_rounded` records
-  other bits. (XLA's GPU backend rounded this small program's h on the H200, 2026-12-03, so
-  the control cannot show it there; the rounded program equalled the eager bits there too.)"""
+  other bits. (XLA's GPU backend rounded this small program's h on the H200 (docs/numerics.md),
+  so the control cannot show it there; the rounded program equalled the eager bits there too.)"""
   rng = np.random.default_rng(0)
   g, u = (jnp.asarray(rng.normal(size=(64, 768)), jnp.bfloat16) for _ in range(2))
 

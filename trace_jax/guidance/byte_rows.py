@@ -4,9 +4,9 @@ A decode step records a few dozen small arrays per token (each tapped site's blo
 row scales and mantissa bits, every layer's expert ids). Written apart, every one is a kernel
 of its own in each step (a scan's stacking update, the decode loop's write by position): on
 the H200 the fp4_trace step ran 695 kernels against fp4_rtn's 494 and idled 28% of its wall
-time waiting for the host to launch them (docs/benchmarks.md). Packed, a tree moves as one
-array: one update, one scatter. The layout (`Layout`) is static and hashable, so jitted
-programs pack and unpack with it.
+time waiting for the host to launch them (the git history of docs/benchmarks.md). Packed, a
+tree moves as one array: one update, one scatter. The layout (`Layout`) is static and hashable,
+so jitted programs pack and unpack with it.
 """
 
 from __future__ import annotations

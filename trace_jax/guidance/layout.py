@@ -92,7 +92,7 @@ def ragged_rows(tree: Any, counts: jax.Array) -> Any:
 
   The host then takes each record's leading rows as they are, instead of concatenating B
   slices of every record (at batch 64 that cost the H200's host more time per call than
-  fp4_trace's recording on the GPU, docs/benchmarks.md)."""
+  fp4_trace's recording on the GPU; the git history of docs/benchmarks.md)."""
   b, s = jax.tree.leaves(tree)[0].shape[:2]
   ends = jnp.cumsum(counts)
   j = jnp.arange(b * s, dtype=ends.dtype)
@@ -113,7 +113,8 @@ def start_host_copy(tree: Any) -> Any:
   every generate call, the whole of that thread's transfer. The call is not free either (on
   the H200, 8-10 ms of the caller's time for 0.12 GB of records, 115 ms for 0.37 GB at 24
   layers), but made on the records thread it held the caller's next generate call back
-  further (fp4_trace 0.783x fp4_rtn against 0.938x at batch 64; docs/benchmarks.md)."""
+  further (fp4_trace 0.783x fp4_rtn against 0.938x at batch 64; the git history of
+  docs/benchmarks.md)."""
   def target(a: jax.Array) -> Any:
     kinds = {m.kind for d in a.sharding.device_set for m in d.addressable_memories()}
     return a.sharding.with_memory_kind("pinned_host") if "pinned_host" in kinds else a.sharding

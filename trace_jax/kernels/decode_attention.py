@@ -37,10 +37,11 @@ So the kernel's K/V are the trainer's fake-quantized values bit for bit (tests c
 through `dequantize_pallas`, which runs the same decoders, and through the exact output at
 length 1). A per-byte table decoder of the bytes layout is gone: on the H200 it failed the
 check of `experiments/bench/decode_attention.py` (err/tol 24 at 8k contexts) where the words
-decoder passes (0.145, the BF16 kernel 0.136) and runs 1.08-1.13x faster (docs/benchmarks.md).
-H200 (ncu, batch 256, 8k): the packed kernels are bound by the L1/shared-memory pipe (scores
-93%, PV 84% of its peak; DRAM 31-33%), not by the decode's instructions: the decoded tile
-reaches the MMA through shared memory.
+decoder passes (0.145, the BF16 kernel 0.136: docs/benchmarks.md, decode attention) and runs
+1.08-1.13x faster. H200 (ncu, batch 256, 8k): the packed kernels are bound by the
+L1/shared-memory pipe (scores 93%, PV 84% of its peak; DRAM 31-33%), not by the decode's
+instructions: the decoded tile reaches the MMA through shared memory (these figures and the old
+decoder's: the git history of docs/benchmarks.md).
 
 On a Hopper GPU the packed cache's attention takes `wgmma_attention`'s Mosaic GPU kernels
 where the shape allows (`AttentionConfig.impl`; `wgmma_impl`, which the model asks where its

@@ -62,7 +62,8 @@ little-endian uint32 words), so a tile of words [R, kb] has the block scales' sh
 and, whatever register layout Triton gives it, each block's table is built by the one thread
 that decodes it (`decode_words`). The decoder that looked codes up as bytes needed 4
 consecutive bytes of one block per thread, rebuilt each table in 4 threads, and failed the
-packed attention's check at 8k contexts on the H200; it is gone (docs/benchmarks.md).
+packed attention's check at 8k contexts on the H200; it is gone (the git history of
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -369,7 +370,7 @@ def block_tables(bs: jax.Array, factors: Sequence[jax.Array], dtype: Any, *, asm
 # so whatever register layout Triton gives the tile, each block's table is built by the one
 # thread that decodes the block (in the byte layout, after the scales are broadcast over the
 # bytes, Triton moved the decode into the MMA operand's layout, where 4 threads share a block
-# and each rebuilt its table: docs/benchmarks.md, 2026-12-02 fourth session).
+# and each rebuilt its table: the git history of docs/benchmarks.md).
 
 
 def _word_element(j: int) -> tuple[int, int, int]:

@@ -44,7 +44,7 @@ The Triton kernel:
     loaded before the current one is decoded. The tensor scale picks the table per program:
     the fast one (every scale the quantizer makes) or the exact one (extreme tensor scales,
     f16): two copies of the loops, one runs. H200, gate/up at batch 64: 1.13x faster than
-    the bytes' table decoder it replaced (docs/benchmarks.md).
+    the bytes' table decoder it replaced (the git history of docs/benchmarks.md).
   - codes as bytes (the interpreter's layout): the block scale from its E4M3 bits
     (`exact.e4m3_value`), each byte's two E2M1 codes placed into float16 bit patterns by two
     integer multiplies and masks (`e2m1_pair_scaled`: the float16 is the code's value times

@@ -205,7 +205,7 @@ def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.
   reps: programs per (expert, N tile); None: enough for M / E rows per expert in 2 blocks.
   swap_ab: tiles computed transposed (b the MMA's M side); None: when block_m < 64.
   group_k: 128-wide K groups per loop step (their dots issued before any is scaled); None: 1
-    (2 and 4 ran no faster on the H200, docs/benchmarks.md).
+    (2 and 4 ran no faster on the H200; the git history of docs/benchmarks.md).
   """
   _check("grouped_matmul a", a, 2, (1,))
   _check("grouped_matmul b", b, 3 + (layer is not None), (1, GROUP))

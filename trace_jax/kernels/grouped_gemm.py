@@ -15,7 +15,8 @@ Why a kernel: the tiled XLA path (`grouped._tiled`) pads every expert to whole t
 gathers each tile's expert weights into a batch (`w[g]`: every expert's weights copied ~9 times
 per pass at the Qwen3-30B-A3B training shape) and sums the weight gradient per chunk with a
 float32 segment sum; on the H200 those copies and scatters took ~55 ms of a 184 ms BF16 step
-whose GEMMs took ~30 ms (docs/benchmarks.md, 2026-12-02 third session). Here the programs index
+whose GEMMs took ~30 ms (a profile in the git history of docs/benchmarks.md). Here the programs
+index
 the stacked weights directly and the weight gradient is one float32 tile per program.
 
 Kernels (`pl.pallas_call`, Triton lowering on the GPU, `interpret=True` elsewhere):

@@ -2,9 +2,10 @@
 
 Why: the Pallas/Triton kernels (`decode_attention`) decode each K/V tile into shared memory to
 reach mma.sync's operand layout; on the H200 they are bound by that L1/shared-memory traffic
-(ncu, batch 256, 8k: 93% / 84% of the pipe, DRAM 31-33%). wgmma (Mosaic GPU lowering) takes its
-A operand from registers in a layout Mosaic documents (`WGMMA_LAYOUT`) and its B operand from
-shared memory, read by the instruction itself:
+(ncu, batch 256, 8k: 93% / 84% of the pipe, DRAM 31-33%; the git history of
+docs/benchmarks.md). wgmma (Mosaic GPU lowering) takes its A operand from registers in a layout
+Mosaic documents (`WGMMA_LAYOUT`) and its B operand from shared memory, read by the
+instruction itself:
 
   scores: scores^T [64 keys, R] = K [64 keys, H] @ q^T [H, R]   (K decoded into A registers)
   PV:     out [64 (R used), H]  = P [64, 64 keys] @ V [64 keys, H]   (V decoded into B, shared)
@@ -15,8 +16,10 @@ with R = 8 query heads per kv head. K and V rows are decoded as `wgmma_decode` l
 permutation of head_dim (`wgmma_decode.column_order`): q's columns are put in the same order
 outside the kernel, and PV's output columns are put back, so the dots have the same terms
 (summed in the tensor cores' float32 order). H200, 8k contexts, against the Triton pair: the
-scores kernel 316 vs 585 us (batch 256; DRAM 59%), the attention 0.81x / 0.66x the time at
-batch 64 / 256 (docs/benchmarks.md, 2026-12-04, eleventh session).
+attention 0.81x / 0.66x the time at batch 64 / 256 (docs/benchmarks.md, decode attention); the
+scores kernel 316 us at batch 256, 59% of DRAM peak (docs/benchmarks/rollout.json,
+`wgmma_scores_ncu_256x8k`), against the Triton scores kernel's 585 (the git history of
+docs/benchmarks.md).
 
 Limits (checked by `supported`): bf16, head_dim a multiple of 128, R = 8 (the scores' wgmma N),
 a context that is a multiple of the 64-key tile, the fast table (exact for every row scale the
@@ -40,7 +43,7 @@ from trace_jax.kernels.wgmma_decode import SPAN, TILE, decode_block, thread_coor
 
 ROWS = 8  # query heads per kv head (the wgmma N)
 # 64-key tiles per scores program: on the H200 (batch 256 x 8k) 1, 2, 4, 8 and 16 tiles took
-# 1.289, 1.254, 1.239, 1.251 and 1.257 ms of attention (docs/benchmarks.md).
+# 1.289, 1.254, 1.239, 1.251 and 1.257 ms of attention (git history of docs/benchmarks.md).
 TILES_PER_PROGRAM = 4
 
 

@@ -3,7 +3,7 @@ registers (Mosaic GPU lowering).
 
 Why: the Triton kernel (`fp4_moe`, decoder "words") reaches mma.sync's operand layout through
 shared memory and streams the packed weights at ~1.45 TB/s on the H200 (docs/benchmarks.md,
-2026-12-03); the attention kernels gained 1.5-1.9x from decoding into wgmma's registers
+MoE decode); the attention kernels gained 1.5-1.9x from decoding into wgmma's registers
 instead (`wgmma_attention`). Here each program computes one expert's output tile transposed:
 
   out^T [64 features, R rows] = W [64 features, K] @ x^T [K, R]   (W decoded into A registers)
@@ -27,9 +27,10 @@ Rows past sum(group_sizes) come out zero (the last expert's programs write them)
 ragged_dot's. Runs on a Hopper GPU only (inline PTX; `tests/kernels/test_wgmma_moe.py`
 rebuilds every thread's registers on CPU).
 
-H200 (docs/benchmarks.md): with the codes carried in registers (loads 2 chunks ahead) the
-kernel was correct but no faster than the Triton words kernel (gate/up at batch 64: 80.5 vs
-77.9 us; ~3 programs per SM waiting on the load-and-decode latency); that variant is gone.
+H200 (docs/benchmarks.md, MoE decode): with the codes carried in registers (loads 2 chunks
+ahead) the kernel was correct but no faster than the Triton words kernel (gate/up at batch 64
+under ncu: 79.7 / 78.8 us against 79.3 / 76.9; ~3 programs per SM waiting on the
+load-and-decode latency); that variant is gone.
 With the codes through the shared ring (96 registers a thread against 142), 61.5-61.7 us
 against the Triton kernel's 76.9-79.3 in one process, and the 8-layer engine's fp4_rtn decode
 1.054x its tokens/s at batch 64: the kernel plan's `decode_moe_kernel="wgmma"` on Hopper

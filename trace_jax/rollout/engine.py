@@ -423,7 +423,7 @@ class InProcessEngine:
     # store's writer or this engine's `_records_thread` takes them from there. The rows past
     # sum(counts) are padding, cut where the records land. (Calling `start_host_copy` on the
     # records thread instead held the next generate call back further on the H200: fp4_trace /
-    # fp4_rtn 0.783 against 0.938 at batch 64, docs/benchmarks.md 2026-12-04, eighth session.)
+    # fp4_rtn 0.783 against 0.938 at batch 64, in the git history of docs/benchmarks.md.)
     b = jax.tree.leaves(taps)[0].shape[0]
     rows = guidance_layout.start_host_copy(guidance_layout.ragged_rows(
         taps, jnp.asarray(list(counts) + [0] * (b - len(counts)), jnp.int32)))
