@@ -23,7 +23,7 @@ from trace_jax.io import orbax_ckpt
 from trace_jax.model import config as config_lib
 from trace_jax.model import plan as plan_lib
 from trace_jax.model import policies as policies_lib
-from trace_jax.train import evaluation, rl_loop, run_guard, run_log, task_io
+from trace_jax.train import evaluation, rl_loop, run_config, run_guard, run_log, task_io
 from trace_jax.train.run_config import RunConfig
 
 SUMMARY_KEYS = ("sft_reward", "final_reward", "best_reward", "mean_abs_dlogp", "k3_kl",
@@ -123,26 +123,27 @@ def preflight(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | 
   return rc
 
 
-def check_warm_start(rc: RunConfig, path: str) -> None:
+def check_warm_start(rc: RunConfig | Any, path: str) -> None:
   """Raises ValueError when the orbax checkpoint at `path` is of another model than the
   config's: other parameter shapes (width, depth, vocabulary...) or another value of a field
   that changes the computation (`ModelConfig.compute_fields`: routing normalisation, norms,
   RoPE, dtype), naming the differing fields."""
   saved = orbax_ckpt.read_orbax_config(path)
-  want = rc.model_for("bf16")
+  want = run_config.resolve(rc).model_for("bf16")
   fields = {f"model.{k}": v for k, v in config_lib.compute_differences(saved, want).items()}
   if fields:
     raise ValueError(f"the warm start {path} is of another model ({run_guard.describe(fields)})"
                      f"; use a new --workdir (or a matching --sft_checkpoint)")
 
 
-def report(rc: RunConfig, workdir: str, policies: Sequence[str],
+def report(rc: RunConfig | Any, workdir: str, policies: Sequence[str],
            sft_history: list[dict[str, float]] | None = None) -> dict[str, Any]:
   """The table, summary.json and plot of whatever runs exist under workdir, from their CSVs.
 
   Runs cut short count with the steps they reached (`steps_done` per seed), so a device call
   that ran out of time still reports what it measured.
   """
+  rc = run_config.resolve(rc)  # a config file's ConfigDict, or resolved already
   results: dict[str, Any] = {}
   for policy in policies:
     per_seed = []
@@ -214,9 +215,10 @@ def run_dir(workdir: str, policy: str, seed: int) -> str:
   return os.path.join(workdir, policy, f"seed{seed}")
 
 
-def warm_start(rc: RunConfig, workdir: str, sft_checkpoint: str | None, progress: bool
+def warm_start(rc: RunConfig | Any, workdir: str, sft_checkpoint: str | None, progress: bool
                ) -> tuple[Any, list[dict[str, float]]]:
   """(params, SFT loss history): from --sft_checkpoint, workdir/sft, or a new SFT run."""
+  rc = run_config.resolve(rc)  # a config file's ConfigDict, or resolved already
   sft_history_path = os.path.join(workdir, "sft_history.json")
   if sft_checkpoint:
     return orbax_ckpt.load_orbax(sft_checkpoint)[1], []
@@ -260,8 +262,10 @@ def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
   return out
 
 
-def posthoc_fp4(rc: RunConfig, sft_params: Any, finals: dict[int, Any]) -> dict[str, Any]:
+def posthoc_fp4(rc: RunConfig | Any, sft_params: Any, finals: dict[int, Any]
+                ) -> dict[str, Any]:
   """SFT and final bf16 weights, quantized post hoc: greedy eval through the FP4 engine."""
+  rc = run_config.resolve(rc)  # a config file's ConfigDict, or resolved already
   from trace_jax.rollout.engine import InProcessEngine
   io = task_io.make_task_io(rc)
   engine = InProcessEngine(sft_params, rc.model_for("fp4_rtn"),

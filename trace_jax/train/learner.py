@@ -257,8 +257,9 @@ class GRPOLearner:
         self.state, batch, config=self.model_cfg, tx=self.tx, rl=self.loss_cfg,
         tap_layers=tap_layers, tap_rows=tap_rows)
     m = jax.device_get(m)
-    checkpoints.check_state(self.state, m.pop("nonfinite"),
-                            f"optimizer step {int(self.state.step) - 1} of {self.workdir}")
+    k, u = int(self.state.step) - 1, self.rl_cfg.updates_per_step  # u updates per RL step
+    where = f"rl step {k // u}" + (f" (update {k % u + 1} of {u})" if u > 1 else "")
+    checkpoints.check_state(self.state, m.pop("nonfinite"), f"{where} of {self.workdir}")
     return m, taps
 
   @staticmethod
