@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 
 import pytest
-from absl import flags
-from ml_collections import config_flags
 
+from tests.config_files import CONFIG_FILES, parsed
 from trace_jax.model import config as cfg
 from trace_jax.model.policies import FORWARDS
 
@@ -94,30 +92,16 @@ def test_hf_dict_missing_key():
 
 # ----------------------------------------------------------------------------- config files
 
-CONFIG_FILES = sorted(p.name for p in pathlib.Path(__file__).resolve().parents[2].joinpath(
-    "configs").glob("*.py") if p.name != "__init__.py")
-
-
-def _parsed(name: str, *overrides: str):
-  """The config file as a launcher's `--config` flag parses it, with `overrides` (flags)."""
-  path = pathlib.Path(__file__).resolve().parents[2] / "configs" / name
-  argv = ["prog", f"--config={path}", *overrides]
-  fv = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", flag_values=fv, sys_argv=argv)
-  fv(argv)
-  return fv.config
-
-
 @pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")  # ml_collections' loader
 @pytest.mark.parametrize("name", CONFIG_FILES)
 def test_every_config_file_exposes_every_model_field(name):
   """Any ModelConfig field, the kernel plan's included, is settable from the command line of
   any config file; the section resolves (`config.resolve`) as the file means it."""
   fields = {f.name for f in dataclasses.fields(cfg.ModelConfig)}
-  plain = _parsed(name)
+  plain = parsed(name)
   assert fields <= set(plain.model), sorted(fields - set(plain.model))
   base = cfg.resolve(plain.model)
-  c = _parsed(name, "--config.model.decode_impl=kernel", "--config.model.plan=reference",
+  c = parsed(name, "--config.model.decode_impl=kernel", "--config.model.plan=reference",
               "--config.model.kv_cache=dense", "--config.model.guided_layers=(0,)",
               "--config.model.scan_unroll=2")
   got = cfg.resolve(c.model)
@@ -127,7 +111,7 @@ def test_every_config_file_exposes_every_model_field(name):
                              kv_cache=base.kv_cache, guided_layers=base.guided_layers,
                              scan_unroll=base.scan_unroll) == base
   with pytest.raises(ValueError, match="decode_impl must be one of"):
-    cfg.resolve(_parsed(name, "--config.model.decode_impl=cuda").model)
+    cfg.resolve(parsed(name, "--config.model.decode_impl=cuda").model)
 
 
 def test_section_is_the_preset_with_the_files_choices():

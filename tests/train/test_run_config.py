@@ -1,26 +1,12 @@
 """A run's ConfigDict resolved into typed sections (`trace_jax.train.run_config`)."""
 
 import dataclasses
-import pathlib
 
 import pytest
-from absl import flags
-from ml_collections import config_flags
 
 from configs import quickstart
+from tests.config_files import CONFIG_FILES, parsed
 from trace_jax.train import run_config
-
-CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
-CONFIG_FILES = sorted(p.name for p in CONFIGS.glob("*.py") if p.name != "__init__.py")
-
-
-def _parsed(name: str, *overrides: str):
-  """The config file as a launcher's `--config` flag parses it, with `overrides`."""
-  argv = ["prog", f"--config={CONFIGS / name}", *overrides]
-  fv = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", flag_values=fv, sys_argv=argv)
-  fv(argv)
-  return fv.config
 
 
 @pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")  # ml_collections' loader
@@ -29,9 +15,9 @@ def test_every_config_file_exposes_every_optional_grpo_field(name):
   """Every optional GRPO field (mini-batches, epochs, the loss variants, ...) can be set from
   the command line of any config file, None-defaulted ones included, and reaches the typed
   config."""
-  plain = _parsed(name)
+  plain = parsed(name)
   assert {p.split(".", 1)[1] for p in run_config.OPTIONAL} <= set(plain.rl)
-  c = _parsed(name, "--config.rl.epochs=2", "--config.rl.clip_eps_high=0.28",
+  c = parsed(name, "--config.rl.epochs=2", "--config.rl.clip_eps_high=0.28",
               "--config.rl.adv_std=unbiased", "--config.rl.loss_agg=seq_mean_token_mean",
               "--config.rl.is_level=sequence")
   rl = run_config.resolve(c).rl
