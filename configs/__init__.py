@@ -28,10 +28,23 @@ def rl_section(**choices: Any) -> ml_collections.ConfigDict:
   (`trace_jax.train.run_config.OPTIONAL`: mini-batches, epochs, loss variants, ...) with the
   file's choices over them, so any of them can be set on the command line of any config. A
   default of None is a typed reference, so `--config.rl.clip_eps_high=0.28` takes a float."""
+  return _optional_section("rl", {"clip_eps_high": float, "adv_std": str}, choices)
+
+
+def guidance_section(**choices: Any) -> ml_collections.ConfigDict:
+  """The `guidance` section: a budget of guidance bytes per token (None: the model's
+  guided_layers; `trace_jax.train.guidance_budget`) and its calibration prompts."""
+  return _optional_section("guidance", {"budget_bytes_per_token": float}, choices)
+
+
+def _optional_section(name: str, types: dict[str, type],
+                      choices: dict[str, Any]) -> ml_collections.ConfigDict:
+  """Section `name` with every optional field of `run_config.OPTIONAL` under it at its default,
+  `choices` over them; a None default of `types` is a typed reference (command-line settable)."""
   from trace_jax.train import run_config
 
-  types = {"clip_eps_high": float, "adv_std": str}
-  fields = {path.split(".", 1)[1]: v for path, v in run_config.OPTIONAL.items()}
+  fields = {path.split(".", 1)[1]: v for path, v in run_config.OPTIONAL.items()
+            if path.startswith(f"{name}.")}
   fields.update(choices)
   for k, v in fields.items():
     if v is None and k in types:

@@ -9,7 +9,7 @@ budget (docs/results.md)."""
 
 import ml_collections
 
-from configs import model_section, rl_section
+from configs import guidance_section, model_section, rl_section
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -47,4 +47,7 @@ def get_config() -> ml_collections.ConfigDict:
   # posthoc_fp4: the bf16 runs' weights also evaluated through the FP4 engine.
   c.eval = ml_collections.ConfigDict(dict(num_prompts=64, every=10, posthoc_fp4=True))
   c.checkpoint_every = 10
+  # budget_bytes_per_token: choose the guided layers by measured mismatch within this many
+  # guidance bytes per token (None: model.guided_layers, the deeper half).
+  c.guidance = guidance_section()
   return c

@@ -40,7 +40,7 @@ from trace_jax.model.config import DECODE_IMPLS, SITES, ModelConfig
 from trace_jax.rl import losses
 from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import SamplingParams
-from trace_jax.train import mismatch, rl_loop, run_guard, scoring
+from trace_jax.train import guidance_budget, mismatch, rl_loop, run_guard, scoring
 
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Where to write the JSON report.",
                                 required=True)
@@ -62,6 +62,15 @@ _DECODE_IMPLS = flags.DEFINE_list(
     "default: the config's, which is `auto`, the kernels on a Hopper GPU and the XLA "
     "reference elsewhere), each "
     "measured on its own rollout; the report is the first one's.")
+_BUDGET = flags.DEFINE_float(
+    "guidance_budget", None, "Bytes of guidance per token: choose the guided layers by greedy "
+    "selection on a calibration rollout of other prompts (trace_jax.train.guidance_budget), "
+    "and report them on this run's prompts against the deepest layers of the same bytes, the "
+    "deeper half (the default rule) and no guidance.")
+_SWEEP = flags.DEFINE_bool(
+    "guidance_budget_sweep", False, "Report held-out |dlogp|, K3 and flips against guidance "
+    "bytes per token for the greedy selection and the deepest-k rule at every size (JSON and "
+    "a plot, <json_out>_budget.png).")
 flags.register_validator(
     "decode_impls", lambda v: v is None or (bool(v) and set(v) <= {"auto", *DECODE_IMPLS}),
     f"--decode_impls takes a non-empty list of auto, {', '.join(DECODE_IMPLS)}")
@@ -262,6 +271,8 @@ def _main(config: ModelConfig) -> None:
                     _MODE.value, _REPLAY.value, fmt=_FORMAT.value)
       for impl in dict.fromkeys(_DECODE_IMPLS.value or [config.decode_impl])})
   os.makedirs(os.path.dirname(os.path.abspath(_JSON_OUT.value)), exist_ok=True)
+  if _BUDGET.value is not None or _SWEEP.value:
+    report["guidance_budget"] = budget_report(params, config, prompts, sampling)
   with open(_JSON_OUT.value, "w") as f:
     json.dump(report, f, indent=1)
   png = _PNG_OUT.value or os.path.splitext(_JSON_OUT.value)[0] + ".png"
@@ -281,7 +292,71 @@ def _main(config: ModelConfig) -> None:
     for k, v in report.items():
       if k.endswith("_dlogp_kernel_over_xla"):
         print(f"{k}: {v:.3f}")
+  if "guidance_budget" in report:
+    print_budget(report["guidance_budget"])
   print(f"wrote {_JSON_OUT.value} and {png}")
+
+
+def budget_report(params: Any, config: ModelConfig, prompts: list[list[int]],
+                  sampling: list[SamplingParams]) -> dict[str, Any]:
+  """The guided layers chosen under --guidance_budget (or the whole greedy path with
+  --guidance_budget_sweep) on a calibration rollout of other prompts, measured on `prompts`."""
+  trace = policies.POLICIES[policies.FP4_RUNS[_FORMAT.value][1]]
+  rollout_cfg = config.replace(policy=trace.rollout.name, guidance_mode=_MODE.value)
+  train_cfg = config.replace(policy=trace.train.name, guidance_mode=_MODE.value)
+  rng = np.random.default_rng(_SEED.value + 1)  # prompts the measurement does not see
+  cal_prompts = rng.integers(0, config.vocab_size, np.shape(prompts)).tolist()
+  cal_sampling = [dataclasses.replace(sp, seed=sp.seed + 500) for sp in sampling]
+  cal = guidance_budget.calibration_rollout(params, rollout_cfg, cal_prompts, cal_sampling)
+  layers = tuple(range(config.num_hidden_layers))
+  unit_bytes = guidance_budget.layer_bytes_per_token(cal, layers)
+  budget = _BUDGET.value
+  if budget is not None:
+    with run_guard.user_input():
+      guidance_budget.check_budget(budget, unit_bytes)
+  path = guidance_budget.greedy_path(guidance_budget.LayerScorer(params, train_cfg, cal),
+                                     unit_bytes, None if _SWEEP.value else budget, progress=True)
+  held = guidance_budget.LayerScorer(
+      params, train_cfg, guidance_budget.calibration_rollout(params, rollout_cfg, prompts,
+                                                             sampling))
+  half = config.guided_layers
+  out: dict[str, Any] = {
+      "unit": "layer", "unit_bytes_per_token": {str(k): v for k, v in unit_bytes.items()},
+      "calibration_path": path, "none": held.metrics(()),
+      "deeper_half": {"layers": list(half), "bytes_per_token": sum(unit_bytes[i] for i in half),
+                      **held.metrics(half)}}
+  if budget is not None:
+    chosen = guidance_budget.select(path, budget)
+    same = guidance_budget.deepest(len(chosen), len(layers))
+    out.update(budget_bytes_per_token=budget, selected={
+        "layers": list(chosen), "bytes_per_token": sum(unit_bytes[i] for i in chosen),
+        **held.metrics(chosen)}, deepest_same_bytes={"layers": list(same), **held.metrics(same)})
+  if _SWEEP.value:
+    out["curve"] = guidance_budget.curve(held, path, unit_bytes)
+    png = os.path.splitext(_JSON_OUT.value)[0] + "_budget.png"
+    guidance_budget.plot_curve(out["curve"], f"guided layers by measured mismatch "
+                               f"({len(layers)} layers, held-out prompts)", png)
+    out["plot"] = png
+  return out
+
+
+def print_budget(b: dict[str, Any]) -> None:
+  rows = [("no guidance", b["none"]), (f"deeper half {b['deeper_half']['layers']}",
+                                       b["deeper_half"])]
+  if "selected" in b:
+    rows += [(f"budget {b['budget_bytes_per_token']:g} B: {b['selected']['layers']}",
+              b["selected"]),
+             (f"deepest, same bytes {b['deepest_same_bytes']['layers']}",
+              b["deepest_same_bytes"])]
+  for p in b.get("curve", []):
+    rows += [(f"greedy k={p['k']} {p['budgeted']['layers']}", p["budgeted"]),
+             (f"deepest k={p['k']} {p['deepest']['layers']}", p["deepest"])]
+  print(f"{'held-out prompts':<40} {'|dlogp|':>9} {'k3_kl':>10} {'flips guided':>12} "
+        f"{'unguided':>9}")
+  fmt = lambda v: "-" if v is None else f"{v:.5f}"
+  for name, m in rows:
+    print(f"{name:<40} {m['mean_abs_dlogp']:>9.5f} {m['k3_kl']:>10.2e} "
+          f"{fmt(m['flip_rate_guided']):>12} {fmt(m['flip_rate_unguided']):>9}")
 
 
 if __name__ == "__main__":

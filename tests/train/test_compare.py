@@ -114,3 +114,31 @@ def test_a_warm_start_of_another_computation_is_refused(field, value, tmp_path):
   with pytest.raises(run_guard.UserError, match=rf"is of another model \(model.{field}: "):
     compare.preflight(cfg, str(tmp_path / "work"), ["bf16"], sft_checkpoint=ckpt)
   assert not (tmp_path / "work" / run_guard.FILE).exists()
+
+
+def test_a_guidance_budget_chooses_the_layers_once_per_workdir(tmp_path, monkeypatch):
+  """guidance.budget_bytes_per_token: the layers are chosen once, from the warm start, kept in
+  workdir/guidance_selection.json and summary.json, and a relaunch (a resumed run, another
+  policy process) reads them instead of calibrating again; a budget below one layer's guidance
+  is refused before the warm start."""
+  from trace_jax.train import guidance_budget, run_config
+  cfg = tiny_cfg()
+  cfg.model.num_hidden_layers = 2
+  cfg.rl.steps, cfg.policies = 1, ("fp4_trace",)
+  one = guidance_budget.layer_bytes(run_config.resolve(cfg).model_for("fp4_trace"))
+  cfg.guidance.budget_bytes_per_token = 1.5 * one  # one layer, not two
+  cfg.guidance.calibration_prompts = 2
+  calls = []
+  real = guidance_budget.greedy_path
+  monkeypatch.setattr(guidance_budget, "greedy_path",
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  out = compare.run(cfg, str(tmp_path), ["fp4_trace"], progress=False)
+  sel = json.loads((tmp_path / compare.SELECTION).read_text())
+  assert len(sel["layers"]) == 1 and sel["bytes_per_token"] == one and calls == [1]
+  assert out["guidance_selection"]["layers"] == sel["layers"]
+  assert out["policies"]["fp4_trace"]["guidance_bytes_per_token"] == one
+  compare.run(cfg, str(tmp_path), ["fp4_trace"], progress=False)
+  assert calls == [1]  # read back, not calibrated again
+  cfg.guidance.budget_bytes_per_token = 0.5 * one
+  with pytest.raises(run_guard.UserError, match="below the cheapest layer's guidance"):
+    compare.preflight(cfg, str(tmp_path / "other"), ["fp4_trace"])

@@ -16,11 +16,14 @@ def test_every_config_file_exposes_every_optional_grpo_field(name):
   the command line of any config file, None-defaulted ones included, and reaches the typed
   config."""
   plain = parsed(name)
-  assert {p.split(".", 1)[1] for p in run_config.OPTIONAL} <= set(plain.rl)
+  for section in ("rl", "guidance"):
+    assert {p.split(".", 1)[1] for p in run_config.OPTIONAL if p.startswith(f"{section}.")
+            } <= set(plain[section])
   c = parsed(name, "--config.rl.epochs=2", "--config.rl.clip_eps_high=0.28",
               "--config.rl.adv_std=unbiased", "--config.rl.loss_agg=seq_mean_token_mean",
-              "--config.rl.is_level=sequence")
+              "--config.rl.is_level=sequence", "--config.guidance.budget_bytes_per_token=54")
   rl = run_config.resolve(c).rl
+  assert run_config.resolve(c).guidance.budget_bytes_per_token == 54.0
   assert (rl.epochs, rl.clip_eps_high, rl.adv_std, rl.loss_agg, rl.is_level) == (
       2, 0.28, "unbiased", "seq_mean_token_mean", "sequence")
 

@@ -10,6 +10,7 @@ config: every launch is checked against it before anything runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -23,7 +24,15 @@ from trace_jax.io import orbax_ckpt
 from trace_jax.model import config as config_lib
 from trace_jax.model import plan as plan_lib
 from trace_jax.model import policies as policies_lib
-from trace_jax.train import evaluation, rl_loop, run_config, run_guard, run_log, task_io
+from trace_jax.train import (
+  evaluation,
+  guidance_budget,
+  rl_loop,
+  run_config,
+  run_guard,
+  run_log,
+  task_io,
+)
 from trace_jax.train.run_config import RunConfig
 
 SUMMARY_KEYS = ("sft_reward", "final_reward", "best_reward", "mean_abs_dlogp", "k3_kl",
@@ -59,6 +68,7 @@ def run(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None =
   with contextlib.ExitStack() as locks:
     hold_locks(locks, rc, workdir, policies, sft_checkpoint)
     params, sft_history = warm_start(rc, workdir, sft_checkpoint, progress)
+    rc = guided_by_budget(rc, workdir, params, policies, progress)
     if not policies:
       return {"policies": {}, "sft": {"history": sft_history}}
     finals: dict[int, Any] = {}  # bf16's final weights per seed, for the post-hoc FP4 eval
@@ -72,6 +82,72 @@ def run(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | None =
     if finals and rc.eval.posthoc_fp4 and not _has_seeds(posthoc_path, finals):
       _write_json(posthoc_path, posthoc_fp4(rc, params, finals))
     return report(rc, workdir, policies, sft_history)
+
+
+SELECTION = "guidance_selection.json"  # the guided layers a budget chose, in the workdir
+
+
+def _guided_spec(policies: Sequence[str]) -> Any:
+  """The first guided policy's parsed spec (its forwards calibrate a guidance budget)."""
+  return next((spec for spec in map(policies_lib.parse, policies) if spec.policy.guided), None)
+
+
+def check_guidance_budget(rc: RunConfig, policies: Sequence[str]) -> None:
+  """Raises guidance_budget.BudgetError when `guidance.budget_bytes_per_token` is below one
+  layer's guidance (it would guide nothing): before the warm start, from the record's layout."""
+  spec = _guided_spec(policies or rc.policies)
+  budget = rc.guidance.budget_bytes_per_token
+  if budget is not None and spec is not None:
+    guidance_budget.check_budget(
+        budget, {0: guidance_budget.layer_bytes(rc.model_for(spec.policy.rollout.name))})
+
+
+def guided_by_budget(rc: RunConfig, workdir: str, params: Any, policies: Sequence[str],
+                     progress: bool = True) -> RunConfig:
+  """`rc` guided at the layers `guidance.budget_bytes_per_token` buys (`guidance_budget`),
+  chosen once per workdir on a calibration rollout from the warm start `params` and kept in
+  `workdir/guidance_selection.json` (processes of one workdir, and resumed launches, read it);
+  `rc` itself without a budget or a guided policy."""
+  spec = _guided_spec(policies)
+  budget = rc.guidance.budget_bytes_per_token
+  if budget is None or spec is None:
+    return rc
+  path = os.path.join(workdir, SELECTION)
+  with run_guard.locked(path + ".lock"):  # one process calibrates; the others wait and read
+    saved = None
+    if os.path.exists(path):
+      with open(path) as f:
+        saved = json.load(f)
+    if saved is None or saved["budget_bytes_per_token"] != budget:
+      saved = calibrate_guidance(rc, params, spec, progress)
+      run_guard.write_json(path, saved)
+  layers = tuple(saved["layers"])
+  logging.info("guidance budget %g B/token: guided layers %s", budget, layers)
+  return dataclasses.replace(rc, model=rc.model.replace(guided_layers=layers))
+
+
+def calibrate_guidance(rc: RunConfig, params: Any, spec: Any, progress: bool) -> dict[str, Any]:
+  """The greedy selection of guided layers within the budget, on `guidance.calibration_prompts`
+  prompts of the run's task (their own seed stream) sampled from the warm start."""
+  io = task_io.make_task_io(rc)
+  seeds = run_config.Seeds(rc.seed, rc.seed)
+  n = rc.guidance.calibration_prompts
+  _, prompts = io.prompts(seeds.calibration_prompts(), n)
+  sampling = [io.sampling(max_new_tokens=rc.rl.max_new_tokens, temperature=rc.rl.temperature,
+                          top_p=rc.rl.top_p, seed=seeds.rl_sampling(-1, i)) for i in range(n)]
+  ro = guidance_budget.calibration_rollout(params, rc.model_for(spec.policy.rollout.name),
+                                           prompts, sampling)
+  layers = tuple(range(rc.model.num_hidden_layers))
+  unit_bytes = guidance_budget.layer_bytes_per_token(ro, layers)
+  budget = rc.guidance.budget_bytes_per_token
+  scorer = guidance_budget.LayerScorer(params, rc.model_for(spec.policy.train.name), ro)
+  path = guidance_budget.greedy_path(scorer, unit_bytes, budget, progress)
+  chosen = guidance_budget.select(path, budget)
+  return {"budget_bytes_per_token": budget, "unit": "layer", "layers": list(chosen),
+          "bytes_per_token": float(sum(unit_bytes[i] for i in chosen)),
+          "unit_bytes_per_token": {str(k): v for k, v in unit_bytes.items()},
+          "calibration_prompts": n, "calibration_policy": spec.name,
+          "calibration_path": path}
 
 
 RUN_LOCK = "run.lock"  # in each run's directory
@@ -110,6 +186,7 @@ def preflight(cfg, workdir: str, policies: Sequence[str], sft_checkpoint: str | 
     rc = rl_loop.validate(cfg)
     for p in policies:
       policies_lib.parse(p)  # unknown --policies fail here, before the warm start
+    check_guidance_budget(rc, policies)
   sft = os.path.abspath(sft_checkpoint) if sft_checkpoint else None
   check = lambda: run_guard.check_workdir(workdir, rc.source, launch={"sft_checkpoint": sft},
                                           allow_change=allow_config_change)
@@ -173,7 +250,8 @@ def report(rc: RunConfig | Any, workdir: str, policies: Sequence[str],
              "fingerprint": record.get("fingerprint"),
              "config_changes": record.get("changes", []),
              "devices": [str(d) for d in jax.devices()],
-             "kernel_plans": kernel_plans(rc, policies)}
+             "kernel_plans": kernel_plans(rc, policies),
+             "guidance_selection": _read_json(os.path.join(workdir, SELECTION))}
   _write_json(os.path.join(workdir, "summary.json"), summary)
   plot(workdir, [p for p in policies if p in results], rc.rl.seeds)
   print_table(results)
@@ -192,6 +270,13 @@ def kernel_plans(rc: RunConfig, policies: Sequence[str]) -> dict[str, dict[str, 
     out[p] = {role: plan_lib.resolve(rc.model_for(fwd.name)).as_dict()
               for role, fwd in (("rollout", spec.policy.rollout), ("train", spec.policy.train))}
   return out
+
+
+def _read_json(path: str) -> Any:
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -102,6 +102,16 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GuidanceConfig:
+  """Guidance under a budget (`trace_jax.train.guidance_budget`): with
+  `budget_bytes_per_token`, the guided layers are chosen by greedy selection of measured
+  mismatch on a calibration rollout of `calibration_prompts` prompts (a seed stream of its own)
+  from the warm start, instead of `model.guided_layers`; None: `model.guided_layers`."""
+  budget_bytes_per_token: float | None = None
+  calibration_prompts: int = 16
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
   """A whole run: `model` is the model section's ModelConfig (its own policy); `model_for`
   gives a forward policy's. mesh: ((axis, size), ...) to shard over, or None."""
@@ -117,6 +127,7 @@ class RunConfig:
   checkpoint_every: int
   mesh: tuple[tuple[str, int], ...] | None
   source: Mapping[str, Any] = dataclasses.field(compare=False, hash=False, repr=False)
+  guidance: GuidanceConfig = GuidanceConfig()
 
   def model_for(self, policy: str) -> ModelConfig:
     """The ModelConfig of a forward policy (`ModelConfig.policy`)."""
@@ -181,11 +192,15 @@ RANGES: tuple[tuple[str, tuple[str, Callable[[Any], bool]]], ...] = (
     ("rl.is_level", ("|".join(losses.IS_LEVELS), lambda v: v in losses.IS_LEVELS)),
     ("eval.num_prompts", _int_at_least(1)),
     ("eval.every", _int_at_least(1)),
+    ("guidance.budget_bytes_per_token", ("a finite number > 0, or None (model.guided_layers)",
+                                         lambda v: v is None or (_is_num(v) and v > 0))),
+    ("guidance.calibration_prompts", _int_at_least(1)),
 )
 OPTIONAL = {"rl.audit_fraction": 1.0, "rl.clip_eps_high": None, "rl.kl_coef": 0.0,
             "rl.advantage": "grpo", "rl.keep_guidance": False, "rl.minibatches": 1,
             "rl.epochs": 1, "rl.loss_agg": "token_mean", "rl.adv_std": None,
-            "rl.is_level": "token"}
+            "rl.is_level": "token", "guidance.budget_bytes_per_token": None,
+            "guidance.calibration_prompts": 16}
 _MISSING = object()
 SECTIONS = ("model", "task", "sft", "rl", "eval")
 
@@ -258,7 +273,9 @@ def resolve(cfg: Any) -> RunConfig:
       seq_len=cfg.seq_len, max_prompt_len=cfg.max_prompt_len,
       checkpoint_every=cfg.checkpoint_every,
       mesh=tuple((str(k), int(v)) for k, v in dict(mesh).items()) if mesh else None,
-      source=run_guard.config_dict(cfg))
+      source=run_guard.config_dict(cfg),
+      guidance=GuidanceConfig(budget_bytes_per_token=opt["guidance.budget_bytes_per_token"],
+                              calibration_prompts=opt["guidance.calibration_prompts"]))
 
 
 # ------------------------------------------------------------------------------ seeds
@@ -279,6 +296,10 @@ class Seeds:
   """
   base: int
   rl: int
+
+  def calibration_prompts(self) -> int:
+    """The guidance budget's calibration prompts (no RL step or eval draws them)."""
+    return _seed(self.base, 5)
 
   def init_key(self) -> jax.Array:
     return jax.random.fold_in(jax.random.key(self.base), 0)

@@ -160,7 +160,7 @@ def check_workdir(workdir: str, cfg: Any, *, launch: Mapping[str, Any] | None = 
   """
   os.makedirs(workdir, exist_ok=True)
   new = _fields(cfg, launch)
-  with _locked(os.path.join(workdir, LOCK)):
+  with locked(os.path.join(workdir, LOCK)):
     record = read(workdir)
     if record is None:
       if any(n not in (FILE, LOCK) for n in os.listdir(workdir)):
@@ -216,7 +216,7 @@ def write_json(path: str, obj: Any) -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: str) -> Iterator[None]:
+def locked(path: str) -> Iterator[None]:
   """An exclusive lock on `path` (created if absent) for the block: one process at a time."""
   with open(path, "a") as f:
     fcntl.flock(f.fileno(), fcntl.LOCK_EX)
