@@ -128,6 +128,7 @@ def test_a_guidance_budget_chooses_the_layers_once_per_workdir(tmp_path, monkeyp
   one = guidance_budget.layer_bytes(run_config.resolve(cfg).model_for("fp4_trace"))
   cfg.guidance.budget_bytes_per_token = 1.5 * one  # one layer, not two
   cfg.guidance.calibration_prompts = 2
+  cfg.rl.keep_guidance = True  # the store's batches stay, to read their manifests
   calls = []
   real = guidance_budget.greedy_path
   monkeypatch.setattr(guidance_budget, "greedy_path",
@@ -137,6 +138,9 @@ def test_a_guidance_budget_chooses_the_layers_once_per_workdir(tmp_path, monkeyp
   assert len(sel["layers"]) == 1 and sel["bytes_per_token"] == one and calls == [1]
   assert out["guidance_selection"]["layers"] == sel["layers"]
   assert out["policies"]["fp4_trace"]["guidance_bytes_per_token"] == one
+  manifests = sorted((tmp_path / "fp4_trace" / "seed0" / "guidance").glob("*/manifest.json"))
+  assert manifests and all(json.loads(m.read_text())["layers"] == sel["layers"]
+                           for m in manifests if ".audit" not in m.parent.name)
   compare.run(cfg, str(tmp_path), ["fp4_trace"], progress=False)
   assert calls == [1]  # read back, not calibrated again
   cfg.guidance.budget_bytes_per_token = 0.5 * one
