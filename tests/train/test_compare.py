@@ -118,9 +118,10 @@ def test_a_warm_start_of_another_computation_is_refused(field, value, tmp_path):
 
 def test_a_guidance_budget_chooses_the_layers_once_per_workdir(tmp_path, monkeypatch):
   """guidance.budget_bytes_per_token: the layers are chosen once, from the warm start, kept in
-  workdir/guidance_selection.json and summary.json, and a relaunch (a resumed run, another
-  policy process) reads them instead of calibrating again; a budget below one layer's guidance
-  is refused before the warm start."""
+  workdir/guidance_selection.json and summary.json, the engine records only them (the store's
+  manifests), and a relaunch (a resumed run, another policy process) reads them instead of
+  calibrating again (no params needed); a budget below one layer's guidance is refused before
+  the warm start."""
   from trace_jax.train import guidance_budget, run_config
   cfg = tiny_cfg()
   cfg.model.num_hidden_layers = 2
@@ -141,8 +142,8 @@ def test_a_guidance_budget_chooses_the_layers_once_per_workdir(tmp_path, monkeyp
   manifests = sorted((tmp_path / "fp4_trace" / "seed0" / "guidance").glob("*/manifest.json"))
   assert manifests and all(json.loads(m.read_text())["layers"] == sel["layers"]
                            for m in manifests if ".audit" not in m.parent.name)
-  compare.run(cfg, str(tmp_path), ["fp4_trace"], progress=False)
-  assert calls == [1]  # read back, not calibrated again
+  again = compare.guided_by_budget(run_config.resolve(cfg), str(tmp_path), None, ["fp4_trace"])
+  assert calls == [1] and list(again.model.guided_layers) == sel["layers"]  # read back
   cfg.guidance.budget_bytes_per_token = 0.5 * one
   with pytest.raises(run_guard.UserError, match="below the cheapest layer's guidance"):
     compare.preflight(cfg, str(tmp_path / "other"), ["fp4_trace"])
