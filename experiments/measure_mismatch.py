@@ -246,6 +246,14 @@ def check_flags(config: ModelConfig) -> None:
   if _PROMPT_LEN.value + _MAX_NEW.value > config.max_position_embeddings:
     errors.append(f"--prompt_len + --max_new_tokens = {_PROMPT_LEN.value + _MAX_NEW.value} "
                   f"exceeds the model's max_position_embeddings={config.max_position_embeddings}")
+  if _BUDGET.value is not None:
+    trace = policies.POLICIES[policies.FP4_RUNS[_FORMAT.value][1]]
+    one = guidance_budget.layer_bytes(config.replace(policy=trace.rollout.name,
+                                                     guidance_mode=_MODE.value))
+    try:
+      guidance_budget.check_budget(_BUDGET.value, {0: one})
+    except guidance_budget.BudgetError as e:
+      errors.append(f"--guidance_budget: {e}")
   if errors:
     raise ValueError("; ".join(errors))
 
@@ -311,9 +319,6 @@ def budget_report(params: Any, config: ModelConfig, prompts: list[list[int]],
   layers = tuple(range(config.num_hidden_layers))
   unit_bytes = guidance_budget.layer_bytes_per_token(cal, layers)
   budget = _BUDGET.value
-  if budget is not None:
-    with run_guard.user_input():
-      guidance_budget.check_budget(budget, unit_bytes)
   path = guidance_budget.greedy_path(guidance_budget.LayerScorer(params, train_cfg, cal),
                                      unit_bytes, None if _SWEEP.value else budget, progress=True)
   held = guidance_budget.LayerScorer(

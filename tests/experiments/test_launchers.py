@@ -156,6 +156,10 @@ def test_no_restorable_checkpoint_is_one_short_line(tmp_path):
                  "--num_prompts must be >= 1, got 0", id="measure_mismatch_out_of_range"),
     pytest.param("experiments.measure_mismatch", ["--json_out=/tmp/x.json", "--config=/nope.py"],
                  "--config=/nope.py: cannot load the config file", id="measure_mismatch_config"),
+    pytest.param("experiments.measure_mismatch", ["--json_out=/tmp/x.json",
+                                                  "--guidance_budget=50"],
+                 "--guidance_budget: guidance budget 50 B/token is below the cheapest layer's",
+                 id="measure_mismatch_budget"),
     pytest.param("rollout_bridge.serve", ["--port=70000", "--max_batch=0"],
                  "--port must be an int in 0..65535 (0: any free port), got 70000; --max_batch "
                  "must be an int >= 1", id="serve_out_of_range"),
