@@ -13,8 +13,11 @@
 #               fixed-memory case
 #   mismatch    the rollout/trainer mismatch of the kernel plan against the reference plan
 #               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio)
-#   train_step  the training step at Qwen3 layer width: BF16, FP8 and FP4 policies on the
-#               grouped GEMM kernels against the tiled reference
+#   train_step  the training step at Qwen3 layer width, 4 and 12 layers: BF16, FP8 and FP4
+#               policies on the grouped GEMM kernels, cuDNN's fused attention against XLA's
+#   rl          the RL loop (`experiments.train_rl`, RL_CONFIG, default configs/small_h200.py)
+#               with the config's kernel plan, one process per policy (RL_POLICIES), sharing
+#               the GPU; its summary, CSVs and plot in rl.tar.gz
 #   multi_gpu   expert parallelism on a multi-GPU kind: its tests, then 1 vs 2 GPUs
 #   tests       the test suite's GPU-marked and kernel files on the GPU (no `-x`)
 #
@@ -85,8 +88,39 @@ step_mismatch() {
 }
 
 step_train_step() {
-  TAIL=20 run train_step "${T_TRAIN_STEP:-400}" python3 -m experiments.bench.train_step \
-    --preset=qwen3_layers --steps=5 --moe_impls=tiled,kernel ${TRAIN_STEP_ARGS:-}
+  local t=${T_TRAIN_STEP:-400}
+  local common=(--preset=qwen3_layers --moe_impls=kernel)
+  TAIL=20 run train_step "$((2 * t / 3))" python3 -m experiments.bench.train_step "${common[@]}" \
+    --steps=5 --seq_attentions=cudnn,xla \
+    --policies=bf16,fp8_unified@kernel,fp8_unified@kernel+fp8bwd,fp4_trace \
+    --json_out="$OUT/train_step.json" ${TRAIN_STEP_ARGS:-}
+  TAIL=12 run train_step_12 "$((t / 3))" python3 -m experiments.bench.train_step "${common[@]}" \
+    --layers=12 --steps=3 --seq_attentions=cudnn \
+    --policies=bf16,fp8_unified@kernel,fp8_unified@kernel+fp8bwd,fp4_trace \
+    --json_out="$OUT/train_step_12.json"
+}
+
+# The RL loop on the GPU with the config's kernel plan: the SFT warm start once, then one
+# train_rl process per policy sharing the GPU (seeds in turn), then the report; the runs'
+# summary, CSVs and plot come back in $OUT/rl.tar.gz (checkpoints and guidance stay).
+step_rl() {
+  local t=${T_RL:-540} w=/tmp/rl_$$ start=$SECONDS
+  local cfg=${RL_CONFIG:-configs/small_h200.py}
+  XLA_FLAGS=--xla_gpu_deterministic_ops=true run rl_sft "$((t / 4))" python3 -m \
+    experiments.train_rl --config="$cfg" --workdir="$w" --sft_only ${RL_ARGS:-}
+  local left=$((t - (SECONDS - start) - 45)) pids=()
+  for p in ${RL_POLICIES:-bf16 fp4_rollout fp4_rtn fp4_trace}; do
+    TAIL=4 run "rl_$p" "$left" python3 -m experiments.train_rl --config="$cfg" \
+      --workdir="$w" --policies="$p" ${RL_ARGS:-} &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  TAIL=30 run rl_report 40 python3 -m experiments.train_rl --config="$cfg" --workdir="$w" \
+    --policies="$(echo ${RL_POLICIES:-bf16 fp4_rollout fp4_rtn fp4_trace} | tr ' ' ,)" \
+    ${RL_ARGS:-}
+  (cd "$w" && find . -maxdepth 4 \( -name '*.csv' -o -name '*.json' -o -name '*.png' \) \
+    -not -path '*/guidance/*' -not -path '*/ckpt/*' -not -path './sft/*' -print0 \
+    | tar -czf "$OUT/rl.tar.gz" --null -T -)
 }
 
 step_multi_gpu() {
@@ -109,7 +143,7 @@ main() {
   fi
   for s in "${steps[@]}"; do
     if ! declare -F "step_$s" > /dev/null; then
-      echo "unknown step '$s'; steps: check kernels rollout mismatch train_step multi_gpu tests" >&2
+      echo "unknown step '$s'; steps: check kernels rollout mismatch train_step rl multi_gpu tests" >&2
       exit 2
     fi
   done

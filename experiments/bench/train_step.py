@@ -3,9 +3,11 @@ r"""Times forward+backward of the model per precision policy, side by side in on
   python -m experiments.bench.train_step                     # tiny CPU smoke run
   python -m experiments.bench.train_step --preset=bench_gpu  # matmul-dominated size (H200)
 
-Prints each (MoE grouped-matmul impl, policy)'s median step time, its ratio to the first
-impl's `bf16`, and XLA's temporary-buffer plan for the step. `fp4_trace` runs with guidance
-recorded by a rollout-side (record=True) forward of the same batch.
+Prints each (MoE grouped-matmul impl, full-sequence attention, policy)'s median step time, its
+ratio to the first impl and attention's `bf16`, its matmul FLOPs' fraction of the BF16 matmul
+rate measured in the same process (MFU), and XLA's temporary-buffer plan for the step.
+`fp4_trace` runs with guidance recorded by a rollout-side (record=True) forward of the same
+batch. Attention FLOPs count the whole S x S product (the causal half is not subtracted).
 
   python -m experiments.bench.train_step --preset=bench_gpu --moe_impls=ragged_dot,tiled
 """
@@ -44,6 +46,14 @@ _PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "profile 2 more steps of e
                                    "('' = no profile)")
 _MOE_IMPLS = flags.DEFINE_list("moe_impls", ["tiled"],
                                f"grouped-matmul implementations to time, of {M.MOE_IMPLS}")
+_ATTENTIONS = flags.DEFINE_list("seq_attentions", ["auto"],
+                                "full-sequence attentions to time (the plan's seq_attention: "
+                                "auto, xla, cudnn); the first impl and attention's bf16 is the "
+                                "reference of the ratios")
+_LAYERS = flags.DEFINE_integer("layers", None, "decoder layers (default per preset)")
+flags.DEFINE_string("json_out", "", "JSON output path ('' = none): every variant's step time, "
+                    "temporaries, compile time and MFU, and bf16_mfu, fp8_unified_over_bf16, "
+                    "fp8_full_over_bf16, fp4_trace_over_bf16")
 
 
 def _config(preset: str) -> tuple[M.ModelConfig, int, int]:
@@ -73,12 +83,12 @@ def _loss(params, config, tokens, guidance, routing):
   return jnp.mean(nll) + config.router_aux_loss_coef * M.aux_loss(out, config)
 
 
-def _time(fn, *args, steps: int) -> float:
-  jax.block_until_ready(fn(*args))  # warm-up
+def _time(fn, steps: int) -> float:
+  jax.block_until_ready(fn())  # warm-up
   times = []
   for _ in range(steps):
     t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn())
     times.append(time.perf_counter() - t)
   return float(np.median(times))
 
@@ -98,12 +108,65 @@ def step_flops(c: M.ModelConfig, batch: int, seq: int) -> dict[str, float]:
           "other": 3.0 * other}
 
 
+def _variant(base: M.ModelConfig, impl: str, attention: str, policy: str) -> M.ModelConfig:
+  name, *opts = policy.split("+")
+  if set(opts) - {"fp8bwd", "unrolled"}:
+    raise app.UsageError(f"{policy}: options are +fp8bwd and +unrolled")
+  name, _, fp8_gemm = name.partition("@")
+  return base.replace(policy=name, moe_impl=impl, fp8_gemm=fp8_gemm or "xla",
+                      fp8_backward="fp8bwd" in opts, scan_layers="unrolled" not in opts,
+                      seq_attention=attention)
+
+
+def _run_one(config: M.ModelConfig, params, tokens, label: str) -> dict[str, float]:
+  """Compiles and times one variant's step; profiles it with --profile_dir."""
+  guidance = routing = None
+  if config.policy == "fp4_trace":
+    taps = jax.jit(lambda p, t, c=config: M.forward(p, c, t, tap_layers=c.guided_layers,
+                                                     record=True).taps)(params, tokens)
+    guidance = {i: {s: taps[i][s] for s in M.SITES} for i in config.guided_layers}
+    routing = {i: taps[i]["routing"] for i in taps}  # matches expert_mid rows to experts
+  step = jax.jit(jax.value_and_grad(functools.partial(_loss, config=config)))
+  t0 = time.perf_counter()
+  compiled = step.lower(params, tokens=tokens, guidance=guidance, routing=routing).compile()
+  row = {"compile_s": time.perf_counter() - t0,
+         "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30}
+  if _STEPS.value == 0:
+    return row
+  run = lambda: compiled(params, tokens=tokens, guidance=guidance, routing=routing)
+  row["ms_per_step"] = 1e3 * _time(lambda: run(), steps=_STEPS.value)
+  if _PROFILE_DIR.value:
+    log_dir = os.path.join(_PROFILE_DIR.value, label.replace("@", "_").replace(" ", "_"))
+    with profiling.trace(log_dir):
+      for _ in range(2):
+        jax.block_until_ready(run())
+    print(profiling.format_summary(profiling.summarize(log_dir, steps=2), label), flush=True)
+  return row
+
+
+def _ratios(rows: dict[str, dict[str, float]], first: str, flop: float, rate: float
+            ) -> dict[str, float]:
+  """The headline figures against `first` (the first impl and attention)'s bf16 step."""
+  ms = lambda policy: rows.get(f"{first} {policy}", {}).get("ms_per_step")
+  out = {}
+  if ms("bf16"):
+    out["bf16_mfu"] = flop / (ms("bf16") * 1e-3) / rate
+    for key, policy in (("fp8_unified_over_bf16", "fp8_unified@kernel"),
+                        ("fp8_full_over_bf16", "fp8_unified@kernel+fp8bwd"),
+                        ("fp4_trace_over_bf16", "fp4_trace")):
+      if ms(policy):
+        out[key] = ms(policy) / ms("bf16")
+  return out
+
+
 def main(argv):
   del argv
   base, batch, seq = _config(_PRESET.value)
   batch, seq = _BATCH.value or batch, _SEQ.value or seq
   if _EXPERTS.value:
     base = base.replace(num_experts=_EXPERTS.value)
+  if _LAYERS.value:
+    base = base.replace(num_hidden_layers=_LAYERS.value, guided_layers=None)
   params = M.init_params(base, 0, param_dtype="float32")
   tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, base.vocab_size)
   print(f"device: {jax.devices()[0].device_kind}  batch {batch} x seq {seq}  "
@@ -116,48 +179,29 @@ def main(argv):
         f"{flops['attention'] / 1e12:.2f} T, router + lm_head {flops['other'] / 1e12:.2f} T; at "
         f"the BF16 matmul rate measured now ({rate / 1e12:.0f} TFLOP/s): "
         + ", ".join(f"{k} {v:.1f} ms" for k, v in bound.items()), flush=True)
-  ref = None  # the first impl's bf16 time; rows print as they finish (a timeout keeps them)
-  for impl in _MOE_IMPLS.value:
-    for policy in _POLICIES.value:
-      name, *opts = policy.split("+")
-      if set(opts) - {"fp8bwd", "unrolled"}:
-        raise app.UsageError(f"{policy}: options are +fp8bwd and +unrolled")
-      name, _, fp8_gemm = name.partition("@")
-      config = base.replace(policy=name, moe_impl=impl, fp8_gemm=fp8_gemm or "xla",
-                            fp8_backward="fp8bwd" in opts, scan_layers="unrolled" not in opts)
-      guidance = routing = None
-      if name == "fp4_trace":
-        taps = jax.jit(lambda p, t, c=config: M.forward(p, c, t, tap_layers=c.guided_layers,
-                                                         record=True).taps)(params, tokens)
-        guidance = {i: {s: taps[i][s] for s in M.SITES} for i in config.guided_layers}
-        routing = {i: taps[i]["routing"] for i in taps}  # matches expert_mid rows to experts
-      step = jax.jit(jax.value_and_grad(functools.partial(_loss, config=config)))
-      t0 = time.perf_counter()
-      compiled = step.lower(params, tokens=tokens, guidance=guidance,
-                            routing=routing).compile()  # once
-      compile_s = time.perf_counter() - t0
-      gib = compiled.memory_analysis().temp_size_in_bytes / 2**30
-      if _STEPS.value == 0:
-        print(f"  {impl:10s} {policy:26s} {'-':>9s} ms/step  {'':24s} temp {gib:7.2f} GiB"
-              f"  compile {compile_s:.1f} s", flush=True)
-        continue
-      t = _time(lambda p, t, g, r, f=compiled: f(p, tokens=t, guidance=g, routing=r), params,
-                tokens, guidance, routing, steps=_STEPS.value)
-      if ref is None and impl == _MOE_IMPLS.value[0] and name == "bf16":
-        ref = t
-      rel = f"{t / ref:.2f}x {_MOE_IMPLS.value[0]} bf16" if ref else ""
-      share = bound["linear"] / (t * 1e3)
-      print(f"  {impl:10s} {policy:26s} {t * 1e3:9.2f} ms/step  {rel:24s} temp {gib:7.2f} GiB"
-            f"  compile {compile_s:.1f} s  (linear GEMMs at the BF16 rate: {100 * share:.0f}% of "
-            "it)", flush=True)
-      if _PROFILE_DIR.value:
-        log_dir = os.path.join(_PROFILE_DIR.value, f"{impl}_{policy}".replace("@", "_"))
-        with profiling.trace(log_dir):
-          for _ in range(2):
-            jax.block_until_ready(compiled(params, tokens=tokens, guidance=guidance,
-                                           routing=routing))
-        print(profiling.format_summary(profiling.summarize(log_dir, steps=2),
-                                       f"{impl} {policy}"), flush=True)
+  total = sum(flops.values())
+  first = f"{_MOE_IMPLS.value[0]} {_ATTENTIONS.value[0]}"
+  rows: dict[str, dict[str, float]] = {}
+  for impl in _MOE_IMPLS.value:  # rows print as they finish (a timeout keeps them)
+    for attention in _ATTENTIONS.value:
+      for policy in _POLICIES.value:
+        label = f"{impl} {attention} {policy}"
+        row = rows[label] = _run_one(_variant(base, impl, attention, policy), params, tokens,
+                                     label)
+        ref = rows.get(f"{first} bf16", {}).get("ms_per_step")
+        t = row.get("ms_per_step")
+        if t:
+          row["mfu"] = total / (t * 1e-3) / rate
+        rel = f"{t / ref:.2f}x {first} bf16" if t and ref else ""
+        print(f"  {label:44s} {t or float('nan'):9.2f} ms/step  {rel:24s} temp "
+              f"{row['temp_gib']:7.2f} GiB  compile {row['compile_s']:.1f} s  (matmul FLOPs at "
+              f"{100 * row.get('mfu', float('nan')):.0f}% of the BF16 rate)", flush=True)
+  res = {"device": jax.devices()[0].device_kind, "batch": batch, "seq": seq,
+         "layers": base.num_hidden_layers, "bf16_matmul_tflops_same_process": rate / 1e12,
+         "matmul_tflop_per_step": {k: v / 1e12 for k, v in flops.items()},
+         "steps": rows, **_ratios(rows, first, total, rate)}
+  common.finish(res, flags.FLAGS, "  ".join(f"{k} {v:.3f}" for k, v in res.items()
+                                            if k.endswith(("_mfu", "_over_bf16"))))
 
 
 if __name__ == "__main__":

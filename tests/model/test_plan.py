@@ -14,7 +14,7 @@ import pytest
 from cases import pallas_calls
 
 from trace_jax import model as M
-from trace_jax.kernels import decode_attention, fp4_moe
+from trace_jax.kernels import attention_math, decode_attention, fp4_moe
 from trace_jax.model import expert_weights
 from trace_jax.model import plan as plan_lib
 from trace_jax.model.plan import Backend, KernelPlan
@@ -24,17 +24,18 @@ HOPPER = Backend("gpu", (9, 0), sm_count=132, mosaic_gpu=True, triton_asm=True)
 AMPERE = Backend("gpu", (8, 0), sm_count=108, mosaic_gpu=False, triton_asm=True)
 REFERENCE = dict(moe_impl="tiled", decode_impl="xla", decode_moe_kernel="triton",
                  fp4_codes="bytes", decode_attention="triton", kv_cache="dense",
-                 nvfp4_sites="xla", fp8_gemm="xla")
+                 nvfp4_sites="xla", fp8_gemm="xla", seq_attention="xla")
 KERNELS = dict(moe_impl="kernel", decode_impl="kernel", decode_moe_kernel="wgmma",
                fp4_codes="words", decode_attention="wgmma", kv_cache="packed",
-               nvfp4_sites="kernel", fp8_gemm="kernel")
+               nvfp4_sites="kernel", fp8_gemm="kernel", seq_attention="cudnn")
 
 
 def _fields(plan: KernelPlan) -> dict[str, str]:
   return {k: v for k, v in plan.as_dict().items() if k != "sm_count"}
 
 
-@pytest.mark.parametrize("make", [M.qwen3_30b_a3b, M.tiny], ids=["qwen3_30b_a3b", "tiny"])
+@pytest.mark.parametrize("make", [M.qwen3_30b_a3b, functools.partial(M.tiny, dtype="bfloat16")],
+                         ids=["qwen3_30b_a3b", "tiny"])
 def test_default_config_resolves_to_the_kernels_on_hopper_and_the_reference_on_cpu(make):
   config = make(policy="fp4_trace")
   assert _fields(plan_lib.resolve(config, HOPPER)) == KERNELS
@@ -70,7 +71,7 @@ def test_other_gpus_resolve_to_the_reference_but_words():
 def test_hopper_plan_follows_the_forward(policy, want):
   """The packed cache and the site kernel are NVFP4's; MXFP4 forwards' weights are not
   prepared for the decode kernels, so their decode stays on XLA."""
-  assert _fields(plan_lib.resolve(M.tiny(policy=policy), HOPPER)) == want
+  assert _fields(plan_lib.resolve(M.tiny(policy=policy, dtype="bfloat16"), HOPPER)) == want
 
 
 def test_auto_falls_back_where_shapes_rule_the_kernels_out():
@@ -79,6 +80,20 @@ def test_auto_falls_back_where_shapes_rule_the_kernels_out():
   assert plan.moe_impl == "tiled" and plan.decode_impl == "xla"
   with pytest.raises(ValueError, match='moe_impl="kernel" needs'):
     config.replace(moe_impl="kernel")
+
+
+@pytest.mark.parametrize("overrides,want", [
+    pytest.param(dict(dtype="bfloat16"), "cudnn", id="bf16_head32"),
+    pytest.param(dict(dtype="float32"), "xla", id="float32"),
+    pytest.param(dict(dtype="bfloat16", head_dim=12), "xla", id="head_dim_not_a_multiple_of_8"),
+    pytest.param(dict(dtype="bfloat16", head_dim=256), "xla", id="head_dim_over_128"),
+])
+def test_fused_sequence_attention_where_cudnn_takes_the_shapes(overrides, want):
+  assert plan_lib.resolve(M.tiny(**overrides), HOPPER).seq_attention == want
+  assert plan_lib.resolve(M.tiny(**overrides), CPU).seq_attention == "xla"
+  if want == "xla":
+    with pytest.raises(ValueError, match='seq_attention="cudnn" needs'):
+      M.tiny(seq_attention="cudnn", **overrides)
 
 
 def test_forced_fields_win_over_the_backend_and_the_preset():
@@ -214,3 +229,30 @@ def test_decode_kernel_choices_reach_their_kernels(moe, attention, monkeypatch):
   monkeypatch.setattr(decode_attention, "decode_attention", attn)
   _decode_kernels(decode_impl="kernel", decode_moe_kernel=moe, decode_attention=attention)
   assert set(seen) == {("moe", moe), ("attention", attention, plan_lib.DEFAULT_SM_COUNT)}, seen
+
+
+def test_seq_attention_fuses_only_forwards_over_index_positions(monkeypatch):
+  """seq_attention="cudnn" reaches the fused attention in a forward over positions 0..S-1
+  (training, prefill) and nowhere else: not with positions given, not in decode steps. cuDNN
+  runs on a GPU only: here the calls are recorded and run on the same API's XLA code, whose
+  logits equal the reference's within bf16 rounding."""
+  calls = []
+  real = attention_math.fused_attend
+
+  def fused(q, k, v, implementation="cudnn"):
+    calls.append(implementation)
+    return real(q, k, v, implementation="xla")
+
+  monkeypatch.setattr(attention_math, "fused_attend", fused)
+  config, params = _tiny("bf16", seq_attention="cudnn")
+  tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, config.vocab_size)
+  got = M.forward(params, config, tokens).logits
+  assert calls == ["cudnn"]
+  want = M.forward(params, config.replace(seq_attention="xla"), tokens).logits
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=0.05, rtol=0.05)
+  positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  M.forward(params, config, tokens, positions)
+  cache = M.init_cache(config, 2, 16)
+  M.decode_step(params, config, cache, np.zeros(2, np.int32), np.zeros(2, np.int32))
+  assert calls == ["cudnn"]

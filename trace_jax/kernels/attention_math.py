@@ -45,3 +45,13 @@ def attention_probs(scores: jax.Array, mask: jax.Array, dtype: Any) -> jax.Array
   broadcast to scores; False -> excluded), soft-maxed in float32, rounded once."""
   masked = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   return jax.nn.softmax(masked, axis=-1).astype(dtype)
+
+
+def fused_attend(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str = "cudnn"
+                 ) -> jax.Array:
+  """`attend` over positions 0..S-1 (causal by index) in one fused kernel: q [B, S, N, H],
+  k/v [B, S, G, H] -> [B, S, N, H] (`jax.nn.dot_product_attention`; "cudnn": cuDNN's flash
+  attention, forward and backward, float32 softmax statistics, no [S, S] scores in memory).
+  Query head n reads kv head n // (N / G), as in `attend`; the scale is `score_scale`'s."""
+  return jax.nn.dot_product_attention(q, k, v, scale=float(score_scale(q.shape[-1])),
+                                      is_causal=True, implementation=implementation)

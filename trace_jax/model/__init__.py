@@ -105,6 +105,7 @@ def forward(params: nnx.State, config: ModelConfig, tokens: jax.Array,
   tokens = jnp.asarray(tokens, jnp.int32)
   if tokens.ndim != 2:
     raise ValueError(f"forward: tokens must be [batch, seq], got shape {tokens.shape}")
+  index_positions = positions is None
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   positions = jnp.asarray(positions, jnp.int32)
@@ -117,7 +118,8 @@ def forward(params: nnx.State, config: ModelConfig, tokens: jax.Array,
                        f"(`layer_runs`: {layer_runs(config)})")
   prec = Precision(config, guidance=guidance, tap_layers=tuple(tap_layers), tap_mode=tap_mode,
                    record=record, tap_routing=tap_routing,
-                   plan=resolve_plan(config) if plan is None else plan)
+                   plan=resolve_plan(config) if plan is None else plan,
+                   index_positions=index_positions)
   if replay and not routing:
     raise ValueError("forward: replay=True needs `routing` (the rollout's expert ids)")
   model = nnx.merge(graphdef(config), params)

@@ -1,7 +1,8 @@
 """Grouped-query attention with q/k RMSNorm, RoPE, causal mask and a per-layer KV cache.
 
 One implementation serves both forward modes. Full sequence (training, prefill): queries
-attend to the keys of the same call, masked causally by position. Decode: the new K/V are
+attend to the keys of the same call, masked causally by position (over positions 0..S-1, the
+plan's `seq_attention` may run one fused kernel instead). Decode: the new K/V are
 written into the cache at each sequence's own position and the queries attend to the whole
 cache, masked by `key position <= query position`. K and V are quantized (FP4 policies)
 before they enter the cache, so prefill, decode and training see the same cached values.
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from trace_jax.kernels import decode_attention, fp4_moe, kv_cache
+from trace_jax.kernels import attention_math, decode_attention, fp4_moe, kv_cache
 from trace_jax.kernels.attention_math import attend
 from trace_jax.kernels.kv_cache import PackedKVCache
 from trace_jax.model import batch_local
@@ -77,6 +78,8 @@ class Attention(nnx.Module):
     i = None if cache is None else cache.index
     if kernel:
       out = _decode_kernel_attention(prec.plan, q, new_cache, positions, i)
+    elif not decode and prec.index_positions and prec.plan.seq_attention == "cudnn":
+      out = attention_math.fused_attend(q, k, v)
     else:
       if decode:
         if isinstance(new_cache, PackedKVCache):  # the XLA path: the layer's cache dequantized

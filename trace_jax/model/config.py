@@ -67,6 +67,12 @@ class ModelConfig:
   fp8_gemm: how forwards with FP8 linears (`fp8_unified`) run their block-scaled FP8 GEMMs
     (`trace_jax.model.fp8_linear`): "xla" (the plain-JAX reference: dequantized float32
     operands) or "kernel" (Pallas on the FP8 tensor cores); the same sums up to order.
+  seq_attention: attention of full-sequence forwards over positions 0..S-1 (training,
+    scoring, prefill): "xla" (`attention_math.attend`, the [S, S] float32 scores in memory) or
+    "cudnn" (cuDNN's fused flash attention through `jax.nn.dot_product_attention`: float32
+    softmax statistics, no scores in memory; bf16, head_dim a multiple of 8 up to 128,
+    a GPU). Decode steps never use it; the same values up to float32 order and where the
+    probabilities are rounded.
   fp8_backward: those forwards' DGrad/WGrad GEMMs on FP8 operands too (Jet-RL's full flow);
     False: BF16 backward GEMMs. Gradients between operators are BF16 either way.
   scan_layers: run layers the forward treats alike as one `lax.scan` (compile time flat in
@@ -111,6 +117,7 @@ class ModelConfig:
   kv_cache: str = "auto"
   nvfp4_sites: str = "auto"
   fp8_gemm: str = "auto"
+  seq_attention: str = "auto"
   fp8_backward: bool = False
   scan_layers: bool = True
   scan_unroll: int = 1

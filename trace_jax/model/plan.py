@@ -22,17 +22,22 @@ measured implementation on the backend (docs/benchmarks.md):
 | kv_cache          | packed (*)  | dense     | NVFP4 forwards' KV cache: codes or values      |
 | nvfp4_sites       | kernel (*)  | xla       | the rollout's unguided NVFP4 activation sites  |
 | fp8_gemm          | kernel      | xla       | FP8 linears' block-scaled GEMMs                |
+| seq_attention     | cudnn (+)   | xla       | full-sequence attention (training, scoring,    |
+|                   |             |           | prefill): fused flash attention or XLA's       |
 
 (*) with decode_impl "kernel" on any backend: the packed cache and the site kernel are the
-kernel decode's. "fp4_codes" is "words" on any GPU with Triton's inline assembly.
+kernel decode's. (+) for bf16 compute with head_dim a multiple of 8 up to 128 (cuDNN's
+fused attention). "fp4_codes" is "words" on any GPU with Triton's inline assembly.
 "auto" falls back to the reference where the shapes or the forward rule a kernel out (e.g.
 decode_impl "xla" under MXFP4 forwards, moe_impl "tiled" for widths not multiples of 16).
 Where the code runs each choice: `model.grouped` (moe_impl), `kernels.fp4_moe` (decode_impl,
 decode_moe_kernel, fp4_codes), `kernels.decode_attention` and `kernels.kv_cache`
 (decode_attention, kv_cache), `kernels.nvfp4_act` (nvfp4_sites), `model.fp8_linear`
-(fp8_gemm). A resolved plan states what runs: `kv_cache` is "dense" and
-`nvfp4_sites` "xla" under forwards without NVFP4 sites, whatever was forced. The kernels and
-the reference compute the same values up to float32 summation order (docs/numerics.md).
+(fp8_gemm), `model.attention` (seq_attention, through `kernels.attention_math`). A resolved
+plan states what runs: `kv_cache` is "dense" and `nvfp4_sites` "xla" under forwards without
+NVFP4 sites, whatever was forced. The kernels and the reference compute the same values up to
+float32 summation order (docs/numerics.md); cuDNN's attention also rounds its probabilities
+per key block rather than once.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "kv_cache": ("dense", "packed"),
     "nvfp4_sites": ("xla", "kernel"),
     "fp8_gemm": ("xla", "kernel"),
+    "seq_attention": ("xla", "cudnn"),
 }
 # Named plans: field -> value; the fields a preset leaves out are resolved per backend.
 PRESETS: dict[str, Mapping[str, str]] = {
@@ -120,6 +126,7 @@ class KernelPlan:
   kv_cache: str
   nvfp4_sites: str
   fp8_gemm: str
+  seq_attention: str = "xla"
   sm_count: int = DEFAULT_SM_COUNT
 
   def __post_init__(self):
@@ -163,7 +170,16 @@ def check(config: Any) -> list[str]:
   if config.moe_impl == "kernel" and not _moe_kernel_shapes(config):
     errors.append(f'moe_impl="kernel" needs hidden_size ({config.hidden_size}) and '
                   f"moe_intermediate_size ({config.moe_intermediate_size}) multiples of 16")
+  if config.seq_attention == "cudnn" and not _cudnn_attention_shapes(config):
+    errors.append(f'seq_attention="cudnn" needs dtype bfloat16 (got {config.dtype}) and '
+                  f"head_dim a multiple of 8 up to 128 (got {config.head_dim})")
   return errors
+
+
+def _cudnn_attention_shapes(config: Any) -> bool:
+  """What cuDNN's fused attention takes: bf16 inputs, head_dim a multiple of 8 up to 128."""
+  h = config.head_dim
+  return config.dtype == "bfloat16" and h % 8 == 0 and h <= 128
 
 
 def _moe_kernel_shapes(config: Any) -> bool:
@@ -208,4 +224,6 @@ def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:
       nvfp4_sites=pick("nvfp4_sites", "kernel" if decode == "kernel" else "xla") if nvfp4
       else "xla",
       fp8_gemm=pick("fp8_gemm", "kernel" if kernels else "xla"),
+      seq_attention=pick("seq_attention", "cudnn" if kernels and _cudnn_attention_shapes(config)
+                         else "xla"),
       sm_count=b.sm_count)

@@ -62,13 +62,16 @@ class Precision:
   record: rollout side; quantize with `quantize_act_record` semantics (no gradient rule).
   plan: the kernel plan of the forward (`trace_jax.model.plan`), which the model's modules
     read (None: the config's, resolved here).
+  index_positions: the forward's positions are 0..S-1 in every row, so full-sequence
+    attention is causal by index (the plan's `seq_attention` may then fuse it).
   """
 
   def __init__(self, config: ModelConfig, guidance: GuidanceTree | None = None,
                tap_layers: tuple[int, ...] = (), tap_mode: str | None = None,
                record: bool = False, tap_routing: bool | None = None,
-               plan: KernelPlan | None = None):
+               plan: KernelPlan | None = None, index_positions: bool = False):
     self.config = config
+    self.index_positions = index_positions
     self.plan = resolve(config) if plan is None else plan
     fwd = config.forward
     self.fmt = fwd.fp4  # the FP4 format of the TRACE sites, or None
