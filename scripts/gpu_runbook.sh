@@ -8,9 +8,9 @@
 #               on the device, exhaustive on-GPU checks, the quantizer benchmark)
 #   kernels     the kernels' tests on the GPU (Triton and Mosaic GPU; the wgmma cases run only
 #               there), then the decode experts' and the decode attention's benchmarks
-#   rollout     the engine's decode: BF16 vs FP4 policies, the decode on XLA ("xla") against the
-#               decode kernels ("kernel", the plan's Hopper default) at fixed batches, and the
-#               fixed-memory case
+#   rollout     the engine's decode on the kernels: BF16 vs FP4 policies at batch 64 (context
+#               128 + 128), the 60 GB fixed-memory cases at 8k and 32k contexts, and batch 64
+#               at 32k context (`experiments.bench.rollout`'s GPU preset)
 #   mismatch    the rollout/trainer mismatch of the kernel plan against the reference plan
 #               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio)
 #   train_step  the training step at Qwen3 layer width, 4 and 12 layers: BF16, FP8 and FP4
@@ -75,7 +75,7 @@ step_kernels() {
 
 step_rollout() {
   local t=${T_ROLLOUT:-540}
-  TAIL=40 run rollout "$t" python3 -m experiments.bench.rollout --impls=xla,kernel+unroll4 \
+  TAIL=40 run rollout "$t" python3 -m experiments.bench.rollout --impls=kernel+unroll4 \
     --key_impl=kernel+unroll4 --budget_impl=kernel+unroll4 --batches=64 --reps=3 \
     --transformers=false --budget_s="$((t - 90))" --json_out="$OUT/rollout.json" \
     ${ROLLOUT_ARGS:-}

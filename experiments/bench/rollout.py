@@ -43,6 +43,12 @@ depend on the cache's values (the attention kernels read each sequence's keys up
 length, the XLA attention the whole cache). The benchmark's own BF16 params stay on the
 device beside the budget.
 
+`--budget_context` takes several lengths, one fixed-memory case each (GPU preset: 8k and 32k;
+the first recorded as `fixed_memory`, the others as `fixed_memory_{k}k`). Long context
+(`--long_context`, 0 skips it; GPU preset 32k): every policy at `--key_batch` sequences of
+that many tokens, decoded as in the fixed-memory case. Both report each case's bytes per
+decode step (KV at the turn's mean length) and their fraction of the measured bandwidths.
+
 Reference (`--transformers`, `--transformers_batches`): the same params exported with
 `trace_jax.io.hf.save_hf_checkpoint`, loaded into `transformers.Qwen3MoeForCausalLM` (BF16,
 its default attention and experts implementations; torch device from env TRACE_TORCH_DEVICE,
@@ -55,7 +61,9 @@ Top-level plain numbers (`--key_batch`, default 64 on the GPU preset; the cases 
 `--key_impl`, default "kernel"):
 `fp4_over_bf16_fixed_batch`, `fp8_over_bf16_fixed_batch`, `fp4_trace_over_fp4_rtn_b{B}`,
 `decode_bandwidth_fraction` (bf16 kernel, of read bandwidth; `_copy`: of copy bandwidth),
-`fp4_over_bf16_fixed_memory` (+ `_sequences`), `bf16_over_transformers`,
+`fp4_over_bf16_fixed_memory` (+ `_sequences`; `_32k`, `_32k_sequences` per further
+context; `fp4_trace_over_fp4_rtn_fixed_memory{,_32k}`), `fp4_over_bf16_long_context`,
+`fp4_trace_over_fp4_rtn_long_context`, `bf16_over_transformers`,
 `fp4_over_transformers`, `compile_s_max` and `compile_s_{L}_layers` (slowest program).
 
 Model (GPU preset): a random Qwen3-MoE of hidden 2048, 32 query / 4 KV heads of 128, 64
@@ -117,8 +125,12 @@ flags.DEFINE_string("key_impl", "kernel", "The --impls entry of the top-level pl
                     "(e.g. kernel+unroll4+sync4).", flag_values=FLAGS)
 flags.DEFINE_float("budget_gb", None, "Fixed memory budget (GB, 1e9 bytes) for weights + KV "
                    "cache (0: skip the case; default per preset).", flag_values=FLAGS)
-flags.DEFINE_integer("budget_context", None, "Tokens per sequence (cache length) in the "
-                     "fixed-memory case (default per preset).", flag_values=FLAGS)
+flags.DEFINE_list("budget_context", None, "Tokens per sequence (cache length) of each "
+                  "fixed-memory case: one case per entry (default per preset).",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("long_context", None, "Cache length of the long-context case: --key_batch "
+                     "sequences of this many tokens, every policy (0: skip; default per "
+                     "preset).", flag_values=FLAGS)
 flags.DEFINE_integer("budget_max_batch", None, "Largest batch timed in the fixed-memory case "
                      "(default per preset).", flag_values=FLAGS)
 flags.DEFINE_list("budget_policies", None, "Policies of the fixed-memory case (default per "
@@ -195,16 +207,18 @@ PRESETS = {
                  batches=(8, 64, 256), key_batch=64,
                  # every sequence FP4 fits in 60 GB decodes at once (1457; a cap of 512 ran a
                  # third of FP4's sequences)
-                 budget_gb=60.0, budget_context=8192, budget_max_batch=2048,
-                 budget_policies=None, transformers=True, warmup_calls=1),
+                 budget_gb=60.0, budget_context=(8192, 32768), budget_max_batch=2048,
+                 budget_policies=None, long_context=32768, transformers=True,
+                 warmup_calls=1),
     # Budget: 1.6 MB holds the BF16 weights (1.12 MB) and 3 sequences of 256 tokens, FP4 7;
     # fixed memory for two policies only (each FP4 program compiles for ~15 s on CPU).
     "cpu": dict(model=dict(vocab_size=256, hidden_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                            max_position_embeddings=512), batches=(4,), key_batch=4,
-                budget_gb=0.0016, budget_context=256, budget_max_batch=8,
-                budget_policies=("bf16", "fp4_rtn"), transformers=False, warmup_calls=0),
+                budget_gb=0.0016, budget_context=(256,), budget_max_batch=8,
+                budget_policies=("bf16", "fp4_rtn"), long_context=0, transformers=False,
+                warmup_calls=0),
 }
 FP8_BYTES = 1 + 4 / 128**2  # E4M3 byte + a float32 scale per 128 x 128 block
 
@@ -633,29 +647,14 @@ def run_bench() -> dict[str, Any]:
       res["transformers"] = run_transformers(params, base, hf_batches, FLAGS.reps, first_tokens)
 
   budget_gb = _preset("budget_gb")
-  if budget_gb:
-    context, cap = _preset("budget_context"), _preset("budget_max_batch")
-    fm: dict[str, Any] = {"budget_gb": budget_gb, "context": context, "max_batch": cap,
-                          "impl": FLAGS.budget_impl, "cases": {}}
-    res["fixed_memory"] = fm
-    print(f"  fixed memory: {budget_gb:g} GB for weights + KV cache (packed NVFP4 under FP4 "
-          f"policies with decode impl kernel, else BF16) + records, {context}-token sequences, "
-          f"decode impl {FLAGS.budget_impl}, batch at most {cap}", flush=True)
-    for policy in _preset("budget_policies") or FLAGS.policies:
-      if over_budget():
-        fm["cases"][policy] = {"skipped": "budget"}
-        continue
-      config = _impl_case(base, policy, FLAGS.budget_impl)
-      r = run_budget_case(params, config, budget_gb * 1e9, context, cap, FLAGS.reps)
-      fm["cases"][policy] = r
-      head = (f"  budget:{policy:<15} weights {_gb(r['weight_bytes'])}, "
-              f"{_gb(r['kv_bytes_per_seq'] + r['record_bytes_per_seq'])}/sequence "
-              f"(records {_gb(r['record_bytes_per_seq'])}): {r['sequences']} fit")
-      if "skipped" in r:
-        print(f"{head}; not timed: {r['skipped']}", flush=True)
-      else:
-        print(f"{head}; at batch {r['batch']} {r['tokens_per_s']:>10,.0f} tok/s  first call "
-              f"{r['first_call_s']:6.1f} s (compile {r['compile_s']:6.1f} s)", flush=True)
+  for i, context in enumerate(int(c) for c in _preset("budget_context")):
+    if not budget_gb:
+      break
+    res[fixed_memory_key(context, i == 0)] = run_fixed_memory(
+        params, base, res, budget_gb, context, over_budget)
+  if _preset("long_context"):
+    res["long_context"] = run_long_context(params, base, res, _preset("long_context"),
+                                           key_batch, over_budget)
 
   res["ratios"] = ratios(res["cases"])
   for k, v in res["ratios"].items():
@@ -665,6 +664,76 @@ def run_bench() -> dict[str, Any]:
   for k, v in keys.items():
     print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
   return res
+
+
+def fixed_memory_key(context: int, first: bool) -> str:
+  """The record's key of a fixed-memory case: "fixed_memory" for the first context, then
+  "fixed_memory_{k}k" (k = context / 1024)."""
+  return "fixed_memory" if first else f"fixed_memory_{context // 1024}k"
+
+
+def _with_bandwidth(r: dict[str, Any], config: Any, context: int, res: dict[str, Any]) -> None:
+  """A timed fixed-memory or long-context case's bytes per decode step (KV at the mean length
+  of the turn) and their rate against the bandwidths measured in this process."""
+  if "tokens_per_s" not in r:
+    return
+  b = r["batch"]
+  touched = expected_touched(config.num_experts, config.num_experts_per_tok, b)
+  nbytes = step_bytes(config, b, context - FLAGS.new_tokens / 2, touched)
+  rate = nbytes * r["tokens_per_s"] / b / 1e9
+  r.update(step_bytes=nbytes, read_fraction=rate / res["read_gbps"],
+           copy_fraction=rate / res["copy_gbps"])
+
+
+def run_fixed_memory(params: Any, base: Any, res: dict[str, Any], budget_gb: float,
+                     context: int, over_budget: Callable[[], bool]) -> dict[str, Any]:
+  """Every budget policy's fixed-memory case at `context` tokens per sequence."""
+  cap = _preset("budget_max_batch")
+  fm: dict[str, Any] = {"budget_gb": budget_gb, "context": context, "max_batch": cap,
+                        "impl": FLAGS.budget_impl, "cases": {}}
+  print(f"  fixed memory: {budget_gb:g} GB for weights + KV cache (packed NVFP4 under FP4 "
+        f"policies with decode impl kernel, else BF16) + records, {context}-token sequences, "
+        f"decode impl {FLAGS.budget_impl}, batch at most {cap}", flush=True)
+  for policy in _preset("budget_policies") or FLAGS.policies:
+    if over_budget():
+      fm["cases"][policy] = {"skipped": "budget"}
+      continue
+    config = _impl_case(base, policy, FLAGS.budget_impl)
+    r = fm["cases"][policy] = run_budget_case(params, config, budget_gb * 1e9, context, cap,
+                                              FLAGS.reps)
+    _with_bandwidth(r, config, context, res)
+    head = (f"  budget:{policy:<15} weights {_gb(r['weight_bytes'])}, "
+            f"{_gb(r['kv_bytes_per_seq'] + r['record_bytes_per_seq'])}/sequence "
+            f"(records {_gb(r['record_bytes_per_seq'])}): {r['sequences']} fit")
+    if "skipped" in r:
+      print(f"{head}; not timed: {r['skipped']}", flush=True)
+    else:
+      print(f"{head}; at batch {r['batch']} {r['tokens_per_s']:>10,.0f} tok/s  first call "
+            f"{r['first_call_s']:6.1f} s (compile {r['compile_s']:6.1f} s), "
+            f"{100 * r['read_fraction']:4.1f}% of read bandwidth", flush=True)
+  return fm
+
+
+def run_long_context(params: Any, base: Any, res: dict[str, Any], context: int, batch: int,
+                     over_budget: Callable[[], bool]) -> dict[str, Any]:
+  """Every policy at `batch` sequences of `context` tokens (the fixed-memory case's decode
+  with no budget: caches of zeros, `--new_tokens` decoded in one session turn)."""
+  lc: dict[str, Any] = {"context": context, "batch": batch, "impl": FLAGS.budget_impl,
+                        "cases": {}}
+  print(f"  long context: batch {batch}, {context}-token caches, decode impl "
+        f"{FLAGS.budget_impl}", flush=True)
+  for policy in FLAGS.policies:
+    if over_budget():
+      lc["cases"][policy] = {"skipped": "budget"}
+      continue
+    config = _impl_case(base, policy, FLAGS.budget_impl)
+    r = lc["cases"][policy] = run_budget_case(params, config, 1e30, context, batch, FLAGS.reps)
+    r.pop("sequences")  # what a 1e30-byte budget would hold: not a figure
+    _with_bandwidth(r, config, context, res)
+    print(f"  long:{policy:<18} {r['tokens_per_s']:>10,.0f} tok/s  first call "
+          f"{r['first_call_s']:6.1f} s (compile {r['compile_s']:6.1f} s), "
+          f"{100 * r['read_fraction']:4.1f}% of read bandwidth", flush=True)
+  return lc
 
 
 def _impl_case(base: Any, policy: str, impl: str) -> Any:
@@ -729,14 +798,22 @@ def summary(res: dict[str, Any]) -> dict[str, Any]:
     v = get(cases, f"bf16:{ki}:{kb}", field)
     if v:
       out[key] = v
-  ratio("fp4_over_bf16_fixed_memory", get(fm, "fp4_rtn"), get(fm, "bf16"))
-  ratio("fp4_over_bf16_fixed_memory_sequences", get(fm, "fp4_rtn", "sequences"),
-        get(fm, "bf16", "sequences"))
-  ratio("fp8_over_bf16_fixed_memory", get(fm, "fp8_unified"), get(fm, "bf16"))
+  for key in [k for k in res if k.startswith("fixed_memory")]:
+    c = res[key].get("cases", {})
+    tail = key[len("fixed_memory"):]
+    ratio(f"fp4_over_bf16_fixed_memory{tail}", get(c, "fp4_rtn"), get(c, "bf16"))
+    ratio(f"fp4_over_bf16_fixed_memory{tail}_sequences", get(c, "fp4_rtn", "sequences"),
+          get(c, "bf16", "sequences"))
+    ratio(f"fp8_over_bf16_fixed_memory{tail}", get(c, "fp8_unified"), get(c, "bf16"))
+    ratio(f"fp4_trace_over_fp4_rtn_fixed_memory{tail}", get(c, "fp4_trace"), get(c, "fp4_rtn"))
+  lc = res.get("long_context", {}).get("cases", {})
+  ratio("fp4_over_bf16_long_context", get(lc, "fp4_rtn"), get(lc, "bf16"))
+  ratio("fp4_trace_over_fp4_rtn_long_context", get(lc, "fp4_trace"), get(lc, "fp4_rtn"))
   ratio("bf16_over_transformers", bf16, get(hf, str(kb)))
   ratio("fp4_over_transformers", fp4, get(hf, str(kb)))
   compiles = {f"budget:{k}" if src is fm else k: v["compile_s"]
               for src in (cases, fm) for k, v in src.items() if "compile_s" in v}
+  compiles.update({f"long:{k}": v["compile_s"] for k, v in lc.items() if "compile_s" in v})
   if compiles:
     slowest = max(compiles, key=compiles.get)
     out.update({"compile_s_max": compiles[slowest], "compile_s_max_case": slowest,

@@ -123,14 +123,22 @@ def test_summary_keys():
                    "bf16:kernel:8": case(30.0)},
          "fixed_memory": {"cases": {"bf16": case(50.0, sequences=100, compile_s=70.0),
                                     "fp4_rtn": case(60.0, sequences=130)}},
+         "fixed_memory_32k": {"cases": {"bf16": case(10.0, sequences=25),
+                                        "fp4_rtn": case(35.0, sequences=90),
+                                        "fp4_trace": case(31.5, sequences=80)}},
+         "long_context": {"cases": {"bf16": case(20.0), "fp4_rtn": case(50.0),
+                                    "fp4_trace": case(45.0, compile_s=80.0)}},
          "transformers": {"cases": {"64": {"tokens_per_s": 20.0}}}}
   got = br.summary(res)
   want = {"fp4_over_bf16_fixed_batch": 0.8, "fp8_over_bf16_fixed_batch": 1.1,
           "fp4_trace_over_fp4_rtn_b64": 0.9, "decode_bandwidth_fraction": 0.4,
           "decode_bandwidth_fraction_copy": 0.38, "fp4_over_bf16_fixed_memory": 1.2,
           "fp4_over_bf16_fixed_memory_sequences": 1.3, "bf16_over_transformers": 5.0,
-          "fp4_over_transformers": 4.0, "compile_s_max": 70.0,
-          "compile_s_max_case": "budget:bf16", "compile_s_24_layers": 70.0,
+          "fp4_over_bf16_fixed_memory_32k": 3.5, "fp4_over_bf16_fixed_memory_32k_sequences": 3.6,
+          "fp4_trace_over_fp4_rtn_fixed_memory_32k": 0.9, "fp4_over_bf16_long_context": 2.5,
+          "fp4_trace_over_fp4_rtn_long_context": 0.9,
+          "fp4_over_transformers": 4.0, "compile_s_max": 80.0,
+          "compile_s_max_case": "long:fp4_trace", "compile_s_24_layers": 80.0,
           "engine_init_s_max": 9.0, "engine_init_s_max_case": "fp4_rtn:kernel:64",
           "update_weights_s_max": 0.2, "update_weights_s_max_case": "bf16:kernel:64"}
   assert set(got) == set(want)
@@ -218,7 +226,8 @@ def test_cpu_run(tmp_path):
   res = br.main(["prog", "--preset=cpu", "--policies=bf16", "--impls=kernel", "--prompt_len=8",
                  f"--new_tokens={new}", "--reps=1", "--budget_policies=bf16,fp4_rtn",
                  f"--budget_gb={budget / 1e9}", f"--budget_context={context}",
-                 "--budget_max_batch=4", "--transformers", f"--json_out={out}"])
+                 "--budget_max_batch=4", "--transformers", "--long_context=24",
+                 f"--json_out={out}"])
   cases = res["cases"]
   assert set(cases) == {"bf16:kernel:4"}
   for c in cases.values():
@@ -233,6 +242,10 @@ def test_cpu_run(tmp_path):
   for policy, c in fm.items():
     assert c["tokens"] == c["batch"] * new and c["tokens_per_s"] > 0, policy
     assert c["total_bytes"] <= budget
+  long = res["long_context"]["cases"]["bf16"]
+  assert (long["batch"], long["tokens"]) == (4, 4 * new) and "sequences" not in long
+  for c in (*fm.values(), long):
+    assert 0 < c["read_fraction"] and c["step_bytes"] > 0
   hf = res["transformers"]["cases"]["4"]
   assert hf["tokens"] == 4 * new and hf["tokens_per_s"] > 0 and "first_token_agreement" in hf
 
