@@ -118,7 +118,7 @@ step_rl() {
   TAIL=30 run rl_report 40 python3 -m experiments.train_rl --config="$cfg" --workdir="$w" \
     --policies="$(echo ${RL_POLICIES:-bf16 fp4_rollout fp4_rtn fp4_trace} | tr ' ' ,)" \
     ${RL_ARGS:-}
-  (cd "$w" && find . -maxdepth 4 \( -name '*.csv' -o -name '*.json' -o -name '*.png' \) \
+  [ -d "$w" ] && (cd "$w" && find . -maxdepth 4 \( -name '*.csv' -o -name '*.json' -o -name '*.png' \) \
     -not -path '*/guidance/*' -not -path '*/ckpt/*' -not -path './sft/*' -print0 \
     | tar -czf "$OUT/rl.tar.gz" --null -T -)
 }
