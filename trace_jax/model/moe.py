@@ -21,7 +21,7 @@ from jax.sharding import Mesh, PartitionSpec
 from trace_jax.kernels import fp4_moe
 from trace_jax.model import expert_parallel, expert_weights
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.grouped import grouped_matmul, inverse_permutation
+from trace_jax.model.grouped import dispatch_rows, grouped_matmul, inverse_permutation, permute_rows
 from trace_jax.model.layer_runs import at_layer
 from trace_jax.model.layers import Linear, _normal
 from trace_jax.model.precision import Precision, swiglu
@@ -119,14 +119,14 @@ class MoE(nnx.Module):
     order = jnp.argsort(flat_ids, stable=True)
     inverse = inverse_permutation(order)
     group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
-    rows = xq[order // k]                                                    # [M, D]
+    rows = dispatch_rows(xq, order, inverse, k)                              # [M, D]
     hidden, down = ex.local(ex.arrays, group_sizes)
     h = prec.site(layer, "expert_mid", hidden(rows), row_order=order, row_inverse=inverse,
                   tap_shape=(b, s, k),
                   experts=ids.reshape(b, s, k), rollout_experts=rollout_ids)
     y = down(h)                                                              # [M, D]
-    # Combine: back to (token, slot) order (a gather), weight, sum over slots.
-    y = y[inverse].reshape(b * s, k, d)
+    # Combine: back to (token, slot) order (a gather both ways), weight, sum over slots.
+    y = permute_rows(y, inverse, order).reshape(b * s, k, d)
     out = jnp.sum(y * weights[..., None], axis=1)
     return out.reshape(b, s, d), router_logits
 
