@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trace_jax.kernels.invariant import rms_norm as invariant_rms_norm
+
 INIT_STD = 0.02  # HF initializer_range
 
 
@@ -27,7 +29,10 @@ class RMSNorm(nnx.Module):
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
     self.eps = eps
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, fixed_order: bool = False) -> jax.Array:
+    """fixed_order: the mean's sum in index order (the invariant plan's)."""
+    if fixed_order:
+      return invariant_rms_norm(x, self.scale[...], self.eps)
     xf = x.astype(jnp.float32)
     var = jnp.mean(xf * xf, axis=-1, keepdims=True)
     y = (xf * jax.lax.rsqrt(var + jnp.float32(self.eps))).astype(x.dtype)
