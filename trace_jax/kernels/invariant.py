@@ -5,8 +5,11 @@ XLA's CPU dots and reductions choose their summation order by shape: a row of `x
 changes in float32 between M=1 and M=1024 rows, and between N=64 and N=65 output columns;
 `jnp.sum(x * w, -1)` changes too (its vectorization follows the outer shape), and so do
 `jax.nn.softmax` / `log_softmax` over the vocabulary between [B, V] and [B, S, V]. Elementwise
-operations (add, multiply, exp, log, rsqrt, divide) are the same per element at any shape.
-So every reduction here is a *chain* of elementwise operations: a float32 accumulator that
+arithmetic (add, multiply, divide, sqrt: IEEE operations) is the same per element at any
+shape; XLA's transcendental functions are not: `exp(x - max(x))` differs by an ulp between
+[6, 9, 100] and [6, 100] (its CPU lowering picks an implementation by context). So `exp`,
+`log` and `silu` here are polynomials of IEEE operations and exponent bits, and every
+reduction is a *chain* of elementwise operations: a float32 accumulator that
 adds one term after another, the terms taken along the reduced axis in index order
 (`lax.scan` over blocks of `BLOCK` terms, unrolled within a block). The order of a row's sum
 is then fixed by the data, never by the shape, and the same in every program (prefill, decode,
@@ -15,6 +18,9 @@ training). Maxima are exact in any order (XLA's reduction is kept).
 Padding is free: a reduced axis is padded with zeros to whole blocks, and a term of zero
 leaves the accumulator unchanged, so attention over a cache of any length (masked keys give
 probability exactly 0) sums what the full-sequence forward sums.
+
+Division: XLA turns `x / y` into `x * (1 / y)` where y is a broadcast scalar (a batch of
+one row), so a normalization here multiplies by an explicit reciprocal at every shape.
 
 Excess precision: XLA may carry a bf16 value in float32 between fusions (differently in
 different programs). Every input here is rounded to its own dtype explicitly
@@ -33,10 +39,55 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trace_jax.kernels.attention_math import score_scale
 
 BLOCK = 16  # terms per scan step (unrolled in the step's body)
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693145751953125)  # ln 2 = _LN2_HI + _LN2_LO, _LN2_HI exact in 16 bits
+_LN2_LO = np.float32(1.4286067653302e-06)
+_EXP_MIN = np.float32(-87.0)  # below: 0 (exp would leave float32's normal range)
+_EXP_MAX = np.float32(88.0)
+
+
+def exp(x: jax.Array) -> jax.Array:
+  """float32 e**x: 2**n (exponent bits) times a degree-8 Taylor polynomial of the remainder
+  |r| <= ln2 / 2 (relative error ~1e-7); 0 below -87 (so float32's lowest gives exactly 0)."""
+  x = x.astype(jnp.float32)
+  z = jnp.clip(x, _EXP_MIN, _EXP_MAX)
+  n = jnp.round(z * _LOG2E)
+  r = (z - n * _LN2_HI) - n * _LN2_LO
+  p = np.float32(1 / 40320)
+  for c in (1 / 5040, 1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0):
+    p = p * r + np.float32(c)
+  two_n = jax.lax.bitcast_convert_type((n.astype(jnp.int32) + 127) << 23, jnp.float32)
+  return jnp.where(x < _EXP_MIN, jnp.float32(0), p * two_n)
+
+
+def log(x: jax.Array) -> jax.Array:
+  """float32 natural log of normal x > 0: e ln2 + 2 atanh((m - 1) / (m + 1)) of x = m 2**e,
+  m in [sqrt(1/2), sqrt(2)), the atanh series to s**13 (relative error ~1e-7)."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  e = (bits >> 23) - 127
+  m = jax.lax.bitcast_convert_type((bits & 0x007FFFFF) | 0x3F800000, jnp.float32)  # [1, 2)
+  big = m > np.float32(1.4142135)
+  m = jnp.where(big, m * np.float32(0.5), m)
+  e = (e + big.astype(jnp.int32)).astype(jnp.float32)
+  s = (m - np.float32(1)) / (m + np.float32(1))
+  s2 = s * s
+  p = np.float32(1 / 13)
+  for c in (1 / 11, 1 / 9, 1 / 7, 1 / 5, 1 / 3, 1.0):
+    p = p * s2 + np.float32(c)
+  return (e * _LN2_HI + e * _LN2_LO) + np.float32(2) * s * p
+
+
+def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
+  """silu(gate) * up in gate's dtype: gate / (1 + exp(-gate)) * up in float32, one rounding."""
+  g = exact(gate)
+  return rounded(g * reciprocal(np.float32(1) + exp(-g)) * exact(up), gate.dtype)
 
 
 def exact(x: jax.Array) -> jax.Array:
@@ -122,18 +173,28 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
   return y.reshape(lead + (w.shape[0],))
 
 
+def reciprocal(x: jax.Array) -> jax.Array:
+  """1 / x of float32 x, to multiply by (the same bits at every shape; see the docstring)."""
+  return jnp.float32(1) / x
+
+
+def normalized(e: jax.Array) -> jax.Array:
+  """e [..., K] >= 0 times the reciprocal of its sum over K (in index order)."""
+  return e * reciprocal(sum_last(e))[..., None]
+
+
 def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
-  """float32 softmax of x over `axis`: exp(x - max) / (their sum in index order)."""
+  """float32 softmax of x over `axis`: exp(x - max) times 1 / (their sum in index order)."""
   x = jnp.moveaxis(exact(x), axis, -1)
-  e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
-  return jnp.moveaxis(e / sum_last(e)[..., None], -1, axis)
+  e = exp(x - jnp.max(x, axis=-1, keepdims=True))
+  return jnp.moveaxis(normalized(e), -1, axis)
 
 
 def log_softmax(x: jax.Array) -> jax.Array:
   """float32 log-softmax of x over its last axis: x - max - log(sum of exp, index order)."""
   x = exact(x)
   shifted = x - jnp.max(x, axis=-1, keepdims=True)
-  return shifted - jnp.log(sum_last(jnp.exp(shifted)))[..., None]
+  return shifted - log(sum_last(exp(shifted)))[..., None]
 
 
 def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
@@ -145,10 +206,11 @@ def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  """`layers.RMSNorm`'s formula, `scale * (x / sqrt(mean(x^2) + eps))`, its mean a chain."""
+  """`layers.RMSNorm`'s formula, `scale * (x / sqrt(mean(x^2) + eps))`: the mean a chain,
+  1 / sqrt an IEEE square root and quotient (XLA's rsqrt may be approximate)."""
   xf = exact(x)
-  var = sum_last(xf * xf) / jnp.float32(x.shape[-1])
-  y = rounded(xf * jax.lax.rsqrt(var + jnp.float32(eps))[..., None], x.dtype)
+  var = sum_last(xf * xf) * jnp.float32(1 / x.shape[-1])
+  y = rounded(xf * reciprocal(jnp.sqrt(var + jnp.float32(eps)))[..., None], x.dtype)
   return rounded(exact(scale.astype(x.dtype)) * exact(y), x.dtype)
 
 
@@ -169,8 +231,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
                  (b, g, r, s, t)) * score_scale(h)
   mask = k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]
   scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-  e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-  probs = exact(rounded(e / sum_last(e)[..., None], q.dtype))
+  e = exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+  probs = exact(rounded(normalized(e), q.dtype))
   pt = jnp.moveaxis(probs, -1, 0)                                       # [T, B, G, R, S]
   vt = jnp.transpose(exact(v), (1, 0, 2, 3))                            # [T, B, G, H]
   out = chain(lambda a: a[0][..., None] * a[1][:, :, None, None, :], (pt, vt),

@@ -46,9 +46,8 @@ def route(router_logits: jax.Array, k: int, norm_topk_prob: bool, dtype: jnp.dty
     top_i = replay.astype(jnp.int32)
     top_p = jnp.take_along_axis(probs, top_i, axis=-1)
   if norm_topk_prob:
-    total = (invariant.sum_last(top_p)[..., None] if fixed_order
-             else jnp.sum(top_p, axis=-1, keepdims=True))
-    top_p = top_p / total
+    top_p = (invariant.normalized(top_p) if fixed_order
+             else top_p / jnp.sum(top_p, axis=-1, keepdims=True))
   return top_i.astype(jnp.int32), top_p.astype(dtype)
 
 
@@ -176,7 +175,7 @@ class MoE(nnx.Module):
         gate_up, down = at_layer((gate_up, down), index)
         mm = lambda a, w: grouped_matmul(a, expert_weights.dense(w, a.dtype), sizes,
                                          plan.grouped)
-      return lambda rows: swiglu(mm(rows, gate_up)), lambda h: mm(h, down)
+      return lambda rows: swiglu(mm(rows, gate_up), plan.invariant), lambda h: mm(h, down)
 
     arrays = (experts.run.gate_up, experts.run.down, experts.index)
     specs = None

@@ -260,6 +260,9 @@ class Precision:
     if self.fp8:
       gu = self.grouped(rows, jnp.concatenate([gate, up], axis=1), group_sizes)
       return swiglu(gu)
+    if self.plan.invariant:
+      return invariant.silu_mul(self.grouped(rows, gate, group_sizes),
+                                self.grouped(rows, up, group_sizes))
     return jax.nn.silu(self.grouped(rows, gate, group_sizes)) * self.grouped(rows, up,
                                                                             group_sizes)
 
@@ -323,9 +326,12 @@ def quantize_rows(x: jax.Array, mantissa: bool = False) -> tuple[Any, ...]:
       jax.tree.map(lambda a: a.reshape(lead + a.shape[-1:]), r) for r in rest)
 
 
-def swiglu(gu: jax.Array) -> jax.Array:
-  """silu(gate) * up of gate and up stacked on the last axis [..., 2F]."""
+def swiglu(gu: jax.Array, fixed_order: bool = False) -> jax.Array:
+  """silu(gate) * up of gate and up stacked on the last axis [..., 2F] (fixed_order: the
+  invariant plan's `kernels.invariant.silu_mul`)."""
   f = gu.shape[-1] // 2
+  if fixed_order:
+    return invariant.silu_mul(gu[..., :f], gu[..., f:])
   return jax.nn.silu(gu[..., :f]) * gu[..., f:]
 
 

@@ -110,7 +110,8 @@ class Transformer(nnx.Module):
     c = self.config
     dtype = jnp.dtype(c.dtype)
     x = self.embed(tokens, dtype)
-    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
+    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype,
+                            c.max_position_embeddings if prec.plan.invariant else None)
     gdef = nnx.graphdef(self.layers[0])
     new_cache = [] if cache is not None else None
     router_logits = []
