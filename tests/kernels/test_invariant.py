@@ -116,7 +116,7 @@ def _qkv(dtype=BF16):
   return q, k, v, jnp.broadcast_to(jnp.arange(S), (B, S))
 
 
-@pytest.mark.parametrize("cache_len", [S, 45, 64], ids=["cache_20", "cache_45", "cache_64"])
+@pytest.mark.parametrize("cache_len", [S, 45], ids=["cache_20", "cache_45"])
 def test_decode_attention_equals_the_full_sequence_rows(cache_len):
   """One query at position s over a cache of cache_len keys (zeros past the sequence: the
   engine's cache) gives the full-sequence forward's row s bit for bit, for every s and for
