@@ -27,8 +27,13 @@ different programs). Every input here is rounded to its own dtype explicitly
 (`lax.reduce_precision`, which XLA keeps) before it enters a float32 chain, and every output
 is rounded once from the float32 result.
 
-The matmuls' gradients are the ordinary XLA dots (`jax.custom_vjp`): only forward values
-need to agree with the rollout. Costs: the chains run without a BLAS; see docs/numerics.md.
+Training programs: every public operation here is a `jax.custom_vjp` whose residuals are
+its inputs and whose gradient is the plain-JAX formula's (`_reference_grad`; the matmuls':
+XLA's dots). Only forward values must agree with the rollout, and XLA contracts a multiply
+and an add into one FMA where both land in one fused kernel: under autodiff a forward
+intermediate saved for the backward changes the fusion, and with it the bits. With the
+inputs as the only residuals, the training forward runs the rollout's computation.
+Costs: the chains run without a BLAS; see docs/numerics.md.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trace_jax.kernels import attention_math
 from trace_jax.kernels.attention_math import score_scale
 
 BLOCK = 16  # terms per scan step (unrolled in the step's body)
@@ -84,6 +90,29 @@ def log(x: jax.Array) -> jax.Array:
   return (e * _LN2_HI + e * _LN2_LO) + np.float32(2) * s * p
 
 
+def _reference_grad(reference: Callable[..., Any], nondiff_argnums: tuple[int, ...] = ()):
+  """Decorator: the function's values, `reference`'s gradient (`jax.vjp` of it at the same
+  inputs, the inputs the only residuals; see the module docstring)."""
+  def wrap(fn):
+    f = jax.custom_vjp(fn, nondiff_argnums=nondiff_argnums)
+
+    def fwd(*args):
+      return fn(*args), tuple(a for i, a in enumerate(args) if i not in nondiff_argnums)
+
+    def bwd(*args):
+      static, (res, g) = args[:-2], args[-2:]
+      def ref(*diff):
+        it, st = iter(diff), iter(static)
+        n = len(diff) + len(static)
+        return reference(*(next(st) if i in nondiff_argnums else next(it) for i in range(n)))
+      return jax.vjp(ref, *res)[1](g)
+
+    f.defvjp(fwd, bwd)
+    return functools.wraps(fn)(f)
+  return wrap
+
+
+@_reference_grad(lambda gate, up: jax.nn.silu(gate) * up)
 def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
   """silu(gate) * up in gate's dtype: gate / (1 + exp(-gate)) * up in float32, one rounding."""
   g = exact(gate)
@@ -178,18 +207,22 @@ def reciprocal(x: jax.Array) -> jax.Array:
   return jnp.float32(1) / x
 
 
+@_reference_grad(lambda e: e / jnp.sum(e, axis=-1, keepdims=True))
 def normalized(e: jax.Array) -> jax.Array:
   """e [..., K] >= 0 times the reciprocal of its sum over K (in index order)."""
   return e * reciprocal(sum_last(e))[..., None]
 
 
-def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
-  """float32 softmax of x over `axis`: exp(x - max) times 1 / (their sum in index order)."""
-  x = jnp.moveaxis(exact(x), axis, -1)
+@_reference_grad(lambda x: jax.nn.softmax(x.astype(jnp.float32), axis=-1))
+def softmax(x: jax.Array) -> jax.Array:
+  """float32 softmax of x over its last axis: exp(x - max) times 1 / (their sum, in index
+  order)."""
+  x = exact(x)
   e = exp(x - jnp.max(x, axis=-1, keepdims=True))
-  return jnp.moveaxis(normalized(e), -1, axis)
+  return e * reciprocal(sum_last(e))[..., None]
 
 
+@_reference_grad(lambda x: jax.nn.log_softmax(x.astype(jnp.float32), axis=-1))
 def log_softmax(x: jax.Array) -> jax.Array:
   """float32 log-softmax of x over its last axis: x - max - log(sum of exp, index order)."""
   x = exact(x)
@@ -197,6 +230,7 @@ def log_softmax(x: jax.Array) -> jax.Array:
   return shifted - log(sum_last(exp(shifted)))[..., None]
 
 
+@_reference_grad(lambda y, w: jnp.sum(y * w[..., None], axis=1))
 def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
   """sum_k weights[t, k] * y[t, k] of expert outputs y [T, K, D] and combine weights [T, K]
   -> [T, D] in y's dtype: float32 products summed over the K slots in slot order."""
@@ -205,6 +239,13 @@ def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
   return rounded(out, y.dtype)
 
 
+def _rms_norm_reference(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  xf = x.astype(jnp.float32)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + jnp.float32(eps))
+  return scale.astype(x.dtype) * y.astype(x.dtype)
+
+
+@_reference_grad(_rms_norm_reference, nondiff_argnums=(2,))
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   """`layers.RMSNorm`'s formula, `scale * (x / sqrt(mean(x^2) + eps))`: the mean a chain,
   1 / sqrt an IEEE square root and quotient (XLA's rsqrt may be approximate)."""
@@ -214,6 +255,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   return rounded(exact(scale.astype(x.dtype)) * exact(y), x.dtype)
 
 
+@_reference_grad(attention_math.attend)
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array
            ) -> jax.Array:
   """`attention_math.attend`'s causal GQA with every sum a chain: q [B, S, N, H], k/v
