@@ -49,7 +49,7 @@ def _rollout_and_trainer(params, cfg, audit: bool = False):
   logp, out_taps = step_lib.policy_logprobs(params, cfg, step_lib.RLConfig(), batch, taps)
   mask = np.asarray(batch.loss_mask) > 0
   return (np.asarray(batch.logp_rollout)[mask], np.asarray(logp)[mask], samples, rec,
-          out_taps)
+          out_taps, batch)
 
 
 def _assert_bitwise(rollout: np.ndarray, trainer: np.ndarray) -> None:
@@ -58,9 +58,15 @@ def _assert_bitwise(rollout: np.ndarray, trainer: np.ndarray) -> None:
 
 
 def test_bf16_trainer_logprobs_equal_the_rollout_s_bit_for_bit(params):
-  rollout, trainer, samples, _, _ = _rollout_and_trainer(params, CFG)
+  """policy_logprobs, and the GRPO step's own forward (a program with the backward, whose
+  fusions differ): its mismatch metrics are exactly 0."""
+  rollout, trainer, samples, _, _, batch = _rollout_and_trainer(params, CFG)
   assert rollout.size == sum(len(s.tokens) for s in samples) > 10
   _assert_bitwise(rollout, trainer)
+  tx = step_lib.make_optimizer(step_lib.OptimConfig())
+  _, m, _ = step_lib.grpo_step(step_lib.init_state(params, tx), batch, config=CFG, tx=tx,
+                               rl=step_lib.RLConfig())
+  assert float(m["mean_abs_dlogp"]) == 0.0 and float(m["k3_kl"]) == 0.0, m
 
 
 def test_fp4_trace_logprobs_codes_and_routes_are_the_rollout_s(params):
@@ -68,7 +74,7 @@ def test_fp4_trace_logprobs_codes_and_routes_are_the_rollout_s(params):
   log-probs are the rollout's bit for bit, and so are its full FP4 codes and expert ids at
   every site of every layer (no flip, guided or not: guidance has nothing to repair)."""
   cfg = dataclasses.replace(CFG, policy="fp4_trace")
-  rollout, trainer, samples, rec, taps = _rollout_and_trainer(params, cfg, audit=True)
+  rollout, trainer, samples, rec, taps, _ = _rollout_and_trainer(params, cfg, audit=True)
   assert rec["guidance"] and rollout.size > 10
   _assert_bitwise(rollout, trainer)
   counts = [s.num_rows for s in samples]
@@ -112,6 +118,6 @@ def test_multi_turn_session_logprobs_equal_the_trainer_s(params):
 def test_default_plan_differs(params):
   """Positive control: the default ("auto") plan's trainer and rollout are other XLA programs
   and disagree on some log-probs, by float32 summation order only."""
-  rollout, trainer, _, _, _ = _rollout_and_trainer(params, dataclasses.replace(CFG, plan="auto"))
+  rollout, trainer, *_ = _rollout_and_trainer(params, dataclasses.replace(CFG, plan="auto"))
   d = np.abs(rollout - trainer)
   assert d.max() > 0 and d.max() < 0.05, d.max()
