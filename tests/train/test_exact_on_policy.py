@@ -84,7 +84,8 @@ def test_fp4_trace_logprobs_codes_and_routes_are_the_rollout_s(params):
   report = mismatch.compare(ragged, rec["audit"]["guidance"], train_routing, rec["routing"],
                             guided_layers=cfg.guided_layers)
   assert len(report.flips) == 4 * cfg.num_hidden_layers
-  assert all(f.flips == 0 and f.total > 0 for f in report.flips.values()), report.metrics()
+  assert all(f.flips == 0 and f.scale_flips == 0 and f.total > 0 and f.scale_total > 0
+             for f in report.flips.values()), report.metrics()
   assert report.routing_total().flip_rate == 0.0, report.metrics()
 
 
