@@ -31,7 +31,7 @@ KERNELS = dict(moe_impl="kernel", decode_impl="kernel", decode_moe_kernel="wgmma
 
 
 def _fields(plan: KernelPlan) -> dict[str, str]:
-  return {k: v for k, v in plan.as_dict().items() if k != "sm_count"}
+  return {k: v for k, v in plan.as_dict().items() if k in plan_lib.FIELDS}
 
 
 @pytest.mark.parametrize("make", [M.qwen3_30b_a3b, functools.partial(M.tiny, dtype="bfloat16")],
@@ -119,7 +119,8 @@ def test_reference_preset_on_hopper_and_as_dict():
   plan = plan_lib.resolve(M.tiny(policy="fp4_trace", plan="reference"), HOPPER)
   assert _fields(plan) == REFERENCE
   d = plan.as_dict()
-  assert set(d) == set(plan_lib.FIELDS) | {"sm_count"} and d["sm_count"] == 132
+  assert set(d) == set(plan_lib.FIELDS) | {"sm_count", "invariant"} and d["sm_count"] == 132
+  assert d["invariant"] is False
   assert KernelPlan(**d) == plan
   hash(plan)  # a static argument of the engine's programs
 
@@ -138,7 +139,58 @@ def test_bad_plan_fields_are_refused(field, value, pattern):
     KernelPlan(**{**REFERENCE, field: value}) if field != "plan" else M.tiny(plan=value)
 
 
+@pytest.mark.parametrize("backend", [CPU, HOPPER], ids=["cpu", "hopper"])
+def test_invariant_preset_is_the_reference_with_fixed_order_sums(backend):
+  plan = plan_lib.resolve(M.tiny(policy="fp4_trace", plan="invariant"), backend)
+  assert _fields(plan) == REFERENCE and plan.invariant and plan.grouped == "invariant"
+  for preset in ("auto", "reference"):
+    other = plan_lib.resolve(M.tiny(policy="fp4_trace", plan=preset), backend)
+    assert not other.invariant and other.grouped == other.moe_impl
+
+
+@pytest.mark.parametrize("fields,pattern", [
+    pytest.param(dict(decode_impl="kernel"), 'plan="invariant" runs decode_impl="xla"',
+                 id="decode_kernel"),
+    pytest.param(dict(moe_impl="ragged_dot"), 'plan="invariant" runs moe_impl="tiled"',
+                 id="ragged_dot"),
+    pytest.param(dict(policy="fp8_unified", moe_intermediate_size=128, head_dim=64),
+                 'plan="invariant" takes no FP8 linears', id="fp8_linears"),
+])
+def test_invariant_preset_refuses_kernels_and_fp8(fields, pattern):
+  M.tiny(plan="invariant", moe_impl="tiled")  # the reference's own values are accepted
+  with pytest.raises(ValueError, match=pattern):
+    M.tiny(plan="invariant", **fields)
+
+
 # ----------------------------------------------------------------------------- reaching the ops
+
+def _primitives(jaxpr) -> set[str]:
+  """Names of every primitive in a jaxpr and the jaxprs nested in its equations."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for p in eqn.params.values():
+      for sub in p if isinstance(p, (tuple, list)) else (p,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          names |= _primitives(inner)
+  return names
+
+
+def test_invariant_plan_reaches_every_matmul_and_rows_do_not_depend_on_the_batch():
+  """Under the invariant plan the forward holds no XLA dot (every matmul, the experts' too, is
+  a chain of `kernels.invariant`), and a sequence's logits are the same bits alone and in a
+  batch; the default plan's forward runs XLA's dots."""
+  config, params = _tiny("bf16", plan="invariant")
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (3, 6)))
+  fwd = lambda p, t: M.forward(p, config, t).logits
+  assert "dot_general" not in _primitives(jax.make_jaxpr(fwd)(params, tokens).jaxpr)
+  default, _ = _tiny("bf16")
+  assert "dot_general" in _primitives(jax.make_jaxpr(
+      lambda p, t: M.forward(p, default, t).logits)(params, tokens).jaxpr)
+  batch = np.asarray(jax.jit(fwd)(params, tokens))
+  alone = np.asarray(jax.jit(fwd)(params, tokens[1:2]))
+  assert np.array_equal(alone.view(np.uint16), batch[1:2].view(np.uint16))
 
 def _kernels(fn, *args) -> list[str]:
   """The Pallas kernels the traced program of fn(*args) calls, by name."""

@@ -12,4 +12,6 @@ no model code and keep no switches: which of them a program runs is the model's 
   `wgmma_decode`, `wgmma_moe`, `wgmma_attention`: Hopper's wgmma kernels (Mosaic GPU).
 `nvfp4_act`: an NVFP4 activation site in one kernel. `grouped_gemm`: training's grouped GEMMs.
 `fp8_gemm`: block-scaled FP8 GEMMs. `common`: the Pallas helpers the kernels share.
+`invariant`: plain-JAX operations whose rows do not depend on the batch, sequence or cache
+  length (the kernel plan's "invariant" preset: sums in a fixed order).
 """

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from trace_jax.kernels import attention_math, decode_attention, fp4_moe, kv_cache
+from trace_jax.kernels import attention_math, decode_attention, fp4_moe, invariant, kv_cache
 from trace_jax.kernels.attention_math import attend
 from trace_jax.kernels.kv_cache import PackedKVCache
 from trace_jax.model import batch_local
@@ -70,8 +70,9 @@ class Attention(nnx.Module):
     kernel = decode and s == 1 and prec.plan.decode_impl == "kernel"  # a one-token step
     (q, k, v), o_proj = self._projections(x, prec, kernel, quantized)
     q, k, v = q.reshape(b, s, n, h), k.reshape(b, s, g, h), v.reshape(b, s, g, h)
-    q = apply_rope(self.q_norm(q), cos, sin)
-    k = apply_rope(self.k_norm(k), cos, sin)
+    fixed = prec.plan.invariant
+    q = apply_rope(self.q_norm(q, fixed), cos, sin)
+    k = apply_rope(self.k_norm(k, fixed), cos, sin)
     k, v, new_cache = _write_cache(prec, layer, k, v, cache, positions)
     if decode and new_cache is None:
       raise ValueError("decode=True needs a KV cache")
@@ -89,7 +90,7 @@ class Attention(nnx.Module):
         key_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
       else:
         keys, values, key_pos = k, v, positions
-      out = attend(q, keys, values, positions, key_pos)
+      out = (invariant.attend if fixed else attend)(q, keys, values, positions, key_pos)
     return o_proj(out.reshape(b, s, n * h)), new_cache
 
   def _projections(self, x: jax.Array, prec: Precision, kernel: bool, quantized: Any

@@ -44,7 +44,8 @@ class ModelConfig:
     in a guided policy (`fp4_trace`, `mxfp4_trace`); None means the deepest half
     (`num_hidden_layers // 2 ..`).
   plan: the kernel plan's preset (`trace_jax.model.plan.PRESETS`: "auto", the fastest measured
-    implementations on the backend, or "reference", XLA everywhere); the per-operation fields
+    implementations on the backend, "reference", XLA everywhere, or "invariant", the reference
+    with every sum in a fixed order, row-invariant); the per-operation fields
     below, "auto" by default, force one operation's implementation over it. `plan.resolve`
     turns the config into the `KernelPlan` its programs run; docs of every field there.
   moe_impl: the experts' grouped matmuls of training and prefill (`trace_jax.model.grouped`):

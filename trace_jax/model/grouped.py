@@ -13,6 +13,9 @@ summing to M) times w [E, out, in] -> [M, out]:
   (equal up to rounding); the weight gradient sums in float32 over a group's tiles and rounds
   once. The default (`ModelConfig.moe_impl`): on the H200 it ran the small_h200 train step
   3.0-3.2x faster than ragged_dot with 4.7x less temporary memory (docs/benchmarks.md).
+- "invariant" (the invariant plan's, not a `moe_impl` choice): the tiled layout with
+  `kernels.invariant.batched_matmul` per tile, so each row's sums run in K order whatever
+  the group sizes, tiles or M.
 - "kernel": Pallas grouped GEMMs (`trace_jax.kernels.grouped_gemm`) for the forward, DGrad
   and WGrad that index the stacked weights in place (no per-tile weight copies, no segment
   sums); the Pallas interpreter off the GPU, so slow on CPU. Same sums up to float32 order.
@@ -25,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from trace_jax.kernels import grouped_gemm
+from trace_jax.kernels import grouped_gemm, invariant
 from trace_jax.model.config import MOE_IMPLS
 
 
@@ -38,7 +41,10 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str
     return _tiled(x, w, group_sizes, tile_rows(x.shape[0], w.shape[0]))
   if impl == "kernel":
     return _kernel(x, w, group_sizes)
-  raise ValueError(f"grouped matmul impl must be one of {MOE_IMPLS}, got {impl!r}")
+  if impl == "invariant":
+    return _invariant(x, w, group_sizes, tile_rows(x.shape[0], w.shape[0]))
+  raise ValueError(f"grouped matmul impl must be one of {(*MOE_IMPLS, 'invariant')}, got "
+                   f"{impl!r}")
 
 
 def tile_rows(m: int, groups: int) -> int:
@@ -121,6 +127,14 @@ def _tiled_bwd(tile, res, dy):
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def _invariant(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int) -> jax.Array:
+  """The tiled layout, each tile's rows times its group's weights in `invariant` order."""
+  dest, tg = _layout(group_sizes, x.shape[0], w.shape[0], tile)
+  y = _per_chunk(lambda xc, g: invariant.batched_matmul(xc, w[g]),
+                 _to_chunks(x, dest, tg, tile), tg)
+  return _from_chunks(y, dest)
 
 
 @jax.custom_vjp

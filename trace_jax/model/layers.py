@@ -9,9 +9,14 @@ convert without transposes and FP4/FP8 blocks run along the last axis.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+
+from trace_jax.kernels.invariant import rms_norm as invariant_rms_norm
 
 INIT_STD = 0.02  # HF initializer_range
 
@@ -27,7 +32,10 @@ class RMSNorm(nnx.Module):
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
     self.eps = eps
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, fixed_order: bool = False) -> jax.Array:
+    """fixed_order: the mean's sum in index order (the invariant plan's)."""
+    if fixed_order:
+      return invariant_rms_norm(x, self.scale[...], self.eps)
     xf = x.astype(jnp.float32)
     var = jnp.mean(xf * xf, axis=-1, keepdims=True)
     y = (xf * jax.lax.rsqrt(var + jnp.float32(self.eps))).astype(x.dtype)
@@ -60,14 +68,30 @@ class Embed(nnx.Module):
     return jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
 
 
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float,
-                 dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-  """cos, sin of shape positions.shape + (head_dim,), as HF computes them (float32, then cast)."""
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, dtype: jnp.dtype,
+                 table_len: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """cos, sin of shape positions.shape + (head_dim,), as HF computes them (float32, then cast).
+
+  table_len: rows of a table of positions 0..table_len-1 computed on the host instead (the
+  invariant plan's: XLA's cos and sin need not give the same bits at every shape)."""
+  if table_len is not None:
+    cos, sin = _rope_table(head_dim, float(theta), table_len)
+    return (jnp.asarray(cos)[positions].astype(dtype), jnp.asarray(sin)[positions].astype(dtype))
   exps = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / jnp.float32(head_dim)
   inv_freq = jnp.float32(1.0) / (jnp.float32(theta) ** exps)
   freqs = positions.astype(jnp.float32)[..., None] * inv_freq
   emb = jnp.concatenate([freqs, freqs], axis=-1)
   return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _rope_table(head_dim: int, theta: float, n: int) -> tuple[np.ndarray, np.ndarray]:
+  """float32 cos, sin [n, head_dim] of positions 0..n-1: float32 angles, float64 cos/sin."""
+  exps = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+  inv_freq = np.float32(1.0) / (np.float32(theta) ** exps)
+  freqs = np.arange(n, dtype=np.float32)[:, None] * inv_freq
+  emb = np.concatenate([freqs, freqs], axis=-1).astype(np.float64)
+  return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

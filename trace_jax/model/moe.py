@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from trace_jax.kernels import fp4_moe
+from trace_jax.kernels import fp4_moe, invariant
 from trace_jax.model import expert_parallel, expert_weights
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.grouped import dispatch_rows, grouped_matmul, inverse_permutation, permute_rows
@@ -29,20 +29,25 @@ from trace_jax.quant import formats
 
 
 def route(router_logits: jax.Array, k: int, norm_topk_prob: bool, dtype: jnp.dtype,
-          replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+          replay: jax.Array | None = None, fixed_order: bool = False
+          ) -> tuple[jax.Array, jax.Array]:
   """Top-k expert ids [T, K] int32 and combine weights [T, K] from router logits [T, E].
 
   replay: expert ids to use instead of the top-k (rollout routing replayed in training); their
   weights are the router's probabilities for those experts, renormalized likewise.
+  fixed_order: the softmax's and the renormalization's sums in index order (the invariant
+  plan's, `kernels.invariant`).
   """
-  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+  probs = (invariant.softmax(router_logits) if fixed_order
+           else jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1))
   if replay is None:
     top_p, top_i = jax.lax.top_k(probs, k)
   else:
     top_i = replay.astype(jnp.int32)
     top_p = jnp.take_along_axis(probs, top_i, axis=-1)
   if norm_topk_prob:
-    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    top_p = (invariant.normalized(top_p) if fixed_order
+             else top_p / jnp.sum(top_p, axis=-1, keepdims=True))
   return top_i.astype(jnp.int32), top_p.astype(dtype)
 
 
@@ -99,11 +104,12 @@ class MoE(nnx.Module):
     b, s, d = x.shape
     e, k = self.num_experts, self.k
     xt = x.reshape(b * s, d)
-    router_logits = self.router(xt)
+    router_logits = self.router(xt, prec.matmul)
     if replay and rollout_ids is None:
       raise ValueError(f"layer {layer}: routing replay needs the rollout's expert ids")
     ids, weights = route(router_logits, k, self.norm_topk_prob, x.dtype,
-                         rollout_ids.reshape(b * s, k) if replay else None)
+                         rollout_ids.reshape(b * s, k) if replay else None,
+                         prec.plan.invariant)
     prec.tap_route(layer, ids.reshape(b, s, k))
 
     xq = prec.site(layer, "moe_in", x).reshape(b * s, d)
@@ -127,7 +133,8 @@ class MoE(nnx.Module):
     y = down(h)                                                              # [M, D]
     # Combine: back to (token, slot) order (a gather both ways), weight, sum over slots.
     y = permute_rows(y, inverse, order).reshape(b * s, k, d)
-    out = jnp.sum(y * weights[..., None], axis=1)
+    out = (invariant.combine(y, weights) if prec.plan.invariant
+           else jnp.sum(y * weights[..., None], axis=1))
     return out.reshape(b, s, d), router_logits
 
   def _experts(self, prec: Precision, dtype: Any, experts: Any, one_token: bool,
@@ -167,8 +174,8 @@ class MoE(nnx.Module):
       else:  # the XLA paths (prefill): the layer's weights sliced out of the stack
         gate_up, down = at_layer((gate_up, down), index)
         mm = lambda a, w: grouped_matmul(a, expert_weights.dense(w, a.dtype), sizes,
-                                         plan.moe_impl)
-      return lambda rows: swiglu(mm(rows, gate_up)), lambda h: mm(h, down)
+                                         plan.grouped)
+      return lambda rows: swiglu(mm(rows, gate_up), plan.invariant), lambda h: mm(h, down)
 
     arrays = (experts.run.gate_up, experts.run.down, experts.index)
     specs = None

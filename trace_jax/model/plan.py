@@ -6,10 +6,10 @@ one runs. It is resolved once from a `ModelConfig` and a `Backend` where a progr
 by the model's modules, which pass each kernel the small config object it takes. No module
 keeps a switch of its own; a benchmark compares implementations by passing configs (plans).
 
-A config chooses with `ModelConfig.plan` (a preset: "auto" or "reference") and per-operation
-fields of the same names as the plan's (`FIELDS`), each "auto" by default or forced to one of
-its choices. "auto" takes the preset's value where the preset names one, else the fastest
-measured implementation on the backend (docs/benchmarks.md):
+A config chooses with `ModelConfig.plan` (a preset: "auto", "reference" or "invariant") and
+per-operation fields of the same names as the plan's (`FIELDS`), each "auto" by default or
+forced to one of its choices. "auto" takes the preset's value where the preset names one, else
+the fastest measured implementation on the backend (docs/benchmarks.md):
 
 | field             | Hopper      | elsewhere | what it selects                                |
 |-------------------|-------------|-----------|------------------------------------------------|
@@ -38,6 +38,12 @@ plan states what runs: `kv_cache` is "dense" and `nvfp4_sites` "xla" under forwa
 NVFP4 sites, whatever was forced. The kernels and the reference compute the same values up to
 float32 summation order (docs/numerics.md); cuDNN's attention also rounds its probabilities
 per key block rather than once.
+
+"invariant": the reference's fields, and every matmul, attention, norm, softmax and MoE
+combine of the forward computed with sums in a fixed order (`kernels.invariant`), so a row's
+result does not depend on the batch, the sequence or the cache length: the rollout's decode
+and the trainer's full-sequence forward compute the same bits (`KernelPlan.invariant`). It
+takes no kernel and no FP8 linears (their GEMMs sum in their own order).
 """
 
 from __future__ import annotations
@@ -68,7 +74,9 @@ FIELDS: dict[str, tuple[str, ...]] = {
 PRESETS: dict[str, Mapping[str, str]] = {
     "auto": {},
     "reference": {name: choices[0] for name, choices in FIELDS.items()},
+    "invariant": {name: choices[0] for name, choices in FIELDS.items()},
 }
+INVARIANT = "invariant"  # the preset whose forward is row-invariant (`KernelPlan.invariant`)
 # SMs assumed where the device does not say (an H100/H200's).
 DEFAULT_SM_COUNT = 132
 
@@ -115,9 +123,10 @@ def _current_backend() -> Backend:
 
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
-  """The implementation of every operation (`FIELDS`; concrete values, never "auto") and the
-  backend's SM count (the decode attention's launch shape). Hashable: programs take it as a
-  static argument."""
+  """The implementation of every operation (`FIELDS`; concrete values, never "auto"), the
+  backend's SM count (the decode attention's launch shape), and whether the forward's sums
+  run in a fixed order (`invariant`: the "invariant" preset, `kernels.invariant`). Hashable:
+  programs take it as a static argument."""
   moe_impl: str
   decode_impl: str
   decode_moe_kernel: str
@@ -128,12 +137,19 @@ class KernelPlan:
   fp8_gemm: str
   seq_attention: str = "xla"
   sm_count: int = DEFAULT_SM_COUNT
+  invariant: bool = False
 
   def __post_init__(self):
     for name, choices in FIELDS.items():
       if getattr(self, name) not in choices:
         raise ValueError(f"KernelPlan: {name} must be one of {choices}, got "
                          f"{getattr(self, name)!r}")
+
+  @property
+  def grouped(self) -> str:
+    """The grouped matmuls' implementation (`model.grouped`): "invariant" under the invariant
+    plan, else `moe_impl`."""
+    return INVARIANT if self.invariant else self.moe_impl
 
   @property
   def words(self) -> bool:
@@ -167,6 +183,8 @@ def check(config: Any) -> list[str]:
     value = getattr(config, name)
     if value != AUTO and value not in choices:
       errors.append(f"{name} must be one of {(AUTO, *choices)}, got {value!r}")
+  if config.plan == INVARIANT:
+    errors += _invariant_errors(config)
   if config.moe_impl == "kernel" and not _moe_kernel_shapes(config):
     errors.append(f'moe_impl="kernel" needs hidden_size ({config.hidden_size}) and '
                   f"moe_intermediate_size ({config.moe_intermediate_size}) multiples of 16")
@@ -180,6 +198,20 @@ def _cudnn_attention_shapes(config: Any) -> bool:
   """What cuDNN's fused attention takes: bf16 inputs, head_dim a multiple of 8 up to 128."""
   h = config.head_dim
   return config.dtype == "bfloat16" and h % 8 == 0 and h <= 128
+
+
+def _invariant_errors(config: Any) -> list[str]:
+  """The invariant plan runs the reference (XLA) implementation of every operation, without
+  FP8 linears."""
+  errors = [f'plan="invariant" runs {name}="{choices[0]}", got {getattr(config, name)!r}'
+            for name, choices in FIELDS.items() if getattr(config, name) not in (AUTO, choices[0])]
+  try:
+    fp8 = config.forward.fp8_linears
+  except ValueError:  # an unknown policy: the config reports it
+    fp8 = False
+  if fp8:
+    errors.append(f'plan="invariant" takes no FP8 linears (policy {config.policy!r})')
+  return errors
 
 
 def _moe_kernel_shapes(config: Any) -> bool:
@@ -226,4 +258,4 @@ def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:
       fp8_gemm=pick("fp8_gemm", "kernel" if kernels else "xla"),
       seq_attention=pick("seq_attention", "cudnn" if kernels and _cudnn_attention_shapes(config)
                          else "xla"),
-      sm_count=b.sm_count)
+      sm_count=b.sm_count, invariant=config.plan == INVARIANT)

@@ -28,7 +28,7 @@ import numpy as np
 
 from trace_jax.guidance import byte_rows
 from trace_jax.guidance.record import Guidance
-from trace_jax.kernels import nvfp4_act
+from trace_jax.kernels import invariant, nvfp4_act
 from trace_jax.model import batch_local, fp8_linear
 from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.model.grouped import grouped_matmul
@@ -263,6 +263,9 @@ class Precision:
     if self.fp8:
       gu = self.grouped(rows, jnp.concatenate([gate, up], axis=1), group_sizes)
       return swiglu(gu)
+    if self.plan.invariant:
+      return invariant.silu_mul(self.grouped(rows, gate, group_sizes),
+                                self.grouped(rows, up, group_sizes))
     return jax.nn.silu(self.grouped(rows, gate, group_sizes)) * self.grouped(rows, up,
                                                                             group_sizes)
 
@@ -278,8 +281,15 @@ class Precision:
     if layer is not None:
       raise ValueError("Precision.linear: layer= is for the engine's FP8 weights")
     if not self.fp8:
-      return jnp.einsum("...i,oi->...o", x, w)
+      return self.matmul(x, w)
     return fp8_linear.linear(x, w, p.fp8_gemm, "fp8" if self.config.fp8_backward else "bf16")
+
+  def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w [out, in]^T in x's dtype, the compute dtype's matmul of the plan (the
+    invariant plan's sums in K order, `kernels.invariant`)."""
+    if self.plan.invariant:
+      return invariant.matmul(x, w)
+    return jnp.einsum("...i,oi->...o", x, w)
 
   def linears(self, x: jax.Array, ws: list[jax.Array | formats.FP8Tensor]) -> list[jax.Array]:
     """Several projections [out_i, in] of one input (q, k, v): under FP8 linears one GEMM of
@@ -303,7 +313,7 @@ class Precision:
     if layer is not None:
       raise ValueError("Precision.grouped: layer= is for the engine's FP8 weights")
     if not self.fp8:
-      return grouped_matmul(rows, w, group_sizes, p.moe_impl)
+      return grouped_matmul(rows, w, group_sizes, p.grouped)
     return fp8_linear.grouped(rows, w, group_sizes, p.fp8_gemm,
                               "fp8" if self.config.fp8_backward else "bf16", p.moe_impl)
 
@@ -319,9 +329,12 @@ def quantize_rows(x: jax.Array, mantissa: bool = False) -> tuple[Any, ...]:
       jax.tree.map(lambda a: a.reshape(lead + a.shape[-1:]), r) for r in rest)
 
 
-def swiglu(gu: jax.Array) -> jax.Array:
-  """silu(gate) * up of gate and up stacked on the last axis [..., 2F]."""
+def swiglu(gu: jax.Array, fixed_order: bool = False) -> jax.Array:
+  """silu(gate) * up of gate and up stacked on the last axis [..., 2F] (fixed_order: the
+  invariant plan's `kernels.invariant.silu_mul`)."""
   f = gu.shape[-1] // 2
+  if fixed_order:
+    return invariant.silu_mul(gu[..., :f], gu[..., f:])
   return jax.nn.silu(gu[..., :f]) * gu[..., f:]
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax.guidance import byte_rows
-from trace_jax.kernels import fp4_moe
+from trace_jax.kernels import fp4_moe, invariant
 from trace_jax.model import batch_local, expert_weights
 from trace_jax.model.attention import Attention, CacheSlot, LayerCache
 from trace_jax.model.config import ModelConfig
@@ -45,10 +45,11 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x, cos, sin, positions, prec, layer, cache=None, decode=False,
                rollout_ids=None, replay=False, experts=None):
-    a, cache = self.attn(self.input_norm(x), cos, sin, positions, prec, layer, cache, decode,
+    fixed = prec.plan.invariant
+    a, cache = self.attn(self.input_norm(x, fixed), cos, sin, positions, prec, layer, cache, decode,
                          experts)
     x = x + a
-    m, router_logits = self.moe(self.post_attn_norm(x), prec, layer, rollout_ids, replay,
+    m, router_logits = self.moe(self.post_attn_norm(x, fixed), prec, layer, rollout_ids, replay,
                                 experts, decode)
     return x + m, cache, router_logits
 
@@ -109,7 +110,8 @@ class Transformer(nnx.Module):
     c = self.config
     dtype = jnp.dtype(c.dtype)
     x = self.embed(tokens, dtype)
-    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
+    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype,
+                            c.max_position_embeddings if prec.plan.invariant else None)
     gdef = nnx.graphdef(self.layers[0])
     new_cache = [] if cache is not None else None
     router_logits = []
@@ -141,8 +143,10 @@ class Transformer(nnx.Module):
             prec.taps[lo + j] = jax.tree.map(lambda t, j=j: t[j], taps)
       if new_cache is not None:
         new_cache.append(run_cache)
-    h = self.final_norm(x)
-    if c.logits_fp32:  # the weight rounded as the compute dtype's matmul would, then float32
+    h = self.final_norm(x, prec.plan.invariant)
+    if c.logits_fp32 and prec.plan.invariant:  # float32 sums of the compute dtype's values
+      logits = invariant.matmul(h, self.lm_head.kernel[...].astype(h.dtype), jnp.float32)
+    elif c.logits_fp32:  # the weight rounded as the compute dtype's matmul would, then float32
       w = self.lm_head.kernel[...].astype(h.dtype).astype(jnp.float32)
       logits = jnp.einsum("...i,oi->...o", h.astype(jnp.float32), w,
                           precision=jax.lax.Precision.HIGHEST)
@@ -155,7 +159,7 @@ class Transformer(nnx.Module):
                                            (h.reshape(b, -1), self.lm_head.kernel[...]),
                                            (0, None), b).reshape(b, 1, -1)
     else:
-      logits = self.lm_head(h)
+      logits = self.lm_head(h, prec.matmul)
     return ForwardOut(logits=logits, cache=new_cache, router_logits=router_logits,
                       taps=prec.taps, tap_rows=tap_rows)
 

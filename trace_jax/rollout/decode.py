@@ -42,9 +42,10 @@ def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, st
   """
   b = last_logits.shape[0]
   rows = jnp.arange(b)
+  fixed = (model_lib.resolve_plan(config) if plan is None else plan).invariant
   tok, lp = sampling_lib.sample(last_logits.astype(jnp.float32),
                                 jax.vmap(jax.random.fold_in)(keys, jnp.zeros(b, jnp.int32)),
-                                temps, top_ps, top_ks, truncate=truncate)
+                                temps, top_ps, top_ks, truncate=truncate, fixed_order=fixed)
   gen = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(tok)
   logps = jnp.zeros((b, max_new), jnp.float32).at[:, 0].set(lp)
   done = ~live0 | jnp.any(tok[:, None] == stop_ids, axis=-1) | (max_new_each <= 1)
@@ -83,7 +84,7 @@ def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, st
       steps = jax.lax.dynamic_update_slice_in_dim(steps, row, step, axis=1)
     step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.full(b, step, jnp.int32))
     nxt, lp = sampling_lib.sample(o.logits[:, 0].astype(jnp.float32), step_keys, temps, top_ps,
-                                  top_ks, truncate=truncate)
+                                  top_ks, truncate=truncate, fixed_order=fixed)
     nxt = jnp.where(live, nxt, 0)
     gen = gen.at[:, step].set(nxt)
     logps = logps.at[:, step].set(jnp.where(live, lp, 0.0))

@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from trace_jax.kernels import invariant
+
 
 def _scaled(logits: jax.Array, temps: jax.Array) -> jax.Array:
   return logits / jnp.maximum(temps, 1e-6)[:, None]
@@ -48,17 +50,20 @@ def truncating(temps: Any, top_ps: Any, top_ks: Any, vocab: int) -> Any:
 
 
 def sample(logits: jax.Array, keys: jax.Array, temps: jax.Array, top_ps: jax.Array,
-           top_ks: jax.Array, *, truncate: bool) -> tuple[jax.Array, jax.Array]:
+           top_ks: jax.Array, *, truncate: bool, fixed_order: bool = False
+           ) -> tuple[jax.Array, jax.Array]:
   """One token per row and its log-probability under log_softmax(logits).
 
   keys: one typed PRNG key per row (so a row's draw never depends on the other rows).
   truncate: whether any row is `truncating`, decided by the caller from its settings on the
   host: the vocabulary sort runs only then, and a branch on a traced flag would cost the GPU a
   device-to-host sync per decode step. Rows that do not truncate draw the same either way.
+  fixed_order: the log-softmax's sum in index order (the invariant plan's,
+  `kernels.invariant`: the bits the trainer's `token_logprobs` computes from the same logits).
   """
   filtered = (filter_logits(logits, temps, top_ps, top_ks) if truncate
               else _scaled(logits, temps))
   drawn = jax.vmap(jax.random.categorical)(keys, filtered)
   tokens = jnp.where(temps <= 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-  logp = jax.nn.log_softmax(logits, axis=-1)
+  logp = invariant.log_softmax(logits) if fixed_order else jax.nn.log_softmax(logits, axis=-1)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]

@@ -23,6 +23,7 @@ from flax import struct
 
 from trace_jax import model as model_lib
 from trace_jax.io import integrity
+from trace_jax.kernels import invariant
 from trace_jax.model import mesh_context, sharding
 from trace_jax.model.config import ModelConfig
 from trace_jax.rl import losses
@@ -186,7 +187,9 @@ def token_logprobs(params: Any, config: ModelConfig, inputs: jax.Array, targets:
   out = model_lib.forward(params, config, inputs, guidance=guidance or None,
                           routing=routing or None, replay=replay, tap_layers=tap_layers,
                           tap_mode=tap_mode)
-  logp = jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1)
+  logits = out.logits.astype(jnp.float32)
+  logp = (invariant.log_softmax(logits) if model_lib.resolve_plan(config).invariant
+          else jax.nn.log_softmax(logits, axis=-1))
   return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], out
 
 
