@@ -123,11 +123,10 @@ def test_a_guidance_budget_chooses_the_layers_once_per_workdir(tmp_path, monkeyp
   calibrating again (no params needed); a budget below one layer's guidance is refused before
   the warm start."""
   from trace_jax.train import guidance_budget, run_config
-  cfg = tiny_cfg()
-  cfg.model.num_hidden_layers = 2
+  cfg = tiny_cfg()  # one layer: the greedy choice among several is test_guidance_budget's
   cfg.rl.steps, cfg.policies = 1, ("fp4_trace",)
   one = guidance_budget.layer_bytes(run_config.resolve(cfg).model_for("fp4_trace"))
-  cfg.guidance.budget_bytes_per_token = 1.5 * one  # one layer, not two
+  cfg.guidance.budget_bytes_per_token = 1.5 * one
   cfg.guidance.calibration_prompts = 2
   cfg.rl.keep_guidance = True  # the store's batches stay, to read their manifests
   calls = []
