@@ -40,8 +40,8 @@ def test_a_budget_that_buys_nothing_is_refused(budget, match):
 
 @pytest.fixture(scope="module")
 def rollout():
-  """A 3-layer bf16 model's fp4_trace rollout recording every layer, 4 prompts."""
-  config = model_lib.tiny(num_hidden_layers=3, dtype="bfloat16", policy="fp4_trace")
+  """A 2-layer bf16 model's fp4_trace rollout recording every layer, 4 prompts."""
+  config = model_lib.tiny(dtype="bfloat16", policy="fp4_trace")
   params = model_lib.init_params(config, 0)
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, config.vocab_size, (4, 12)).tolist()
@@ -56,25 +56,25 @@ def test_the_layout_formula_is_the_recorded_bytes(rollout, mode):
     config = config.replace(guidance_mode="full")
     ro = gb.calibration_rollout(params, config, [s.prompt for s in ro.samples],
                                 [SamplingParams(max_new_tokens=12, seed=i) for i in range(4)])
-  measured = gb.layer_bytes_per_token(ro, range(3))
+  measured = gb.layer_bytes_per_token(ro, range(2))
   assert set(measured.values()) == {gb.layer_bytes(config)}
   if mode == "compact":  # moe_in 28 + 2 experts x (expert_mid 16 + id 4) + k, v 2 heads x 10
     assert gb.layer_bytes(config) == 108.0
 
 
 def test_the_calibration_ranks_corrupted_guidance_as_worth_nothing(rollout):
-  """Layer 2's records corrupted (every mantissa bit flipped: the trainer rounds every code to
+  """Layer 1's records corrupted (every mantissa bit flipped: the trainer rounds every code to
   the other neighbour) score no better than no guidance, and greedy with room for one layer
   picks an intact one; intact guidance at that layer lowers |dlogp| below no guidance."""
   config, params, ro = rollout
   g = dict(ro.rec["guidance"])
-  g[2] = {site: r.replace(mantissa=np.bitwise_not(np.asarray(r.mantissa)))
-          for site, r in g[2].items()}
+  g[1] = {site: r.replace(mantissa=np.bitwise_not(np.asarray(r.mantissa)))
+          for site, r in g[1].items()}
   bad = gb.Rollout(ro.samples, dict(ro.rec, guidance=g))
   scorer = gb.LayerScorer(params, config, bad)
   intact = gb.LayerScorer(params, config, ro)
-  assert scorer((2,)) >= scorer(())
-  assert intact((2,)) < intact(())
-  unit_bytes = gb.layer_bytes_per_token(bad, range(3))
+  assert scorer((1,)) >= scorer(())
+  assert intact((1,)) < intact(())
+  unit_bytes = gb.layer_bytes_per_token(bad, range(2))
   path = gb.greedy_path(scorer, unit_bytes, budget=unit_bytes[0])
-  assert len(path) == 2 and path[1]["added"] != 2
+  assert len(path) == 2 and path[1]["added"] != 1
