@@ -617,12 +617,8 @@ def run_bench() -> dict[str, Any]:
           continue
         config = _impl_case(base, policy, impl)
         r, first_tokens[name] = run_case(params, config, batch, FLAGS.reps, name)
-        ctx = FLAGS.prompt_len + r["tokens_per_seq"] / 2
-        touched = expected_touched(base.num_experts, base.num_experts_per_tok, batch)
-        nbytes = step_bytes(config, batch, ctx, touched)
-        rate = nbytes * r["tokens_per_s"] / batch / 1e9  # GB/s
-        r.update(step_bytes=nbytes, read_fraction=rate / res["read_gbps"],
-                 copy_fraction=rate / res["copy_gbps"])
+        _with_bandwidth(r, config, batch, FLAGS.prompt_len + r["tokens_per_seq"] / 2, res)
+        nbytes = r["step_bytes"]
         res["cases"][name] = r
         print(f"  {name:<22} {r['tokens_per_s']:>10,.0f} tok/s  first call "
               f"{r['first_call_s']:6.1f} s (compile {r['compile_s']:6.1f} s)  "
@@ -672,14 +668,14 @@ def fixed_memory_key(context: int, first: bool) -> str:
   return "fixed_memory" if first else f"fixed_memory_{context // 1024}k"
 
 
-def _with_bandwidth(r: dict[str, Any], config: Any, context: int, res: dict[str, Any]) -> None:
-  """A timed fixed-memory or long-context case's bytes per decode step (KV at the mean length
-  of the turn) and their rate against the bandwidths measured in this process."""
+def _with_bandwidth(r: dict[str, Any], config: Any, b: int, context: float,
+                    res: dict[str, Any]) -> None:
+  """A timed case's bytes per decode step at `b` sequences (KV at the mean `context`) and
+  their rate against the bandwidths measured in this process."""
   if "tokens_per_s" not in r:
     return
-  b = r["batch"]
   touched = expected_touched(config.num_experts, config.num_experts_per_tok, b)
-  nbytes = step_bytes(config, b, context - FLAGS.new_tokens / 2, touched)
+  nbytes = step_bytes(config, b, context, touched)
   rate = nbytes * r["tokens_per_s"] / b / 1e9
   r.update(step_bytes=nbytes, read_fraction=rate / res["read_gbps"],
            copy_fraction=rate / res["copy_gbps"])
@@ -701,7 +697,7 @@ def run_fixed_memory(params: Any, base: Any, res: dict[str, Any], budget_gb: flo
     config = _impl_case(base, policy, FLAGS.budget_impl)
     r = fm["cases"][policy] = run_budget_case(params, config, budget_gb * 1e9, context, cap,
                                               FLAGS.reps)
-    _with_bandwidth(r, config, context, res)
+    _with_bandwidth(r, config, r.get("batch", 0), context - FLAGS.new_tokens / 2, res)
     head = (f"  budget:{policy:<15} weights {_gb(r['weight_bytes'])}, "
             f"{_gb(r['kv_bytes_per_seq'] + r['record_bytes_per_seq'])}/sequence "
             f"(records {_gb(r['record_bytes_per_seq'])}): {r['sequences']} fit")
@@ -729,7 +725,7 @@ def run_long_context(params: Any, base: Any, res: dict[str, Any], context: int, 
     config = _impl_case(base, policy, FLAGS.budget_impl)
     r = lc["cases"][policy] = run_budget_case(params, config, 1e30, context, batch, FLAGS.reps)
     r.pop("sequences")  # what a 1e30-byte budget would hold: not a figure
-    _with_bandwidth(r, config, context, res)
+    _with_bandwidth(r, config, r["batch"], context - FLAGS.new_tokens / 2, res)
     print(f"  long:{policy:<18} {r['tokens_per_s']:>10,.0f} tok/s  first call "
           f"{r['first_call_s']:6.1f} s (compile {r['compile_s']:6.1f} s), "
           f"{100 * r['read_fraction']:4.1f}% of read bandwidth", flush=True)
