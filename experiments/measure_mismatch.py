@@ -183,8 +183,10 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
   report["k3_kl"] = {p: v["k3_kl"] for p, v in report["policies"].items()}
   tokens = sum(rec["token_counts"])
   audit = rec["audit"]["guidance"]
-  comp = sum(guidance_layout.to_compact(audit[layer][site]).nbytes
-             for layer in guided_layers for site in SITES)
+  compact = guidance_layout.compact_rows(
+      {layer: {site: jax.tree.map(jnp.asarray, audit[layer][site]) for site in SITES}
+       for layer in guided_layers})
+  comp = sum(a.nbytes for a in jax.tree.leaves(compact))
   ids = sum(rec["routing"][layer].nbytes for layer in guided_layers)
   full_all = sum(audit[layer][site].nbytes for layer in all_layers for site in SITES)
   # What fp4_trace consumes per token: the compact record and the expert ids that place it.

@@ -9,12 +9,14 @@
 #   kernels     the kernels' tests on the GPU (Triton and Mosaic GPU; the wgmma cases run only
 #               there), then the decode experts' and the decode attention's benchmarks
 #   rollout     the engine's decode on the kernels: BF16 vs FP4 policies at batch 64 (context
-#               128 + 128), the 60 GB fixed-memory cases at 8k and 32k contexts, and batch 64
-#               at 32k context (`experiments.bench.rollout`'s GPU preset)
+#               128 + 128), the 60 GB fixed-memory cases at 8k and 32k contexts (36 GB on a
+#               GPU of less than 100 GB), and batch 64 at 32k context
+#               (`experiments.bench.rollout`'s GPU preset)
 #   mismatch    the rollout/trainer mismatch of the kernel plan against the reference plan
 #               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio)
-#   train_step  the training step at Qwen3 layer width, 4 and 12 layers: BF16, FP8 and FP4
-#               policies on the grouped GEMM kernels, cuDNN's fused attention against XLA's
+#   train_step  the training step at Qwen3 layer width, 4 and 12 layers (batch 4 on a GPU of
+#               less than 100 GB): BF16, FP8 and FP4 policies on the grouped GEMM kernels,
+#               cuDNN's fused attention against XLA's
 #   rl          the RL loop (`experiments.train_rl`, RL_CONFIG, default configs/small_h200.py)
 #               with the config's kernel plan, one process per policy (RL_POLICIES), sharing
 #               the GPU; its summary, CSVs and plot in rl.tar.gz
@@ -73,12 +75,22 @@ step_kernels() {
     --json_out="$OUT/decode_attention.json"
 }
 
+# The GPU's memory in MiB (0 where nvidia-smi is missing).
+gpu_mib() {
+  nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || echo 0
+}
+
+# Smaller cases on a GPU of less than 100 GB (an H100's 80): the preset's 60 GB budget ran out
+# of its memory when bf16's keys were made, and the 12-layer train step asked for a 42 GiB buffer.
+small_gpu() { [ "$(gpu_mib)" -gt 0 ] && [ "$(gpu_mib)" -lt 100000 ]; }
+
 step_rollout() {
-  local t=${T_ROLLOUT:-540}
+  local t=${T_ROLLOUT:-540} budget=()
+  small_gpu && budget=(--budget_gb=36)
   TAIL=40 run rollout "$t" python3 -m experiments.bench.rollout --impls=kernel+unroll4 \
     --key_impl=kernel+unroll4 --budget_impl=kernel+unroll4 --batches=64 --reps=3 \
     --transformers=false --budget_s="$((t - 90))" --json_out="$OUT/rollout.json" \
-    ${ROLLOUT_ARGS:-}
+    ${budget[@]+"${budget[@]}"} ${ROLLOUT_ARGS:-}
 }
 
 step_mismatch() {
@@ -94,8 +106,10 @@ step_train_step() {
     --steps=5 --seq_attentions=cudnn,xla \
     --policies=bf16,fp8_unified@kernel,fp8_unified@kernel+fp8bwd,fp4_trace \
     --json_out="$OUT/train_step.json" ${TRAIN_STEP_ARGS:-}
+  local batch=()
+  small_gpu && batch=(--batch=4)
   TAIL=12 run train_step_12 "$((t / 3))" python3 -m experiments.bench.train_step "${common[@]}" \
-    --layers=12 --steps=3 --seq_attentions=cudnn \
+    --layers=12 --steps=3 --seq_attentions=cudnn ${batch[@]+"${batch[@]}"} \
     --policies=bf16,fp8_unified@kernel,fp8_unified@kernel+fp8bwd,fp4_trace \
     --json_out="$OUT/train_step_12.json"
 }

@@ -1,5 +1,6 @@
 """The in-process engine's prompt-length floor: one program for a run's bounded prompts."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -99,3 +100,39 @@ def test_records_reach_the_store_and_memory_alike(tmp_path):
   assert in_memory._pending_guidance is None
   assert in_memory.last_guidance["token_counts"] == counts[::-1]
   to_store.close()
+
+
+def test_an_audited_rollout_stores_the_same_compact_records(tmp_path):
+  """With audits the program taps full codes of every layer; the guided layers' compact
+  training records are made from them on the device and equal a rollout's without audits,
+  bit for bit; the audited rows' full codes carry the same mantissa bits."""
+  from trace_jax.guidance import store as gs
+  from trace_jax.quant import guided
+
+  cfg = model_lib.tiny(policy="fp4_trace", dtype="float32")
+  params = model_lib.init_params(cfg, 0, param_dtype="float32")
+  rng = np.random.default_rng(2)
+  prompts = [rng.integers(1, cfg.vocab_size, size=n).tolist() for n in (5, 9, 3, 6)]
+  sp = SamplingParams(max_new_tokens=4, temperature=0.0)
+  backs = []
+  for name, audit in (("plain", 0.0), ("audited", 0.5)):
+    store = gs.GuidanceStore(str(tmp_path / name), gs.config_hash(cfg))
+    engine = engine_lib.InProcessEngine(params, cfg, guidance_store=store, max_batch=4,
+                                        record_guidance=True, record_routing=True,
+                                        audit_fraction=audit)
+    handles = [s.guidance for s in engine.generate(prompts, sp)]
+    backs.append((store.read(handles), store.read(handles[:2], audit=True) if audit else None))
+  (plain, _), (audited, audit) = backs
+  bits = lambda a: np.ascontiguousarray(np.asarray(a)).view(np.uint8)
+  for layer in cfg.guided_layers:
+    for site, g in plain.guidance[layer].items():
+      got = audited.guidance[layer][site]
+      assert got.codes is None
+      for field in ("mantissa", "block_scale", "row_scale"):
+        np.testing.assert_array_equal(bits(getattr(got, field)), bits(getattr(g, field)),
+                                      err_msg=f"{layer}/{site}/{field}")
+      full = audit.guidance[layer][site]
+      rows = full.codes.shape[0]
+      low = np.asarray(guided.pack_bits(
+          jnp.asarray(np.asarray(guided.unpack_fp4(jnp.asarray(full.codes))) & 1)))
+      np.testing.assert_array_equal(low, np.asarray(g.mantissa)[:rows])

@@ -425,25 +425,33 @@ class InProcessEngine:
     # records thread instead held the next generate call back further on the H200: fp4_trace /
     # fp4_rtn 0.783 against 0.938 at batch 64, in the git history of docs/benchmarks.md.)
     b = jax.tree.leaves(taps)[0].shape[0]
-    rows = guidance_layout.start_host_copy(guidance_layout.ragged_rows(
-        taps, jnp.asarray(list(counts) + [0] * (b - len(counts)), jnp.int32)))
+    ragged = guidance_layout.ragged_rows(
+        taps, jnp.asarray(list(counts) + [0] * (b - len(counts)), jnp.int32))
+    # Audited rollouts tap full codes: the guided layers' compact training records are made
+    # from them on the device, before the copy (a host compaction waited for the copy and held
+    # the caller).
+    compact = None
+    if self.record and self.config.guidance_mode == "compact" and any(
+        ragged[layer][site].mantissa is None for layer in self.config.guided_layers
+        for site in SITES):
+      compact = guidance_layout.compact_rows(
+          {layer: {site: ragged[layer][site] for site in SITES}
+           for layer in self.config.guided_layers})
+    rows = guidance_layout.start_host_copy(ragged)
+    if compact is not None:
+      compact = guidance_layout.start_host_copy(compact)
     self.emit_bytes += sum(a.nbytes for a in jax.tree.leaves(rows))
-    compact_on_host = self.record and self.config.guidance_mode == "compact" and any(
-        g.mantissa is None for layer in self.config.guided_layers
-        for g in (rows[layer][site] for site in SITES))
-    if self.store is not None and not compact_on_host:
+    if self.store is not None:
       # The store's writer takes device arrays with padding rows (cut after its copy).
-      return self.store.write_rollout(counts, *self._record_trees(rows, counts, n_audit),
-                                      n_audit)
-    if self.store is not None:  # audited rollouts record full codes: compacted on the host
-      host = self._record_trees(jax.device_get(rows), counts, n_audit, cut=True)
-      return self.store.write_rollout(counts, *host, n_audit)
+      return self.store.write_rollout(
+          counts, *self._record_trees(rows, counts, n_audit, compact), n_audit)
     handles = guidance_store.rollout_handles(
         guidance_store.batch_name(next(self._memory_batches)), len(counts), n_audit)
     seq_ids = [h.seq_id for h in handles]
 
     def host_record() -> dict[str, Any]:
-      guidance, routing, audit = self._record_trees(jax.device_get(rows), counts, n_audit,
+      host_rows, host_compact = jax.device_get((rows, compact))
+      guidance, routing, audit = self._record_trees(host_rows, counts, n_audit, host_compact,
                                                     cut=True)
       return {"batch_id": handles[0].batch_id, "seq_ids": seq_ids, "token_counts": counts,
               "guidance": guidance, "routing": routing,
@@ -455,19 +463,20 @@ class InProcessEngine:
     self._pending_guidance = self._records_thread.submit(host_record).result
     return handles
 
-  def _record_trees(self, rows: dict, counts: list[int], n_audit: int, cut: bool = False
+  def _record_trees(self, rows: dict, counts: list[int], n_audit: int,
+                    compact: dict | None = None, cut: bool = False
                     ) -> tuple[dict, dict, dict]:
-    """(guidance, routing, audit) trees of a batch's ragged rows; cut: host arrays, the
-    padding rows dropped (each record's leading rows) and full-mode guidance compacted."""
+    """(guidance, routing, audit) trees of a batch's ragged rows; compact: the guided layers'
+    compact records where the rows hold full codes; cut: host arrays, the padding rows
+    dropped (each record's leading rows)."""
     first = ((lambda tree, n: jax.tree.map(lambda a: a[:n], tree)) if cut
              else (lambda tree, n: tree))
     taps = first(rows, sum(counts))
     routing = {int(layer): sites["routing"] for layer, sites in taps.items() if "routing" in sites}
     guidance = {}
     if self.record:
-      to_mode = (guidance_layout.to_compact if cut and self.config.guidance_mode == "compact"
-                 else lambda g: g)
-      guidance = {int(layer): {site: to_mode(taps[layer][site]) for site in SITES}
+      records = taps if compact is None else first(compact, sum(counts))
+      guidance = {int(layer): {site: records[layer][site] for site in SITES}
                   for layer in self.config.guided_layers}
     audit = {}
     if n_audit:
