@@ -145,8 +145,10 @@ step_multi_gpu() {
     --devices="${DEVICES:-1,2}" --json_out="$OUT/multi_gpu.json" ${MULTI_GPU_ARGS:-}
 }
 
+# -v: each test's name and outcome as it ends, so a step cut by its limit still names its
+# failures (its summary never prints).
 step_tests() {
-  TAIL=30 run tests "${T_TESTS:-540}" python3 -m pytest -q -p no:cacheprovider -rf \
+  TAIL=30 run tests "${T_TESTS:-540}" python3 -m pytest -v -p no:cacheprovider -rf \
     --durations=10 ${TESTS_ARGS:-tests/kernels tests/quant tests/model/test_plan.py}
 }
 
