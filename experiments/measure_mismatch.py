@@ -32,11 +32,11 @@ import numpy as np
 from absl import app, flags
 
 from trace_jax import model as model_lib
-from trace_jax.guidance import layout as guidance_layout
 from trace_jax.guidance.record import bytes_per_row
 from trace_jax.model import plan as plan_lib
 from trace_jax.model import policies
 from trace_jax.model.config import DECODE_IMPLS, SITES, ModelConfig
+from trace_jax.quant import guided
 from trace_jax.rl import losses
 from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import SamplingParams
@@ -183,10 +183,8 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
   report["k3_kl"] = {p: v["k3_kl"] for p, v in report["policies"].items()}
   tokens = sum(rec["token_counts"])
   audit = rec["audit"]["guidance"]
-  compact = guidance_layout.compact_rows(
-      {layer: {site: jax.tree.map(jnp.asarray, audit[layer][site]) for site in SITES}
-       for layer in guided_layers})
-  comp = sum(a.nbytes for a in jax.tree.leaves(compact))
+  comp = sum(guided.compact(jax.tree.map(jnp.asarray, audit[layer][site])).nbytes
+             for layer in guided_layers for site in SITES)
   ids = sum(rec["routing"][layer].nbytes for layer in guided_layers)
   full_all = sum(audit[layer][site].nbytes for layer in all_layers for site in SITES)
   # What fp4_trace consumes per token: the compact record and the expert ids that place it.

@@ -1,4 +1,4 @@
-"""Ragged <-> padded guidance rows and the full -> compact reduction, against references."""
+"""Ragged <-> padded guidance rows, against references."""
 
 import jax
 import jax.numpy as jnp
@@ -7,25 +7,6 @@ import pytest
 
 from trace_jax.guidance import layout
 from trace_jax.guidance.record import Guidance
-from trace_jax.quant import formats, guided
-
-
-@pytest.mark.parametrize("shape", [(5, 64), (5, 3, 64), (1, 16)], ids=["rows", "slots", "one"])
-def test_compact_rows_equals_the_quantizer_record(shape):
-  """The device reduction keeps exactly the bits `guided.record` packs in compact mode, and
-  passes compact records through."""
-  codes = np.random.default_rng(0).integers(0, 16, shape).astype(np.uint8)
-  lead = shape[:-1]
-  full = Guidance(block_scale=jnp.ones(lead + (shape[-1] // 16,), jnp.float8_e4m3fn),
-                  row_scale=jnp.ones(lead + (1,), jnp.float32),
-                  codes=formats.pack_fp4(jnp.asarray(codes)))
-  want = guided.record(formats.NVFP4Tensor(codes=jnp.asarray(codes), block_scale=full.block_scale,
-                                            tensor_scale=full.row_scale), "compact")
-  got = layout.compact_rows({0: {"k": full}})[0]["k"]
-  np.testing.assert_array_equal(np.asarray(got.mantissa), np.asarray(want.mantissa))
-  assert got.mode == "compact" and got.codes is None
-  again = layout.compact_rows({0: {"k": got}})[0]["k"]
-  np.testing.assert_array_equal(np.asarray(again.mantissa), np.asarray(got.mantissa))
 
 
 def test_unpad_of_a_record_is_the_pad_inverse():

@@ -251,6 +251,22 @@ def test_record_takes_a_packed_mantissa() -> None:
     guided.record(q, "full", mantissa=own.mantissa)
 
 
+@pytest.mark.parametrize("shape", [(5, 64), (5, 3, 64), (1, 16)], ids=["rows", "slots", "one"])
+def test_compact_of_a_full_record_is_the_compact_record(shape) -> None:
+  """`compact` keeps exactly the bits `record` packs in compact mode (numpy's little-endian
+  packbits of the codes' low bits), the same scales, and passes a compact record through."""
+  x = jnp.asarray(np.random.default_rng(4).standard_normal(shape), jnp.float32)
+  q = formats.fp4_quantize_act(x, "nvfp4")
+  got = guided.compact(guided.record(q, "full"))
+  want = guided.record(q, "compact")
+  bits = np.packbits(np.asarray(q.codes) & 1, axis=-1, bitorder="little")
+  np.testing.assert_array_equal(np.asarray(got.mantissa), bits)
+  np.testing.assert_array_equal(np.asarray(got.mantissa), np.asarray(want.mantissa))
+  np.testing.assert_array_equal(np.asarray(got.row_scale), np.asarray(want.row_scale))
+  assert got.mode == "compact" and got.codes is None
+  assert guided.compact(want) is want
+
+
 # ----------------------------------------------------------------------------- bytes
 
 RECORD_SHAPES = [(1, 16), (3, 64), (2, 5, 2048), (7, 4096)]

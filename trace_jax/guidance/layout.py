@@ -119,21 +119,3 @@ def start_host_copy(tree: Any) -> Any:
     kinds = {m.kind for d in a.sharding.device_set for m in d.addressable_memories()}
     return a.sharding.with_memory_kind("pinned_host") if "pinned_host" in kinds else a.sharding
   return jax.device_put(tree, jax.tree.map(target, tree))
-
-
-@jax.jit
-def compact_rows(tree: Any) -> Any:
-  """`to_compact` on the device, for a tree of full-mode records (jax arrays): the same
-  mantissa bytes, one program per tree shape. The engine compacts a batch's guided layers
-  here before their host copy starts, so a rollout that records full codes for audits hands
-  the store compact training records without waiting for the copy."""
-  def one(g: Guidance) -> Guidance:
-    if g.mantissa is not None:
-      return g
-    p = g.codes
-    bits = jnp.stack([p & 1, (p >> 4) & 1], axis=-1).reshape(p.shape[:-1] + (p.shape[-1] * 2,))
-    packed = bits.reshape(bits.shape[:-1] + (bits.shape[-1] // 8, 8))
-    weights = jnp.asarray(1 << np.arange(8), jnp.uint8)
-    return Guidance(block_scale=g.block_scale, row_scale=g.row_scale,
-                    mantissa=jnp.sum(packed * weights, axis=-1, dtype=jnp.uint8))
-  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, Guidance))

@@ -76,6 +76,16 @@ def record(q: FP4Tensor, mode: str = "compact", mantissa: jax.Array | None = Non
   return Guidance(block_scale=q.block_scale, row_scale=row_scale, **payload)
 
 
+def compact(g: Guidance) -> Guidance:
+  """A full-mode record reduced to compact mode: its codes' mantissa bits as `record` packs
+  them, the same scales; a compact record as it is. (The engine compacts the full records
+  that audits make it tap, on the device.)"""
+  if g.mantissa is not None:
+    return g
+  return Guidance(block_scale=g.block_scale, row_scale=g.row_scale,
+                  mantissa=pack_bits(unpack_fp4(g.codes) & 1))
+
+
 def validate(x: jax.Array, g: Guidance, name: str = "guidance") -> None:
   """Raises ValueError when `g` cannot guide an input of x's shape (the record's fields:
   `guidance.record.field_shapes` and `field_dtype`)."""

@@ -41,8 +41,10 @@ from trace_jax import model as model_lib
 from trace_jax.guidance import layout as guidance_layout
 from trace_jax.guidance import store as guidance_store
 from trace_jax.guidance.handle import GuidanceHandle
+from trace_jax.guidance.record import Guidance
 from trace_jax.model import expert_parallel, expert_weights, mesh_context, sharding
 from trace_jax.model.config import SITES, ModelConfig
+from trace_jax.quant import guided
 from trace_jax.rollout import decode
 from trace_jax.rollout import sampling as sampling_lib
 from trace_jax.rollout.protocol import Sample, SamplingParams, normalize_request
@@ -434,7 +436,7 @@ class InProcessEngine:
     if self.record and self.config.guidance_mode == "compact" and any(
         ragged[layer][site].mantissa is None for layer in self.config.guided_layers
         for site in SITES):
-      compact = guidance_layout.compact_rows(
+      compact = _compact_records(
           {layer: {site: ragged[layer][site] for site in SITES}
            for layer in self.config.guided_layers})
     rows = guidance_layout.start_host_copy(ragged)
@@ -511,6 +513,9 @@ class Session:
   pending: list[int | None]
 
 
+# Full-mode records -> compact (`guided.compact`), a tree at a time, on the device.
+_compact_records = jax.jit(functools.partial(
+    jax.tree.map, guided.compact, is_leaf=lambda x: isinstance(x, Guidance)))
 _write_layer = jax.jit(expert_weights.write_layer, static_argnames=("config", "plan"),
                        donate_argnums=0)
 _stack_layers = jax.jit(model_lib.stack_layers, static_argnums=1)
