@@ -19,7 +19,8 @@
 #               cuDNN's fused attention against XLA's
 #   rl          the RL loop (`experiments.train_rl`, RL_CONFIG, default configs/small_h200.py)
 #               with the config's kernel plan, one process per policy (RL_POLICIES), sharing
-#               the GPU; its summary, CSVs and plot in rl.tar.gz
+#               the GPU (RL_SEQUENTIAL=1: one after another, each policy's tokens/s its own);
+#               its summary, CSVs and plot in rl.tar.gz
 #   multi_gpu   expert parallelism on a multi-GPU kind: its tests, then 1 vs 2 GPUs
 #   tests       the test suite's GPU-marked and kernel files on the GPU (no `-x`)
 #
@@ -122,13 +123,19 @@ step_rl() {
   local cfg=${RL_CONFIG:-configs/small_h200.py}
   XLA_FLAGS=--xla_gpu_deterministic_ops=true run rl_sft "$((t / 4))" python3 -m \
     experiments.train_rl --config="$cfg" --workdir="$w" --sft_only ${RL_ARGS:-}
-  local left=$((t - (SECONDS - start) - 45)) pids=()
-  for p in ${RL_POLICIES:-bf16 fp4_rollout fp4_rtn fp4_trace}; do
+  local left=$((t - (SECONDS - start) - 45)) pids=() policies
+  policies=(${RL_POLICIES:-bf16 fp4_rollout fp4_rtn fp4_trace})
+  for p in "${policies[@]}"; do
+    if [ -n "${RL_SEQUENTIAL:-}" ]; then  # each policy alone on the GPU: its own tokens/s
+      TAIL=4 run "rl_$p" "$((left / ${#policies[@]}))" python3 -m experiments.train_rl \
+        --config="$cfg" --workdir="$w" --policies="$p" ${RL_ARGS:-}
+      continue
+    fi
     TAIL=4 run "rl_$p" "$left" python3 -m experiments.train_rl --config="$cfg" \
       --workdir="$w" --policies="$p" ${RL_ARGS:-} &
     pids+=($!)
   done
-  wait "${pids[@]}"
+  [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
   TAIL=30 run rl_report 40 python3 -m experiments.train_rl --config="$cfg" --workdir="$w" \
     --policies="$(echo ${RL_POLICIES:-bf16 fp4_rollout fp4_rtn fp4_trace} | tr ' ' ,)" \
     ${RL_ARGS:-}

@@ -442,7 +442,7 @@ class InProcessEngine:
     rows = guidance_layout.start_host_copy(ragged)
     if compact is not None:
       compact = guidance_layout.start_host_copy(compact)
-    self.emit_bytes += sum(a.nbytes for a in jax.tree.leaves(rows))
+    self.emit_bytes += sum(a.nbytes for a in jax.tree.leaves((rows, compact)))
     if self.store is not None:
       # The store's writer takes device arrays with padding rows (cut after its copy).
       return self.store.write_rollout(
