@@ -21,6 +21,8 @@
 #               with the config's kernel plan, one process per policy (RL_POLICIES), sharing
 #               the GPU (RL_SEQUENTIAL=1: one after another, each policy's tokens/s its own);
 #               its summary, CSVs and plot in rl.tar.gz
+#   profile     where the device time goes: the train step (bf16, fp8_unified) and the 8k
+#               fixed-memory decode (bf16, fp4_rtn), per kernel and category
 #   multi_gpu   expert parallelism on a multi-GPU kind: its tests, then 1 vs 2 GPUs
 #   tests       the test suite's GPU-marked and kernel files on the GPU (no `-x`)
 #
@@ -150,6 +152,21 @@ step_multi_gpu() {
     tests/model/test_expert_parallel.py tests/rollout/test_engine_mesh.py
   TAIL=20 run multi_gpu "$((3 * t / 4))" python3 -m experiments.bench.multi_gpu --preset=h200 \
     --devices="${DEVICES:-1,2}" --json_out="$OUT/multi_gpu.json" ${MULTI_GPU_ARGS:-}
+}
+
+# Where the device time goes: the bf16 and FP8 train steps (cuDNN attention) and the fixed-memory
+# decode at 8k (bf16, fp4_rtn), each summed per kernel and category (`--profile_dir`).
+step_profile() {
+  local t=${T_PROFILE:-300} budget=(--budget_gb=60)
+  small_gpu && budget=(--budget_gb=36)
+  TAIL=70 run profile_train_step "$((t / 2))" python3 -m experiments.bench.train_step \
+    --preset=qwen3_layers --moe_impls=kernel --seq_attentions=cudnn \
+    --policies=bf16,fp8_unified@kernel --steps=2 --profile_dir=/tmp/profile_train_step \
+    ${PROFILE_ARGS:-}
+  TAIL=70 run profile_rollout "$((t / 2))" python3 -m experiments.bench.rollout \
+    --impls=kernel+unroll4 --budget_impl=kernel+unroll4 --cases=none --budget_context=8192 \
+    --budget_policies=bf16,fp4_rtn --long_context=0 --reps=1 --transformers=false \
+    "${budget[@]}" --profile_dir=/tmp/profile_rollout
 }
 
 # -v: each test's name and outcome as it ends, so a step cut by its limit still names its
