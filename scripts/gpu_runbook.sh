@@ -85,7 +85,7 @@ gpu_mib() {
 
 # Smaller cases on a GPU of less than 100 GB (an H100's 80): the preset's 60 GB budget ran out
 # of its memory when bf16's keys were made, and the 12-layer train step asked for a 42 GiB buffer.
-small_gpu() { [ "$(gpu_mib)" -gt 0 ] && [ "$(gpu_mib)" -lt 100000 ]; }
+small_gpu() { local mib; mib=$(gpu_mib); [ "${mib:-0}" -gt 0 ] && [ "$mib" -lt 100000 ]; }
 
 step_rollout() {
   local t=${T_ROLLOUT:-540} budget=()

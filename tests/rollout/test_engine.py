@@ -133,6 +133,6 @@ def test_an_audited_rollout_stores_the_same_compact_records(tmp_path):
                                       err_msg=f"{layer}/{site}/{field}")
       full = audit.guidance[layer][site]
       rows = full.codes.shape[0]
-      low = np.asarray(guided.pack_bits(
-          jnp.asarray(np.asarray(guided.unpack_fp4(jnp.asarray(full.codes))) & 1)))
+      low = np.packbits(np.asarray(guided.unpack_fp4(jnp.asarray(full.codes))) & 1, axis=-1,
+                        bitorder="little")
       np.testing.assert_array_equal(low, np.asarray(g.mantissa)[:rows])
