@@ -34,7 +34,7 @@ _POLICIES = flags.DEFINE_list(
     "policies", ["bf16", "fp8_unified", "fp8_unified@kernel", "fp8_unified@kernel+fp8bwd",
                  "fp4_rtn", "fp4_trace"],
     "forwards to time; `name@impl` sets fp8_gemm (xla, kernel), `+fp8bwd` the FP8 backward, "
-    "`+unrolled` scan_layers=False (every layer compiled apart)")
+    "`+scan` / `+unrolled` the plan's seq_layers (default: the plan's, unrolled on Hopper)")
 _BATCH = flags.DEFINE_integer("batch", None, "batch size (default per preset)")
 _SEQ = flags.DEFINE_integer("seq", None, "sequence length (default per preset)")
 _EXPERTS = flags.DEFINE_integer("experts", None, "number of experts (default per preset; the "
@@ -110,11 +110,12 @@ def step_flops(c: M.ModelConfig, batch: int, seq: int) -> dict[str, float]:
 
 def _variant(base: M.ModelConfig, impl: str, attention: str, policy: str) -> M.ModelConfig:
   name, *opts = policy.split("+")
-  if set(opts) - {"fp8bwd", "unrolled"}:
-    raise app.UsageError(f"{policy}: options are +fp8bwd and +unrolled")
+  if set(opts) - {"fp8bwd", "scan", "unrolled"} or {"scan", "unrolled"} <= set(opts):
+    raise app.UsageError(f"{policy}: options are +fp8bwd and one of +scan, +unrolled")
   name, _, fp8_gemm = name.partition("@")
+  layers = "scan" if "scan" in opts else "unrolled" if "unrolled" in opts else "auto"
   return base.replace(policy=name, moe_impl=impl, fp8_gemm=fp8_gemm or "xla",
-                      fp8_backward="fp8bwd" in opts, scan_layers="unrolled" not in opts,
+                      fp8_backward="fp8bwd" in opts, seq_layers=layers,
                       seq_attention=attention)
 
 

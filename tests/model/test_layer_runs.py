@@ -163,3 +163,34 @@ def test_scan_unroll_runs_the_same_layers_in_fewer_iterations():
 def test_bad_loop_counts_are_refused(name, bad):
   with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
     _config("bf16", **{name: bad})
+
+
+
+def test_seq_layers_unrolled_runs_cacheless_forwards_apart_with_the_same_grads():
+  """The plan's seq_layers="unrolled" (Hopper's default): a forward without a cache compiles
+  every layer apart (its program grows with depth, the scanned one's does not; fp4_trace with
+  its guided last layer) and has the same logits and gradients as under "scan" (bf16); the
+  prefill, whose cache is held per run, still scans."""
+  def size(layers, seq_layers, cache):
+    c = _config("fp4_trace", layers, guided_layers=(layers - 1,), seq_layers=seq_layers)
+    p, toks = M.abstract_params(c), jnp.zeros((1, 4), jnp.int32)
+    f = ((lambda p: M.prefill(p, c, toks, 8).logits) if cache else
+         (lambda p: M.forward(p, c, toks).logits))
+    return count_eqns(jax.make_jaxpr(f)(p).jaxpr)
+  assert size(6, "unrolled", cache=False) > 2.5 * size(2, "unrolled", cache=False)
+  assert size(6, "scan", cache=False) < 1.05 * size(2, "scan", cache=False)
+  assert size(6, "unrolled", cache=True) < 1.05 * size(2, "unrolled", cache=True)
+
+  c = _config("bf16")  # one run of 3 layers under "scan"
+  p = M.init_params(c, 0)
+  toks = jax.random.randint(jax.random.key(4), (2, 6), 0, c.vocab_size)
+
+  def loss(p, cc):
+    logits = M.forward(p, cc, toks).logits
+    return jnp.sum(logits ** 2) * 1e-3, logits
+
+  a, b = (jax.jit(jax.grad(loss, has_aux=True), static_argnums=1)(p, c.replace(seq_layers=s))
+          for s in ("scan", "unrolled"))
+  _close(a[1], b[1], 1e-5)
+  for x, y in zip(jax.tree.leaves(a[0]), jax.tree.leaves(b[0])):
+    _close(x, y, 1e-6)

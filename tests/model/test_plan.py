@@ -24,10 +24,11 @@ HOPPER = Backend("gpu", (9, 0), sm_count=132, mosaic_gpu=True, triton_asm=True)
 AMPERE = Backend("gpu", (8, 0), sm_count=108, mosaic_gpu=False, triton_asm=True)
 REFERENCE = dict(moe_impl="tiled", decode_impl="xla", decode_moe_kernel="triton",
                  fp4_codes="bytes", decode_attention="triton", kv_cache="dense",
-                 nvfp4_sites="xla", fp8_gemm="xla", seq_attention="xla")
+                 nvfp4_sites="xla", fp8_gemm="xla", seq_attention="xla", seq_layers="scan")
 KERNELS = dict(moe_impl="kernel", decode_impl="kernel", decode_moe_kernel="wgmma",
                fp4_codes="words", decode_attention="wgmma", kv_cache="packed",
-               nvfp4_sites="kernel", fp8_gemm="kernel", seq_attention="cudnn")
+               nvfp4_sites="kernel", fp8_gemm="kernel", seq_attention="cudnn",
+               seq_layers="unrolled")
 
 
 def _fields(plan: KernelPlan) -> dict[str, str]:

@@ -71,6 +71,15 @@ def test_code_flips_match_brute_force(case):
     assert got.flips == 0
 
 
+def test_code_flips_of_every_pair_of_codes():
+  """All 16 x 16 code pairs, in both nibbles of a packed byte (the module counts packed byte
+  pairs by table): the brute-force value comparison's counts."""
+  a, b = (g.reshape(-1) for g in np.meshgrid(np.arange(16), np.arange(16), indexing="ij"))
+  a, b = np.stack([a, b[::-1]]).astype(np.uint8), np.stack([b, a[::-1]]).astype(np.uint8)
+  got = mismatch.code_flips(record(a), record(b))
+  assert (got.flips, got.one_apart, got.total) == (*brute_flips(a, b), a.size)
+
+
 def test_block_scale_flips():
   a = np.zeros((4, 32), np.uint8)
   s1 = np.full((4, 2), 1.0, np.float32)

@@ -70,6 +70,8 @@ def test_one_rl_step(policy, start_params, tmp_path):
     assert not [p.name for p in (tmp_path / "guidance").iterdir() if p.name.startswith("b")]
   if policy.startswith("fp4_"):
     assert 0.0 <= row["routing_flip_rate"] <= 1.0
+  phases = [row[k] for k in run_log.PHASE_KEYS]  # the step's wall time, phase by phase
+  assert min(phases) >= 0 and 0.5 * row["step_s"] < sum(phases) <= row["step_s"], row
   assert (tmp_path / "metrics.csv").read_text().count("\n") == 2
   summary = json.loads((tmp_path / "history.json").read_text())["summary"]
   assert summary["final_reward"] is not None

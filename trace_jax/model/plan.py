@@ -24,6 +24,8 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 | fp8_gemm          | kernel      | xla       | FP8 linears' block-scaled GEMMs                |
 | seq_attention     | cudnn (+)   | xla       | full-sequence attention (training, scoring,    |
 |                   |             |           | prefill): fused flash attention or XLA's       |
+| seq_layers        | unrolled    | scan      | the layer loop of forwards without a cache     |
+|                   |             |           | (training, scoring): `lax.scan` or unrolled    |
 
 (*) with decode_impl "kernel" on any backend: the packed cache and the site kernel are the
 kernel decode's. (+) for bf16 compute with head_dim a multiple of 8 up to 128 (cuDNN's
@@ -33,7 +35,10 @@ decode_impl "xla" under MXFP4 forwards, moe_impl "tiled" for widths not multiple
 Where the code runs each choice: `model.grouped` (moe_impl), `kernels.fp4_moe` (decode_impl,
 decode_moe_kernel, fp4_codes), `kernels.decode_attention` and `kernels.kv_cache`
 (decode_attention, kv_cache), `kernels.nvfp4_act` (nvfp4_sites), `model.fp8_linear`
-(fp8_gemm), `model.attention` (seq_attention, through `kernels.attention_math`). A resolved
+(fp8_gemm), `model.attention` (seq_attention, through `kernels.attention_math`),
+`model.transformer` (seq_layers: "unrolled" compiles each layer apart; on the H100 the scan's
+stacking, slicing and carried copies took 27 of the BF16 training step's 89 ms at Qwen3 layer
+width, docs/benchmarks.md; "scan" keeps compile time flat in depth). A resolved
 plan states what runs: `kv_cache` is "dense" and `nvfp4_sites` "xla" under forwards without
 NVFP4 sites, whatever was forced. The kernels and the reference compute the same values up to
 float32 summation order (docs/numerics.md); cuDNN's attention also rounds its probabilities
@@ -69,6 +74,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "nvfp4_sites": ("xla", "kernel"),
     "fp8_gemm": ("xla", "kernel"),
     "seq_attention": ("xla", "cudnn"),
+    "seq_layers": ("scan", "unrolled"),
 }
 # Named plans: field -> value; the fields a preset leaves out are resolved per backend.
 PRESETS: dict[str, Mapping[str, str]] = {
@@ -136,6 +142,7 @@ class KernelPlan:
   nvfp4_sites: str
   fp8_gemm: str
   seq_attention: str = "xla"
+  seq_layers: str = "scan"
   sm_count: int = DEFAULT_SM_COUNT
   invariant: bool = False
 
@@ -258,4 +265,5 @@ def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:
       fp8_gemm=pick("fp8_gemm", "kernel" if kernels else "xla"),
       seq_attention=pick("seq_attention", "cudnn" if kernels and _cudnn_attention_shapes(config)
                          else "xla"),
+      seq_layers=pick("seq_layers", "unrolled" if kernels else "scan"),
       sm_count=b.sm_count, invariant=config.plan == INVARIANT)

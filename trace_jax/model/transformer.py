@@ -10,7 +10,10 @@ and the guided suffix) run as one `jax.lax.scan` over their stacked parameters, 
 compiles each run's body once however deep the model is. The KV cache and the rollout
 engine's prepared weights are held stacked per run; the params stay one subtree per layer
 (checkpoints, HF export and sharding rules see the same tree), stacked inside the forward
-unless the caller passes them stacked (`stack_layers`, once per weight update).
+unless the caller passes them stacked (`stack_layers`, once per weight update). A forward
+without a cache (training, scoring) runs every layer apart instead where the plan's
+`seq_layers` is "unrolled" (Hopper's default: the scan's copies cost more than its compile
+time saves there).
 """
 
 from __future__ import annotations
@@ -116,7 +119,11 @@ class Transformer(nnx.Module):
     new_cache = [] if cache is not None else None
     router_logits = []
     tap_rows = []
-    for r, (a, b) in enumerate(layer_runs(c)):
+    # Forwards without a cache take the plan's layer loop; the others the cache's runs.
+    unrolled = (prec.plan.seq_layers == "unrolled" and cache is None and layers is None
+                and experts is None)
+    runs = tuple((i, i + 1) for i in range(c.num_hidden_layers)) if unrolled else layer_runs(c)
+    for r, (a, b) in enumerate(runs):
       state = (stack([nnx.state(self.layers[i]) for i in range(a, b)]) if layers is None
                else layers[r])
       run_cache = None if cache is None else cache[r]

@@ -38,8 +38,7 @@ from trace_jax.train.run_config import RunConfig
 SUMMARY_KEYS = ("sft_reward", "final_reward", "best_reward", "mean_abs_dlogp", "k3_kl",
                 "flip_rate_guided", "flip_rate_unguided", "routing_flip_rate",
                 "routing_order_swap_rate", "expert_unmatched_rate", "guidance_bytes_per_token",
-                "rollout_tokens_per_s", "train_tokens_per_s", "train_reward_slope",
-                *run_log.DASHBOARD_KEYS)
+                "train_reward_slope", *run_log.TIMING_KEYS, *run_log.DASHBOARD_KEYS)
 REWARD_KEYS = ("sft_reward", "final_reward", "best_reward")
 # The rollout/trainer mismatch metrics, |dlogp| first: the summary gives each its spread over
 # seeds (`<key>_sd`) and the table prints it beside the mean.
@@ -377,7 +376,7 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
           ("ratio_extreme_frac", 19), ("is_capped_frac", 19), ("max_seq_log_ratio", 19),
           ("clip_frac", 19), ("flip_rate_guided", 16), ("flip_rate_unguided", 18),
           ("routing_flip_rate", 17), ("guidance_bytes_per_token", 24),
-          ("rollout_tokens_per_s", 20), ("train_tokens_per_s", 18)]
+          ("rollout_tokens_per_s", 20), ("train_tokens_per_s", 18), ("step_s", 8)]
   print(" ".join(f"{n:>{w}}" for n, w in cols))
   for p, s in results.items():
     cells = [f"{p:>14}", f"{s.get('num_seeds', 1):>5}"]

@@ -27,10 +27,11 @@ def evaluate(engine: RolloutEngine, io: TaskIO, run: RunConfig) -> float:
 
 
 def summarize(history: list[dict[str, Any]], evals: list[dict[str, float]]) -> dict[str, Any]:
-  """Final/best eval reward and run means of the mismatch and throughput metrics."""
-  def mean(k):
+  """Final/best eval reward, run means of the mismatch metrics and medians over steps of the
+  wall-clock ones (`run_log.TIMING_KEYS`: a step that compiled weighs no more than any other)."""
+  def mean(k, stat=np.mean):
     vals = [h[k] for h in history if h.get(k) is not None]
-    return float(np.mean(vals)) if vals else None
+    return float(stat(vals)) if vals else None
   rewards = [e["reward"] for e in evals]
   return {
       "start_reward": rewards[0] if rewards else None,
@@ -40,8 +41,8 @@ def summarize(history: list[dict[str, Any]], evals: list[dict[str, float]]) -> d
       "train_reward_last": history[-1]["reward"] if history else None,
       "train_reward_slope": reward_slope(history),
       **{k: mean(k) for k in ("mean_abs_dlogp", "k3_kl", "max_abs_dp", *mismatch.METRICS,
-                              "guidance_bytes_per_token", "rollout_tokens_per_s",
-                              "train_tokens_per_s", *run_log.DASHBOARD_KEYS)},
+                              "guidance_bytes_per_token", *run_log.DASHBOARD_KEYS)},
+      **{k: mean(k, np.median) for k in run_log.TIMING_KEYS},
   }
 
 

@@ -282,8 +282,10 @@ class GRPOLearner:
     t1 = time.perf_counter()
     m, taps, updates = self.update(batch, self.all_layers if complete else (),
                                    records.n_audit if complete else 0)
+    t_w = time.perf_counter()
     self.engine.update_weights(self.state.params)
-    train_s = time.perf_counter() - t1
+    t_audit = time.perf_counter()
+    train_s = t_audit - t1
     row = {"step": step, "reward": float(np.mean(ro.rewards)),
            "mean_abs_dlogp": float(m["mean_abs_dlogp"]), "k3_kl": float(m["k3_kl"]),
            "max_abs_dp": float(m["max_abs_dp"]), "loss": float(m["loss"]),
@@ -291,7 +293,8 @@ class GRPOLearner:
            else None, "rollout_tokens_per_s": ro.sampled_tokens / ro.seconds,
            "train_tokens_per_s": float(np.sum(batch.valid)) / train_s,
            "response_len": float(np.mean([len(s.tokens) for s in ro.samples])),
-           "guidance_s": guidance_s,
+           "rollout_s": ro.seconds, "guidance_s": guidance_s, "update_s": t_w - t1,
+           "weights_s": t_audit - t_w,
            **{k: float(m[k]) for k in DASHBOARD_KEYS if k in m}}
     flips = []
     if complete:
@@ -305,6 +308,7 @@ class GRPOLearner:
           batch.guidance and records.main.guidance,
           batch.routing and {k: records.main.routing[k] for k in batch.routing},
           sum(ro.counts))
+    row["audit_s"] = time.perf_counter() - t_audit
     row["step_s"] = time.perf_counter() - t_step
     return row, flips, updates
 

@@ -121,10 +121,26 @@ def routing_counts(train_ids: Any, rollout_ids: Any) -> RoutingCount:
                       slots=int(matched.size), unmatched_slots=int(np.sum(~matched)))
 
 
-def _codes(g: Any) -> np.ndarray:
+def _packed(g: Any) -> np.ndarray:
   if getattr(g, "codes", None) is None:
     raise ValueError("flip counts need full-mode records (4-bit codes); got a compact record")
-  return unpack_codes(g.codes)
+  return np.asarray(g.codes, np.uint8)
+
+
+def _pair_table() -> np.ndarray:
+  """For every pair of packed bytes (a << 8 | b): the flips between their two codes each
+  (0-2) plus 4 x those one grid step apart (0-2), so one lookup per byte pair counts both."""
+  ords = e2m1_ordinal(np.arange(16, dtype=np.uint8)).astype(np.int16)
+  byte = np.arange(256)
+  lo, hi = ords[byte & 0xF], ords[byte >> 4]
+  d_lo = np.abs(lo[:, None] - lo[None, :])
+  d_hi = np.abs(hi[:, None] - hi[None, :])
+  flips = (d_lo != 0).astype(np.uint8) + (d_hi != 0)
+  one = (d_lo == 1).astype(np.uint8) + (d_hi == 1)
+  return (flips + 4 * one).reshape(-1)
+
+
+_PAIRS = _pair_table()
 
 
 def code_flips(train: Any, rollout: Any, slot_src: Any = None,
@@ -135,24 +151,26 @@ def code_flips(train: Any, rollout: Any, slot_src: Any = None,
   in each side's slot order) pass `match_slots(train_ids, rollout_ids)`: the rollout's rows are
   taken in the trainer's slot order and unmatched slots are left out.
   """
-  tc, rc = _codes(train), _codes(rollout)
+  tc, rc = _packed(train), _packed(rollout)  # two codes per byte, compared by table
   tb = np.asarray(train.block_scale).view(np.uint8)
   rb = np.asarray(rollout.block_scale).view(np.uint8)
   if tc.shape != rc.shape or tb.shape != rb.shape:
     raise ValueError(f"record shapes differ: trainer codes {tc.shape}, rollout {rc.shape}")
-  keep = np.ones(tc.shape[:-1], bool)
   if slot_src is not None:
     src = np.asarray(slot_src)
     if src.shape != tc.shape[:src.ndim] or src.ndim != 2:
       raise ValueError(f"slot_src {src.shape} must be the records' [T, K] leading shape")
-    rc = np.take_along_axis(rc, src[..., None], axis=1)
-    rb = np.take_along_axis(rb, src[..., None], axis=1)
-    keep = np.asarray(slot_matched, bool)
-  d = np.abs(e2m1_ordinal(tc).astype(np.int16) - e2m1_ordinal(rc))[keep]
-  s = (tb != rb)[keep]
-  return FlipCount(flips=int(np.count_nonzero(d)), total=int(d.size),
-                   one_apart=int(np.count_nonzero(d == 1)), scale_flips=int(np.sum(s)),
-                   scale_total=int(s.size))
+    keep = np.asarray(slot_matched, bool).reshape(-1)
+    t, k = src.shape  # rows (token, slot) flat: the rollout's taken in the trainer's order
+    rows = (np.arange(t)[:, None] * k + src).reshape(-1)[keep]
+    rc, rb = rc.reshape(t * k, -1)[rows], rb.reshape(t * k, -1)[rows]
+    tc, tb = tc.reshape(t * k, -1)[keep], tb.reshape(t * k, -1)[keep]
+  pairs = _PAIRS[(tc.astype(np.uint16) << 8) | rc]
+  hist = np.bincount(pairs.reshape(-1), minlength=16)
+  value = np.arange(hist.size)
+  return FlipCount(flips=int(hist @ (value & 3)), total=2 * tc.size,
+                   one_apart=int(hist @ (value >> 2)), scale_flips=int(np.count_nonzero(tb != rb)),
+                   scale_total=int(tb.size))
 
 
 @dataclasses.dataclass

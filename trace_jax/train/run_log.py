@@ -30,9 +30,14 @@ log = logging.getLogger(__name__)
 # weights, the largest per-sequence log-ratio; and how often the PPO clip acted.
 DASHBOARD_KEYS = ("ratio_extreme_frac", "is_capped_frac", "max_seq_log_ratio", "clip_frac",
                   "clip_frac_high", "clip_frac_low")
+# One RL step's wall time by phase (seconds): the rollout (generate and rewards), the records
+# (store flush + read + padding into the batch), the optimizer steps, the new weights to the
+# engine, and the audit (flip and routing comparison on the host); step_s is the whole step
+# (not the periodic eval and checkpoint).
+PHASE_KEYS = ("rollout_s", "guidance_s", "update_s", "weights_s", "audit_s")
 METRIC_KEYS = ("reward", "mean_abs_dlogp", "k3_kl", "max_abs_dp", *mismatch.METRICS,
                "guidance_bytes_per_token", "loss", "grad_norm", "kl_ref",
-               "rollout_tokens_per_s", "train_tokens_per_s", "response_len", "guidance_s",
+               "rollout_tokens_per_s", "train_tokens_per_s", "response_len", *PHASE_KEYS,
                "step_s", *DASHBOARD_KEYS)
 # One optimizer step's metrics (several per RL step with `rl.minibatches` / `rl.epochs`).
 UPDATE_KEYS = ("loss", "pg_loss", "grad_norm", "clip_frac", "clip_frac_high", "clip_frac_low",
@@ -40,9 +45,7 @@ UPDATE_KEYS = ("loss", "pg_loss", "grad_norm", "clip_frac", "clip_frac_high", "c
 FLIP_KEYS = ("layer", "site", "guided", "flips", "total", "one_apart", "scale_flips",
              "scale_total")
 # Wall-clock figures: they differ between otherwise identical runs (resume tests skip them).
-# guidance_s: store flush + read + padding into the batch; step_s: the whole step (rollout,
-# guidance, train step, metrics; not the periodic eval and checkpoint).
-TIMING_KEYS = ("rollout_tokens_per_s", "train_tokens_per_s", "guidance_s", "step_s")
+TIMING_KEYS = ("rollout_tokens_per_s", "train_tokens_per_s", *PHASE_KEYS, "step_s")
 
 
 class CSVLog:
