@@ -34,7 +34,7 @@ _POLICIES = flags.DEFINE_list(
     "policies", ["bf16", "fp8_unified", "fp8_unified@kernel", "fp8_unified@kernel+fp8bwd",
                  "fp4_rtn", "fp4_trace"],
     "forwards to time; `name@impl` sets fp8_gemm (xla, kernel), `+fp8bwd` the FP8 backward, "
-    "`+scan` / `+unrolled` the plan's seq_layers (default: the plan's, unrolled on Hopper)")
+    "`+scan` / `+unrolled` the plan's seq_layers (default: the plan's, scan)")
 _BATCH = flags.DEFINE_integer("batch", None, "batch size (default per preset)")
 _SEQ = flags.DEFINE_integer("seq", None, "sequence length (default per preset)")
 _EXPERTS = flags.DEFINE_integer("experts", None, "number of experts (default per preset; the "
@@ -141,7 +141,9 @@ def _run_one(config: M.ModelConfig, params, tokens, label: str) -> dict[str, flo
     with profiling.trace(log_dir):
       for _ in range(2):
         jax.block_until_ready(run())
-    print(profiling.format_summary(profiling.summarize(log_dir, steps=2), label), flush=True)
+    summary = profiling.summarize(log_dir, steps=2)
+    print(profiling.format_summary(summary, label), flush=True)
+    row["profile"] = {k: summary[k] for k in ("kernels", "wall_ms", "busy_ms", "categories")}
   return row
 
 
@@ -183,7 +185,11 @@ def main(argv):
   total = sum(flops.values())
   first = f"{_MOE_IMPLS.value[0]} {_ATTENTIONS.value[0]}"
   rows: dict[str, dict[str, float]] = {}
-  for impl in _MOE_IMPLS.value:  # rows print as they finish (a timeout keeps them)
+  res = {"device": jax.devices()[0].device_kind, "batch": batch, "seq": seq,
+         "layers": base.num_hidden_layers, "bf16_matmul_tflops_same_process": rate / 1e12,
+         "matmul_tflop_per_step": {k: v / 1e12 for k, v in flops.items()}, "steps": rows}
+  # Rows print, and the JSON is rewritten, as each variant finishes (a timeout keeps them).
+  for impl in _MOE_IMPLS.value:
     for attention in _ATTENTIONS.value:
       for policy in _POLICIES.value:
         label = f"{impl} {attention} {policy}"
@@ -197,10 +203,9 @@ def main(argv):
         print(f"  {label:44s} {t or float('nan'):9.2f} ms/step  {rel:24s} temp "
               f"{row['temp_gib']:7.2f} GiB  compile {row['compile_s']:.1f} s  (matmul FLOPs at "
               f"{100 * row.get('mfu', float('nan')):.0f}% of the BF16 rate)", flush=True)
-  res = {"device": jax.devices()[0].device_kind, "batch": batch, "seq": seq,
-         "layers": base.num_hidden_layers, "bf16_matmul_tflops_same_process": rate / 1e12,
-         "matmul_tflop_per_step": {k: v / 1e12 for k, v in flops.items()},
-         "steps": rows, **_ratios(rows, first, total, rate)}
+        common.write_json(flags.FLAGS.json_out, {**res, **_ratios(rows, first, total, rate),
+                                                 "flags": common.flag_dict(flags.FLAGS)})
+  res.update(_ratios(rows, first, total, rate))
   common.finish(res, flags.FLAGS, "  ".join(f"{k} {v:.3f}" for k, v in res.items()
                                             if k.endswith(("_mfu", "_over_bf16"))))
 

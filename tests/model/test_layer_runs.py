@@ -167,7 +167,7 @@ def test_bad_loop_counts_are_refused(name, bad):
 
 
 def test_seq_layers_unrolled_runs_cacheless_forwards_apart_with_the_same_grads():
-  """The plan's seq_layers="unrolled" (Hopper's default): a forward without a cache compiles
+  """The plan's seq_layers="unrolled" (opt-in): a forward without a cache compiles
   every layer apart (its program grows with depth, the scanned one's does not; fp4_trace with
   its guided last layer) and has the same logits and gradients as under "scan" (bf16); the
   prefill, whose cache is held per run, still scans."""

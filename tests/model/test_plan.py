@@ -28,7 +28,7 @@ REFERENCE = dict(moe_impl="tiled", decode_impl="xla", decode_moe_kernel="triton"
 KERNELS = dict(moe_impl="kernel", decode_impl="kernel", decode_moe_kernel="wgmma",
                fp4_codes="words", decode_attention="wgmma", kv_cache="packed",
                nvfp4_sites="kernel", fp8_gemm="kernel", seq_attention="cudnn",
-               seq_layers="unrolled")
+               seq_layers="scan")
 
 
 def _fields(plan: KernelPlan) -> dict[str, str]:

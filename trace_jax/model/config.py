@@ -76,8 +76,9 @@ class ModelConfig:
     probabilities are rounded.
   seq_layers: the layer loop of forwards without a KV cache (training steps, scoring): "scan"
     (the runs of `scan_layers` as `lax.scan`s) or "unrolled" (every layer its own call: no
-    stacked weights, slices or carried copies, compile time growing with depth). Forwards
-    with a cache (prefill, decode) keep `scan_layers`' runs, which the cache is held in.
+    stacked weights, slices or carried copies, compile time growing with depth; faster on
+    the GPU but further from the rollout's values, `model.plan`). Forwards with a cache
+    (prefill, decode) keep `scan_layers`' runs, which the cache is held in.
   fp8_backward: those forwards' DGrad/WGrad GEMMs on FP8 operands too (Jet-RL's full flow);
     False: BF16 backward GEMMs. Gradients between operators are BF16 either way.
   scan_layers: run layers the forward treats alike as one `lax.scan` (compile time flat in

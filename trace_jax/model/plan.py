@@ -24,7 +24,7 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 | fp8_gemm          | kernel      | xla       | FP8 linears' block-scaled GEMMs                |
 | seq_attention     | cudnn (+)   | xla       | full-sequence attention (training, scoring,    |
 |                   |             |           | prefill): fused flash attention or XLA's       |
-| seq_layers        | unrolled    | scan      | the layer loop of forwards without a cache     |
+| seq_layers        | scan (!)    | scan      | the layer loop of forwards without a cache     |
 |                   |             |           | (training, scoring): `lax.scan` or unrolled    |
 
 (*) with decode_impl "kernel" on any backend: the packed cache and the site kernel are the
@@ -36,13 +36,18 @@ Where the code runs each choice: `model.grouped` (moe_impl), `kernels.fp4_moe` (
 decode_moe_kernel, fp4_codes), `kernels.decode_attention` and `kernels.kv_cache`
 (decode_attention, kv_cache), `kernels.nvfp4_act` (nvfp4_sites), `model.fp8_linear`
 (fp8_gemm), `model.attention` (seq_attention, through `kernels.attention_math`),
-`model.transformer` (seq_layers: "unrolled" compiles each layer apart; on the H100 the scan's
-stacking, slicing and carried copies took 27 of the BF16 training step's 89 ms at Qwen3 layer
-width, docs/benchmarks.md; "scan" keeps compile time flat in depth). A resolved
+`model.transformer` (seq_layers). A resolved
 plan states what runs: `kv_cache` is "dense" and `nvfp4_sites` "xla" under forwards without
 NVFP4 sites, whatever was forced. The kernels and the reference compute the same values up to
 float32 summation order (docs/numerics.md); cuDNN's attention also rounds its probabilities
 per key block rather than once.
+
+(!) "unrolled" compiles each layer of a training forward apart: on the H100 the scan's stacking,
+slicing and carried copies took 27 of the BF16 training step's 89 ms at Qwen3 layer width
+(docs/benchmarks.md). It stays opt-in: XLA then fuses the layers' operations otherwise than in
+the rollout's scanned prefill and decode, so the trainer's values agree with the rollout's less
+(the RL loop's unguided code flips rose from 1.4% to 12%, docs/results.md), and on the H100 XLA
+failed to compile its SFT step under --xla_gpu_deterministic_ops.
 
 "invariant": the reference's fields, and every matmul, attention, norm, softmax and MoE
 combine of the forward computed with sums in a fixed order (`kernels.invariant`), so a row's
@@ -265,5 +270,5 @@ def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:
       fp8_gemm=pick("fp8_gemm", "kernel" if kernels else "xla"),
       seq_attention=pick("seq_attention", "cudnn" if kernels and _cudnn_attention_shapes(config)
                          else "xla"),
-      seq_layers=pick("seq_layers", "unrolled" if kernels else "scan"),
+      seq_layers=pick("seq_layers", "scan"),
       sm_count=b.sm_count, invariant=config.plan == INVARIANT)

@@ -12,8 +12,8 @@ engine's prepared weights are held stacked per run; the params stay one subtree 
 (checkpoints, HF export and sharding rules see the same tree), stacked inside the forward
 unless the caller passes them stacked (`stack_layers`, once per weight update). A forward
 without a cache (training, scoring) runs every layer apart instead where the plan's
-`seq_layers` is "unrolled" (Hopper's default: the scan's copies cost more than its compile
-time saves there).
+`seq_layers` is "unrolled" (opt-in: faster on the GPU, further from the rollout's values;
+`model.plan`).
 """
 
 from __future__ import annotations
