@@ -29,7 +29,7 @@ def evaluate(engine: RolloutEngine, io: TaskIO, run: RunConfig) -> float:
 def summarize(history: list[dict[str, Any]], evals: list[dict[str, float]]) -> dict[str, Any]:
   """Final/best eval reward, run means of the mismatch metrics and medians over steps of the
   wall-clock ones (`run_log.TIMING_KEYS`: a step that compiled weighs no more than any other)."""
-  def mean(k, stat=np.mean):
+  def over_steps(k, stat=np.mean):
     vals = [h[k] for h in history if h.get(k) is not None]
     return float(stat(vals)) if vals else None
   rewards = [e["reward"] for e in evals]
@@ -40,9 +40,9 @@ def summarize(history: list[dict[str, Any]], evals: list[dict[str, float]]) -> d
       "train_reward_first": history[0]["reward"] if history else None,
       "train_reward_last": history[-1]["reward"] if history else None,
       "train_reward_slope": reward_slope(history),
-      **{k: mean(k) for k in ("mean_abs_dlogp", "k3_kl", "max_abs_dp", *mismatch.METRICS,
-                              "guidance_bytes_per_token", *run_log.DASHBOARD_KEYS)},
-      **{k: mean(k, np.median) for k in run_log.TIMING_KEYS},
+      **{k: over_steps(k) for k in ("mean_abs_dlogp", "k3_kl", "max_abs_dp", *mismatch.METRICS,
+                                    "guidance_bytes_per_token", *run_log.DASHBOARD_KEYS)},
+      **{k: over_steps(k, np.median) for k in run_log.TIMING_KEYS},
   }
 
 
