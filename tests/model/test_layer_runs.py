@@ -166,31 +166,21 @@ def test_bad_loop_counts_are_refused(name, bad):
 
 
 
-def test_seq_layers_unrolled_runs_cacheless_forwards_apart_with_the_same_grads():
-  """The plan's seq_layers="unrolled" (opt-in): a forward without a cache compiles
-  every layer apart (its program grows with depth, the scanned one's does not; fp4_trace with
-  its guided last layer) and has the same logits and gradients as under "scan" (bf16); the
-  prefill, whose cache is held per run, still scans."""
+def test_seq_layers_unrolled_runs_cacheless_forwards_apart():
+  """The plan's seq_layers="unrolled" (opt-in): a forward without a cache compiles every layer
+  apart, as `scan_layers=False` does (its program grows with depth, the scanned one's does not;
+  the values are the unrolled forward's above); the prefill, whose cache is held per run, still
+  scans."""
   def size(layers, seq_layers, cache):
     c = _config("fp4_trace", layers, guided_layers=(layers - 1,), seq_layers=seq_layers)
     p, toks = M.abstract_params(c), jnp.zeros((1, 4), jnp.int32)
     f = ((lambda p: M.prefill(p, c, toks, 8).logits) if cache else
          (lambda p: M.forward(p, c, toks).logits))
     return count_eqns(jax.make_jaxpr(f)(p).jaxpr)
-  assert size(6, "unrolled", cache=False) > 2.5 * size(2, "unrolled", cache=False)
-  assert size(6, "scan", cache=False) < 1.05 * size(2, "scan", cache=False)
-  assert size(6, "unrolled", cache=True) < 1.05 * size(2, "unrolled", cache=True)
-
-  c = _config("bf16")  # one run of 3 layers under "scan"
-  p = M.init_params(c, 0)
-  toks = jax.random.randint(jax.random.key(4), (2, 6), 0, c.vocab_size)
-
-  def loss(p, cc):
-    logits = M.forward(p, cc, toks).logits
-    return jnp.sum(logits ** 2) * 1e-3, logits
-
-  a, b = (jax.jit(jax.grad(loss, has_aux=True), static_argnums=1)(p, c.replace(seq_layers=s))
-          for s in ("scan", "unrolled"))
-  _close(a[1], b[1], 1e-5)
-  for x, y in zip(jax.tree.leaves(a[0]), jax.tree.leaves(b[0])):
-    _close(x, y, 1e-6)
+  assert size(4, "unrolled", cache=False) > 1.6 * size(2, "unrolled", cache=False)
+  assert size(4, "scan", cache=False) < 1.05 * size(2, "scan", cache=False)
+  assert size(4, "unrolled", cache=True) < 1.05 * size(2, "unrolled", cache=True)
+  c = _config("fp4_trace", 4, guided_layers=(3,), scan_layers=False)
+  apart = count_eqns(jax.make_jaxpr(lambda p: M.forward(p, c, jnp.zeros((1, 4), jnp.int32)
+                                                        ).logits)(M.abstract_params(c)).jaxpr)
+  assert abs(size(4, "unrolled", cache=False) - apart) < 0.01 * apart
