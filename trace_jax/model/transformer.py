@@ -122,8 +122,7 @@ class Transformer(nnx.Module):
     # Forwards without a cache take the plan's layer loop; the others the cache's runs.
     unrolled = (prec.plan.seq_layers == "unrolled" and cache is None and layers is None
                 and experts is None)
-    runs = tuple((i, i + 1) for i in range(c.num_hidden_layers)) if unrolled else layer_runs(c)
-    for r, (a, b) in enumerate(runs):
+    for r, (a, b) in enumerate(layer_runs(c, apart=unrolled)):
       state = (stack([nnx.state(self.layers[i]) for i in range(a, b)]) if layers is None
                else layers[r])
       run_cache = None if cache is None else cache[r]
