@@ -1,5 +1,6 @@
 """Damage done to orbax checkpoints on disk, as faults do it (shared by the integrity tests)."""
 
+import shutil
 from pathlib import Path
 
 
@@ -19,10 +20,24 @@ def truncate_arrays(path: Path) -> int:
 
 def garble_largest_array(path: Path) -> int:
   """XORs 64 bytes in the middle of the largest array data file with 0xFF: a file of the right
-  size that still decodes, into other values. Returns 1 (files damaged)."""
+  size. The chunks are compressed, so whether it still decodes (into other values) or fails to
+  decode depends on the bytes hit: deterministic for a given content, not across contents.
+  Returns 1 (files damaged)."""
   f = max(array_files(path), key=lambda f: f.stat().st_size)
   data = bytearray(f.read_bytes())
   mid = len(data) // 2
   data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
   f.write_bytes(bytes(data))
+  return 1
+
+
+def stale_state(path: Path) -> int:
+  """Replaces the train state of run checkpoint step `path` (`<run>/ckpt/<step>`) with the state
+  of the next older step, keeping this step's metadata: a checkpoint that decodes whole, into
+  values other than those it recorded (a stale copy). Returns 1 (states replaced)."""
+  path = Path(path)
+  older = max(int(p.name) for p in path.parent.iterdir()
+              if p.name.isdigit() and int(p.name) < int(path.name))
+  shutil.rmtree(path / "state")
+  shutil.copytree(path.parent / str(older) / "state", path / "state")
   return 1

@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import quickstart
-from tests.io.checkpoint_damage import garble_largest_array, truncate_arrays
+from tests.io.checkpoint_damage import garble_largest_array, stale_state, truncate_arrays
 from trace_jax.model.policies import POLICIES
 from trace_jax.train import checkpoints, rl_loop, run_log
 
@@ -171,14 +171,15 @@ def full_bf16_run(start_params, tmp_path_factory):
   return path, rl_loop.run_rl(tiny_cfg(), str(path), "bf16", start_params, progress=False)
 
 
-@pytest.mark.parametrize("damage", [truncate_arrays, garble_largest_array],
-                         ids=["torn", "garbled"])
+@pytest.mark.parametrize("damage", [truncate_arrays, garble_largest_array, stale_state],
+                         ids=["torn", "garbled", "stale"])
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
     damage, full_bf16_run, start_params, tmp_path, caplog):
-  """A finished run whose newest checkpoint (step 3) has torn array files, or 64 garbled bytes
-  in its largest array file (caught by the digests the checkpoint recorded): the next launch
-  warns naming the step, moves it aside and counts it, resumes from step 2, and ends bitwise
-  equal to the uninterrupted run."""
+  """A finished run whose newest checkpoint (step 3) has torn array files, 64 garbled bytes in
+  its largest array file (which fail to decode or decode into other values, as the trained
+  bytes fall), or step 2's state under step 3's metadata (it decodes whole: only the digests
+  the checkpoint recorded catch it): the next launch warns naming the step, moves it aside and
+  counts it, resumes from step 2, and ends bitwise equal to the uninterrupted run."""
   cfg = tiny_cfg()  # checkpoint_every=1, 2 kept: steps 2 and 3
   full_path, full = full_bf16_run
   shutil.copytree(full_path, tmp_path / "bad")
@@ -187,7 +188,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
     again = rl_loop.run_rl(cfg, str(tmp_path / "bad"), "bf16", start_params, progress=False)
   assert "checkpoint step 3 in" in caplog.text and "does not restore" in caplog.text
   assert "resuming from step 2" in caplog.text
-  if damage is garble_largest_array:
+  if damage is stale_state:
     assert "differs from its recorded digest" in caplog.text
   for a, b in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(again["state"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
