@@ -12,6 +12,9 @@
 #               128 + 128), the 60 GB fixed-memory cases at 8k and 32k contexts (36 GB on a
 #               GPU of less than 100 GB), and batch 64 at 32k context
 #               (`experiments.bench.rollout`'s GPU preset)
+#   attention   the single-pass decode attention (`decode_attention="fused"`) against the exact
+#               pair (Triton, wgmma): the kernels at 8k and 32k contexts, batch 64 and 256,
+#               then the 8k fixed-memory decode (bf16, fp4_rtn) with each, one process per impl
 #   mismatch    the rollout/trainer mismatch of the kernel plan against the reference plan
 #               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio)
 #   train_step  the training step at Qwen3 layer width, 4 and 12 layers (batch 4 on a GPU of
@@ -94,6 +97,21 @@ step_rollout() {
     --key_impl=kernel+unroll4 --budget_impl=kernel+unroll4 --batches=64 --reps=3 \
     --transformers=false --budget_s="$((t - 90))" --json_out="$OUT/rollout.json" \
     ${budget[@]+"${budget[@]}"} ${ROLLOUT_ARGS:-}
+}
+
+step_attention() {
+  local t=${T_ATTENTION:-480} budget=(--budget_gb=60) impl name
+  small_gpu && budget=(--budget_gb=36)
+  TAIL=40 run attention_kernels "$((t / 3))" python3 -m experiments.bench.decode_attention \
+    --contexts=8192,32768 --batches=64,256 --decoder_check=false \
+    --impls=kernel_bf16,kernel_packed,kernel_packed_wgmma,kernel_bf16_fused,kernel_packed_fused \
+    --json_out="$OUT/attention_kernels.json"
+  for impl in kernel+unroll4 kernel+unroll4+attnfused; do
+    name=attention_budget_${impl##*+}
+    TAIL=20 run "$name" "$((t / 3))" python3 -m experiments.bench.rollout --impls="$impl" \
+      --budget_impl="$impl" --cases=none --budget_context=8192 --budget_policies=bf16,fp4_rtn \
+      --long_context=0 --reps=2 --transformers=false "${budget[@]}" --json_out="$OUT/$name.json"
+  done
 }
 
 step_mismatch() {
@@ -183,7 +201,8 @@ main() {
   fi
   for s in "${steps[@]}"; do
     if ! declare -F "step_$s" > /dev/null; then
-      echo "unknown step '$s'; steps: check kernels rollout mismatch train_step rl multi_gpu tests" >&2
+      echo "unknown step '$s'; steps: check kernels rollout attention mismatch train_step rl" \
+        "profile multi_gpu tests" >&2
       exit 2
     fi
   done

@@ -24,9 +24,10 @@ decode over XLA's, and an impl with options over the plain one (`--impls=kernel,
 the layer scans two layers per iteration, `ModelConfig.scan_unroll`; `+unrolled`: every layer
 compiled apart; `+sync4`: the decode loop's condition checked once per 4 steps,
 `ModelConfig.decode_steps_per_sync`; `+moetriton` / `+moewgmma`: the packed experts' kernel,
-`ModelConfig.decode_moe_kernel`), and fp4_trace over fp4_rtn per impl. Every case's config
-states its kernel plan (`trace_jax.model.plan`); the fields an entry does not set are the
-plan's "auto" on this backend.
+`ModelConfig.decode_moe_kernel`; `+attnfused` / `+attntriton` / `+attnwgmma`: the decode
+attention, `ModelConfig.decode_attention`, "fused" the single-pass kernel), and fp4_trace over
+fp4_rtn per impl. Every case's config states its kernel plan (`trace_jax.model.plan`); the
+fields an entry does not set are the plan's "auto" on this backend.
 
 Fixed memory (`--budget_gb`, 0 skips it; `--budget_context`, `--budget_max_batch`,
 `--budget_policies` (CPU preset: bf16 and fp4_rtn), `--budget_impl`): per policy, how many
@@ -96,7 +97,8 @@ flags.DEFINE_list("impls", ["xla", "kernel"],
                   "decode_impl values (and fp8_gemm's, for fp8_unified), each optionally with "
                   "`+unrolled` (scan_layers=False), `+unroll<N>` (scan_unroll=N) and "
                   "`+sync<N>` (decode_steps_per_sync=N), `+moetriton` / `+moewgmma` "
-                  "(decode_moe_kernel), timed beside the plain impl; "
+                  "(decode_moe_kernel), `+attnfused` / `+attntriton` / `+attnwgmma` "
+                  "(decode_attention), timed beside the plain impl; "
                   "\"kernel_bytes\": "
                   "decode_impl kernel with packed NVFP4 codes held as bytes instead of words "
                   "(fp4_codes=\"bytes\"), for the side-by-side ratio.",
@@ -159,7 +161,8 @@ def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
   """An `--impls` entry -> (its decode_impl, the ModelConfig fields it sets): "kernel_bytes"
   decodes with "kernel" and fp4_codes="bytes"; `+unrolled` sets scan_layers=False,
   `+unroll<N>` scan_unroll=N,
-  `+sync<N>` decode_steps_per_sync=N, `+moetriton` / `+moewgmma` decode_moe_kernel."""
+  `+sync<N>` decode_steps_per_sync=N, `+moetriton` / `+moewgmma` decode_moe_kernel,
+  `+attnfused` / `+attntriton` / `+attnwgmma` decode_attention."""
   from trace_jax.model.config import DECODE_IMPLS
 
   base, *mods = impl.split("+")
@@ -177,9 +180,12 @@ def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
       fields["decode_steps_per_sync"] = int(mod[4:])
     elif mod in ("moetriton", "moewgmma"):
       fields["decode_moe_kernel"] = mod[3:]
+    elif mod in ("attnfused", "attntriton", "attnwgmma"):
+      fields["decode_attention"] = mod[4:]
     else:
       raise ValueError(f"--impls entry {impl!r}: options are +unrolled, +unroll<N>, "
-                       f"+sync<N> (N >= 1), +moetriton and +moewgmma, got +{mod}")
+                       f"+sync<N> (N >= 1), +moetriton, +moewgmma, +attnfused, +attntriton "
+                       f"and +attnwgmma, got +{mod}")
   return decode_impl, fields
 
 
@@ -466,6 +472,7 @@ def run_budget_case(params: Any, config: Any, budget_bytes: float, context: int,
   engine, init_s = _engine(params, config, max_batch)
   r = budget_plan(engine, budget_bytes, context)
   r["engine_init_s"] = init_s
+  r["plan"] = engine.plan.as_dict()  # what ran (the fields an impl entry leaves "auto")
   if not r["sequences"]:
     return r
   b = min(r["sequences"], max_batch)

@@ -109,9 +109,10 @@ def test_unsupported_forwards_are_refused():
     InProcessEngine(M.init_params(config, 0), config)
 
 
-def test_decode_steps_run_the_kernel_and_prefill_does_not():
+@pytest.mark.parametrize("attention, calls", [("triton", 7), ("fused", 6)])
+def test_decode_steps_run_the_kernel_and_prefill_does_not(attention, calls):
   config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=1,
-                  decode_impl="kernel")
+                  decode_impl="kernel", decode_attention=attention)
   params = M.init_params(config, 0)
   experts = expert_weights.prepare(params, config)
   cache = M.init_cache(config, 2, 8)
@@ -120,11 +121,37 @@ def test_decode_steps_run_the_kernel_and_prefill_does_not():
           params, experts, cache)
   prefill = jax.make_jaxpr(lambda p, e: M.prefill(p, config, np.zeros((2, 4), np.int32), 8,
                                                   experts=e).logits)(params, experts)
-  # q, k and v as one call, o, attention's scores and PV, the experts' gate/up and down of the
-  # one layer, and lm_head; none in prefill.
-  assert count_eqns(step.jaxpr, "pallas_call") == 7
+  # q, k and v as one call, o, attention (scores and PV, or the one fused kernel), the experts'
+  # gate/up and down of the one layer, and lm_head; none in prefill.
+  assert count_eqns(step.jaxpr, "pallas_call") == calls
   assert count_eqns(prefill.jaxpr, "pallas_call") == 0
 
+
+def test_fused_attention_decode_step_logits():
+  """Three decode steps of the BF16 policy through the kernel decode, the plan's
+  decode_attention "fused" against "triton" (`attend`'s probabilities), fed the same tokens
+  (the second sequence starts at position 2 over two unwritten rows): layer 0's cache is the
+  same bit for bit (attention does not write it), and the logits agree within BF16 rounding.
+  (Under an FP4 policy an output one BF16 ulp off may round to the neighbouring FP4 code at
+  the next site, so logits there differ by more: the kernel tests hold the packed cache's
+  numerics, tests/kernels/test_flash_decode.py.)"""
+  config = M.tiny(policy="bf16", dtype="bfloat16", num_hidden_layers=2, vocab_size=128,
+                  decode_impl="kernel")
+  params = jax.tree.map(lambda a: a if a.ndim == 1 else a * 4.0, M.init_params(config, 3))
+  outs = []
+  for attention in ("triton", "fused"):
+    cfg = config.replace(decode_attention=attention)
+    step = jax.jit(lambda p, c, t, pos, cfg=cfg: M.decode_step(p, cfg, c, t, pos))
+    cache, logits = M.init_cache(cfg, 2, 16), []
+    for i, tok in enumerate(([5, 9], [7, 1], [3, 3])):
+      out = step(params, cache, np.array(tok, np.int32), np.array([i, i + 2], np.int32))
+      cache, logits = out.cache, logits + [np.asarray(out.logits, np.float32)]
+    outs.append((cache, logits))
+  (ca, la), (cb, lb) = outs
+  for a, b in zip(jax.tree.leaves(ca), jax.tree.leaves(cb)):  # the run's stack [L, ...]
+    np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(b)[0])
+  for x, y in zip(la, lb):
+    np.testing.assert_allclose(x, y, atol=0.05 * np.max(np.abs(x)), rtol=0)
 
 
 def test_fp8_kernel_rollout_matches_the_reference():

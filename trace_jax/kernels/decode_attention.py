@@ -18,36 +18,25 @@ key and kv head at H = 128, 8 query heads per kv head: 1/8), so the split costs 
 traffic; what it buys is `attend`'s normalization order exactly (online softmax would round
 unnormalized probabilities: tokens of the tiny model left the reference at step 28 that way).
 
-Packed cache (`kv_cache.PackedKVCache`): each block loads the E2M1 codes, E4M3 block scales
-and FP32 row scales and decodes them in registers (no float8 `astype`, which XLA or Triton may
-rewrite, no gathers) to `formats.nvfp4_dequantize`'s values in q.dtype, bit for bit, with one
-of two decoders, by the cache's codes layout (the kernel plan's `fp4_codes`):
-- "words" (the GPU's, bf16/f16; the cache's codes held as words per block,
-  `PackedKVCache.as_words`): `fp4_decode.decode_words`, one table of the block's 8 results
-  per (row, block), built by the thread that decodes the block, and byte-permute lookups in
-  PTX inline assembly. The row scales pick the table per key tile: fast (every scale the
-  quantizer makes; unwritten rows' 0 too) or exact (extreme row scales). K is decoded in the
-  MMA operand order (`fp4_decode.mma_order`, head_dim a multiple of 64) and q's columns are
-  put in the same order outside the kernel: the dot's terms are the same, summed in another
-  float32 order.
-- "bits" (codes as bytes, the interpreter's layout): integer/bit arithmetic per element
-  (`_e2m1_half`), `(code_value * block_scale) * row_scale` in float32 (the first
-  product exact, the second rounding once), then a cast to q.dtype.
+Packed cache (`kv_cache.PackedKVCache`): each block's K/V are decoded in registers by
+`kv_tiles.kv_tile` (the words decoder for codes held as words, the GPU's; the bits decoder for
+bytes) to `formats.nvfp4_dequantize`'s values in q.dtype, bit for bit; with code words, K is
+decoded in the MMA operand order and q's columns are put in the same order outside the kernel.
 So the kernel's K/V are the trainer's fake-quantized values bit for bit (tests check this
 through `dequantize_pallas`, which runs the same decoders, and through the exact output at
-length 1). A per-byte table decoder of the bytes layout is gone: on the H200 it failed the
-check of `experiments/bench/decode_attention.py` (err/tol 24 at 8k contexts) where the words
-decoder passes (0.145, the BF16 kernel 0.136: docs/benchmarks.md, decode attention) and runs
-1.08-1.13x faster. H200 (ncu, batch 256, 8k): the packed kernels are bound by the
-L1/shared-memory pipe (scores 93%, PV 84% of its peak; DRAM 31-33%), not by the decode's
-instructions: the decoded tile reaches the MMA through shared memory (these figures and the old
-decoder's: the git history of docs/benchmarks.md).
+length 1). H200 (ncu, batch 256, 8k): the packed kernels are bound by the L1/shared-memory pipe
+(scores 93%, PV 84% of its peak; DRAM 31-33%), not by the decode's instructions: the decoded
+tile reaches the MMA through shared memory (these figures and the old decoder's: the git
+history of docs/benchmarks.md).
 
 On a Hopper GPU the packed cache's attention takes `wgmma_attention`'s Mosaic GPU kernels
 where the shape allows (`AttentionConfig.impl`; `wgmma_impl`, which the model asks where its
 kernel plan says `decode_attention="wgmma"`): the same probabilities and K/V values, with K
 decoded straight into wgmma's A registers and V into its shared-memory B tile (0.66x the
 Triton pair's time at batch 256, 8k).
+
+`AttentionConfig(impl="fused")` runs `flash_decode`'s single kernel instead (scores, online
+softmax and PV in one pass: no scores in memory, not `attend`'s bits; its module docstring).
 
 Numerics against `attention_math.attend` (the model's decode path, `decode_attention_reference`):
 the same float32 scores up to the dot's float32 accumulation order, the same probabilities
@@ -70,12 +59,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from trace_jax.kernels import attention_math, common, fp4_decode, wgmma_attention, wgmma_decode
+from trace_jax.kernels import (
+  attention_math,
+  common,
+  flash_decode,
+  fp4_decode,
+  kv_tiles,
+  wgmma_attention,
+  wgmma_decode,
+)
 from trace_jax.kernels.kv_cache import PackedKVCache, dequantize
 from trace_jax.quant import formats
 
 BF16Cache = tuple[jax.Array, jax.Array]
-IMPLS = ("triton", "wgmma", "wgmma_scores")  # `AttentionConfig.impl`
+IMPLS = ("triton", "wgmma", "wgmma_scores", "fused")  # `AttentionConfig.impl`
+WGMMA_IMPLS = ("wgmma", "wgmma_scores")
 MIN_ROWS = 16  # Triton's smallest dot tile along M (and N, K)
 DEFAULT_BLOCK_T = 64
 SM_COUNT = 132  # an H100/H200's; the caller passes its device's (the kernel plan's sm_count)
@@ -89,12 +87,16 @@ class AttentionConfig:
     words on a Hopper GPU, `wgmma_attention`'s shapes: K decoded into wgmma's A registers for
     the scores, V into shared memory for the PV sum, with the fast table, exact for every row
     scale the quantizer makes) or "wgmma_scores" (the wgmma scores with the Triton PV kernel's
-    key splits, for fewer PV programs than SMs); `wgmma_impl` picks between them for a call.
+    key splits, for fewer PV programs than SMs); `wgmma_impl` picks between them for a call;
+    "fused": `flash_decode`'s single kernel (online softmax, no scores in memory; not
+    `attend`'s bits: its module docstring), with `block_t`, `num_splits` and the launch
+    parameters as the Triton pair's.
   table: codes as words: None picks the bf16 fast table per key block where its row scales
     allow it, "exact" always takes the exact one (for tests), "fast" always the fast one (only
     exact for row scales in `fp4_decode.tensor_scale_factors`' fast range).
   block_t: keys per block of the Triton kernels (a power of two >= 16).
-  num_splits: key splits of the Triton PV kernel (None: `default_num_splits`).
+  num_splits: key splits of the Triton PV kernel or the fused kernel (None:
+    `default_num_splits`).
   num_warps / num_stages: Triton launch parameters.
   sm_count: the device's SMs (the kernel plan's): the PV kernel's default key splits.
   interpret: None runs the kernels on the GPU and the Pallas interpreter elsewhere.
@@ -118,138 +120,6 @@ class AttentionConfig:
       raise ValueError(f"block_t must be a power of two >= {MIN_ROWS}, got {self.block_t}")
 
 
-# ----------------------------------------------------------------------------- decoding
-
-def _neg(x: jax.Array, negative: jax.Array) -> jax.Array:
-  """-x where `negative`, by multiplication (Triton lowers negation as 0 - x: loses -0)."""
-  return jnp.where(negative, x * np.float32(-1.0), x)
-
-
-def _bits_f32(x: jax.Array) -> jax.Array:
-  return jax.lax.bitcast_convert_type(x, jnp.float32)
-
-
-def e4m3_value_from_bits(bits: jax.Array, log2_factor: int = 0) -> jax.Array:
-  """float32 value of E4M3 bytes given as int32 0..255, times 2**log2_factor (exact), as
-  `exact.e4m3_value` computes it."""
-  e = (bits >> 3) & 0xF
-  m = (bits & 0x7).astype(jnp.float32)
-  pow2 = _bits_f32((e + (127 - 7 + log2_factor)) << 23)  # 2**(e - 7 + log2_factor)
-  normal = pow2 * (np.float32(1.0) + m * np.float32(0.125))
-  mag = jnp.where(e == 0, m * np.float32(2.0**(-9 + log2_factor)), normal)
-  mag = jnp.where((bits & 0x7F) == 0x7F, np.float32(np.nan), mag)
-  return _neg(mag, (bits & 0x80) != 0)
-
-
-# E2M1 magnitudes come out as |value| / 4 (`_e2m1_half`); the block scale takes the 4.
-_E2M1_LOG2_FACTOR = 2
-
-
-def _e2m1_half(c: jax.Array, shift: int, bs4: jax.Array, row: jax.Array) -> jax.Array:
-  """float32 (|code| * block_scale) * row_scale with the code's sign, for the nibble of the
-  bytes c (int32) at bit `shift`; bs4 (4 * block_scale) and row broadcast to c's shape.
-
-  Few integer ops (this decode bounds the kernel's speed): with m = |code| (3 bits) put at
-  float32 bits 22..24 of exponent 124 (bits 23, 24 clear, so OR adds m >> 1 to it), f is
-  2**-3 * {1, 1.5, 2, 3, 4, 6, 8, 12}[m], and min(f, 2 f - 1/4) is |value| / 4 for every m
-  (the E2M1 values are {0, .5, 1, 1.5, 2, 3, 4, 6}). All of it is exact, and
-  (|value| / 4) * (4 bs) = |value| * bs exactly, so the one rounding (times row) is
-  `formats.nvfp4_dequantize`'s. The code's sign flips the sign bit last (code 8 gives -0).
-  """
-  f = _bits_f32(((c << (22 - shift)) & 0x01C00000) | 0x3E000000)
-  quarter = jnp.minimum(f, f * np.float32(2.0) - np.float32(0.25))
-  mag = (quarter * bs4) * row
-  sign = (c << (28 - shift)) & jnp.int32(-2**31)
-  return _bits_f32(jax.lax.bitcast_convert_type(mag, jnp.int32) ^ sign)
-
-
-def decode_nvfp4_rows(codes: jax.Array, block_bits: jax.Array, row: jax.Array,
-                      dtype: jnp.dtype, valid: jax.Array | None = None) -> jax.Array:
-  """Rows [n, H] in `dtype` from packed codes [n, H/2] uint8, block-scale bytes [n, H/16]
-  (uint8, the E4M3 bits) and row scales [n] float32; kernel-safe ops only.
-
-  Bit-equal to `formats.nvfp4_dequantize(...).astype(dtype)` (same products, same order).
-  valid [n]: rows outside it decode to +-0 whatever their bytes (masked loads leave them
-  undefined), at the cost of a select per row and per block, not per element.
-  """
-  n, h2 = codes.shape
-  h = 2 * h2
-  bits = block_bits.astype(jnp.int32)
-  if valid is not None:
-    bits = jnp.where(valid[:, None], bits, 0)
-    row = jnp.where(valid, row, np.float32(0.0))
-  bs4 = e4m3_value_from_bits(bits, _E2M1_LOG2_FACTOR)  # [n, H/16]
-  per_byte = formats.NVFP4_BLOCK // 2
-  bs4 = jnp.broadcast_to(bs4[:, :, None], (n, h // formats.NVFP4_BLOCK, per_byte))
-  bs4 = bs4.reshape(n, h2)
-  row = jnp.broadcast_to(row[:, None], (n, h2))
-  c = codes.astype(jnp.int32)
-  lo = _e2m1_half(c, 0, bs4, row).astype(dtype)
-  hi = _e2m1_half(c, 4, bs4, row).astype(dtype)
-  return jnp.stack([lo, hi], axis=-1).reshape(n, h)  # element 2i: low nibble
-
-
-def _block_bits(x: jax.Array) -> jax.Array:
-  return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype != jnp.uint8 else x
-
-
-def _check_words(words: bool, dtype: jnp.dtype, interpret: bool) -> None:
-  """A cache of code words decodes with the words decoder: bf16/f16, with Pallas' Triton
-  inline assembly on the GPU (in interpret mode its programs run as jnp integer ops)."""
-  if not words:
-    return
-  if not fp4_decode.supported_dtype(dtype):
-    raise ValueError(f"a cache of code words decodes to bf16/f16 (the words decoder), got "
-                     f"{jnp.dtype(dtype)}; hold the codes as bytes (PackedKVCache.as_bytes)")
-  if not interpret and not fp4_decode.ASM_AVAILABLE:
-    raise ValueError("a cache of code words needs Pallas' Triton inline assembly on the GPU")
-
-
-def decode_words_rows(words: jax.Array, block_bits: jax.Array, row: jax.Array,
-                      dtype: jnp.dtype, *, asm: bool, valid: jax.Array | None = None,
-                      table: str | None = None, order: str = "natural") -> jax.Array:
-  """Rows [n, H] in dtype from codes held as words [n, H/16, 2] (uint32), block-scale bytes
-  [n, H/16] and row scales [n] (float32), by the words decoder (`fp4_decode.decode_words`: one
-  table per (row, block), per-row second-level scales): bit-equal to `decode_nvfp4_rows` of the
-  same bytes. order: "natural" or "mma" (`fp4_decode.mma_order`, H a multiple of 64). valid:
-  rows outside it decode to +-0 (their scale bytes and row scale are zeroed first, so
-  undefined masked loads cannot reach the tile's table branch)."""
-  if valid is not None:
-    block_bits = jnp.where(valid[:, None], block_bits, jnp.zeros((), block_bits.dtype))
-    row = jnp.where(valid, row, np.float32(0.0))
-  factors = tuple(f.reshape(row.shape[0], 1) for f in fp4_decode.tensor_scale_factors(row))
-  w0, w1 = jnp.unstack(words, axis=-1)
-  return fp4_decode.decode_words(w0, w1, block_bits, dtype, asm=asm, factors=factors,
-                                 table=table, order=order)
-
-
-def _kv_tile(refs, lyr, b, g, t0: int, ok: jax.Array, block_t: int, dtype, *, packed: bool,
-             asm: bool, table: str | None, order: str = "natural") -> jax.Array:
-  """K or V rows t0 .. t0 + block_t of (layer lyr, sequence b, kv head g) in dtype: [bt, H]
-  (codes as words: the words decoder, in `order`; as bytes: the bits decoder). Rows outside
-  `ok` come out zero (masked loads leave them undefined, and 0 * NaN would reach the PV
-  sum)."""
-  rows = pl.ds(t0, block_t)
-  if packed:
-    c_ref, b_ref, r_ref = refs
-    words = c_ref.dtype == jnp.uint32  # [.., H/16, 2] words, else [.., H/2] bytes
-    mask_of = lambda shape: jnp.broadcast_to(ok.reshape((block_t,) + (1,) * len(shape)),
-                                             (block_t,) + shape)
-    tail = (slice(None),) * (2 if words else 1)
-    code_shape = tuple(c_ref.shape[4:]) if words else (c_ref.shape[-1],)
-    codes = common.masked_load(c_ref, (lyr, b, rows, g, *tail), mask_of(code_shape))
-    bits = common.masked_load(b_ref, (lyr, b, rows, g, slice(None)), mask_of((b_ref.shape[-1],)))
-    row = common.masked_load(r_ref, (lyr, b, rows, g), ok)
-    if words:
-      return decode_words_rows(codes, bits, row, dtype, asm=asm, valid=ok, table=table,
-                               order=order)
-    return decode_nvfp4_rows(codes, bits, row, dtype, valid=ok)
-  (ref,) = refs
-  mask = jnp.broadcast_to(ok[:, None], (block_t, ref.shape[-1]))
-  x = common.masked_load(ref, (lyr, b, rows, g, slice(None)), mask).astype(dtype)
-  return jnp.where(mask, x, jnp.zeros((), dtype))
-
-
 def _scores_kernel(layer_ref, len_ref, q_ref, *refs, packed: bool, asm: bool,
                    table: str | None, order: str, r: int, block_t: int, scale: float):
   """Program (b, g, j): float32 scores of key block j for the R query heads of kv head g, as
@@ -263,7 +133,7 @@ def _scores_kernel(layer_ref, len_ref, q_ref, *refs, packed: bool, asm: bool,
   @pl.when(t0 < length)
   def _():
     ok = t0 + jnp.arange(block_t) < length
-    k = _kv_tile(k_refs, layer_ref[0], b, g, t0, ok, block_t, q_ref.dtype, packed=packed,
+    k = kv_tiles.kv_tile(k_refs, layer_ref[0], b, g, t0, ok, block_t, q_ref.dtype, packed=packed,
                  asm=asm, table=table, order=order)
     s = jax.lax.dot_general(q_ref[b, g], k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)        # [Rp, block_t]
@@ -291,7 +161,7 @@ def _pv_kernel(layer_ref, len_ref, p_ref, *refs, packed: bool, asm: bool,
     ok = t0 + jnp.arange(block_t) < length
     p = common.masked_load(p_ref, (b, g, pl.ds(0, rp), pl.ds(t0, block_t)), row_ok & ok[None, :])
     p = jnp.where(row_ok & ok[None, :], p, jnp.zeros((), dtype))
-    v = _kv_tile(v_refs, layer_ref[0], b, g, t0, ok, block_t, dtype, packed=packed,
+    v = kv_tiles.kv_tile(v_refs, layer_ref[0], b, g, t0, ok, block_t, dtype, packed=packed,
                  asm=asm, table=table)
     return acc + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())),
                                      preferred_element_type=jnp.float32)
@@ -308,16 +178,6 @@ def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int,
   SMs, with at least 4 key blocks per split."""
   want = -(-2 * sm_count // max(batch * num_kv_heads, 1))
   return int(max(1, min(want, num_blocks // 4)))
-
-
-def _cache_arrays(cache, packed: bool) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-  """(K arrays, V arrays) as the kernels read them, each with a leading layer axis; the
-  block scales as their bytes (a free bitcast)."""
-  if not packed:
-    return (cache[0],), (cache[1],)
-  bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8)
-  return ((cache.k_codes, bits(cache.k_block), cache.k_row),
-          (cache.v_codes, bits(cache.v_block), cache.v_row))
 
 
 def _scores(q, ks, lengths, lyr, *, packed: bool, config: AttentionConfig,
@@ -388,11 +248,16 @@ def _decode_attention(q, cache, lengths, layer, *, config: AttentionConfig, num_
   if layer is None:  # one layer: a leading axis of 1 (a free reshape)
     cache = jax.tree.map(lambda a: a[None], cache)
     layer = jnp.zeros((), jnp.int32)
-  ks, vs = _cache_arrays(cache, packed)
+  ks, vs = kv_tiles.cache_arrays(cache, packed)
   b, n, h = q.shape
   t = ks[0].shape[2]
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
+  if config.impl == "fused":
+    return flash_decode.attention(q, ks, vs, lengths, lyr, packed=packed, block_t=config.block_t,
+                                  num_splits=num_splits, table=config.table,
+                                  launch=(config.num_warps, config.num_stages),
+                                  interpret=interpret)
   scores = _scores(q, ks, lengths, lyr, packed=packed, config=config, interpret=interpret)
   # `attend`'s probabilities from the same scores: masked beyond each length (blocks the
   # kernel skipped hold no data and are masked), float32 softmax, one rounding.
@@ -475,11 +340,11 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   lead = 0 if layer is None else 1
   b, t, g = (cache.k_codes if packed else cache[0]).shape[lead:lead + 3]
   if packed:
-    _check_words(cache.words, q.dtype, bool(interpret))
+    kv_tiles.check_words(cache.words, q.dtype, bool(interpret))
   num_splits = config.num_splits
   if num_splits is None:
     num_splits = default_num_splits(b, g, -(-t // config.block_t), config.sm_count)
-  if config.impl != "triton":
+  if config.impl in WGMMA_IMPLS:
     if config.table == "exact":
       raise ValueError(f"impl={config.impl!r} builds the fast table only (exact for every row "
                        "scale the quantizer makes); table='exact' needs impl='triton'")
@@ -538,7 +403,7 @@ def _dequant_kernel(c_ref, b_ref, r_ref, o_ref, *, block_t: int, t: int, asm: bo
   t0 = pl.program_id(0) * block_t
   ok = t0 + jnp.arange(block_t) < t
   zero = jnp.int32(0)  # layer, sequence and kv head of the flat view
-  x = _kv_tile((c_ref, b_ref, r_ref), zero, zero, zero, t0, ok, block_t, o_ref.dtype,
+  x = kv_tiles.kv_tile((c_ref, b_ref, r_ref), zero, zero, zero, t0, ok, block_t, o_ref.dtype,
                packed=True, asm=asm, table=table)
   common.masked_store(o_ref, (pl.ds(t0, block_t), slice(None)), x,
                       jnp.broadcast_to(ok[:, None], (block_t, o_ref.shape[-1])))
@@ -554,7 +419,7 @@ def _dequantize_pallas(codes, block, row, *, dtype, interpret: bool, block_t: in
   t = int(np.prod(lead))
   flat = lambda a, tail: a.reshape((1, 1, t, 1) + tail)
   c = flat(codes, codes.shape[-2:] if words else codes.shape[-1:])
-  bb, rr = flat(_block_bits(block), block.shape[-1:]), flat(row, ())
+  bb, rr = flat(kv_tiles.block_bits_of(block), block.shape[-1:]), flat(row, ())
   out = pl.pallas_call(
       functools.partial(_dequant_kernel, block_t=block_t, t=t, asm=not interpret,
                         table=table),
@@ -571,7 +436,7 @@ def dequantize_pallas(cache: PackedKVCache, dtype: jnp.dtype = jnp.bfloat16, *,
   in a Pallas kernel of its own; the cache's codes layout picks it), so tests can compare its
   bits with `kv_cache.dequantize`. config: block_t, table, num_warps and interpret apply."""
   interpret = common.default_interpret() if config.interpret is None else config.interpret
-  _check_words(cache.words, dtype, bool(interpret))
+  kv_tiles.check_words(cache.words, dtype, bool(interpret))
   f = functools.partial(_dequantize_pallas, dtype=jnp.dtype(dtype), interpret=bool(interpret),
                         block_t=config.block_t, num_warps=config.num_warps, table=config.table)
   return (f(cache.k_codes, cache.k_block, cache.k_row),

@@ -18,7 +18,7 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 |                   |             |           | lm_head, attention) on the decode kernels      |
 | decode_moe_kernel | wgmma       | triton    | the packed NVFP4 experts' decode kernel        |
 | fp4_codes         | words (GPU) | bytes     | packed NVFP4 codes' layout (weights, KV cache) |
-| decode_attention  | wgmma       | triton    | the packed KV cache's decode attention         |
+| decode_attention  | wgmma       | triton    | the kernel decode's attention over its cache   |
 | kv_cache          | packed (*)  | dense     | NVFP4 forwards' KV cache: codes or values      |
 | nvfp4_sites       | kernel (*)  | xla       | the rollout's unguided NVFP4 activation sites  |
 | fp8_gemm          | kernel      | xla       | FP8 linears' block-scaled GEMMs                |
@@ -41,6 +41,10 @@ plan states what runs: `kv_cache` is "dense" and `nvfp4_sites` "xla" under forwa
 NVFP4 sites, whatever was forced. The kernels and the reference compute the same values up to
 float32 summation order (docs/numerics.md); cuDNN's attention also rounds its probabilities
 per key block rather than once.
+
+decode_attention "fused" (opt-in) is `kernels.flash_decode`'s single kernel: an online softmax
+with no scores in memory, whose rounded probabilities are unnormalized, so it is not `attend`'s
+bits even on CPU; "triton" and "wgmma" keep `attend`'s probabilities.
 
 (!) "unrolled" compiles each layer of a training forward apart: on the H100 the scan's stacking,
 slicing and carried copies took 27 of the BF16 training step's 89 ms at Qwen3 layer width
@@ -74,7 +78,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "decode_impl": ("xla", "kernel"),
     "decode_moe_kernel": ("triton", "wgmma"),
     "fp4_codes": ("bytes", "words"),
-    "decode_attention": ("triton", "wgmma"),
+    "decode_attention": ("triton", "wgmma", "fused"),
     "kv_cache": ("dense", "packed"),
     "nvfp4_sites": ("xla", "kernel"),
     "fp8_gemm": ("xla", "kernel"),

@@ -179,6 +179,8 @@ def test_summary_keys():
                                                          "decode_moe_kernel": "triton"}),
                  id="moe_triton"),
     pytest.param("kernel+moewgmma", ("kernel", {"decode_moe_kernel": "wgmma"}), id="moe_wgmma"),
+    pytest.param("kernel+attnfused", ("kernel", {"decode_attention": "fused"}),
+                 id="attention_fused"),
 ])
 def test_impl_options(impl, want):
   assert br.impl_options(impl) == want

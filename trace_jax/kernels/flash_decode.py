@@ -1,0 +1,141 @@
+"""Single-pass decode attention (flash decoding) over a BF16 or packed NVFP4 KV cache.
+
+`decode_attention`'s exact pair writes the float32 scores [B, G, R, T] to memory, soft-maxes them
+in XLA and reads the probabilities back for the PV sum: per key and kv head that is R x (4 + 4 +
+2 + 2) bytes (96 at R = 8), next to the packed cache's 152 bytes of K and V at head_dim 128, so
+at long contexts the score traffic is about 40% of the attention's bytes. This kernel keeps it
+on chip. Program (b, g, s) of the grid (B, G, S) walks its split's key blocks below the length
+(`kv_tiles.kv_tile` decodes K and V in registers, as the pair does) with an online softmax:
+
+  m' = max(m, max_j s_j)           a  = exp(m - m')
+  p_j = exp(s_j - m')              l' = a l + sum_j p_j          (float32)
+  acc' = a acc + round(p, q.dtype) @ V                             (float32 dot)
+
+and ends with out = acc / l (one split) or writes (acc, m, l); `combine` then rescales the
+splits to their common maximum in float32 and divides once.
+
+Numerics against `attention_math.attend` (the trainer's): the same float32 scores up to the dot's
+summation order, but the probabilities rounded to q.dtype are the unnormalized exp(s - m') and
+the division comes after the PV sum, so the outputs are not `attend`'s bits even on CPU (the
+exact pair's are, nearly always). Each rounded p_j is within 2**-9 relative of its exact value,
+as the pair's normalized ones are, so `decode_attention.output_tolerance` bounds it the same way
+(tests). What the lost bits cost the RL loop (rollout/trainer |dlogp|) is measured by running
+the kernel plan with `decode_attention="fused"` against "triton"/"wgmma".
+
+Keys at or beyond `lengths` are ignored entirely (masked to -inf before the maximum, their K/V
+rows decoded as zeros); a length of 0 gives zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from trace_jax.kernels import attention_math, common, fp4_decode, kv_tiles
+
+MIN_ROWS = 16  # Triton's smallest dot tile along M (and N, K)
+
+
+def _kernel(layer_ref, len_ref, q_ref, *refs, nk: int, packed: bool, asm: bool,
+            table: str | None, order: str, r: int, block_t: int, blocks_per_split: int,
+            splits: int, scale: float):
+  """Program (b, g, split): the online softmax and PV sum over the split's key blocks."""
+  k_refs, v_refs, out_refs = refs[:nk], refs[nk:2 * nk], refs[2 * nk:]
+  b, g, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  lyr, length = layer_ref[0], len_ref[b]
+  first = si * blocks_per_split
+  last = jnp.minimum(first + blocks_per_split, (length + block_t - 1) // block_t)
+  q = q_ref[b, g]  # [Rp, H], columns in the order K is decoded in
+  dtype = q.dtype
+  rp = q.shape[0]
+  width = out_refs[0].shape[-1]
+
+  def body(i, carry):
+    acc, m, l = carry
+    t0 = pl.multiple_of(i * block_t, block_t)
+    ok = t0 + jnp.arange(block_t) < length
+    k = kv_tiles.kv_tile(k_refs, lyr, b, g, t0, ok, block_t, dtype, packed=packed, asm=asm,
+                         table=table, order=order)
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * np.float32(scale)
+    s = jnp.where(ok[None, :], s, np.float32(-np.inf))            # [Rp, block_t]
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])
+    v = kv_tiles.kv_tile(v_refs, lyr, b, g, t0, ok, block_t, dtype, packed=packed, asm=asm,
+                         table=table)
+    pv = jax.lax.dot_general(p.astype(dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+    return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
+
+  init = (jnp.zeros((rp, width), jnp.float32), jnp.full((rp,), -np.inf, jnp.float32),
+          jnp.zeros((rp,), jnp.float32))
+  acc, m, l = jax.lax.fori_loop(first, last, body, init)
+  rows_ok = jnp.arange(rp) < r
+  tile_ok = jnp.broadcast_to(rows_ok[:, None], (rp, width))
+  if splits == 1:
+    (o_ref,) = out_refs
+    out = jnp.where(l[:, None] > 0, acc / jnp.maximum(l, np.float32(1e-30))[:, None],
+                    np.float32(0.0))
+    common.masked_store(o_ref, (b, g, slice(None), slice(None)), out.astype(o_ref.dtype),
+                        tile_ok)
+    return
+  o_ref, m_ref, l_ref = out_refs
+  common.masked_store(o_ref, (b, g, si, slice(None), slice(None)), acc, tile_ok)
+  common.masked_store(m_ref, (b, g, si, slice(None)), m, rows_ok)
+  common.masked_store(l_ref, (b, g, si, slice(None)), l, rows_ok)
+
+
+def combine(acc: jax.Array, m: jax.Array, l: jax.Array, dtype: jnp.dtype) -> jax.Array:
+  """The splits' partial results [.., S, R, H], [.., S, R], [.., S, R] -> [.., R, H] in dtype:
+  each split rescaled to the common maximum, summed in float32, divided once (rows with no
+  valid key give zeros)."""
+  top = jnp.max(m, axis=-2, keepdims=True)
+  w = jnp.where(m == -np.inf, np.float32(0.0), jnp.exp(m - top))  # a split without keys: 0
+  num = jnp.sum(acc * w[..., None], axis=-3)
+  den = jnp.sum(l * w, axis=-2)
+  out = jnp.where(den[..., None] > 0, num / jnp.maximum(den, np.float32(1e-30))[..., None],
+                  np.float32(0.0))
+  return out.astype(dtype)
+
+
+def attention(q: jax.Array, ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...],
+              lengths: jax.Array, lyr: jax.Array, *, packed: bool, block_t: int,
+              num_splits: int, table: str | None, launch: tuple[int, int],
+              interpret: bool) -> jax.Array:
+  """[B, N, H] in q.dtype: q [B, N, H] over the cache arrays `kv_tiles.cache_arrays` gives
+  (each [L, B, T, G, ...]), layer lyr [1] int32, lengths [B] int32 clipped to [0, T], in
+  `num_splits` key splits (at least one key block each). launch: Triton's (num_warps,
+  num_stages). Called by `decode_attention.decode_attention` with impl="fused"."""
+  b, n, h = q.shape
+  t, g = ks[0].shape[2], ks[0].shape[3]
+  r = n // g
+  rp = max(MIN_ROWS, common.next_pow2(r))
+  qg = jnp.pad(q.reshape(b, g, r, h), ((0, 0), (0, 0), (0, rp - r), (0, 0)))
+  words = packed and ks[0].dtype == jnp.uint32
+  order = "mma" if words and h % fp4_decode.MMA_ORDER_SPAN == 0 else "natural"
+  if order == "mma":
+    qg = fp4_decode.mma_order_columns(qg)
+  nblk = -(-t // block_t)
+  bps = -(-nblk // max(1, min(num_splits, nblk)))
+  splits = -(-nblk // bps)
+  if splits == 1:
+    out_shape = (jax.ShapeDtypeStruct((b, g, rp, h), q.dtype),)
+  else:
+    out_shape = (jax.ShapeDtypeStruct((b, g, splits, rp, h), jnp.float32),
+                 jax.ShapeDtypeStruct((b, g, splits, rp), jnp.float32),
+                 jax.ShapeDtypeStruct((b, g, splits, rp), jnp.float32))
+  outs = pl.pallas_call(
+      functools.partial(_kernel, nk=len(ks), packed=packed, asm=not interpret, table=table,
+                        order=order, r=r, block_t=block_t, blocks_per_split=bps, splits=splits,
+                        scale=attention_math.score_scale(h)),
+      grid=(b, g, splits), out_shape=out_shape, interpret=interpret,
+      compiler_params=None if interpret else common.compiler_params(*launch),
+      name="flash_decode_nvfp4" if packed else "flash_decode",
+  )(lyr, lengths, qg, *ks, *vs)
+  out = outs[0] if splits == 1 else combine(*outs, q.dtype)
+  return out[:, :, :r].reshape(b, n, h)
