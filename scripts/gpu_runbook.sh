@@ -180,11 +180,11 @@ step_profile() {
   TAIL=70 run profile_train_step "$((t / 2))" python3 -m experiments.bench.train_step \
     --preset=qwen3_layers --moe_impls=kernel --seq_attentions=cudnn \
     --policies=bf16,fp8_unified@kernel --steps=2 --profile_dir=/tmp/profile_train_step \
-    ${PROFILE_ARGS:-}
+    --json_out="$OUT/profile_train_step.json" ${PROFILE_ARGS:-}
   TAIL=70 run profile_rollout "$((t / 2))" python3 -m experiments.bench.rollout \
     --impls=kernel+unroll4 --budget_impl=kernel+unroll4 --cases=none --budget_context=8192 \
     --budget_policies=bf16,fp4_rtn --long_context=0 --reps=1 --transformers=false \
-    "${budget[@]}" --profile_dir=/tmp/profile_rollout
+    "${budget[@]}" --profile_dir=/tmp/profile_rollout --json_out="$OUT/profile_rollout.json"
 }
 
 # -v: each test's name and outcome as it ends, so a step cut by its limit still names its

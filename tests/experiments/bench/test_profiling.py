@@ -13,6 +13,8 @@ from experiments.bench import profiling
     pytest.param("grouped_matmul_decode_fp4__1", "pallas", id="pallas_kernel"),
     pytest.param("grouped_dgrad__1", "pallas", id="pallas_training_gemm"),
     pytest.param("decode_attention_scores_nvfp4", "pallas", id="pallas_attention"),
+    pytest.param("flash_decode_nvfp4", "pallas", id="pallas_flash_decode"),
+    pytest.param("nvfp4_quantize_rows", "pallas", id="pallas_activation_site"),
     pytest.param("nvjet_sm90_tst_256x64_64x5_1x2_h_bz_TNT", "gemm", id="cublas_nvjet"),
     pytest.param("gemm_fusion_dot_21", "gemm", id="xla_gemm_fusion"),
     pytest.param("memcpy32_post", "memcpy", id="memcpy"),
