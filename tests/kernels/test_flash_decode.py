@@ -134,3 +134,19 @@ def test_fused_rejects_what_the_pair_rejects():
   cache = (jnp.zeros((2, 16, 2, 64), jnp.bfloat16),) * 2
   with pytest.raises(ValueError, match="multiple of G"):
     _run(q, cache, jnp.ones((2,), jnp.int32), 16, 1)
+
+
+@pytest.mark.parametrize("kind,words,splits", [("bf16", None, 1), ("packed", False, 3),
+                                               ("packed", True, 1), ("packed", True, 3)],
+                         ids=["bf16", "bytes_split3", "words", "words_split3"])
+def test_lowers_to_triton(kind, words, splits):
+  """The kernel passes Pallas' Triton lowering for the CUDA platform on any host (supported
+  primitives, power-of-two tiles); Triton's own compilation needs the GPU run."""
+  b, t, g, n, h, lengths, block_t, _ = tda.ATTN_CASES["full_r8"]
+  q, kv, pos = tda._attn_inputs(b, t, g, n, h)
+  cache = tda._cache(kind, kv, pos, words=words)
+  config = AttentionConfig(impl="fused", block_t=block_t, num_splits=splits, interpret=False)
+  f = lambda q, c, lens: da.decode_attention(q, c, lens, config=config)
+  text = jax.jit(f).trace(q, cache, jnp.asarray(lengths, jnp.int32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "triton" in text and "flash_decode" in text
