@@ -15,6 +15,8 @@ reference elsewhere; the report's `kernel_plan` says which ran). --decode_impls=
 measures each rollout decode path on its own rollout (the report is the first one's) and adds
 `by_decode_impl` and `fp4_trace_dlogp_kernel_over_xla`: the fast path's rollout/trainer mean
 |dlogp| under fp4_trace over the reference path's (the target is <= 1.2, docs/benchmarks.md).
+--plan_fields=decode_attention=fused (or seq_layers=unrolled, any plan field) sets kernel plan
+fields on the config: what one plan choice does to the mismatch, by a run with and one without.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ _DECODE_IMPLS = flags.DEFINE_list(
     "default: the config's, which is `auto`, the kernels on a Hopper GPU and the XLA "
     "reference elsewhere), each "
     "measured on its own rollout; the report is the first one's.")
+_PLAN_FIELDS = flags.DEFINE_list(
+    "plan_fields", [], "Kernel plan fields set on the config, as field=value (e.g. "
+    "decode_attention=fused: the rollout's single-pass attention; seq_layers=unrolled: the "
+    "trainer's layers compiled apart), to measure what a plan choice does to the mismatch.")
 _BUDGET = flags.DEFINE_float(
     "guidance_budget", None, "Bytes of guidance per token: choose the guided layers by greedy "
     "selection on a calibration rollout of other prompts (trace_jax.train.guidance_budget), "
@@ -258,11 +264,27 @@ def check_flags(config: ModelConfig) -> None:
     raise ValueError("; ".join(errors))
 
 
+def plan_fields(items: Sequence[str]) -> dict[str, str]:
+  """`--plan_fields` entries field=value -> {field: value}, each a kernel plan field
+  (`plan.FIELDS`) and one of its choices or "auto"; else ValueError naming the entry."""
+  out = {}
+  for item in items:
+    name, sep, value = item.partition("=")
+    if not sep or name not in plan_lib.FIELDS:
+      raise ValueError(f"--plan_fields entry {item!r}: want field=value with field one of "
+                       f"{sorted(plan_lib.FIELDS)}")
+    if value not in (plan_lib.AUTO, *plan_lib.FIELDS[name]):
+      raise ValueError(f"--plan_fields entry {item!r}: {name} is one of "
+                       f"{[plan_lib.AUTO, *plan_lib.FIELDS[name]]}")
+    out[name] = value
+  return out
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
   with run_guard.exit_on_errors(log_dir=os.path.dirname(os.path.abspath(_JSON_OUT.value))):
     with run_guard.user_input():
-      config = load_config(_CONFIG.value)
+      config = dataclasses.replace(load_config(_CONFIG.value), **plan_fields(_PLAN_FIELDS.value))
       check_flags(config)
     _main(config)
 
@@ -278,6 +300,7 @@ def _main(config: ModelConfig) -> None:
       impl: measure(params, dataclasses.replace(config, decode_impl=impl), prompts, sampling,
                     _MODE.value, _REPLAY.value, fmt=_FORMAT.value)
       for impl in dict.fromkeys(_DECODE_IMPLS.value or [config.decode_impl])})
+  report["plan_fields"] = plan_fields(_PLAN_FIELDS.value)
   os.makedirs(os.path.dirname(os.path.abspath(_JSON_OUT.value)), exist_ok=True)
   if _BUDGET.value is not None or _SWEEP.value:
     report["guidance_budget"] = budget_report(params, config, prompts, sampling)

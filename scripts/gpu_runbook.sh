@@ -16,7 +16,8 @@
 #               pair (Triton, wgmma): the kernels at 8k and 32k contexts, batch 64 and 256,
 #               then the 8k fixed-memory decode (bf16, fp4_rtn) with each, one process per impl
 #   mismatch    the rollout/trainer mismatch of the kernel plan against the reference plan
-#               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio)
+#               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio), then the kernel
+#               plan with the single-pass decode attention (`--plan_fields=decode_attention=fused`)
 #   train_step  the training step at Qwen3 layer width, 4 and 12 layers (batch 4 on a GPU of
 #               less than 100 GB): BF16, FP8 and FP4 policies on the grouped GEMM kernels,
 #               cuDNN's fused attention against XLA's
@@ -115,9 +116,14 @@ step_attention() {
 }
 
 step_mismatch() {
-  TAIL=20 run mismatch "${T_MISMATCH:-300}" python3 -m experiments.measure_mismatch \
+  local t=${T_MISMATCH:-420}
+  TAIL=20 run mismatch "$((t * 2 / 3))" python3 -m experiments.measure_mismatch \
     --config=configs/small_h200.py --decode_impls=xla,kernel --num_prompts=64 \
     --max_new_tokens=64 --json_out="$OUT/mismatch.json" ${MISMATCH_ARGS:-}
+  TAIL=12 run mismatch_fused "$((t / 3))" python3 -m experiments.measure_mismatch \
+    --config=configs/small_h200.py --decode_impls=kernel --num_prompts=64 \
+    --max_new_tokens=64 --plan_fields=decode_attention=fused \
+    --json_out="$OUT/mismatch_fused.json" ${MISMATCH_ARGS:-}
 }
 
 step_train_step() {

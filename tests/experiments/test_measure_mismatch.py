@@ -140,3 +140,14 @@ def test_by_decode_impl_ratios():
   assert r["z_dlogp_kernel_over_xla"] == 1.0
   one = measure_mismatch.by_decode_impl({"kernel": fake({"fp4_trace": 0.01})})
   assert not any(k.endswith("_over_xla") for k in one)
+
+
+def test_plan_fields_parse_and_refuse():
+  """--plan_fields entries become config fields; a field that is no plan field, or a value that
+  is not one of its choices, is refused naming the entry."""
+  assert measure_mismatch.plan_fields(["decode_attention=fused", "seq_layers=unrolled"]) == {
+      "decode_attention": "fused", "seq_layers": "unrolled"}
+  for bad, match in (("decode_attention", "want field=value"), ("dtype=float32", "field one of"),
+                     ("decode_attention=flash", "decode_attention is one of")):
+    with pytest.raises(ValueError, match=match):
+      measure_mismatch.plan_fields([bad])
