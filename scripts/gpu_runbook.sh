@@ -18,6 +18,10 @@
 #   mismatch    the rollout/trainer mismatch of the kernel plan against the reference plan
 #               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio), then the kernel
 #               plan with the single-pass decode attention (`--plan_fields=decode_attention=fused`)
+#   layers_mismatch  why the trainer's unrolled layers (`seq_layers="unrolled"`, 0.70x the scanned
+#               step) agree less with the rollout: the kernel plan's mismatch with the trainer's
+#               layers scanned, unrolled, and unrolled under XLA flags that fix fusion-dependent
+#               numerics (no excess precision; no Triton GEMM fusions), one JSON each
 #   train_step  the training step at Qwen3 layer width, 4 and 12 layers (batch 4 on a GPU of
 #               less than 100 GB): BF16, FP8 and FP4 policies on the grouped GEMM kernels,
 #               cuDNN's fused attention against XLA's
@@ -123,7 +127,20 @@ step_mismatch() {
   TAIL=12 run mismatch_fused "$((t / 3))" python3 -m experiments.measure_mismatch \
     --config=configs/small_h200.py --decode_impls=kernel --num_prompts=64 \
     --max_new_tokens=64 --plan_fields=decode_attention=fused \
-    --json_out="$OUT/mismatch_fused.json" ${MISMATCH_ARGS:-}
+    --json_out="$OUT/mismatch_fused.json" --png_out=/tmp/mismatch_fused.png ${MISMATCH_ARGS:-}
+}
+
+step_layers_mismatch() {
+  local t=${T_LAYERS_MISMATCH:-480} v layers tag flags
+  for v in scan:scan: unrolled:unrolled: \
+           unrolled:noexcess:--xla_allow_excess_precision=false \
+           unrolled:notritongemm:--xla_gpu_enable_triton_gemm=false; do
+    IFS=: read -r layers tag flags <<< "$v"
+    XLA_FLAGS="$flags" TAIL=6 run "layers_mismatch_$tag" "$((t / 4))" python3 -m \
+      experiments.measure_mismatch --config=configs/small_h200.py --decode_impls=kernel \
+      --num_prompts=64 --max_new_tokens=64 --plan_fields=seq_layers="$layers" \
+      --json_out="$OUT/layers_mismatch_$tag.json" --png_out=/tmp/layers_mismatch_$tag.png
+  done
 }
 
 step_train_step() {
@@ -207,8 +224,8 @@ main() {
   fi
   for s in "${steps[@]}"; do
     if ! declare -F "step_$s" > /dev/null; then
-      echo "unknown step '$s'; steps: check kernels rollout attention mismatch train_step rl" \
-        "profile multi_gpu tests" >&2
+      echo "unknown step '$s'; steps: check kernels rollout attention mismatch" \
+        "layers_mismatch train_step rl profile multi_gpu tests" >&2
       exit 2
     fi
   done
@@ -218,6 +235,17 @@ main() {
     "step_$s"
   done
   stamp done
+  pack
+}
+
+# The device tool returns at most 8 files: with more under $OUT, everything but the runbook's
+# log goes into $OUT/out.tar.gz (extract it into a fresh folder).
+pack() {
+  local files
+  files=$(cd "$OUT" && find . -maxdepth 1 -type f ! -name runbook.log | wc -l)
+  [ "$files" -le 7 ] && return 0
+  (cd "$OUT" && find . -maxdepth 1 -type f ! -name runbook.log ! -name out.tar.gz -printf '%P\0' \
+    | tar -czf out.tar.gz --null -T - --remove-files)
 }
 
 main "$@"
