@@ -7,7 +7,8 @@ Runs the config's SFT warm start (or loads --sft_checkpoint), then GRPO under ev
 TensorBoard summaries and checkpoints (a killed run resumes where it stopped), and for the
 whole run a comparison table, `summary.json` and `reward_mismatch.png`. Rollout goes through
 the in-process engine by default, or an HTTP server (ours or SGLang) with --rollout_url.
---sft_only then --policies=<p> per process splits the policies over processes (README).
+--sft_only then --policies=<p> per process splits the policies over processes (README);
+--report_only then writes the table from the runs as they stand, resuming none.
 The workdir keeps the config it was started with (`run_config.json`): a launch with another
 config is refused unless --allow_config_change; a launch that would write a run another live
 launch is writing is refused. Mistakes in the config, flags or workdir print one line,
@@ -39,6 +40,10 @@ _NO_PROGRESS = flags.DEFINE_bool("no_progress", False, "Disable progress bars.")
 _SFT_ONLY = flags.DEFINE_bool(
     "sft_only", False, "Run (or load) the SFT warm start into workdir/sft and stop, so that "
     "policies can then run as separate processes with --policies on the same workdir.")
+_REPORT_ONLY = flags.DEFINE_bool(
+    "report_only", False, "Write the comparison table, summary.json and plot from the runs "
+    "under workdir as they stand (a seed cut short counts with the steps it reached); train, "
+    "resume and evaluate nothing.")
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Multi-host: call jax.distributed.initialize() first (one process "
     "per host; the coordinator, process count and id come from the cluster's environment, "
@@ -68,6 +73,11 @@ def main(argv: Sequence[str]) -> None:
   cfg = _CONFIG.value
   policies = [] if _SFT_ONLY.value else (_POLICIES.value or list(cfg.policies))
   with run_guard.exit_on_errors(log_dir=_WORKDIR.value):
+    if _REPORT_ONLY.value:
+      if _SFT_ONLY.value:
+        raise run_guard.UserError("--report_only and --sft_only exclude each other")
+      compare.report_existing(cfg, _WORKDIR.value, policies)
+      return
     factory = None
     if _ROLLOUT_URL.value:
       from rollout_bridge import client, weight_sync

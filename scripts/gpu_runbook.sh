@@ -166,7 +166,7 @@ step_rl() {
   local cfg=${RL_CONFIG:-configs/small_h200.py}
   XLA_FLAGS=--xla_gpu_deterministic_ops=true run rl_sft "$((t / 4))" python3 -m \
     experiments.train_rl --config="$cfg" --workdir="$w" --sft_only ${RL_ARGS:-}
-  local left=$((t - (SECONDS - start) - 45)) pids=() policies
+  local left=$((t - (SECONDS - start) - 65)) pids=() policies
   policies=(${RL_POLICIES:-bf16 fp4_rollout fp4_rtn fp4_trace})
   for p in "${policies[@]}"; do
     if [ -n "${RL_SEQUENTIAL:-}" ]; then  # each policy alone on the GPU: its own tokens/s
@@ -179,9 +179,9 @@ step_rl() {
     pids+=($!)
   done
   [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
-  TAIL=30 run rl_report 40 python3 -m experiments.train_rl --config="$cfg" --workdir="$w" \
+  TAIL=30 run rl_report 60 python3 -m experiments.train_rl --config="$cfg" --workdir="$w" \
     --policies="$(echo ${RL_POLICIES:-bf16 fp4_rollout fp4_rtn fp4_trace} | tr ' ' ,)" \
-    ${RL_ARGS:-}
+    --report_only ${RL_ARGS:-}
   [ -d "$w" ] && (cd "$w" && find . -maxdepth 4 \( -name '*.csv' -o -name '*.json' -o -name '*.png' \) \
     -not -path '*/guidance/*' -not -path '*/ckpt/*' -not -path './sft/*' -print0 \
     | tar -czf "$OUT/rl.tar.gz" --null -T -)

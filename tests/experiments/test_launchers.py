@@ -45,6 +45,10 @@ def assert_one_line_error(p: subprocess.CompletedProcess, message: str) -> None:
                   "--config.rl.lr=-1"],
                  "rl.steps must be an int >= 1, got -1; rl.lr must be a finite number > 0",
                  id="out_of_range_values"),
+    pytest.param(["--config=configs/quickstart.py", "--report_only"],
+                 "holds no run of train_rl", id="report_only_without_a_run"),
+    pytest.param(["--config=configs/quickstart.py", "--report_only", "--sft_only"],
+                 "--report_only and --sft_only exclude each other", id="report_only_and_sft_only"),
 ])
 def test_train_rl_user_errors(args, message, tmp_path):
   work = tmp_path / "run"

@@ -33,7 +33,29 @@ def test_split_run_then_summary(tmp_path):
   # The kernel plan each forward ran: the reference on this CPU.
   plans = first["kernel_plans"]["bf16"]
   assert plans["rollout"]["decode_impl"] == "xla" and plans["train"]["moe_impl"] == "tiled"
+  _reports_a_cut_run_as_it_stands(cfg, tmp_path, first)
   _refuses_another_config(cfg, tmp_path)
+
+
+def _reports_a_cut_run_as_it_stands(cfg, tmp_path, first) -> None:
+  """A copy of the finished workdir whose run lost its last step's row (a run cut short):
+  `report_existing` (train_rl --report_only) reports it with the one step it reached and the
+  saved SFT history, and resumes nothing (its CSV unchanged); a workdir holding no run is
+  refused by name."""
+  import shutil
+
+  import pytest
+  cut = tmp_path.parent / f"{tmp_path.name}_cut"
+  shutil.copytree(tmp_path, cut)
+  metrics = cut / "bf16" / "seed0" / "metrics.csv"
+  metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:2]))  # header, step 0
+  before = metrics.read_text()
+  out = compare.report_existing(cfg, str(cut), ["bf16"])
+  assert out["policies"]["bf16"]["per_seed"][0]["steps_done"] == 1
+  assert first["policies"]["bf16"]["per_seed"][0]["steps_done"] == 2
+  assert out["sft"]["history"] == first["sft"]["history"] and metrics.read_text() == before
+  with pytest.raises(run_guard.UserError, match="holds no run"):
+    compare.report_existing(cfg, str(tmp_path.parent / "nothing_here"), ["bf16"])
 
 
 def _refuses_another_config(cfg, tmp_path) -> None:

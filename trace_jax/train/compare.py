@@ -260,6 +260,20 @@ def report(rc: RunConfig | Any, workdir: str, policies: Sequence[str],
   return summary
 
 
+def report_existing(cfg, workdir: str, policies: Sequence[str]) -> dict[str, Any]:
+  """`report` of the runs under an existing workdir as they stand, running and resuming
+  nothing (a seed cut short counts with the steps it reached). Raises run_guard.UserError for a
+  config or policy mistake, or a workdir that holds no run."""
+  with run_guard.user_input():
+    rc = rl_loop.validate(cfg)
+    for p in policies:
+      policies_lib.parse(p)
+    if run_guard.read(workdir) is None:
+      raise ValueError(f"--report_only: {workdir} holds no run of train_rl (no run record)")
+  history = _read_json(os.path.join(workdir, "sft_history.json")) or []
+  return report(rc, workdir, policies, history)
+
+
 def kernel_plans(rc: RunConfig, policies: Sequence[str]) -> dict[str, dict[str, Any]]:
   """{policy: {"rollout": plan, "train": plan}}: the kernel plan (`trace_jax.model.plan`)
   each forward of each policy resolves to on this backend, what its runs ran."""
