@@ -12,11 +12,12 @@ around `attention_math.attention_probs`, so that its probabilities are `attentio
    probabilities x V in float32; S = 1 writes the output in q.dtype, S > 1 each split's sums,
    added in float32 by XLA (split-K pays off when B * G is small next to the GPU's SM count).
 With `layer`, the cache is a stack of layers ([L, B, T, G, ...], the engine's per-run cache)
-and both kernels read that layer where it lies: no per-step copy of a layer's cache. The
-scores [B, N, T] (4 bytes per key and query head) are small next to the keys (256 bytes per
-key and kv head at H = 128, 8 query heads per kv head: 1/8), so the split costs little
-traffic; what it buys is `attend`'s normalization order exactly (online softmax would round
-unnormalized probabilities: tokens of the tiny model left the reference at step 28 that way).
+and both kernels read that layer where it lies: no per-step copy of a layer's cache. The split
+writes the float32 scores and reads the probabilities back: 96 bytes per key and kv head at 8
+query heads per kv head, next to 512 bytes of a BF16 cache's K and V at H = 128 but 152 of the
+packed cache's. What it buys is `attend`'s normalization order exactly (online softmax rounds
+unnormalized probabilities: tokens of the tiny model left the reference at step 28 that way,
+and on CPU fp4_trace's rollout/trainer |dlogp| doubled, docs/benchmarks.md).
 
 Packed cache (`kv_cache.PackedKVCache`): each block's K/V are decoded in registers by
 `kv_tiles.kv_tile` (the words decoder for codes held as words, the GPU's; the bits decoder for
