@@ -21,8 +21,12 @@
 #               plan with the single-pass decode attention (`--plan_fields=decode_attention=fused`)
 #   layers_mismatch  why the trainer's unrolled layers (`seq_layers="unrolled"`, 0.70x the scanned
 #               step) agree less with the rollout: the kernel plan's mismatch with the trainer's
-#               layers scanned, unrolled, and unrolled under XLA flags that fix fusion-dependent
-#               numerics (no excess precision; no Triton GEMM fusions), one JSON each
+#               layers scanned, unrolled, unrolled under XLA flags that fix fusion-dependent
+#               numerics (no excess precision; no Triton GEMM fusions), and scanned under the
+#               flags of `train_step_flags` (XLA's own unrolling, dynamic-slice fusion)
+#   train_step_flags  the BF16 train step under the layer scan with XLA flags that may remove
+#               the scan's weight-slice copies (dynamic-slice fusion, XLA's own loop unrolling,
+#               double buffering), against no flag and the unrolled plan; one JSON each
 #   train_step  the training step at Qwen3 layer width, 4 and 12 layers (batch 4 on a GPU of
 #               less than 100 GB): BF16, FP8 and FP4 policies on the grouped GEMM kernels,
 #               cuDNN's fused attention against XLA's
@@ -135,15 +139,30 @@ step_mismatch() {
 }
 
 step_layers_mismatch() {
-  local t=${T_LAYERS_MISMATCH:-480} v layers tag flags
+  local t=${T_LAYERS_MISMATCH:-540} v layers tag flags
   for v in scan:scan: unrolled:unrolled: \
            unrolled:noexcess:--xla_allow_excess_precision=false \
-           unrolled:notritongemm:--xla_gpu_enable_triton_gemm=false; do
+           unrolled:notritongemm:--xla_gpu_enable_triton_gemm=false \
+           scan:fullunroll:--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL \
+           scan:dsfusion:--xla_gpu_enable_dynamic_slice_fusion=true; do
     IFS=: read -r layers tag flags <<< "$v"
-    XLA_FLAGS="$flags" TAIL=6 run "layers_mismatch_$tag" "$((t / 4))" python3 -m \
+    XLA_FLAGS="$flags" TAIL=6 run "layers_mismatch_$tag" "$((t / 6))" python3 -m \
       experiments.measure_mismatch --config=configs/small_h200.py --decode_impls=kernel \
-      --num_prompts=64 --max_new_tokens=64 --plan_fields=seq_layers="$layers" \
+      --num_prompts=32 --max_new_tokens=64 --plan_fields=seq_layers="$layers" \
       --json_out="$OUT/layers_mismatch_$tag.json" --png_out=/tmp/layers_mismatch_$tag.png
+  done
+}
+
+step_train_step_flags() {
+  local t=${T_TRAIN_STEP_FLAGS:-540} v tag flags policy
+  for v in plain::bf16 unrolled::bf16+unrolled \
+           dsfusion:--xla_gpu_enable_dynamic_slice_fusion=true:bf16 \
+           fullunroll:--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL:bf16 \
+           doublebuffer:--xla_gpu_enable_while_loop_double_buffering=true:bf16; do
+    IFS=: read -r tag flags policy <<< "$v"
+    XLA_FLAGS="$flags" TAIL=8 run "train_step_$tag" "$((t / 5))" python3 -m \
+      experiments.bench.train_step --preset=qwen3_layers --moe_impls=kernel --steps=5 \
+      --seq_attentions=cudnn --policies="$policy" --json_out="$OUT/train_step_$tag.json"
   done
 }
 
@@ -229,7 +248,7 @@ main() {
   for s in "${steps[@]}"; do
     if ! declare -F "step_$s" > /dev/null; then
       echo "unknown step '$s'; steps: check kernels rollout attention mismatch" \
-        "layers_mismatch train_step rl profile multi_gpu tests" >&2
+        "layers_mismatch train_step_flags train_step rl profile multi_gpu tests" >&2
       exit 2
     fi
   done
