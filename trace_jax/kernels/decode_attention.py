@@ -75,7 +75,7 @@ from trace_jax.quant import formats
 BF16Cache = tuple[jax.Array, jax.Array]
 IMPLS = ("triton", "wgmma", "wgmma_scores", "fused")  # `AttentionConfig.impl`
 WGMMA_IMPLS = ("wgmma", "wgmma_scores")
-MIN_ROWS = 16  # Triton's smallest dot tile along M (and N, K)
+MIN_ROWS = kv_tiles.MIN_ROWS
 DEFAULT_BLOCK_T = 64
 SM_COUNT = 132  # an H100/H200's; the caller passes its device's (the kernel plan's sm_count)
 
@@ -193,13 +193,7 @@ def _scores(q, ks, lengths, lyr, *, packed: bool, config: AttentionConfig,
     qw = jnp.take(q.reshape(b, g, r, h), wgmma_decode.column_order(h), axis=-1)
     return wgmma_attention.scores(qw, kc.reshape(kc.shape[:4] + (h // 8,)), kbits, krow,
                                   lengths, lyr, scale=float(scale))
-  rp = max(MIN_ROWS, common.next_pow2(r))
-  qg = jnp.pad(q.reshape(b, g, r, h), ((0, 0), (0, 0), (0, rp - r), (0, 0)))
-  # codes as words: K decoded in the MMA operand order where H allows it, q's columns alike
-  words = packed and ks[0].dtype == jnp.uint32
-  order = "mma" if words and h % fp4_decode.MMA_ORDER_SPAN == 0 else "natural"
-  if order == "mma":
-    qg = fp4_decode.mma_order_columns(qg)
+  qg, order = kv_tiles.grouped_queries(q, ks, packed)
   return pl.pallas_call(
       functools.partial(_scores_kernel, packed=packed, asm=not interpret, table=config.table,
                         order=order, r=r, block_t=config.block_t, scale=scale),
@@ -222,9 +216,7 @@ def _pv(probs, vs, lengths, lyr, h: int, *, packed: bool, config: AttentionConfi
                              lengths, lyr)
     return jnp.take(out, np.argsort(wgmma_decode.column_order(h)), axis=-1)
   rp = max(MIN_ROWS, common.next_pow2(r))
-  nblk = -(-t // config.block_t)
-  bps = -(-nblk // max(1, min(num_splits, nblk)))
-  splits = -(-nblk // bps)  # no split without blocks
+  bps, splits = kv_tiles.key_splits(t, config.block_t, num_splits)
   if splits == 1:
     out_shape = jax.ShapeDtypeStruct((b, g, rp, h), probs.dtype)
   else:

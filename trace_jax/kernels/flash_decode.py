@@ -35,9 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from trace_jax.kernels import attention_math, common, fp4_decode, kv_tiles
-
-MIN_ROWS = 16  # Triton's smallest dot tile along M (and N, K)
+from trace_jax.kernels import attention_math, common, kv_tiles
 
 
 def _kernel(layer_ref, len_ref, q_ref, *refs, nk: int, packed: bool, asm: bool,
@@ -114,15 +112,9 @@ def attention(q: jax.Array, ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...]
   b, n, h = q.shape
   t, g = ks[0].shape[2], ks[0].shape[3]
   r = n // g
-  rp = max(MIN_ROWS, common.next_pow2(r))
-  qg = jnp.pad(q.reshape(b, g, r, h), ((0, 0), (0, 0), (0, rp - r), (0, 0)))
-  words = packed and ks[0].dtype == jnp.uint32
-  order = "mma" if words and h % fp4_decode.MMA_ORDER_SPAN == 0 else "natural"
-  if order == "mma":
-    qg = fp4_decode.mma_order_columns(qg)
-  nblk = -(-t // block_t)
-  bps = -(-nblk // max(1, min(num_splits, nblk)))
-  splits = -(-nblk // bps)
+  qg, order = kv_tiles.grouped_queries(q, ks, packed)
+  rp = qg.shape[2]
+  bps, splits = kv_tiles.key_splits(t, block_t, num_splits)
   if splits == 1:
     out_shape = (jax.ShapeDtypeStruct((b, g, rp, h), q.dtype),)
   else:

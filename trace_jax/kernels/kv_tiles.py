@@ -171,3 +171,29 @@ def cache_arrays(cache, packed: bool) -> tuple[tuple[jax.Array, ...], tuple[jax.
   bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8)
   return ((cache.k_codes, bits(cache.k_block), cache.k_row),
           (cache.v_codes, bits(cache.v_block), cache.v_row))
+
+
+MIN_ROWS = 16  # Triton's smallest dot tile along M (and N, K)
+
+
+def grouped_queries(q: jax.Array, ks: tuple[jax.Array, ...], packed: bool
+                    ) -> tuple[jax.Array, str]:
+  """(q [B, N, H] as [B, G, Rp, H]: each kv head's R = N // G query heads padded to Rp rows
+  (a power of two >= 16, Triton's smallest dot), K's decode order): with a cache of code words
+  K is decoded in the MMA operand order where H allows it, and q's columns are put alike."""
+  b, n, h = q.shape
+  g = ks[0].shape[3]
+  r = n // g
+  rp = max(MIN_ROWS, common.next_pow2(r))
+  qg = jnp.pad(q.reshape(b, g, r, h), ((0, 0), (0, 0), (0, rp - r), (0, 0)))
+  words = packed and ks[0].dtype == jnp.uint32
+  order = "mma" if words and h % fp4_decode.MMA_ORDER_SPAN == 0 else "natural"
+  return (fp4_decode.mma_order_columns(qg) if order == "mma" else qg), order
+
+
+def key_splits(t: int, block_t: int, num_splits: int) -> tuple[int, int]:
+  """(key blocks per split, splits) of a context of t keys in blocks of block_t cut into at
+  most num_splits splits, every split holding at least one block."""
+  nblk = -(-t // block_t)
+  bps = -(-nblk // max(1, min(num_splits, nblk)))
+  return bps, -(-nblk // bps)
