@@ -13,9 +13,9 @@
 #               GPU of less than 100 GB), and batch 64 at 32k context
 #               (`experiments.bench.rollout`'s GPU preset)
 #   attention   the single-pass decode attention (`decode_attention="fused"`) against the exact
-#               pair (Triton, wgmma): the kernels at 8k and 32k contexts, batch 64 and 256 (and
-#               the fused kernel with 128-key blocks), then the 8k fixed-memory decode (bf16,
-#               fp4_rtn) with each, one process per impl
+#               pair (Triton, wgmma): the kernels at 8k (batch 64 and 256) and 32k (batch 64)
+#               contexts (and the fused kernel with 128-key blocks), then the 8k fixed-memory
+#               decode (bf16, fp4_rtn) with each, one process per impl
 #   mismatch    the rollout/trainer mismatch of the kernel plan against the reference plan
 #               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio), then the kernel
 #               plan with the single-pass decode attention (`--plan_fields=decode_attention=fused`)
@@ -110,13 +110,16 @@ step_rollout() {
 }
 
 step_attention() {
-  local t=${T_ATTENTION:-480} budget=(--budget_gb=60) impl name
+  local t=${T_ATTENTION:-560} budget=(--budget_gb=60) impl name
   small_gpu && budget=(--budget_gb=36)
-  TAIL=40 run attention_kernels "$((t / 3))" python3 -m experiments.bench.decode_attention \
-    --contexts=8192,32768 --batches=64,256 --decoder_check=false \
-    --impls=kernel_bf16,kernel_packed,kernel_packed_wgmma,kernel_bf16_fused,kernel_packed_fused \
+  local impls=kernel_bf16,kernel_packed,kernel_packed_wgmma,kernel_bf16_fused,kernel_packed_fused
+  TAIL=30 run attention_kernels "$((t / 4))" python3 -m experiments.bench.decode_attention \
+    --contexts=8192 --batches=64,256 --decoder_check=false --impls="$impls" \
     --json_out="$OUT/attention_kernels.json"
-  TAIL=12 run attention_kernels_bt128 "$((t / 6))" python3 -m experiments.bench.decode_attention \
+  TAIL=20 run attention_kernels_32k "$((t / 6))" python3 -m experiments.bench.decode_attention \
+    --contexts=32768 --batches=64 --decoder_check=false --impls="$impls" \
+    --json_out="$OUT/attention_kernels_32k.json"
+  TAIL=12 run attention_kernels_bt128 "$((t / 10))" python3 -m experiments.bench.decode_attention \
     --contexts=8192 --batches=256 --decoder_check=false --block_t=128 \
     --impls=kernel_bf16_fused,kernel_packed_fused --json_out="$OUT/attention_kernels_bt128.json"
   for impl in kernel+unroll4 kernel+unroll4+attnfused; do
