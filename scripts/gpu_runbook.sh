@@ -42,7 +42,8 @@
 # Every step has a time limit in seconds (T_<STEP>, e.g. T_ROLLOUT=300; 0 or 1 skips it) and
 # takes extra arguments from <STEP>_ARGS (e.g. ROLLOUT_ARGS="--layers=24"). The kernel plan of
 # every run is its config's (`ModelConfig.plan`, "auto": the kernels on Hopper); a step that
-# compares plans says so. Check the script with `bash -n scripts/gpu_runbook.sh`.
+# compares plans says so. tests/scripts/test_gpu_runbook.py checks the script on CPU (every
+# step runs through under `set -u` with its commands stubbed).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -208,9 +209,11 @@ step_rl() {
   TAIL=30 run rl_report 60 python3 -m experiments.train_rl --config="$cfg" --workdir="$w" \
     --policies="$(echo ${RL_POLICIES:-bf16 fp4_rollout fp4_rtn fp4_trace} | tr ' ' ,)" \
     --report_only ${RL_ARGS:-}
-  [ -d "$w" ] && (cd "$w" && find . -maxdepth 4 \( -name '*.csv' -o -name '*.json' -o -name '*.png' \) \
-    -not -path '*/guidance/*' -not -path '*/ckpt/*' -not -path './sft/*' -print0 \
-    | tar -czf "$OUT/rl.tar.gz" --null -T -)
+  if [ -d "$w" ]; then
+    (cd "$w" && find . -maxdepth 4 \( -name '*.csv' -o -name '*.json' -o -name '*.png' \) \
+      -not -path '*/guidance/*' -not -path '*/ckpt/*' -not -path './sft/*' -print0 \
+      | tar -czf "$OUT/rl.tar.gz" --null -T -)
+  fi
 }
 
 step_multi_gpu() {
