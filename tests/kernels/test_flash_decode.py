@@ -2,7 +2,7 @@
 
 Against `attention_math.attend` on the cache's values (`decode_attention_reference`, computed on
 the CPU device) within `decode_attention.output_tolerance`, on the cases of the exact pair's
-tests (`test_decode_attention`: lengths 1, mid-block and full, R = 1..16, key splits), plus
+tests (`attention_cases`: lengths 1, mid-block and full, R = 1..16, key splits), plus
 scores whose running maximum moves block after block (the rescaling's case). The kernel runs
 in the Pallas interpreter on CPU and as Triton on the GPU.
 """
@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.kernels import test_decode_attention as tda
+from tests.kernels import attention_cases as ac
 from trace_jax.kernels import decode_attention as da
 from trace_jax.kernels import flash_decode
 from trace_jax.kernels.decode_attention import AttentionConfig
 
-# (case of tda.ATTN_CASES, cache kind, codes as words or None for the default layout)
+# (case of ac.ATTN_CASES, cache kind, codes as words or None for the default layout)
 CASES = [("len1_r4", "packed", None), ("nonmultiple_mqa_r1", "packed", None),
          ("full_r8", "packed", True), ("mixed_lengths_r2_split3", "packed", None),
          ("mixed_lengths_r2_split3", "packed", True), ("mqa_r16_unpadded", "bf16", None),
@@ -36,15 +36,15 @@ def _run(q, cache, lengths, block_t, splits, **kw):
 def test_fused_matches_reference(name, kind, words):
   """Within `output_tolerance` of `attend`; a sequence of length 1 gets its single V row
   exactly (one key: p = exp(0) = 1, l = 1)."""
-  b, t, g, n, h, lengths, block_t, splits = tda.ATTN_CASES[name]
-  q, kv, pos = tda._attn_inputs(b, t, g, n, h)
-  cache = tda._cache(kind, kv, pos, words=words)
+  b, t, g, n, h, lengths, block_t, splits = ac.ATTN_CASES[name]
+  q, kv, pos = ac.attn_inputs(b, t, g, n, h)
+  cache = ac.make_cache(kind, kv, pos, words=words)
   lengths = jnp.asarray(lengths, jnp.int32)
   out = _run(q, cache, lengths, block_t, splits)
   assert out.shape == q.shape and out.dtype == q.dtype
-  ref = tda._reference(q, cache, lengths)
-  vals = tda._on_cpu(tda._values, cache)
-  tda._check_within_tolerance(out, ref, vals, lengths, n)
+  ref = ac.reference(q, cache, lengths)
+  vals = ac.on_cpu(ac.values_of, cache)
+  ac.check_within_tolerance(out, ref, vals, lengths, n)
   for bi in np.flatnonzero(np.asarray(lengths) == 1):
     want = np.repeat(vals[bi, 0], n // g, axis=0).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(out)[bi].astype(np.float32), want)
@@ -57,17 +57,17 @@ def test_a_moving_maximum_is_rescaled(splits):
   the sums before it decides the result (skipping it would weigh the early keys up to e**40
   too much); one and four splits stay within tolerance of `attend`."""
   b, t, g, n, h = 2, 128, 1, 4, 64
-  _, kv, pos = tda._attn_inputs(b, t, g, n, h, seed=5)
+  _, kv, pos = ac.attn_inputs(b, t, g, n, h, seed=5)
   (k, _), (v, qv) = kv
   u = np.ones(h, np.float32) / np.sqrt(h)
   shift = 40.0 * pos[:, :, None, None] / t * u  # row i lands at position pos[b, i]
   k = (np.asarray(k, np.float32) + shift).astype(k.dtype)
   q = jnp.asarray(np.broadcast_to(np.sqrt(h) * u, (b, n, h)), jnp.bfloat16)
-  cache = tda._cache("bf16", ((k, None), (v, qv)), pos)
+  cache = ac.make_cache("bf16", ((k, None), (v, qv)), pos)
   lengths = jnp.asarray([t, 97], jnp.int32)
   out = np.asarray(_run(q, cache, lengths, 16, splits)).astype(np.float32)
-  ref = tda._reference(q, cache, lengths)
-  tda._check_within_tolerance(out, ref, tda._on_cpu(tda._values, cache), lengths, n)
+  ref = ac.reference(q, cache, lengths)
+  ac.check_within_tolerance(out, ref, ac.on_cpu(ac.values_of, cache), lengths, n)
   scores = np.einsum("h,th->t", np.sqrt(h) * u, np.asarray(cache[0], np.float32)[0, :, 0])
   scores /= np.sqrt(h)
   block_max = scores.reshape(-1, 16).max(axis=1)
@@ -77,35 +77,35 @@ def test_a_moving_maximum_is_rescaled(splits):
 def test_stacked_layer_is_read_in_place():
   """A stack of layers [L, ...] read at a traced layer gives that layer's result bit for bit;
   the other layers' rows (NaN) never reach it."""
-  b, t, g, n, h, lengths, block_t, splits = tda.ATTN_CASES["mixed_lengths_r2_split3"]
-  q, kv, pos = tda._attn_inputs(b, t, g, n, h, seed=6)
+  b, t, g, n, h, lengths, block_t, splits = ac.ATTN_CASES["mixed_lengths_r2_split3"]
+  q, kv, pos = ac.attn_inputs(b, t, g, n, h, seed=6)
   lengths = jnp.asarray(lengths, jnp.int32)
-  one = tda._cache("packed", kv, pos)
+  one = ac.make_cache("packed", kv, pos)
   want = np.asarray(_run(q, one, lengths, block_t, splits))
   poison = lambda a: jnp.full_like(a, np.nan) if a.dtype in (jnp.bfloat16, jnp.float32) else a
   stack = jax.tree.map(lambda a: jnp.stack([poison(a), a, poison(a)]), one)
   got = jax.jit(lambda c, i: _run(q, c, lengths, block_t, splits, layer=i))(stack, jnp.int32(1))
-  np.testing.assert_array_equal(tda._bits(np.asarray(got)), tda._bits(want))
+  np.testing.assert_array_equal(ac.bits(np.asarray(got)), ac.bits(want))
 
 
 def test_masked_keys_are_ignored_and_length_zero():
   """NaN beyond `lengths` (a BF16 cache; a packed one with NaN scale bytes and huge row
   scales) never reaches the output; a length of 0 gives zeros, in one split and in several."""
-  b, t, g, n, h, _, block_t, _ = tda.ATTN_CASES["mixed_lengths_r2_split3"]
-  q, kv, pos = tda._attn_inputs(b, t, g, n, h, seed=4)
+  b, t, g, n, h, _, block_t, _ = ac.ATTN_CASES["mixed_lengths_r2_split3"]
+  q, kv, pos = ac.attn_inputs(b, t, g, n, h, seed=4)
   lengths = jnp.asarray([0, 37, 64, 99], jnp.int32)
   beyond = (jnp.arange(t)[None, :] >= lengths[:, None])[:, :, None, None]
-  clean = tda._cache("bf16", kv, pos)
+  clean = ac.make_cache("bf16", kv, pos)
   dirty = tuple(jnp.where(beyond, jnp.asarray(np.nan, a.dtype), a) for a in clean)
-  packed = tda._cache("packed", kv, pos)
+  packed = ac.make_cache("packed", kv, pos)
   nan_scale = jnp.asarray(np.full((), 0x7F, np.uint8).view(jnp.float8_e4m3fn))
   dirty_packed = packed.replace(k_block=jnp.where(beyond, nan_scale, packed.k_block),
                                 v_row=jnp.where(beyond[..., 0], jnp.float32(3e38), packed.v_row))
   for cache, bad, splits in ((clean, dirty, 1), (clean, dirty, 3), (packed, dirty_packed, 3)):
     out = np.asarray(_run(q, bad, lengths, block_t, splits)).astype(np.float32)
     assert np.all(out[0] == 0)
-    ref = tda._reference(q, cache, lengths)
-    tda._check_within_tolerance(out[1:], ref[1:], tda._on_cpu(tda._values, cache)[1:],
+    ref = ac.reference(q, cache, lengths)
+    ac.check_within_tolerance(out[1:], ref[1:], ac.on_cpu(ac.values_of, cache)[1:],
                                 lengths[1:], n)
 
 
@@ -142,9 +142,9 @@ def test_fused_rejects_what_the_pair_rejects():
 def test_lowers_to_triton(kind, words, splits):
   """The kernel passes Pallas' Triton lowering for the CUDA platform on any host (supported
   primitives, power-of-two tiles); Triton's own compilation needs the GPU run."""
-  b, t, g, n, h, lengths, block_t, _ = tda.ATTN_CASES["full_r8"]
-  q, kv, pos = tda._attn_inputs(b, t, g, n, h)
-  cache = tda._cache(kind, kv, pos, words=words)
+  b, t, g, n, h, lengths, block_t, _ = ac.ATTN_CASES["full_r8"]
+  q, kv, pos = ac.attn_inputs(b, t, g, n, h)
+  cache = ac.make_cache(kind, kv, pos, words=words)
   config = AttentionConfig(impl="fused", block_t=block_t, num_splits=splits, interpret=False)
   f = lambda q, c, lens: da.decode_attention(q, c, lens, config=config)
   text = jax.jit(f).trace(q, cache, jnp.asarray(lengths, jnp.int32)).lower(

@@ -215,7 +215,7 @@ def _pv(probs, vs, lengths, lyr, h: int, *, packed: bool, config: AttentionConfi
     out = wgmma_attention.pv(probs, vc.reshape(vc.shape[:4] + (h // 8,)), vbits, vrow,
                              lengths, lyr)
     return jnp.take(out, np.argsort(wgmma_decode.column_order(h)), axis=-1)
-  rp = max(MIN_ROWS, common.next_pow2(r))
+  rp = kv_tiles.padded_rows(r)
   bps, splits = kv_tiles.key_splits(t, config.block_t, num_splits)
   if splits == 1:
     out_shape = jax.ShapeDtypeStruct((b, g, rp, h), probs.dtype)

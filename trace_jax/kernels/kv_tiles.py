@@ -176,6 +176,12 @@ def cache_arrays(cache, packed: bool) -> tuple[tuple[jax.Array, ...], tuple[jax.
 MIN_ROWS = 16  # Triton's smallest dot tile along M (and N, K)
 
 
+def padded_rows(r: int) -> int:
+  """Rows of a kernel's query tile for R query heads: a power of two >= 16 (Triton's smallest
+  dot)."""
+  return max(MIN_ROWS, common.next_pow2(r))
+
+
 def grouped_queries(q: jax.Array, ks: tuple[jax.Array, ...], packed: bool
                     ) -> tuple[jax.Array, str]:
   """(q [B, N, H] as [B, G, Rp, H]: each kv head's R = N // G query heads padded to Rp rows
@@ -184,7 +190,7 @@ def grouped_queries(q: jax.Array, ks: tuple[jax.Array, ...], packed: bool
   b, n, h = q.shape
   g = ks[0].shape[3]
   r = n // g
-  rp = max(MIN_ROWS, common.next_pow2(r))
+  rp = padded_rows(r)
   qg = jnp.pad(q.reshape(b, g, r, h), ((0, 0), (0, 0), (0, rp - r), (0, 0)))
   words = packed and ks[0].dtype == jnp.uint32
   order = "mma" if words and h % fp4_decode.MMA_ORDER_SPAN == 0 else "natural"
