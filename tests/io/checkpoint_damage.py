@@ -20,9 +20,9 @@ def truncate_arrays(path: Path) -> int:
 
 def garble_largest_array(path: Path) -> int:
   """XORs 64 bytes in the middle of the largest array data file with 0xFF: a file of the right
-  size. The chunks are compressed, so whether it still decodes (into other values) or fails to
-  decode depends on the bytes hit: deterministic for a given content, not across contents.
-  Returns 1 (files damaged)."""
+  size. The chunks are compressed and their grouping into files varies from save to save, so
+  whether it still decodes (into other values) or fails to decode depends on the bytes hit; a
+  test of it accepts either refusal. Returns 1 (files damaged)."""
   f = max(array_files(path), key=lambda f: f.stat().st_size)
   data = bytearray(f.read_bytes())
   mid = len(data) // 2
@@ -40,4 +40,14 @@ def stale_state(path: Path) -> int:
               if p.name.isdigit() and int(p.name) < int(path.name))
   shutil.rmtree(path / "state")
   shutil.copytree(path.parent / str(older) / "state", path / "state")
+  return 1
+
+
+def stale_params(path: Path, donor: Path) -> int:
+  """Replaces the parameter data of orbax params checkpoint `path` with that of `donor` (same
+  config, other values), keeping `path`'s metadata: it decodes whole, into values other than
+  those recorded, so only the recorded digests catch it. Returns 1 (checkpoints changed)."""
+  path = Path(path)
+  shutil.rmtree(path / "params")
+  shutil.copytree(Path(donor) / "params", path / "params")
   return 1

@@ -8,12 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from experiments.convert_checkpoint import convert
-from tests.io.checkpoint_damage import garble_largest_array
+from tests.io.checkpoint_damage import garble_largest_array, stale_params
 from trace_jax import model as M
 from trace_jax.io import hf, orbax_ckpt
 
@@ -119,8 +120,9 @@ def test_a_conversion_of_another_kind_is_not_replaced(checkpoints, tmp_path):
 
 
 def test_non_finite_or_garbled_sources_are_refused(checkpoints, tmp_path):
-  """An HF source with a NaN in one tensor, and an orbax source with 64 garbled bytes in its
-  largest array file: each conversion stops naming the tensor, and writes nothing."""
+  """An HF source with a NaN in one tensor, an orbax source with 64 garbled bytes in its
+  largest array file, and one holding another checkpoint's data under its metadata: each
+  conversion stops naming the tensor, and writes nothing."""
   bad_hf = tmp_path / "nan_hf"
   shutil.copytree(checkpoints / "hf", bad_hf)
   tensors = load_file(str(bad_hf / "model.safetensors"))
@@ -132,9 +134,19 @@ def test_non_finite_or_garbled_sources_are_refused(checkpoints, tmp_path):
   bad_orbax = tmp_path / "garbled"
   shutil.copytree(checkpoints / "orbax", bad_orbax)
   garble_largest_array(bad_orbax)
-  with pytest.raises(hf.CheckpointError, match="differs from its recorded digest"):
+  with pytest.raises(hf.CheckpointError,
+                     match="differs from its recorded digest|could not be decoded"):
     convert(str(bad_orbax), str(tmp_path / "out2"), "orbax_to_hf")
-  assert not (tmp_path / "out1").exists() and not (tmp_path / "out2").exists()
+  stale = tmp_path / "stale"
+  shutil.copytree(checkpoints / "orbax", stale)
+  config, params = orbax_ckpt.load_orbax(str(stale))
+  orbax_ckpt.save_orbax(str(tmp_path / "donor"), config,
+                        jax.tree.map(lambda x: x * 2, params), wait=True)
+  stale_params(stale, tmp_path / "donor")
+  with pytest.raises(hf.CheckpointError, match=r"stale: the content of .* differs from its "
+                                               r"recorded digest"):
+    convert(str(stale), str(tmp_path / "out3"), "orbax_to_nvfp4")
+  assert not any((tmp_path / f"out{i}").exists() for i in (1, 2, 3))
 
 
 def test_cli_refuses_a_non_empty_destination_with_exit_status_2(checkpoints, tmp_path):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.io.checkpoint_damage import garble_largest_array
+from tests.io.checkpoint_damage import garble_largest_array, stale_params, truncate_arrays
 from trace_jax import model as M
 from trace_jax.io import orbax_ckpt
 
@@ -50,18 +50,55 @@ def test_not_a_checkpoint(tmp_path):
     orbax_ckpt.load_orbax(str(tmp_path))
 
 
-def test_garbled_or_non_finite_params_do_not_load(tmp_path):
-  """A checkpoint whose largest array file has 64 garbled bytes (it still decodes, into other
-  values) fails its recorded digests; one saved with a NaN fails the finite check. Both raise
-  CheckpointError naming the parameter."""
+REFUSED = r"differs from its recorded digest|could not be decoded"
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("garbled", REFUSED),
+    ("truncated", r"good: the data of \['\w+'\].* could not be decoded \(Requested byte range"),
+    ("stale", r"good: the content of \['embed'\]\['embedding'\] and 17 more differs from its "
+              r"recorded digest"),
+], ids=["garbled_bytes", "truncated_files", "stale_params"])
+def test_damaged_params_do_not_load(tmp_path, damage, message):
+  """64 garbled bytes (they decode into other values or not at all), files cut in half (they
+  no longer decode), another checkpoint's data under this one's metadata (decodes whole, only
+  the digests tell): each raises CheckpointError naming the checkpoint and the parameter."""
+  from trace_jax.io import hf
+  config = M.tiny()
+  path = orbax_ckpt.save_orbax(str(tmp_path / "good"), config, M.init_params(config, 0),
+                               wait=True).path
+  if damage == "garbled":
+    garble_largest_array(tmp_path / "good")
+  elif damage == "truncated":
+    truncate_arrays(tmp_path / "good")
+  else:
+    orbax_ckpt.save_orbax(str(tmp_path / "other"), config, M.init_params(config, 1), wait=True)
+    stale_params(tmp_path / "good", tmp_path / "other")
+  with pytest.raises(hf.CheckpointError, match=message):
+    orbax_ckpt.load_orbax(path)
+
+
+def test_read_failure_names_the_parameter_of_the_innermost_error():
+  inner = ValueError('FAILED_PRECONDITION: Error reading "layers.1.moe.gate_proj/0.0.0" in OCDBT '
+                     'database at local file "/x/params/": ZSTD_decompressStream() failed: Data '
+                     'corruption detected; at byte 0')
+  try:
+    try:
+      raise inner
+    except ValueError as e:
+      raise Exception("Encountered error while reading array index: (slice(0, 8, 1),)") from e
+  except Exception as outer:  # noqa: BLE001
+    got = orbax_ckpt._read_failure(outer)
+  assert got == ("the data of ['layers']['1']['moe']['gate_proj'] could not be decoded "
+                 "(ZSTD_decompressStream() failed: Data corruption detected)")
+  assert orbax_ckpt._read_failure(OSError("disk gone")) == (
+      "the parameter data could not be read (disk gone)")
+
+
+def test_non_finite_params_do_not_load(tmp_path):
   from trace_jax.io import hf
   config = M.tiny()
   params = M.init_params(config, 0)
-  path = orbax_ckpt.save_orbax(str(tmp_path / "good"), config, params, wait=True).path
-  garble_largest_array(tmp_path / "good")
-  with pytest.raises(hf.CheckpointError, match=r"good: the content of \['layers'\].* differs "
-                                               r"from its recorded digest"):
-    orbax_ckpt.load_orbax(path)
   flat = hf.flatten_params(params)
   key = next(k for k in flat if "up" in str(k))
   flat[key] = flat[key].at[0, 0, 1].set(jnp.inf)

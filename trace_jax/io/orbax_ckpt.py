@@ -4,14 +4,16 @@ Layout of a checkpoint directory: `params/` (orbax standard pytree: the paramete
 nested dict with string keys), `meta/` (JSON: the full ModelConfig, each parameter's dtype and
 each parameter's content digest, `trace_jax.io.integrity`). Restoring builds the target from
 the stored config and dtypes, so every array comes back with the exact dtype and bits it was
-saved with, optionally sharded onto a mesh; a parameter whose bits differ from its digest (a
-garbled file) or that holds NaN/Inf is refused with `CheckpointError` naming it.
+saved with, optionally sharded onto a mesh. A parameter whose bits differ from its digest (a
+garbled or stale file) or that holds NaN/Inf, and array data that no longer decodes, are
+refused with `CheckpointError` naming the checkpoint (and the parameter where known).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any
 
 import jax
@@ -96,6 +98,21 @@ def _config(meta: dict[str, Any]) -> ModelConfig:
   return ModelConfig(**c)
 
 
+def _read_failure(e: BaseException) -> str:
+  """One line for a restore that failed to read the array data: the innermost error (orbax
+  wraps tensorstore's), naming the stored parameter where tensorstore does."""
+  while e.__cause__ is not None:
+    e = e.__cause__
+  text = " ".join(str(e).split()) or type(e).__name__
+  text = text.split(" [tensorstore_spec")[0]
+  m = re.search(r'Error reading "([^"/]+)/[^"]*"', text)
+  if m:
+    reason = text.rsplit('": ', 1)[-1].split(";")[0][:160]
+    name = "".join(f"[{p!r}]" for p in m.group(1).split("."))
+    return f"the data of {name} could not be decoded ({reason})"
+  return f"the parameter data could not be read ({text[:200]})"
+
+
 def load_orbax(path: str, *, mesh: jax.sharding.Mesh | None = None) -> tuple[ModelConfig, Any]:
   """(config, params) of a checkpoint written by `save_orbax`, dtypes exactly as saved."""
   path = os.path.abspath(path)
@@ -115,9 +132,12 @@ def load_orbax(path: str, *, mesh: jax.sharding.Mesh | None = None) -> tuple[Mod
     shard = {_path(_key(k)): v for k, v in shard.items()}
   target = {k: jax.ShapeDtypeStruct(v.shape, jnp.dtype(dtypes[k]), sharding=shard[k])
             for k, v in abstract.items()}
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-    got = ckptr.restore(path, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(_string_tree(target))))["params"]
+  try:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+      got = ckptr.restore(path, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(_string_tree(target))))["params"]
+  except Exception as e:  # noqa: BLE001 - orbax re-raises tensorstore decode errors as Exception
+    raise CheckpointError(f"{path}: {_read_failure(e)}") from e
   try:
     if meta.get("digest_version") == integrity.DIGEST_VERSION:
       integrity.verify_digests(got, meta["digests"])
