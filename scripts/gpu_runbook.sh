@@ -16,6 +16,11 @@
 #               pair (Triton, wgmma): the kernels at 8k (batch 64 and 256) and 32k (batch 64)
 #               contexts (and the fused kernel with 128-key blocks), then the 8k fixed-memory
 #               decode (bf16, fp4_rtn) with each, one process per impl
+#   kv_write    the k/v sites written into the packed KV cache by one kernel
+#               (`kv_write="kernel"`, `kernels.kv_append`): its tests on the GPU (bit for bit
+#               against the site kernel and XLA's scatters), then the decode at batch 64 and
+#               256 (128 + 128, 8 layers; fp4_rtn, fp4_trace) with and without it, side by
+#               side in one process, profiled (kernels and time per step)
 #   mismatch    the rollout/trainer mismatch of the kernel plan against the reference plan
 #               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio), then the kernel
 #               plan with the single-pass decode attention (`--plan_fields=decode_attention=fused`)
@@ -129,6 +134,17 @@ step_attention() {
       --budget_impl="$impl" --cases=none --budget_context=8192 --budget_policies=bf16,fp4_rtn \
       --long_context=0 --reps=2 --transformers=false "${budget[@]}" --json_out="$OUT/$name.json"
   done
+}
+
+step_kv_write() {
+  local t=${T_KV_WRITE:-420}
+  TAIL=12 run kv_write_tests "$((t / 4))" python3 -m pytest -q -p no:cacheprovider -rf \
+    tests/kernels/test_kv_append.py tests/kernels/test_nvfp4_act.py
+  TAIL=40 run kv_write_rollout "$((t * 3 / 4))" python3 -m experiments.bench.rollout \
+    --impls=kernel+unroll4,kernel+unroll4+kvappend --key_impl=kernel+unroll4 \
+    --policies=fp4_rtn,fp4_trace --batches=64,256 --reps=3 --budget_gb=0 --long_context=0 \
+    --transformers=false --budget_s="$((t * 3 / 4 - 90))" --profile_dir=/tmp/profile_kv_write \
+    --json_out="$OUT/kv_write_rollout.json" ${KV_WRITE_ARGS:-}
 }
 
 step_mismatch() {
@@ -253,7 +269,7 @@ main() {
   fi
   for s in "${steps[@]}"; do
     if ! declare -F "step_$s" > /dev/null; then
-      echo "unknown step '$s'; steps: check kernels rollout attention mismatch" \
+      echo "unknown step '$s'; steps: check kernels rollout attention kv_write mismatch" \
         "layers_mismatch train_step_flags train_step rl profile multi_gpu tests" >&2
       exit 2
     fi

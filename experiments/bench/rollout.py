@@ -25,7 +25,8 @@ the layer scans two layers per iteration, `ModelConfig.scan_unroll`; `+unrolled`
 compiled apart; `+sync4`: the decode loop's condition checked once per 4 steps,
 `ModelConfig.decode_steps_per_sync`; `+moetriton` / `+moewgmma`: the packed experts' kernel,
 `ModelConfig.decode_moe_kernel`; `+attnfused` / `+attntriton` / `+attnwgmma`: the decode
-attention, `ModelConfig.decode_attention`, "fused" the single-pass kernel), and fp4_trace over
+attention, `ModelConfig.decode_attention`, "fused" the single-pass kernel; `+kvappend`: the k/v
+sites written into the packed cache by one kernel, `ModelConfig.kv_write`), and fp4_trace over
 fp4_rtn per impl. Every case's config states its kernel plan (`trace_jax.model.plan`); the
 fields an entry does not set are the plan's "auto" on this backend.
 
@@ -98,7 +99,8 @@ flags.DEFINE_list("impls", ["xla", "kernel"],
                   "`+unrolled` (scan_layers=False), `+unroll<N>` (scan_unroll=N) and "
                   "`+sync<N>` (decode_steps_per_sync=N), `+moetriton` / `+moewgmma` "
                   "(decode_moe_kernel), `+attnfused` / `+attntriton` / `+attnwgmma` "
-                  "(decode_attention), timed beside the plain impl; "
+                  "(decode_attention), `+kvappend` (kv_write=\"kernel\"), timed beside the "
+                  "plain impl; "
                   "\"kernel_bytes\": "
                   "decode_impl kernel with packed NVFP4 codes held as bytes instead of words "
                   "(fp4_codes=\"bytes\"), for the side-by-side ratio.",
@@ -162,7 +164,8 @@ def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
   decodes with "kernel" and fp4_codes="bytes"; `+unrolled` sets scan_layers=False,
   `+unroll<N>` scan_unroll=N,
   `+sync<N>` decode_steps_per_sync=N, `+moetriton` / `+moewgmma` decode_moe_kernel,
-  `+attnfused` / `+attntriton` / `+attnwgmma` decode_attention."""
+  `+attnfused` / `+attntriton` / `+attnwgmma` decode_attention, `+kvappend`
+  kv_write="kernel"."""
   from trace_jax.model.config import DECODE_IMPLS
 
   base, *mods = impl.split("+")
@@ -182,10 +185,12 @@ def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
       fields["decode_moe_kernel"] = mod[3:]
     elif mod in ("attnfused", "attntriton", "attnwgmma"):
       fields["decode_attention"] = mod[4:]
+    elif mod == "kvappend":
+      fields["kv_write"] = "kernel"
     else:
       raise ValueError(f"--impls entry {impl!r}: options are +unrolled, +unroll<N>, "
-                       f"+sync<N> (N >= 1), +moetriton, +moewgmma, +attnfused, +attntriton "
-                       f"and +attnwgmma, got +{mod}")
+                       f"+sync<N> (N >= 1), +moetriton, +moewgmma, +attnfused, +attntriton, "
+                       f"+attnwgmma and +kvappend, got +{mod}")
   return decode_impl, fields
 
 

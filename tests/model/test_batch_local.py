@@ -94,3 +94,20 @@ def test_summed_over_batch_shards_adds_each_devices_partial():
   np.testing.assert_array_equal(got, gram(x))
   assert got.sharding.is_fully_replicated
   assert batch_local.summed_over_batch_shards(gram, (x,), (0,), 8).shape == (3, 3)  # off a mesh
+
+
+@needs_8
+def test_outputs_indexed_by_the_batch_on_another_axis():
+  """A kernel that updates a stack of layers [L, B, ...] in place (the packed KV cache's
+  write) returns it with the batch on axis 1: `out_dim=1` puts each device's rows back there."""
+  rows, stack, _, layer = _inputs(8)
+  update = lambda r, s, i: s.at[i].add(r[:, :1])
+  mesh = sharding.make_mesh(dict(data=2, expert=4), jax.devices()[:8])
+  seen = []
+  fn = lambda r, s, i: seen.append(s.shape) or update(r, s, i)
+  with mesh_context.use_mesh(mesh, sharding.ENGINE_RULES):
+    got = jax.jit(lambda *a: batch_local.on_batch_shards(fn, a, (0, 1, None), 8, out_dim=1))(
+        rows, stack, layer)
+  assert seen == [(2, 1, 4)]
+  np.testing.assert_array_equal(got, update(rows, stack, layer))
+  assert got.sharding.spec[1] == ("data", "expert")

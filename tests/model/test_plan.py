@@ -24,11 +24,12 @@ HOPPER = Backend("gpu", (9, 0), sm_count=132, mosaic_gpu=True, triton_asm=True)
 AMPERE = Backend("gpu", (8, 0), sm_count=108, mosaic_gpu=False, triton_asm=True)
 REFERENCE = dict(moe_impl="tiled", decode_impl="xla", decode_moe_kernel="triton",
                  fp4_codes="bytes", decode_attention="triton", kv_cache="dense",
-                 nvfp4_sites="xla", fp8_gemm="xla", seq_attention="xla", seq_layers="scan")
+                 nvfp4_sites="xla", fp8_gemm="xla", seq_attention="xla", seq_layers="scan",
+                 kv_write="xla")
 KERNELS = dict(moe_impl="kernel", decode_impl="kernel", decode_moe_kernel="wgmma",
                fp4_codes="words", decode_attention="wgmma", kv_cache="packed",
                nvfp4_sites="kernel", fp8_gemm="kernel", seq_attention="cudnn",
-               seq_layers="scan")
+               seq_layers="scan", kv_write="xla")
 
 
 def _fields(plan: KernelPlan) -> dict[str, str]:
@@ -110,6 +111,12 @@ def test_forced_fields_win_over_the_backend_and_the_preset():
   plan = plan_lib.resolve(M.tiny(policy="fp4_trace", decode_impl="kernel", kv_cache="dense",
                                  fp4_codes="words"), CPU)
   assert (plan.kv_cache, plan.nvfp4_sites, plan.fp4_codes) == ("dense", "kernel", "words")
+  # kv_write "kernel" (opt-in) runs where the plan has the packed cache and the site kernel.
+  forced = dict(policy="fp4_trace", decode_impl="kernel", kv_write="kernel")
+  assert plan_lib.resolve(M.tiny(**forced), CPU).kv_write == "kernel"
+  assert plan_lib.resolve(M.tiny(**forced, kv_cache="dense"), CPU).kv_write == "xla"
+  assert plan_lib.resolve(M.tiny(**forced, nvfp4_sites="xla"), HOPPER).kv_write == "xla"
+  assert plan_lib.resolve(M.tiny(**dict(forced, policy="bf16")), HOPPER).kv_write == "xla"
   # A forward without NVFP4 sites keeps a dense cache whatever is forced: the plan says what
   # runs.
   assert plan_lib.resolve(M.tiny(kv_cache="packed", nvfp4_sites="kernel"), HOPPER).kv_cache == \
@@ -132,6 +139,7 @@ def test_reference_preset_on_hopper_and_as_dict():
     pytest.param("fp4_codes", "nibbles", "fp4_codes must be one of", id="fp4_codes"),
     pytest.param("decode_attention", "cuda", "decode_attention must be one of", id="attention"),
     pytest.param("nvfp4_sites", "pallas", "nvfp4_sites must be one of", id="sites"),
+    pytest.param("kv_write", "scatter", "kv_write must be one of", id="kv_write"),
 ])
 def test_bad_plan_fields_are_refused(field, value, pattern):
   with pytest.raises(ValueError, match=pattern):

@@ -109,10 +109,12 @@ def test_unsupported_forwards_are_refused():
     InProcessEngine(M.init_params(config, 0), config)
 
 
-@pytest.mark.parametrize("attention, calls", [("triton", 7), ("fused", 6)])
-def test_decode_steps_run_the_kernel_and_prefill_does_not(attention, calls):
+@pytest.mark.parametrize("attention, kv_write, calls", [
+    ("triton", "xla", 7), ("fused", "xla", 6), ("triton", "kernel", 8)],
+    ids=["triton", "fused_attention", "kv_append"])
+def test_decode_steps_run_the_kernel_and_prefill_does_not(attention, kv_write, calls):
   config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=1,
-                  decode_impl="kernel", decode_attention=attention)
+                  decode_impl="kernel", decode_attention=attention, kv_write=kv_write)
   params = M.init_params(config, 0)
   experts = expert_weights.prepare(params, config)
   cache = M.init_cache(config, 2, 8)
@@ -122,7 +124,8 @@ def test_decode_steps_run_the_kernel_and_prefill_does_not(attention, calls):
   prefill = jax.make_jaxpr(lambda p, e: M.prefill(p, config, np.zeros((2, 4), np.int32), 8,
                                                   experts=e).logits)(params, experts)
   # q, k and v as one call, o, attention (scores and PV, or the one fused kernel), the experts'
-  # gate/up and down of the one layer, and lm_head; none in prefill.
+  # gate/up and down of the one layer, and lm_head (and the k/v sites' write into the packed
+  # cache, `kv_append`); none in prefill.
   assert count_eqns(step.jaxpr, "pallas_call") == calls
   assert count_eqns(prefill.jaxpr, "pallas_call") == 0
 
@@ -234,19 +237,23 @@ def test_packed_kv_cache_holds_the_codes_and_sessions_match_the_reference():
   assert turns[0] == turns[1]
 
 
-def test_packed_kv_cache_as_words_in_the_decode_step():
+@pytest.mark.parametrize("kv_write", ["xla", "kernel"])
+def test_packed_kv_cache_as_words_in_the_decode_step(kv_write):
   """The GPU's layout on CPU: a cache whose codes are words per block (the plan's
-  `fp4_codes="words"`), written by the layer scan's decode step and read by the words
-  decoder, holds the dense cache's values bit for bit and gives its logits."""
+  `fp4_codes="words"`), written by the layer scan's decode step (the site kernel and XLA's
+  scatters, or `kv_append`'s one kernel: kv_write) and read by the words decoder, holds the
+  dense cache's values bit for bit and gives its logits."""
   config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=2, vocab_size=128,
-                  fp4_codes="words")
+                  fp4_codes="words", kv_write=kv_write)
   dense, packed = (M.init_cache(config.replace(decode_impl=d), 2, 16) for d in ("xla", "kernel"))
   assert all(c.words and c.k_codes.dtype == jnp.uint32 for c in packed)
   params = jax.tree.map(lambda a: a if a.ndim == 1 else a * 4.0, M.init_params(config, 3))
   tok = np.array([5, 9], np.int32)
+  kernel = config.replace(decode_impl="kernel")
+  assert M.resolve_plan(kernel).kv_write == kv_write
   outs = [jax.jit(lambda p, c, cfg=cfg: M.decode_step(p, cfg, c, tok, np.array([0, 3], np.int32))
                   )(params, c)
-          for cfg, c in ((config, dense), (config.replace(decode_impl="kernel"), packed))]
+          for cfg, c in ((config, dense), (kernel, packed))]
   for (dk, dv), pc in zip(outs[0].cache, outs[1].cache):
     assert pc.words
     pk, pv = kv_cache.dequantize(pc, jnp.bfloat16)

@@ -101,6 +101,47 @@ def _any(flags: jax.Array, axis: int) -> jax.Array:
 
 # ----------------------------------------------------------------------------- kernel
 
+def _block_max(a: jax.Array) -> jax.Array:
+  """The max over a's block axes (every axis after the first two), one axis at a time."""
+  for axis in range(a.ndim - 1, 1, -1):
+    a = jnp.max(a, axis=axis)
+  return a
+
+
+def _per_block(a: jax.Array, ndim: int) -> jax.Array:
+  """a [R, NB] broadcastable against a tile of `ndim` axes (unit block axes appended)."""
+  return a[(slice(None), slice(None)) + (None,) * (ndim - 2)]
+
+
+def quantize_tile(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """In-kernel `formats.fp4_quantize_act(x, "nvfp4")` of float32 rows x [R, NB, *block]: row
+  r's NVFP4 block j is x[r, j] (its 16 elements over the block axes, in any arrangement).
+  Returns (codes uint8 shaped as x, block scales float32 [R, NB] (E4M3 values; NaN in a
+  non-finite block or row), row scales float32 [R] (NaN in a non-finite row)). Elements loaded
+  as 0 past the data change no amax. Shared by the site kernel and `kv_append`."""
+  x = exact.flush_subnormal(x)
+  # formats._amax per block; the row's amax is the max of its blocks' (max is exact).
+  finite = jnp.isfinite(x)
+  amax = _block_max(jnp.where(finite, jnp.abs(x), np.float32(0.0)))     # [R, NB]
+  block_bad = _block_max((~finite).astype(jnp.int32)) > 0               # [R, NB]
+  row_amax = jnp.max(amax, axis=1)                                       # [R]
+  row_bad = _any(block_bad, axis=1)                                      # [R]
+
+  # formats.nvfp4_row_scale
+  ts = ieee_div(jnp.maximum(row_amax, formats.AMAX_FLOOR), formats.NVFP4_TENSOR_DIVISOR)
+  ts = jnp.where(row_bad, np.float32(np.nan), ts)                        # [R]
+
+  # formats.nvfp4_quantize with tensor_scale=ts (the row's non-finite flag is ts's)
+  bad = block_bad | row_bad[:, None]
+  ts_div = jnp.where(row_bad, np.float32(1.0), ts)[:, None]
+  bs = ieee_div(ieee_div(amax, formats.E2M1_MAX), ts_div)
+  bs = exact.round_mantissa(jnp.clip(bs, exact.E4M3_MIN_NORMAL, exact.E4M3_MAX), 3)
+  inv = ieee_div(ieee_div(np.float32(1.0), ts)[:, None], bs)             # [R, NB]
+  scaled = jnp.clip(x * _per_block(inv, x.ndim), -formats.E2M1_MAX, formats.E2M1_MAX)
+  codes = jnp.where(_per_block(bad, x.ndim), jnp.uint8(0), formats.e2m1_encode(scaled))
+  return codes, jnp.where(bad, np.float32(np.nan), bs), ts
+
+
 def _kernel(x_ref, y_ref, codes_ref, scale_ref, ts_ref, *mant_ref, m: int, nb: int, bm: int,
             nbp: int):
   """One program: rows [r0, r0 + bm) whole, as [bm, nbp, 16] (see the module docstring);
@@ -112,28 +153,7 @@ def _kernel(x_ref, y_ref, codes_ref, scale_ref, ts_ref, *mant_ref, m: int, nb: i
   ok3 = jnp.broadcast_to(ok2[:, :, None], (bm, nbp, BLOCK))
   idx3 = (pl.ds(r0, bm), pl.ds(0, nbp), pl.ds(0, BLOCK))
   x = common.masked_load(x_ref, idx3, ok3, 0).astype(jnp.float32)
-  x = exact.flush_subnormal(x)
-
-  # formats._amax per block; the row's amax is the max of its blocks' (max is exact).
-  finite = jnp.isfinite(x)
-  amax = jnp.max(jnp.where(finite, jnp.abs(x), np.float32(0.0)), axis=2)  # [bm, nbp]
-  block_bad = _any(~finite, axis=2)                                      # [bm, nbp]
-  row_amax = jnp.max(amax, axis=1)                                       # [bm]
-  row_bad = _any(block_bad, axis=1)                                      # [bm]
-
-  # formats.nvfp4_row_scale
-  ts = ieee_div(jnp.maximum(row_amax, formats.AMAX_FLOOR), formats.NVFP4_TENSOR_DIVISOR)
-  ts = jnp.where(row_bad, np.float32(np.nan), ts)                        # [bm]
-
-  # formats.nvfp4_quantize with tensor_scale=ts (the row's non-finite flag is ts's)
-  bad = block_bad | row_bad[:, None]
-  ts_div = jnp.where(row_bad, np.float32(1.0), ts)[:, None]
-  bs = ieee_div(ieee_div(amax, formats.E2M1_MAX), ts_div)
-  bs = exact.round_mantissa(jnp.clip(bs, exact.E4M3_MIN_NORMAL, exact.E4M3_MAX), 3)
-  inv = ieee_div(ieee_div(np.float32(1.0), ts)[:, None], bs)             # [bm, nbp]
-  scaled = jnp.clip(x * inv[:, :, None], -formats.E2M1_MAX, formats.E2M1_MAX)
-  codes = jnp.where(bad[:, :, None], jnp.uint8(0), formats.e2m1_encode(scaled))
-  bs = jnp.where(bad, np.float32(np.nan), bs)
+  codes, bs, ts = quantize_tile(x)
 
   # formats.nvfp4_dequantize(...).astype(dtype): (code value * block scale) * row scale
   y = (_e2m1_value(codes) * bs[:, :, None]) * ts[:, None, None]

@@ -73,7 +73,7 @@ class Attention(nnx.Module):
     fixed = prec.plan.invariant
     q = apply_rope(self.q_norm(q, fixed), cos, sin)
     k = apply_rope(self.k_norm(k, fixed), cos, sin)
-    k, v, new_cache = _write_cache(prec, layer, k, v, cache, positions)
+    k, v, new_cache = _write_cache(prec, layer, k, v, cache, positions, kernel)
     if decode and new_cache is None:
       raise ValueError("decode=True needs a KV cache")
     i = None if cache is None else cache.index
@@ -124,12 +124,19 @@ class Attention(nnx.Module):
 
 
 def _write_cache(prec: Precision, layer: int, k: jax.Array, v: jax.Array,
-                 cache: CacheSlot | None, positions: jax.Array
-                 ) -> tuple[jax.Array, jax.Array, LayerCache | PackedKVCache | None]:
+                 cache: CacheSlot | None, positions: jax.Array, kernel: bool = False
+                 ) -> tuple[jax.Array | None, jax.Array | None,
+                            LayerCache | PackedKVCache | None]:
   """The k/v sites' values and the run's cache stack with them written at `positions` in the
   slot's layer (None without a cache). A packed cache takes the NVFP4 codes and scales;
-  attention uses their values."""
+  attention uses their values. A one-token kernel step (`kernel`) may write the packed cache
+  in one kernel (`Precision.kv_append`); its attention reads the cache, and the values come
+  back None."""
   if cache is not None and isinstance(cache.run, PackedKVCache):
+    if kernel:
+      run = prec.kv_append(layer, k, v, cache.run, positions, cache.index)
+      if run is not None:
+        return None, None, run
     k, v, qk, qv = prec.kv_site(layer, k, v, codes=True)
     return k, v, kv_cache.write_quantized(cache.run, qk, qv, positions, layer=cache.index)
   k, v = prec.kv_site(layer, k, v)

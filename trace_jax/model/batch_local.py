@@ -37,14 +37,14 @@ def batch_axes(size: int) -> Any:
 
 
 def on_batch_shards(fn: Callable[..., Any], args: Sequence[Any],
-                    batch_dims: Sequence[int | None], size: int) -> Any:
+                    batch_dims: Sequence[int | None], size: int, out_dim: int = 0) -> Any:
   """fn(*args), on the entered mesh per shard of a batch of `size` rows (module docstring).
 
   batch_dims: per argument, the axis that indexes the batch in every leaf of it, or None (the
   argument replicated: weights, a layer index); arguments are arrays or pytrees of them
-  (static ones go in fn's closure). fn's outputs are indexed by the batch on their first
-  axis."""
-  return _shard_map(fn, args, batch_dims, size, summed=False)
+  (static ones go in fn's closure). fn's outputs are indexed by the batch on axis `out_dim`
+  (the first; 1 for a stack of layers' caches)."""
+  return _shard_map(fn, args, batch_dims, size, summed=False, out_dim=out_dim)
 
 
 def summed_over_batch_shards(fn: Callable[..., Any], args: Sequence[Any],
@@ -57,7 +57,7 @@ def summed_over_batch_shards(fn: Callable[..., Any], args: Sequence[Any],
 
 
 def _shard_map(fn: Callable[..., Any], args: Sequence[Any], batch_dims: Sequence[int | None],
-               size: int, summed: bool) -> Any:
+               size: int, summed: bool, out_dim: int = 0) -> Any:
   axes = batch_axes(size)
   if axes is None:
     return fn(*args)
@@ -71,5 +71,6 @@ def _shard_map(fn: Callable[..., Any], args: Sequence[Any], batch_dims: Sequence
     return jax.tree.map(lambda a: jax.lax.psum(a, axes), out) if summed else out
 
   return jax.shard_map(body, mesh=mesh, in_specs=in_specs,
-                       out_specs=PartitionSpec() if summed else PartitionSpec(axes),
+                       out_specs=PartitionSpec() if summed
+                       else PartitionSpec(*([None] * out_dim), axes),
                        check_vma=False)(*args)

@@ -21,6 +21,9 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 | decode_attention  | wgmma       | triton    | the kernel decode's attention over its cache   |
 | kv_cache          | packed (*)  | dense     | NVFP4 forwards' KV cache: codes or values      |
 | nvfp4_sites       | kernel (*)  | xla       | the rollout's unguided NVFP4 activation sites  |
+| kv_write          | xla (-)     | xla       | a kernel decode step's untapped k/v sites and  |
+|                   |             |           | packed-cache write: site kernel + scatters, or |
+|                   |             |           | one kernel (`kernels.kv_append`)               |
 | fp8_gemm          | kernel      | xla       | FP8 linears' block-scaled GEMMs                |
 | seq_attention     | cudnn (+)   | xla       | full-sequence attention (training, scoring,    |
 |                   |             |           | prefill): fused flash attention or XLA's       |
@@ -28,19 +31,22 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 |                   |             |           | (training, scoring): `lax.scan` or unrolled    |
 
 (*) with decode_impl "kernel" on any backend: the packed cache and the site kernel are the
-kernel decode's. (+) for bf16 compute with head_dim a multiple of 8 up to 128 (cuDNN's
+kernel decode's. (-) "kernel" is opt-in until its GPU timing is measured (it writes the same
+bits: `kernels.kv_append`'s contract); it runs where the plan has the packed cache and the
+site kernel. (+) for bf16 compute with head_dim a multiple of 8 up to 128 (cuDNN's
 fused attention). "fp4_codes" is "words" on any GPU with Triton's inline assembly.
 "auto" falls back to the reference where the shapes or the forward rule a kernel out (e.g.
 decode_impl "xla" under MXFP4 forwards, moe_impl "tiled" for widths not multiples of 16).
 Where the code runs each choice: `model.grouped` (moe_impl), `kernels.fp4_moe` (decode_impl,
 decode_moe_kernel, fp4_codes), `kernels.decode_attention` and `kernels.kv_cache`
-(decode_attention, kv_cache), `kernels.nvfp4_act` (nvfp4_sites), `model.fp8_linear`
-(fp8_gemm), `model.attention` (seq_attention, through `kernels.attention_math`),
-`model.transformer` (seq_layers). A resolved
-plan states what runs: `kv_cache` is "dense" and `nvfp4_sites` "xla" under forwards without
-NVFP4 sites, whatever was forced. The kernels and the reference compute the same values up to
-float32 summation order (docs/numerics.md); cuDNN's attention also rounds its probabilities
-per key block rather than once.
+(decode_attention, kv_cache), `kernels.kv_append` (kv_write), `kernels.nvfp4_act`
+(nvfp4_sites), `model.fp8_linear` (fp8_gemm), `model.attention` (seq_attention, through
+`kernels.attention_math`), `model.transformer` (seq_layers). A resolved plan states what runs:
+`kv_cache` is "dense" and `nvfp4_sites` "xla" under forwards without NVFP4 sites, and
+`kv_write` "xla" without both the packed cache and the site kernel, whatever was forced. The
+kernels and the reference compute the same values up to float32 summation order
+(docs/numerics.md); cuDNN's attention also rounds its probabilities per key block rather than
+once.
 
 decode_attention "fused" (opt-in) is `kernels.flash_decode`'s single kernel: an online softmax
 with no scores in memory, whose rounded probabilities are unnormalized, so it is not `attend`'s
@@ -81,6 +87,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "decode_attention": ("triton", "wgmma", "fused"),
     "kv_cache": ("dense", "packed"),
     "nvfp4_sites": ("xla", "kernel"),
+    "kv_write": ("xla", "kernel"),
     "fp8_gemm": ("xla", "kernel"),
     "seq_attention": ("xla", "cudnn"),
     "seq_layers": ("scan", "unrolled"),
@@ -152,6 +159,7 @@ class KernelPlan:
   fp8_gemm: str
   seq_attention: str = "xla"
   seq_layers: str = "scan"
+  kv_write: str = "xla"
   sm_count: int = DEFAULT_SM_COUNT
   invariant: bool = False
 
@@ -259,6 +267,8 @@ def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:
   decode = pick("decode_impl", "kernel" if kernels and fwd.fp4 in (None, "nvfp4")
                 and _decode_kernel_shapes(config) else "xla")
   nvfp4 = fwd.fp4 == "nvfp4"
+  kv = pick("kv_cache", "packed" if decode == "kernel" else "dense") if nvfp4 else "dense"
+  sites = pick("nvfp4_sites", "kernel" if decode == "kernel" else "xla") if nvfp4 else "xla"
   return KernelPlan(
       moe_impl=pick("moe_impl", "kernel" if kernels and _moe_kernel_shapes(config) else "tiled"),
       decode_impl=decode,
@@ -267,10 +277,8 @@ def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:
       fp4_codes=pick("fp4_codes", default_codes(b)),
       decode_attention=pick("decode_attention", "wgmma" if kernels and b.mosaic_gpu
                             else "triton"),
-      kv_cache=pick("kv_cache", "packed" if decode == "kernel" else "dense") if nvfp4
-      else "dense",
-      nvfp4_sites=pick("nvfp4_sites", "kernel" if decode == "kernel" else "xla") if nvfp4
-      else "xla",
+      kv_cache=kv, nvfp4_sites=sites,
+      kv_write=pick("kv_write", "xla") if kv == "packed" and sites == "kernel" else "xla",
       fp8_gemm=pick("fp8_gemm", "kernel" if kernels else "xla"),
       seq_attention=pick("seq_attention", "cudnn" if kernels and _cudnn_attention_shapes(config)
                          else "xla"),

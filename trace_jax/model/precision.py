@@ -28,7 +28,8 @@ import numpy as np
 
 from trace_jax.guidance import byte_rows
 from trace_jax.guidance.record import Guidance
-from trace_jax.kernels import invariant, nvfp4_act
+from trace_jax.kernels import invariant, kv_append, nvfp4_act
+from trace_jax.kernels.kv_cache import PackedKVCache
 from trace_jax.model import batch_local, fp8_linear
 from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.model.grouped import grouped_matmul
@@ -236,6 +237,23 @@ class Precision:
       qk, qv = (jax.tree.map(lambda a, i=i: a[i], q) for i in (0, 1))
       return y[0], y[1], qk, qv
     return y[0], y[1]
+
+  def kv_append(self, layer: int, k: jax.Array, v: jax.Array, cache: PackedKVCache,
+                positions: jax.Array, index: jax.Array) -> PackedKVCache | None:
+    """Sites `k` and `v` of a one-token kernel decode step fused with the packed cache's
+    write (the plan's kv_write="kernel", `kernels.kv_append`): the run's cache stack `cache`
+    with k, v [B, 1, G, H] quantized and written at positions [B, 1] of layer `index`, in
+    place; the same bits as `kv_site(codes=True)` then `kv_cache.write_quantized`. None where
+    the layer takes that path instead: another plan, guidance or a tap at the layer."""
+    fused = (self.plan.kv_write == "kernel" and self.fmt == "nvfp4"
+             and layer not in self.tap_layers and self.site_guidance(layer, "k") is None
+             and self.site_guidance(layer, "v") is None)
+    if not fused:
+      return None
+    k, v = dtype_rounded(k), dtype_rounded(v)
+    return batch_local.on_batch_shards(
+        lambda c, a, b, p, i: kv_append.append(c, a, b, p, layer=i),
+        (cache, k, v, positions, index), (1, 0, 0, 0, None), k.shape[0], out_dim=1)
 
   def tap_route(self, layer: int, ids: jax.Array) -> None:
     """Records a layer's routed expert ids [B, S, top_k] (every layer, when tap_routing)."""

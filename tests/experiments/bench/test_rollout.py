@@ -181,6 +181,8 @@ def test_summary_keys():
     pytest.param("kernel+moewgmma", ("kernel", {"decode_moe_kernel": "wgmma"}), id="moe_wgmma"),
     pytest.param("kernel+attnfused", ("kernel", {"decode_attention": "fused"}),
                  id="attention_fused"),
+    pytest.param("kernel+unroll4+kvappend", ("kernel", {"scan_unroll": 4, "kv_write": "kernel"}),
+                 id="kv_append"),
 ])
 def test_impl_options(impl, want):
   assert br.impl_options(impl) == want

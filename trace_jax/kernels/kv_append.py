@@ -1,0 +1,141 @@
+"""New K/V rows quantized to NVFP4 and written into the packed KV cache, in one kernel.
+
+On the packed cache a decode step's `k`/`v` sites otherwise run the site kernel
+(`nvfp4_act.quantize_rows`), an XLA fusion packing its codes into the cache's layout, and six
+scatters (codes, block scales and row scales of K and of V): about eight launches per layer
+for ~300 bytes per sequence and kv head. `append` is one launch, writing the cache in place
+(`input_output_aliases`: the cache's buffers are the kernel's outputs).
+
+Contract: `append(cache, k, v, positions, layer)` is the cache stack with `kv_cache.write`'s
+rows written into layer `layer`, bit for bit, for k, v [B, S, G, H] in bf16,
+f16 or float32 (the quantizer is `nvfp4_act.quantize_tile`, the site kernel's: RTN two-level
+NVFP4 per (token, kv head) row, `formats`' numerics). Like XLA's scatter, a position p < 0 is
+p + T, and a position still outside [0, T) (or a layer outside [0, L)) writes nothing. The
+quantized values themselves are not returned: the kernel decode's attention reads the cache.
+
+Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewhere):
+- grid (B, S): one program per (sequence, token), writing its G rows of K and of V.
+- Each row of H elements is loaded as [nb, W, C] (nb = H // 16 blocks; W code units per block:
+  2 uint32 words or 8 bytes, as the cache holds them; C = 16 // W codes per unit), a free
+  reshape outside. A block's amax reduces the last two axes; a unit is the sum of its C codes
+  shifted by 4 bits each (distinct bits), so the packing needs no in-kernel reshape. G is
+  padded to a power of two (Triton tiles) and masked.
+- The cache's block scales are stored as their E4M3 bytes through a uint8 view of the same
+  buffer (a bitcast outside, no copy).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from trace_jax.kernels import common, kv_cache, nvfp4_act
+from trace_jax.kernels.kv_cache import PackedKVCache
+from trace_jax.quant import exact, formats
+
+BLOCK = formats.NVFP4_BLOCK
+_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _units(words: bool) -> int:
+  """Code units per block in the cache: two uint32 words, or eight bytes."""
+  return 2 if words else BLOCK // 2
+
+
+def _kernel(layer_ref, pos_ref, k_ref, v_ref, *refs, num_layers: int, length: int, g: int,
+            gp: int, nb: int, w: int):
+  """One program: sequence b's token s, its K and V rows quantized and written at
+  (layer, b, positions[b, s]). refs: the aliased cache inputs (unread), then the outputs
+  k_codes, v_codes, k_block, v_block, k_row, v_row."""
+  out = refs[6:]
+  b, s = pl.program_id(0), pl.program_id(1)
+  layer = layer_ref[0]
+  layer = jnp.where(layer < 0, layer + num_layers, layer)
+  pos = pos_ref[b, s]
+  pos = jnp.where(pos < 0, pos + length, pos)
+  inside = (layer >= 0) & (layer < num_layers) & (pos >= 0) & (pos < length)
+  c = BLOCK // w
+  g_ok = (jnp.arange(gp, dtype=jnp.int32) < g) & inside                  # [gp]
+  ok2 = jnp.broadcast_to(g_ok[:, None], (gp, nb))
+  ok3 = jnp.broadcast_to(g_ok[:, None, None], (gp, nb, w))
+  ok4 = jnp.broadcast_to(g_ok[:, None, None, None], (gp, nb, w, c))
+  shifts = (4 * jnp.arange(c, dtype=jnp.int32))[None, None, None, :]
+  at = (layer, b, pos, pl.ds(0, gp))
+  for x_ref, codes_ref, block_ref, row_ref in ((k_ref, out[0], out[2], out[4]),
+                                               (v_ref, out[1], out[3], out[5])):
+    x = common.masked_load(x_ref, (b, s, pl.ds(0, gp), pl.ds(0, nb), pl.ds(0, w), pl.ds(0, c)),
+                           ok4, 0).astype(jnp.float32)
+    codes, bs, ts = nvfp4_act.quantize_tile(x)
+    units = jnp.sum(codes.astype(jnp.int32) << shifts, axis=3)          # [gp, nb, w]
+    common.masked_store(codes_ref, at + (pl.ds(0, nb), pl.ds(0, w)),
+                        units.astype(codes_ref.dtype), ok3)
+    common.masked_store(block_ref, at + (pl.ds(0, nb),), exact.e4m3_to_bits(bs), ok2)
+    common.masked_store(row_ref, at, ts, g_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps"))
+def _append(cache: PackedKVCache, k: jax.Array, v: jax.Array, positions: jax.Array,
+            layer: jax.Array, *, interpret: bool, num_warps: int) -> PackedKVCache:
+  num_layers, length, g, h = cache.shape[0], cache.shape[2], cache.shape[3], cache.shape[4]
+  b, s = positions.shape
+  nb, w = h // BLOCK, _units(cache.words)
+  view = lambda a: a.reshape(a.shape[:4] + (nb, w))                      # codes [L, B, T, G, nb, w]
+  as_bytes = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8)
+  arrays = (view(cache.k_codes), view(cache.v_codes), as_bytes(cache.k_block),
+            as_bytes(cache.v_block), cache.k_row, cache.v_row)
+  rows = lambda x: x.reshape(b, s, g, nb, w, BLOCK // w)
+  kernel = functools.partial(_kernel, num_layers=num_layers, length=length, g=g,
+                             gp=common.next_pow2(g), nb=nb, w=w)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays),
+      grid=(b, s), input_output_aliases={4 + i: i for i in range(6)}, interpret=interpret,
+      name="nvfp4_kv_append",
+      compiler_params=None if interpret else common.compiler_params(num_warps, 1),
+  )(jnp.reshape(layer, (1,)).astype(jnp.int32), positions.astype(jnp.int32), rows(k), rows(v),
+    *arrays)
+  k_codes, v_codes, k_block, v_block, k_row, v_row = out
+  as_scales = lambda a: jax.lax.bitcast_convert_type(a, jnp.float8_e4m3fn)
+  return PackedKVCache(k_codes=k_codes.reshape(cache.k_codes.shape),
+                       v_codes=v_codes.reshape(cache.v_codes.shape),
+                       k_block=as_scales(k_block), v_block=as_scales(v_block),
+                       k_row=k_row, v_row=v_row)
+
+
+def append(cache: PackedKVCache, k: jax.Array, v: jax.Array, positions: jax.Array,
+           layer: jax.Array | int, *, interpret: bool | None = None,
+           num_warps: int = 1) -> PackedKVCache:
+  """Quantizes K/V rows k, v [B, S, G, H] and writes them at positions [B, S] of layer `layer`
+  (an int32 scalar, may be traced) of the cache stack `cache` ([L, B, T, G, H] K and V), in
+  place where the caller's buffers allow: `kv_cache.write`'s rows, bit for bit (module
+  docstring). interpret: None runs the Triton kernel on GPU and the Pallas interpreter
+  elsewhere."""
+  shape = cache.shape
+  if len(shape) != 5:
+    raise ValueError(f"append: a cache stack of K/V shape [L, B, T, G, H] expected, got {shape}")
+  for name, x in (("k", k), ("v", v)):
+    if getattr(x, "dtype", None) not in _DTYPES:
+      raise TypeError(f"append: {name} must be bf16, f16 or float32, got "
+                      f"{getattr(x, 'dtype', type(x).__name__)}")
+  b, _, g, h = shape[1:]
+  if k.shape != v.shape or k.ndim != 4 or (k.shape[0], *k.shape[2:]) != (b, g, h):
+    raise ValueError(f"append: k {k.shape} and v {v.shape} must both be [B, S, G, H] with "
+                     f"(B, G, H) = {(b, g, h)} of the cache")
+  if positions.shape != k.shape[:2]:
+    raise ValueError(f"append: positions of shape {positions.shape}, expected {k.shape[:2]}")
+  if interpret is None:
+    interpret = common.default_interpret()
+  return _append(cache, k, v, positions, jnp.asarray(layer, jnp.int32),
+                 interpret=bool(interpret), num_warps=int(num_warps))
+
+
+def reference(cache: PackedKVCache, k: jax.Array, v: jax.Array, positions: jax.Array,
+              layer: jax.Array | int) -> PackedKVCache:
+  """The kernel's contract in XLA: `kv_cache.write_quantized` of `kv_cache.quantize_rows`."""
+  q = kv_cache.quantize_rows(jnp.stack([k, v]))
+  qk, qv = (jax.tree.map(lambda a, i=i: a[i], q) for i in (0, 1))
+  return kv_cache.write_quantized(cache, qk, qv, positions, layer=layer)
+
