@@ -5,8 +5,9 @@ Every array of the cache, bit for bit, against the XLA path it replaces (`kv_app
 scatters), on random rows and the adversarial NVFP4 rows, both code layouts, into a cache
 already holding other rows (which must survive); XLA's position rules (negative positions wrap,
 positions past the end are dropped); the lowering to Triton IR for CUDA, traced as on the GPU.
-The kernel runs as the interpreter on CPU (`interpret=None`). Shapes stay tiny and shared (one
-interpreter compile per shape, dtype and layout).
+The sites' guidance records (compact and full) against `guided.record`'s. The kernel runs as
+the interpreter on CPU (`interpret=None`). Shapes stay tiny and shared (one interpreter compile
+per shape, dtype and layout).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tests.kernels.nvfp4_rows import ADV_K, ADV_ROWS, ADVERSARIAL, DTYPES, adver
 from trace_jax.kernels import kv_append, kv_cache
 
 L, T = 2, 8  # layers and positions of the random cases' cache stack
-_reference = jax.jit(kv_append.reference)
+_reference = jax.jit(kv_append.reference, static_argnames="tap")
 
 
 def _bits(cache: kv_cache.PackedKVCache) -> dict[str, np.ndarray]:
@@ -53,34 +54,54 @@ def _filled_cache(b: int, g: int, h: int, words: bool, seed: int) -> kv_cache.Pa
                             [fill(a, key) for a, key in zip(jax.tree.leaves(empty), keys)])
 
 
-def _check(cache, k, v, positions, layer, what: str) -> kv_cache.PackedKVCache:
-  got = kv_append.append(cache, k, v, positions, layer)
-  _assert_caches_equal(got, _reference(cache, k, v, positions, layer), what)
-  return got
+def _assert_records_equal(got, want, what: str) -> None:
+  for name in ("block_scale", "row_scale", "mantissa", "codes"):
+    a, b = getattr(got, name), getattr(want, name)
+    assert (a is None) == (b is None), f"{what}: record field {name}"
+    if a is not None:
+      a, b = (np.asarray(x).view(np.uint8 if x.dtype.itemsize == 1 else np.uint32)
+              for x in (a, b))
+      assert a.shape == b.shape, f"{what}: record {name} of shape {a.shape}, want {b.shape}"
+      bad = np.argwhere(a != b)
+      assert not len(bad), f"{what}: record {name} differs at {len(bad)} entries"
 
 
-RANDOM = [  # (id, B, S, G, H, dtype, words)
-    ("bf16_words_g3", 2, 1, 3, 64, "bfloat16", True),
-    ("f16_bytes_g3_s2", 2, 2, 3, 64, "float16", False),
-    ("f32_words_g1_h128", 2, 1, 1, 128, "float32", True),
+def _check(cache, k, v, positions, layer, what: str, tap: str | None = None
+           ) -> kv_cache.PackedKVCache:
+  """The kernel's cache (and record, with `tap`) against the XLA path's, bit for bit."""
+  got = kv_append.append(cache, k, v, positions, layer, tap=tap)
+  want = _reference(cache, k, v, positions, layer, tap=tap)
+  if tap is None:
+    got, want = (got, None), (want, None)
+  _assert_caches_equal(got[0], want[0], what)
+  if tap is not None:
+    _assert_records_equal(got[1], want[1], f"{what}/{tap}")
+  return got[0]
+
+
+RANDOM = [  # (id, B, S, G, H, dtype, words, tap)
+    ("bf16_words_g3_full", 2, 1, 3, 64, "bfloat16", True, "full"),
+    ("f16_bytes_g3_s2_compact", 2, 2, 3, 64, "float16", False, "compact"),
+    ("f32_words_g1_h128", 2, 1, 1, 128, "float32", True, None),
 ]
 
 
-@pytest.mark.parametrize("name,b,s,g,h,dtype,words", RANDOM, ids=[c[0] for c in RANDOM])
-def test_random_rows_match_the_xla_write(name, b, s, g, h, dtype, words):
+@pytest.mark.parametrize("name,b,s,g,h,dtype,words,tap", RANDOM, ids=[c[0] for c in RANDOM])
+def test_random_rows_match_the_xla_write(name, b, s, g, h, dtype, words, tap):
   """Rows of mixed magnitudes at distinct positions of layer 1, then of layer -1 (the last):
-  every cache array equal bit for bit, the other layer's and positions' rows kept."""
+  every cache array (and the record, where tapped) equal bit for bit, the other layer's and
+  positions' rows kept."""
   cache = _filled_cache(b, g, h, words, seed=b + g)
   key = jax.random.key(h + s)
   scale = jnp.exp2(jax.random.randint(key, (1, b, s, g, 1), -20, 20).astype(jnp.float32))
   k, v = (jax.random.normal(jax.random.fold_in(key, 1), (2, b, s, g, h)) * scale)
   k, v = k.astype(DTYPES[dtype]), v.astype(DTYPES[dtype])
   positions = (jnp.arange(b * s, dtype=jnp.int32).reshape(b, s) * 3) % T
-  got = _check(cache, k, v, positions, 1, name)
+  got = _check(cache, k, v, positions, 1, name, tap)
   before = _bits(cache)
   assert (_bits(got)["k_row"][0] == before["k_row"][0]).all()  # layer 0 untouched
   assert (_bits(got)["k_row"][1] != before["k_row"][1]).any()  # layer 1 written
-  _check(cache, k, v, positions, -1, f"{name}/layer -1")
+  _check(cache, k, v, positions, -1, f"{name}/layer -1", tap)
 
 
 def test_positions_wrap_or_drop_as_xla_scatters():
@@ -96,17 +117,18 @@ def test_positions_wrap_or_drop_as_xla_scatters():
   _assert_caches_equal(kv_append.append(cache, k, v, positions, L), cache, "layer L")
 
 
-@pytest.mark.parametrize("words,dtype", [(False, "float32"), (True, "bfloat16")],
-                         ids=["bytes_f32", "words_bf16"])
-def test_adversarial_rows_match_the_xla_write(words, dtype):
+@pytest.mark.parametrize("words,dtype,tap", [(False, "float32", "compact"),
+                                             (True, "bfloat16", "full")],
+                         ids=["bytes_f32_compact", "words_bf16_full"])
+def test_adversarial_rows_match_the_xla_write(words, dtype, tap):
   """The adversarial NVFP4 rows (ties, saturation, signed zeros, subnormals, tiny and huge
   scales, NaN/Inf) as K, the same rows reversed as V: B = 5 sequences of one kv head, every
-  case written over a filled cache, equal bit for bit."""
+  case written over a filled cache, cache and record equal bit for bit."""
   cache = _filled_cache(ADV_ROWS, 1, ADV_K, words, seed=11)
   positions = jnp.asarray([[3], [0], [T - 1], [5], [3]], jnp.int32)
   for name, make, _ in ADVERSARIAL:
     x = adversarial_input(make, dtype).reshape(ADV_ROWS, 1, 1, ADV_K)
-    _check(cache, x, x[::-1], positions, 1, f"{name}/{dtype}")
+    _check(cache, x, x[::-1], positions, 1, f"{name}/{dtype}", tap)
 
 
 def test_control_a_write_at_another_position_is_caught():
@@ -132,6 +154,8 @@ def test_bad_inputs_are_refused_in_one_line():
     kv_append.append(cache, k.astype(jnp.int32), k, pos, 0)
   with pytest.raises(ValueError, match=r"positions of shape \(2,\), expected \(2, 1\)"):
     kv_append.append(cache, k, k, pos[:, 0], 0)
+  with pytest.raises(ValueError, match=r"tap must be None or one of \('compact', 'full'\)"):
+    kv_append.append(cache, k, k, pos, 0, tap="codes")
 
 
 @pytest.fixture
@@ -141,14 +165,16 @@ def traced_as_on_gpu(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
 
 
-@pytest.mark.parametrize("words,g", [(True, 4), (False, 3)], ids=["words_g4", "bytes_g3"])
-def test_lowers_to_triton(words, g, traced_as_on_gpu):
+@pytest.mark.parametrize("words,g,tap", [(True, 4, None), (True, 4, "full"),
+                                         (False, 3, "compact")],
+                         ids=["words_g4", "words_g4_full", "bytes_g3_compact"])
+def test_lowers_to_triton(words, g, tap, traced_as_on_gpu):
   """The kernel passes Pallas' Triton lowering for CUDA on any host, its cache outputs aliased
   to its cache inputs (written in place); Triton's own compilation needs the GPU run."""
   cache = jax.tree.map(lambda a: jnp.stack([a] * 3),
                        kv_cache.init_packed_cache(4, 16, g, 128, words=words))
   k = jnp.zeros((4, 1, g, 128), jnp.bfloat16)
-  f = functools.partial(kv_append.append, interpret=False)
+  f = functools.partial(kv_append.append, interpret=False, tap=tap)
   text = jax.jit(f).trace(cache, k, k, jnp.zeros((4, 1), jnp.int32), jnp.int32(1)).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "triton" in text and "nvfp4_kv_append" in text

@@ -242,7 +242,8 @@ def test_packed_kv_cache_as_words_in_the_decode_step(kv_write):
   """The GPU's layout on CPU: a cache whose codes are words per block (the plan's
   `fp4_codes="words"`), written by the layer scan's decode step (the site kernel and XLA's
   scatters, or `kv_append`'s one kernel: kv_write) and read by the words decoder, holds the
-  dense cache's values bit for bit and gives its logits."""
+  dense cache's values bit for bit and gives its logits; layer 1, tapped in full mode (an
+  audit), records the k/v sites' codes and scales as the dense path does."""
   config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=2, vocab_size=128,
                   fp4_codes="words", kv_write=kv_write)
   dense, packed = (M.init_cache(config.replace(decode_impl=d), 2, 16) for d in ("xla", "kernel"))
@@ -251,9 +252,13 @@ def test_packed_kv_cache_as_words_in_the_decode_step(kv_write):
   tok = np.array([5, 9], np.int32)
   kernel = config.replace(decode_impl="kernel")
   assert M.resolve_plan(kernel).kv_write == kv_write
-  outs = [jax.jit(lambda p, c, cfg=cfg: M.decode_step(p, cfg, c, tok, np.array([0, 3], np.int32))
+  outs = [jax.jit(lambda p, c, cfg=cfg: M.decode_step(p, cfg, c, tok, np.array([0, 3], np.int32),
+                                                      tap_layers=(1,), tap_mode="full")
                   )(params, c)
           for cfg, c in ((config, dense), (kernel, packed))]
+  for site in ("k", "v"):
+    for a, b in zip(jax.tree.leaves(outs[0].taps[1][site]), jax.tree.leaves(outs[1].taps[1][site])):
+      np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
   for (dk, dv), pc in zip(outs[0].cache, outs[1].cache):
     assert pc.words
     pk, pv = kv_cache.dequantize(pc, jnp.bfloat16)

@@ -157,7 +157,9 @@ def test_fp4_trace_kernel_decode_records_match_one_device(monkeypatch):
   MoE output is summed over devices; the dense layers run on the token shards), and an FP4 site
   input one BF16 ulp off can round to the neighbouring code, so from layer 1 on records and
   log-probs may differ, and greedy paths part at a near tie of the tiny random model's flat
-  distribution. Shapes: those of test_decode_kernels' kernel engine (its one-device program)."""
+  distribution. The mesh engine writes the packed cache with `kv_append` (kv_write="kernel"),
+  inside `batch_local`'s shard_map. Shapes: those of test_decode_kernels' kernel engine (its
+  one-device program)."""
   config = M.tiny(policy="fp4_trace", dtype="bfloat16", num_hidden_layers=2, vocab_size=128,
                   decode_impl="kernel")
   params = _params(config)
@@ -165,7 +167,9 @@ def test_fp4_trace_kernel_decode_records_match_one_device(monkeypatch):
   kw = dict(audit_fraction=1.0, record_routing=True, max_batch=2)
   traced = _count_ep_traces(monkeypatch)
   ref = InProcessEngine(params, config, **kw)
-  eng = InProcessEngine(params, config, mesh=mesh, **kw)
+  # The mesh engine writes its k/v sites and records with `kv_append` (kv_write="kernel"): the
+  # same bits as the one-device engine's site kernel and scatters.
+  eng = InProcessEngine(params, config.replace(kv_write="kernel"), mesh=mesh, **kw)
   for run in eng.experts:
     assert run.packed
     _assert_sharded_along_experts((run.gate_up, run.down), config.num_experts, 4)
@@ -175,8 +179,8 @@ def test_fp4_trace_kernel_decode_records_match_one_device(monkeypatch):
   want = ref.generate(prompts, sp)
   assert not traced
   _assert_kernels_run_per_shard(eng, prompts, sp, {
-      "nvfp4_quantize_rows", "grouped_matmul_decode", "grouped_matmul_decode_fp4",
-      "decode_attention_scores_nvfp4", "decode_attention_pv_nvfp4"})
+      "nvfp4_quantize_rows", "nvfp4_kv_append", "grouped_matmul_decode",
+      "grouped_matmul_decode_fp4", "decode_attention_scores_nvfp4", "decode_attention_pv_nvfp4"})
   got = eng.generate(prompts, sp)
   assert traced
   same = []  # per sequence: positions fed the same tokens (prompt + the common completion)

@@ -66,9 +66,9 @@ class ModelConfig:
     (NVFP4 codes and scales, `kernels.kv_cache`).
   nvfp4_sites: the rollout's unguided NVFP4 activation sites: "xla" or "kernel"
     (`kernels.nvfp4_act`, one Pallas kernel per site).
-  kv_write: a one-token kernel decode step's k/v sites on the packed cache (layers without a
-    tap): "xla" (the site kernel, then XLA packs and scatters) or "kernel"
-    (`kernels.kv_append`: quantized and written in place in one kernel; the same bits).
+  kv_write: a one-token kernel decode step's k/v sites on the packed cache: "xla" (the site
+    kernel, then XLA packs and scatters) or "kernel" (`kernels.kv_append`: quantized, with the
+    sites' records where tapped, and written in place in one kernel; the same bits).
   fp8_gemm: how forwards with FP8 linears (`fp8_unified`) run their block-scaled FP8 GEMMs
     (`trace_jax.model.fp8_linear`): "xla" (the plain-JAX reference: dequantized float32
     operands) or "kernel" (Pallas on the FP8 tensor cores); the same sums up to order.

@@ -21,9 +21,9 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 | decode_attention  | wgmma       | triton    | the kernel decode's attention over its cache   |
 | kv_cache          | packed (*)  | dense     | NVFP4 forwards' KV cache: codes or values      |
 | nvfp4_sites       | kernel (*)  | xla       | the rollout's unguided NVFP4 activation sites  |
-| kv_write          | xla (-)     | xla       | a kernel decode step's untapped k/v sites and  |
-|                   |             |           | packed-cache write: site kernel + scatters, or |
-|                   |             |           | one kernel (`kernels.kv_append`)               |
+| kv_write          | xla (-)     | xla       | a kernel decode step's k/v sites (and records) |
+|                   |             |           | and packed-cache write: site kernel + XLA's    |
+|                   |             |           | scatters, or one kernel (`kernels.kv_append`)  |
 | fp8_gemm          | kernel      | xla       | FP8 linears' block-scaled GEMMs                |
 | seq_attention     | cudnn (+)   | xla       | full-sequence attention (training, scoring,    |
 |                   |             |           | prefill): fused flash attention or XLA's       |

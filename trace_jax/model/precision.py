@@ -243,17 +243,25 @@ class Precision:
     """Sites `k` and `v` of a one-token kernel decode step fused with the packed cache's
     write (the plan's kv_write="kernel", `kernels.kv_append`): the run's cache stack `cache`
     with k, v [B, 1, G, H] quantized and written at positions [B, 1] of layer `index`, in
-    place; the same bits as `kv_site(codes=True)` then `kv_cache.write_quantized`. None where
-    the layer takes that path instead: another plan, guidance or a tap at the layer."""
+    place, and the sites' records where the layer is tapped; the same bits as
+    `kv_site(codes=True)` then `kv_cache.write_quantized`. None where the layer takes that
+    path instead: another plan, or guidance at the layer."""
     fused = (self.plan.kv_write == "kernel" and self.fmt == "nvfp4"
-             and layer not in self.tap_layers and self.site_guidance(layer, "k") is None
+             and self.site_guidance(layer, "k") is None
              and self.site_guidance(layer, "v") is None)
     if not fused:
       return None
+    tap = self.tap_mode if layer in self.tap_layers else None
     k, v = dtype_rounded(k), dtype_rounded(v)
-    return batch_local.on_batch_shards(
-        lambda c, a, b, p, i: kv_append.append(c, a, b, p, layer=i),
+    out = batch_local.on_batch_shards(
+        lambda c, a, b, p, i: kv_append.append(c, a, b, p, i, tap=tap),
         (cache, k, v, positions, index), (1, 0, 0, 0, None), k.shape[0], out_dim=1)
+    if tap is None:
+      return out
+    out, rec = out
+    taps = self.taps.setdefault(layer, {})
+    taps["k"], taps["v"] = (jax.tree.map(lambda a, i=i: a[i], rec) for i in (0, 1))
+    return out
 
   def tap_route(self, layer: int, ids: jax.Array) -> None:
     """Records a layer's routed expert ids [B, S, top_k] (every layer, when tap_routing)."""
