@@ -82,8 +82,7 @@ def _check(cache, k, v, positions, layer, what: str, tap: str | None = None
 RANDOM = [  # (id, B, S, G, H, dtype, words, tap)
     ("bf16_words_g3_full", 2, 1, 3, 64, "bfloat16", True, "full"),
     ("f16_bytes_g3_s2_compact", 2, 2, 3, 64, "float16", False, "compact"),
-    ("f32_words_g1_h128", 2, 1, 1, 128, "float32", True, None),
-]
+]  # float32 rows and H = 128: the adversarial cases; no tap: the position and control cases
 
 
 @pytest.mark.parametrize("name,b,s,g,h,dtype,words,tap", RANDOM, ids=[c[0] for c in RANDOM])

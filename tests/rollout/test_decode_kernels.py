@@ -1,6 +1,8 @@
 """The engine's decode through the Pallas kernels (`ModelConfig.decode_impl="kernel"`, Pallas
 interpreter on CPU) against the reference decode (fake-quantized weights, XLA matmuls)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -237,6 +239,22 @@ def test_packed_kv_cache_holds_the_codes_and_sessions_match_the_reference():
   assert turns[0] == turns[1]
 
 
+def _words_step(params, config, cache):
+  """One decode step of two sequences at positions 0 and 3, layer 1 tapped in full mode."""
+  return jax.jit(lambda p, c: M.decode_step(p, config, c, np.array([5, 9], np.int32),
+                                            np.array([0, 3], np.int32), tap_layers=(1,),
+                                            tap_mode="full"))(params, cache)
+
+
+@functools.cache
+def _dense_words_step():
+  """(config, params, the XLA decode step's output over the dense cache), computed once."""
+  config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=2, vocab_size=128,
+                  fp4_codes="words")
+  params = jax.tree.map(lambda a: a if a.ndim == 1 else a * 4.0, M.init_params(config, 3))
+  return config, params, _words_step(params, config, M.init_cache(config, 2, 16))
+
+
 @pytest.mark.parametrize("kv_write", ["xla", "kernel"])
 def test_packed_kv_cache_as_words_in_the_decode_step(kv_write):
   """The GPU's layout on CPU: a cache whose codes are words per block (the plan's
@@ -244,18 +262,12 @@ def test_packed_kv_cache_as_words_in_the_decode_step(kv_write):
   scatters, or `kv_append`'s one kernel: kv_write) and read by the words decoder, holds the
   dense cache's values bit for bit and gives its logits; layer 1, tapped in full mode (an
   audit), records the k/v sites' codes and scales as the dense path does."""
-  config = M.tiny(policy="fp4_rtn", dtype="bfloat16", num_hidden_layers=2, vocab_size=128,
-                  fp4_codes="words", kv_write=kv_write)
-  dense, packed = (M.init_cache(config.replace(decode_impl=d), 2, 16) for d in ("xla", "kernel"))
+  config, params, dense_out = _dense_words_step()
+  kernel = config.replace(decode_impl="kernel", kv_write=kv_write)
+  packed = M.init_cache(kernel, 2, 16)
   assert all(c.words and c.k_codes.dtype == jnp.uint32 for c in packed)
-  params = jax.tree.map(lambda a: a if a.ndim == 1 else a * 4.0, M.init_params(config, 3))
-  tok = np.array([5, 9], np.int32)
-  kernel = config.replace(decode_impl="kernel")
   assert M.resolve_plan(kernel).kv_write == kv_write
-  outs = [jax.jit(lambda p, c, cfg=cfg: M.decode_step(p, cfg, c, tok, np.array([0, 3], np.int32),
-                                                      tap_layers=(1,), tap_mode="full")
-                  )(params, c)
-          for cfg, c in ((config, dense), (kernel, packed))]
+  outs = [dense_out, _words_step(params, kernel, packed)]
   for site in ("k", "v"):
     for a, b in zip(jax.tree.leaves(outs[0].taps[1][site]), jax.tree.leaves(outs[1].taps[1][site])):
       np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
