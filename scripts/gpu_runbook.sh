@@ -12,10 +12,12 @@
 #               128 + 128), the 60 GB fixed-memory cases at 8k and 32k contexts (36 GB on a
 #               GPU of less than 100 GB), and batch 64 at 32k context
 #               (`experiments.bench.rollout`'s GPU preset)
-#   attention   the single-pass decode attention (`decode_attention="fused"`) against the exact
-#               pair (Triton, wgmma): the kernels at 8k (batch 64 and 256) and 32k (batch 64)
-#               contexts (and the fused kernel with 128-key blocks), then the 8k fixed-memory
-#               decode (bf16, fp4_rtn) with each, one process per impl
+#   attention   the decode attention without scores in memory (`decode_attention="fused"`, one
+#               pass; "twopass", `attend`'s probabilities) against the exact pair (Triton,
+#               wgmma): the kernels at 8k (batch 64 and 256) and 32k (batch 64) contexts (and
+#               the flash kernels with 128-key blocks)
+#   attention_budget  the 8k fixed-memory decode (bf16, fp4_rtn) with the exact pair, the
+#               single-pass and the two-pass decode attention, one process per impl
 #   kv_write    the k/v sites written into the packed KV cache by one kernel
 #               (`kv_write="kernel"`, `kernels.kv_append`): its tests on the GPU (bit for bit
 #               against the site kernel and XLA's scatters), then the decode at batch 64 and
@@ -23,7 +25,8 @@
 #               side in one process, profiled (kernels and time per step)
 #   mismatch    the rollout/trainer mismatch of the kernel plan against the reference plan
 #               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio), then the kernel
-#               plan with the single-pass decode attention (`--plan_fields=decode_attention=fused`)
+#               plan with the single-pass and the two-pass decode attention
+#               (`--plan_fields=decode_attention=fused` / `=twopass`)
 #   layers_mismatch  why the trainer's unrolled layers (`seq_layers="unrolled"`, 0.70x the scanned
 #               step) agree less with the rollout: the kernel plan's mismatch with the trainer's
 #               layers scanned, unrolled, unrolled under XLA flags that fix fusion-dependent
@@ -116,21 +119,27 @@ step_rollout() {
 }
 
 step_attention() {
-  local t=${T_ATTENTION:-560} budget=(--budget_gb=60) impl name
-  small_gpu && budget=(--budget_gb=36)
+  local t=${T_ATTENTION:-420}
   local impls=kernel_bf16,kernel_packed,kernel_packed_wgmma,kernel_bf16_fused,kernel_packed_fused
-  TAIL=30 run attention_kernels "$((t / 4))" python3 -m experiments.bench.decode_attention \
+  impls=$impls,kernel_bf16_twopass,kernel_packed_twopass
+  TAIL=30 run attention_kernels "$((t * 4 / 9))" python3 -m experiments.bench.decode_attention \
     --contexts=8192 --batches=64,256 --decoder_check=false --impls="$impls" \
     --json_out="$OUT/attention_kernels.json"
-  TAIL=20 run attention_kernels_32k "$((t / 6))" python3 -m experiments.bench.decode_attention \
+  TAIL=20 run attention_kernels_32k "$((t / 3))" python3 -m experiments.bench.decode_attention \
     --contexts=32768 --batches=64 --decoder_check=false --impls="$impls" \
     --json_out="$OUT/attention_kernels_32k.json"
-  TAIL=12 run attention_kernels_bt128 "$((t / 10))" python3 -m experiments.bench.decode_attention \
-    --contexts=8192 --batches=256 --decoder_check=false --block_t=128 \
-    --impls=kernel_bf16_fused,kernel_packed_fused --json_out="$OUT/attention_kernels_bt128.json"
-  for impl in kernel+unroll4 kernel+unroll4+attnfused; do
+  TAIL=12 run attention_kernels_bt128 "$((t * 2 / 9))" python3 -m \
+    experiments.bench.decode_attention --contexts=8192 --batches=256 --decoder_check=false \
+    --block_t=128 --impls=kernel_packed_fused,kernel_packed_twopass \
+    --json_out="$OUT/attention_kernels_bt128.json"
+}
+
+step_attention_budget() {
+  local t=${T_ATTENTION_BUDGET:-540} budget=(--budget_gb=60) impl name
+  small_gpu && budget=(--budget_gb=36)
+  for impl in kernel+unroll4 kernel+unroll4+attnfused kernel+unroll4+attntwopass; do
     name=attention_budget_${impl##*+}
-    TAIL=20 run "$name" "$((t / 4))" python3 -m experiments.bench.rollout --impls="$impl" \
+    TAIL=20 run "$name" "$((t / 3))" python3 -m experiments.bench.rollout --impls="$impl" \
       --budget_impl="$impl" --cases=none --budget_context=8192 --budget_policies=bf16,fp4_rtn \
       --long_context=0 --reps=2 --transformers=false "${budget[@]}" --json_out="$OUT/$name.json"
   done
@@ -148,14 +157,17 @@ step_kv_write() {
 }
 
 step_mismatch() {
-  local t=${T_MISMATCH:-420}
-  TAIL=20 run mismatch "$((t * 2 / 3))" python3 -m experiments.measure_mismatch \
+  local t=${T_MISMATCH:-560} attn
+  TAIL=20 run mismatch "$((t / 2))" python3 -m experiments.measure_mismatch \
     --config=configs/small_h200.py --decode_impls=xla,kernel --num_prompts=64 \
     --max_new_tokens=64 --json_out="$OUT/mismatch.json" ${MISMATCH_ARGS:-}
-  TAIL=12 run mismatch_fused "$((t / 3))" python3 -m experiments.measure_mismatch \
-    --config=configs/small_h200.py --decode_impls=kernel --num_prompts=64 \
-    --max_new_tokens=64 --plan_fields=decode_attention=fused \
-    --json_out="$OUT/mismatch_fused.json" --png_out=/tmp/mismatch_fused.png ${MISMATCH_ARGS:-}
+  for attn in fused twopass; do
+    TAIL=12 run "mismatch_$attn" "$((t / 4))" python3 -m experiments.measure_mismatch \
+      --config=configs/small_h200.py --decode_impls=kernel --num_prompts=64 \
+      --max_new_tokens=64 --plan_fields=decode_attention="$attn" \
+      --json_out="$OUT/mismatch_$attn.json" --png_out="/tmp/mismatch_$attn.png" \
+      ${MISMATCH_ARGS:-}
+  done
 }
 
 step_layers_mismatch() {
@@ -269,7 +281,8 @@ main() {
   fi
   for s in "${steps[@]}"; do
     if ! declare -F "step_$s" > /dev/null; then
-      echo "unknown step '$s'; steps: check kernels rollout attention kv_write mismatch" \
+      echo "unknown step '$s'; steps: check kernels rollout attention attention_budget" \
+        "kv_write mismatch" \
         "layers_mismatch train_step_flags train_step rl profile multi_gpu tests" >&2
       exit 2
     fi

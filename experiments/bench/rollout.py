@@ -25,17 +25,18 @@ the layer scans two layers per iteration, `ModelConfig.scan_unroll`; `+unrolled`
 compiled apart; `+sync4`: the decode loop's condition checked once per 4 steps,
 `ModelConfig.decode_steps_per_sync`; `+moetriton` / `+moewgmma`: the packed experts' kernel,
 `ModelConfig.decode_moe_kernel`; `+attnfused` / `+attntriton` / `+attnwgmma`: the decode
-attention, `ModelConfig.decode_attention`, "fused" the single-pass kernel; `+kvappend`: the k/v
-sites written into the packed cache by one kernel, `ModelConfig.kv_write`), and fp4_trace over
-fp4_rtn per impl. Every case's config states its kernel plan (`trace_jax.model.plan`); the
-fields an entry does not set are the plan's "auto" on this backend.
+attention, `ModelConfig.decode_attention`, "fused" the single-pass kernel, `+attntwopass` its
+two-pass form; `+kvappend`: the k/v sites written into the packed cache by one kernel,
+`ModelConfig.kv_write`), and fp4_trace over fp4_rtn per impl. Every case's config states its
+kernel plan (`trace_jax.model.plan`); the fields an entry does not set are the plan's "auto" on
+this backend.
 
 Fixed memory (`--budget_gb`, 0 skips it; `--budget_context`, `--budget_max_batch`,
 `--budget_policies` (CPU preset: bf16 and fp4_rtn), `--budget_impl`): per policy, how many
 sequences of `--budget_context` tokens fit in the budget next to the weights as the engine
-stores them (`weight_bytes`; with decode_impl "kernel": packed NVFP4 experts under FP4, E4M3
+stores them (`rollout_bytes`: with decode_impl "kernel", packed NVFP4 experts under FP4, E4M3
 experts and attention projections under FP8, the rest BF16), each sequence costing its KV
-cache (packed NVFP4 under the FP4 policies with decode_impl "kernel", `byte_layout`; else
+cache (packed NVFP4 under the FP4 policies with decode_impl "kernel"; else
 BF16) and the records the engine keeps for it (fp4_trace's guidance and routing); then the
 decode of `--new_tokens` tokens in one engine session turn (`InProcessEngine.extend`) at that
 batch (capped at `--budget_max_batch`) over caches of `--budget_context` tokens. The caches
@@ -75,7 +76,6 @@ prefill's grouped matmuls on the Pallas grouped GEMMs (`moe_impl="kernel"`).
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import sys
@@ -89,6 +89,12 @@ from absl import flags
 
 from experiments import common
 from experiments.bench import profiling
+from experiments.bench.rollout_bytes import (
+  budget_plan,
+  expected_touched,
+  session_records,
+  step_bytes,
+)
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_enum("preset", "h200", ["h200", "cpu"], "Model and batch sizes.", flag_values=FLAGS)
@@ -98,7 +104,8 @@ flags.DEFINE_list("impls", ["xla", "kernel"],
                   "decode_impl values (and fp8_gemm's, for fp8_unified), each optionally with "
                   "`+unrolled` (scan_layers=False), `+unroll<N>` (scan_unroll=N) and "
                   "`+sync<N>` (decode_steps_per_sync=N), `+moetriton` / `+moewgmma` "
-                  "(decode_moe_kernel), `+attnfused` / `+attntriton` / `+attnwgmma` "
+                  "(decode_moe_kernel), `+attnfused` / `+attntwopass` / `+attntriton` / "
+                  "`+attnwgmma` "
                   "(decode_attention), `+kvappend` (kv_write=\"kernel\"), timed beside the "
                   "plain impl; "
                   "\"kernel_bytes\": "
@@ -164,7 +171,7 @@ def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
   decodes with "kernel" and fp4_codes="bytes"; `+unrolled` sets scan_layers=False,
   `+unroll<N>` scan_unroll=N,
   `+sync<N>` decode_steps_per_sync=N, `+moetriton` / `+moewgmma` decode_moe_kernel,
-  `+attnfused` / `+attntriton` / `+attnwgmma` decode_attention, `+kvappend`
+  `+attnfused` / `+attntwopass` / `+attntriton` / `+attnwgmma` decode_attention, `+kvappend`
   kv_write="kernel"."""
   from trace_jax.model.config import DECODE_IMPLS
 
@@ -183,14 +190,14 @@ def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
       fields["decode_steps_per_sync"] = int(mod[4:])
     elif mod in ("moetriton", "moewgmma"):
       fields["decode_moe_kernel"] = mod[3:]
-    elif mod in ("attnfused", "attntriton", "attnwgmma"):
+    elif mod in ("attnfused", "attntwopass", "attntriton", "attnwgmma"):
       fields["decode_attention"] = mod[4:]
     elif mod == "kvappend":
       fields["kv_write"] = "kernel"
     else:
       raise ValueError(f"--impls entry {impl!r}: options are +unrolled, +unroll<N>, "
-                       f"+sync<N> (N >= 1), +moetriton, +moewgmma, +attnfused, +attntriton, "
-                       f"+attnwgmma and +kvappend, got +{mod}")
+                       f"+sync<N> (N >= 1), +moetriton, +moewgmma, +attnfused, +attntwopass, "
+                       f"+attntriton, +attnwgmma and +kvappend, got +{mod}")
   return decode_impl, fields
 
 
@@ -231,124 +238,6 @@ PRESETS = {
                 budget_policies=("bf16", "fp4_rtn"), long_context=0, transformers=False,
                 warmup_calls=0),
 }
-FP8_BYTES = 1 + 4 / 128**2  # E4M3 byte + a float32 scale per 128 x 128 block
-
-
-# ----------------------------------------------------------------------------- byte accounting
-
-def byte_layout(config: Any) -> dict[str, float]:
-  """Bytes of each part of the model as the rollout engine stores it (the one place the formats'
-  sizes are written down; `weight_bytes` and `step_bytes` sum them).
-
-  decode_impl "kernel": the prepared weights (`expert_weights.prepare`; the params' copies are
-  dropped): routed experts as packed NVFP4 under FP4 forwards (0.5 byte a value + an E4M3 scale
-  per 16 + one float32 scale per expert for gate/up and one for down), E4M3 + block scales
-  under FP8 linears (the attention projections too), else the compute dtype. "xla": the params
-  in the compute dtype (FP4 and FP8 are computed from them at every step). Embeddings, lm_head,
-  norms and router always in the compute dtype; the KV cache too, but packed NVFP4 (codes,
-  E4M3 block scales, a float32 row scale: 76 bytes per head row of 128 against 256) where
-  the config's plan says `kv_cache="packed"` (NVFP4 forwards with decode_impl "kernel"). Keys:
-  expert (one
-  routed expert), attention (one layer's q, k, v,
-  o), layer_rest (one layer's norms and router), embed, lm_head, final_norm, kv_token (one
-  token's K and V in one layer).
-  """
-  import jax.numpy as jnp
-
-  from trace_jax.kernels import kv_cache
-  from trace_jax.model import plan as plan_lib
-
-  c, fwd = config, config.forward
-  plan = plan_lib.resolve(c)
-  item = jnp.dtype(c.dtype).itemsize
-  d, f, h, e = c.hidden_size, c.moe_intermediate_size, c.head_dim, c.num_experts
-  kernel = plan.decode_impl == "kernel"
-  if kernel and fwd.fp4 == "nvfp4":
-    expert = 3 * f * d * (0.5 + 1 / 16) + 2 * 4
-  elif kernel and fwd.fp8_linears:
-    expert = 3 * f * d * FP8_BYTES
-  else:
-    expert = 3 * f * d * item
-  nq, nkv = c.num_attention_heads * h, c.num_key_value_heads * h
-  attn = (2 * nq * d + 2 * nkv * d) * (FP8_BYTES if kernel and fwd.fp8_linears else item)
-  if plan.kv_cache == "packed":  # codes, block scales and a row scale per (token, kv head)
-    kv_token = 2 * c.num_key_value_heads * kv_cache.bytes_per_head_row(h)
-  else:
-    kv_token = 2 * nkv * item
-  return {"expert": expert, "attention": attn, "layer_rest": (2 * d + 2 * h + e * d) * item,
-          "embed": c.vocab_size * d * item, "lm_head": c.vocab_size * d * item,
-          "final_norm": d * item, "kv_token": kv_token}
-
-
-def weight_bytes(config: Any) -> float:
-  """Bytes of every weight as the engine stores them (`byte_layout`)."""
-  b = byte_layout(config)
-  per_layer = config.num_experts * b["expert"] + b["attention"] + b["layer_rest"]
-  return config.num_hidden_layers * per_layer + b["embed"] + b["lm_head"] + b["final_norm"]
-
-
-def kv_bytes_per_token(config: Any) -> float:
-  """Bytes of one token's KV cache over all layers."""
-  return config.num_hidden_layers * byte_layout(config)["kv_token"]
-
-
-def step_bytes(config: Any, batch: int, context: float, touched: float) -> float:
-  """Bytes one decode step must read at least: `touched` experts per layer, every layer's
-  attention projections, norms and router, lm_head, `batch` embedding rows, and the KV cache at
-  `context` tokens per sequence, each as the engine stores it (`byte_layout`)."""
-  b = byte_layout(config)
-  per_layer = (touched * b["expert"] + b["attention"] + b["layer_rest"]
-               + batch * context * b["kv_token"])
-  return (config.num_hidden_layers * per_layer + b["lm_head"] + b["final_norm"]
-          + batch * b["embed"] / config.vocab_size)
-
-
-def expected_touched(num_experts: int, top_k: int, batch: int) -> float:
-  """Mean experts touched per layer by `batch` tokens routed uniformly at random."""
-  return num_experts * (1 - (1 - top_k / num_experts) ** batch)
-
-
-def fit_sequences(budget_bytes: float, weights: float, per_sequence: float) -> tuple[int, str]:
-  """(How many sequences of `per_sequence` bytes fit next to `weights` in `budget_bytes`, and
-  why none does when 0)."""
-  if per_sequence <= 0:
-    raise ValueError(f"per-sequence bytes must be > 0, got {per_sequence}")
-  if budget_bytes < weights:
-    return 0, (f"the budget {budget_bytes / 1e9:.4g} GB does not hold the weights "
-               f"({weights / 1e9:.4g} GB)")
-  n = int(math.floor((budget_bytes - weights) / per_sequence))
-  if n == 0:
-    return 0, (f"the budget {budget_bytes / 1e9:.4g} GB holds the weights ({weights / 1e9:.4g} "
-               f"GB) but not one sequence ({per_sequence / 1e9:.4g} GB)")
-  return n, ""
-
-
-def session_records(engine: Any, context: int) -> Any:
-  """The record buffers (guidance and routing under fp4_trace; {} when the engine records
-  nothing) the engine allocates for one session row, [1, total >= context, ...]."""
-  return engine.open_session(1, context - 1).taps
-
-
-def record_bytes_per_token(engine: Any, context: int) -> float:
-  """Bytes per token of the records the engine keeps on the device for a sequence."""
-  import jax
-
-  leaves = jax.tree.leaves(session_records(engine, context))
-  return float(sum(a.nbytes / a.shape[1] for a in leaves))
-
-
-def budget_plan(engine: Any, budget_bytes: float, context: int) -> dict[str, Any]:
-  """How many sequences of `context` tokens fit in `budget_bytes` next to the weights `engine`
-  holds: each costs its KV cache and the engine's records for it. `skipped` says why none."""
-  weights = weight_bytes(engine.config)
-  kv, rec = (context * kv_bytes_per_token(engine.config),
-             context * record_bytes_per_token(engine, context))
-  fits, why = fit_sequences(budget_bytes, weights, kv + rec)
-  r = {"weight_bytes": weights, "kv_bytes_per_seq": kv, "record_bytes_per_seq": rec,
-       "sequences": fits}
-  if not fits:
-    r["skipped"] = why
-  return r
 
 
 def _gb(n: float) -> str:

@@ -50,7 +50,9 @@ once.
 
 decode_attention "fused" (opt-in) is `kernels.flash_decode`'s single kernel: an online softmax
 with no scores in memory, whose rounded probabilities are unnormalized, so it is not `attend`'s
-bits even on CPU; "triton" and "wgmma" keep `attend`'s probabilities.
+bits even on CPU; "triton" and "wgmma" keep `attend`'s probabilities, and so does "twopass"
+(opt-in): `flash_decode`'s two kernels, the softmax's maximum and sum over K, then the
+normalized probabilities rounded once and their PV sum (no scores in memory, K read twice).
 
 (!) "unrolled" compiles each layer of a training forward apart: on the H100 the scan's stacking,
 slicing and carried copies took 27 of the BF16 training step's 89 ms at Qwen3 layer width
@@ -84,7 +86,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "decode_impl": ("xla", "kernel"),
     "decode_moe_kernel": ("triton", "wgmma"),
     "fp4_codes": ("bytes", "words"),
-    "decode_attention": ("triton", "wgmma", "fused"),
+    "decode_attention": ("triton", "wgmma", "fused", "twopass"),
     "kv_cache": ("dense", "packed"),
     "nvfp4_sites": ("xla", "kernel"),
     "kv_write": ("xla", "kernel"),

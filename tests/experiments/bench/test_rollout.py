@@ -12,6 +12,7 @@ from absl import flags
 
 from experiments import common
 from experiments.bench import rollout as br
+from experiments.bench import rollout_bytes as rb
 from trace_jax import model as model_lib
 from trace_jax.model import expert_weights
 
@@ -55,13 +56,13 @@ FP8_SHAPE = dict(head_dim=64, moe_intermediate_size=128)
 def test_weight_bytes_match_the_engines_arrays(preset, policy, impl, extra):
   config = preset_config(preset, **extra).replace(policy=policy, decode_impl=impl,
                                                   fp8_gemm=impl)
-  assert br.weight_bytes(config) == pytest.approx(engine_held_bytes(config), rel=1e-12)
+  assert rb.weight_bytes(config) == pytest.approx(engine_held_bytes(config), rel=1e-12)
 
 
 def test_bf16_weight_bytes_are_the_params():
   config = preset_config()
   params = model_lib.init_params(config, 0, param_dtype="bfloat16")
-  assert br.weight_bytes(config) == sum(a.nbytes for a in jax.tree.leaves(params))
+  assert rb.weight_bytes(config) == sum(a.nbytes for a in jax.tree.leaves(params))
 
 
 @pytest.mark.parametrize("preset,policy,impl", [("cpu", "bf16", "xla"), ("h200", "bf16", "xla"),
@@ -71,26 +72,26 @@ def test_kv_and_step_bytes(preset, policy, impl):
   config = preset_config(preset).replace(policy=policy, decode_impl=impl)
   cache = jax.eval_shape(lambda: model_lib.init_cache(config, 3, 40))
   if impl == "kernel":  # packed NVFP4: 76 of 256 bytes per head row of 128
-    assert br.kv_bytes_per_token(config) * 256 == br.kv_bytes_per_token(
+    assert rb.kv_bytes_per_token(config) * 256 == rb.kv_bytes_per_token(
         config.replace(decode_impl="xla")) * 76
-  assert br.kv_bytes_per_token(config) * 3 * 40 == nbytes(cache)
+  assert rb.kv_bytes_per_token(config) * 3 * 40 == nbytes(cache)
   # Every expert touched, no sequence: a step reads all weights but the embedding table.
-  layout = br.byte_layout(config)
-  assert br.step_bytes(config, 0, 0, config.num_experts) == pytest.approx(
-      br.weight_bytes(config) - layout["embed"])
-  assert br.step_bytes(config, 2, 10, 1) - br.step_bytes(config, 2, 0, 1) == pytest.approx(
-      2 * 10 * br.kv_bytes_per_token(config))
+  layout = rb.byte_layout(config)
+  assert rb.step_bytes(config, 0, 0, config.num_experts) == pytest.approx(
+      rb.weight_bytes(config) - layout["embed"])
+  assert rb.step_bytes(config, 2, 10, 1) - rb.step_bytes(config, 2, 0, 1) == pytest.approx(
+      2 * 10 * rb.kv_bytes_per_token(config))
 
 
 def test_fit_is_monotone_and_explains_zero():
   weights, per_seq = 1000.0, 64.0
-  fits = [br.fit_sequences(b, weights, per_seq)[0] for b in np.linspace(0, 5000, 201)]
+  fits = [rb.fit_sequences(b, weights, per_seq)[0] for b in np.linspace(0, 5000, 201)]
   assert fits == sorted(fits) and fits[-1] == (5000 - 1000) // 64
-  n, why = br.fit_sequences(999.0, weights, per_seq)
+  n, why = rb.fit_sequences(999.0, weights, per_seq)
   assert n == 0 and "does not hold the weights" in why
-  n, why = br.fit_sequences(1063.0, weights, per_seq)
+  n, why = rb.fit_sequences(1063.0, weights, per_seq)
   assert n == 0 and "not one sequence" in why
-  assert br.fit_sequences(1064.0, weights, per_seq) == (1, "")
+  assert rb.fit_sequences(1064.0, weights, per_seq) == (1, "")
 
 
 def test_budget_plan_counts_fp4_trace_records():
@@ -98,10 +99,10 @@ def test_budget_plan_counts_fp4_trace_records():
   them on top of its KV cache; the fit grows with the budget."""
   config = preset_config().replace(policy="fp4_trace", decode_impl="kernel")
   engine = br._engine(model_lib.init_params(config, 0, param_dtype="bfloat16"), config, 4)[0]
-  kv = 64 * br.kv_bytes_per_token(config)
-  runs = [br.budget_plan(engine, b, 64) for b in np.linspace(0.5e6, 3e6, 11)]
+  kv = 64 * rb.kv_bytes_per_token(config)
+  runs = [rb.budget_plan(engine, b, 64) for b in np.linspace(0.5e6, 3e6, 11)]
   for budget, r in zip(np.linspace(0.5e6, 3e6, 11), runs):
-    assert r["weight_bytes"] == br.weight_bytes(config) and r["kv_bytes_per_seq"] == kv
+    assert r["weight_bytes"] == rb.weight_bytes(config) and r["kv_bytes_per_seq"] == kv
     assert 0 < r["record_bytes_per_seq"] < kv
     free = budget - r["weight_bytes"]
     assert r["sequences"] == max(0, int(free // (kv + r["record_bytes_per_seq"])))
@@ -181,6 +182,8 @@ def test_summary_keys():
     pytest.param("kernel+moewgmma", ("kernel", {"decode_moe_kernel": "wgmma"}), id="moe_wgmma"),
     pytest.param("kernel+attnfused", ("kernel", {"decode_attention": "fused"}),
                  id="attention_fused"),
+    pytest.param("kernel+attntwopass", ("kernel", {"decode_attention": "twopass"}),
+                 id="attention_twopass"),
     pytest.param("kernel+unroll4+kvappend", ("kernel", {"scan_unroll": 4, "kv_write": "kernel"}),
                  id="kv_append"),
 ])
