@@ -62,11 +62,17 @@ def _block_scores(q, k_refs, lyr, b, g, i, length, *, packed: bool, asm: bool,
   return jnp.where(ok[None, :], s, np.float32(-np.inf)), t0, ok
 
 
-def _span(len_ref, b, si, block_t: int, blocks_per_split: int):
-  """The key blocks [first, last) of split si that hold keys below sequence b's length."""
+def _program(layer_ref, len_ref, q_ref, *, packed: bool, asm: bool, table: str | None,
+             order: str, block_t: int, blocks_per_split: int, scale: float):
+  """What every program of the three kernels starts from: its (b, g, split), the layer, its
+  key blocks [first, last) below sequence b's length, the length, its query rows q [Rp, H]
+  (columns in the order K is decoded in) and `_block_scores`' tile arguments."""
+  b, g, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = len_ref[b]
   first = si * blocks_per_split
-  return first, jnp.minimum(first + blocks_per_split, (length + block_t - 1) // block_t), length
+  last = jnp.minimum(first + blocks_per_split, (length + block_t - 1) // block_t)
+  tile = dict(packed=packed, asm=asm, table=table, order=order, block_t=block_t, scale=scale)
+  return (b, g, si), layer_ref[0], (first, last, length), q_ref[b, g], tile
 
 
 def _kernel(layer_ref, len_ref, q_ref, *refs, nk: int, packed: bool, asm: bool,
@@ -74,14 +80,12 @@ def _kernel(layer_ref, len_ref, q_ref, *refs, nk: int, packed: bool, asm: bool,
             splits: int, scale: float):
   """Program (b, g, split): the online softmax and PV sum over the split's key blocks."""
   k_refs, v_refs, out_refs = refs[:nk], refs[nk:2 * nk], refs[2 * nk:]
-  b, g, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  lyr = layer_ref[0]
-  first, last, length = _span(len_ref, b, si, block_t, blocks_per_split)
-  q = q_ref[b, g]  # [Rp, H], columns in the order K is decoded in
+  (b, g, si), lyr, (first, last, length), q, tile = _program(
+      layer_ref, len_ref, q_ref, packed=packed, asm=asm, table=table, order=order,
+      block_t=block_t, blocks_per_split=blocks_per_split, scale=scale)
   dtype = q.dtype
   rp = q.shape[0]
   width = out_refs[0].shape[-1]
-  tile = dict(packed=packed, asm=asm, table=table, order=order, block_t=block_t, scale=scale)
 
   def body(i, carry):
     acc, m, l = carry
@@ -124,12 +128,10 @@ def _stats_kernel(layer_ref, len_ref, q_ref, *refs, nk: int, packed: bool, asm: 
   """Two-pass, pass 1, program (b, g, split): the split's score maximum m and sum of
   exp(s - m) (online), reading K only."""
   k_refs, (m_ref, l_ref) = refs[:nk], refs[nk:]
-  b, g, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  lyr = layer_ref[0]
-  first, last, length = _span(len_ref, b, si, block_t, blocks_per_split)
-  q = q_ref[b, g]
+  (b, g, si), lyr, (first, last, length), q, tile = _program(
+      layer_ref, len_ref, q_ref, packed=packed, asm=asm, table=table, order=order,
+      block_t=block_t, blocks_per_split=blocks_per_split, scale=scale)
   rp = q.shape[0]
-  tile = dict(packed=packed, asm=asm, table=table, order=order, block_t=block_t, scale=scale)
 
   def body(i, carry):
     m, l = carry
@@ -150,15 +152,13 @@ def _pv_kernel(layer_ref, len_ref, q_ref, top_ref, den_ref, *refs, nk: int, pack
   """Two-pass, pass 2, program (b, g, split): `attend`'s probabilities exp(s - M) / L (the
   sequence's maximum M and sum L, pass 1's) rounded once to q.dtype, and their PV sum."""
   k_refs, v_refs, (o_ref,) = refs[:nk], refs[nk:2 * nk], refs[2 * nk:]
-  b, g, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  lyr = layer_ref[0]
-  first, last, length = _span(len_ref, b, si, block_t, blocks_per_split)
-  q = q_ref[b, g]
+  (b, g, si), lyr, (first, last, length), q, tile = _program(
+      layer_ref, len_ref, q_ref, packed=packed, asm=asm, table=table, order=order,
+      block_t=block_t, blocks_per_split=blocks_per_split, scale=scale)
   dtype = q.dtype
   top, den = top_ref[b, g], den_ref[b, g]                                # [Rp]
   has = den > 0
   den = jnp.where(has, den, np.float32(1.0))
-  tile = dict(packed=packed, asm=asm, table=table, order=order, block_t=block_t, scale=scale)
 
   def body(i, acc):
     s, t0, ok = _block_scores(q, k_refs, lyr, b, g, i, length, **tile)

@@ -40,7 +40,11 @@ from trace_jax.kernels.kv_cache import PackedKVCache
 from trace_jax.quant import exact, formats, guided
 
 BLOCK = formats.NVFP4_BLOCK
-_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _mask(rows: jax.Array, *shape: int) -> jax.Array:
+  """Per-row flags [gp] broadcast over a tile [gp, *shape]."""
+  return jnp.broadcast_to(rows.reshape(rows.shape + (1,) * len(shape)), rows.shape + shape)
 
 
 def _units(words: bool) -> int:
@@ -64,21 +68,18 @@ def _kernel(layer_ref, pos_ref, k_ref, v_ref, *refs, num_layers: int, length: in
   c = BLOCK // w
   g_real = jnp.arange(gp, dtype=jnp.int32) < g                           # [gp]
   g_ok = g_real & inside
-  ok2 = jnp.broadcast_to(g_ok[:, None], (gp, nb))
-  ok3 = jnp.broadcast_to(g_ok[:, None, None], (gp, nb, w))
-  ok4 = jnp.broadcast_to(g_real[:, None, None, None], (gp, nb, w, c))
   shifts = (4 * jnp.arange(c, dtype=jnp.int32))[None, None, None, :]
   at = (layer, b, pos, pl.ds(0, gp))
   for kv, (x_ref, codes_ref, block_ref, row_ref) in enumerate(
       ((k_ref, out[0], out[2], out[4]), (v_ref, out[1], out[3], out[5]))):
     x = common.masked_load(x_ref, (b, s, pl.ds(0, gp), pl.ds(0, nb), pl.ds(0, w), pl.ds(0, c)),
-                           ok4, 0).astype(jnp.float32)
+                           _mask(g_real, nb, w, c), 0).astype(jnp.float32)
     codes, bs, ts = nvfp4_act.quantize_tile(x)
     units = jnp.sum(codes.astype(jnp.int32) << shifts, axis=3)          # [gp, nb, w]
     scale_bytes = exact.e4m3_to_bits(bs)
     common.masked_store(codes_ref, at + (pl.ds(0, nb), pl.ds(0, w)),
-                        units.astype(codes_ref.dtype), ok3)
-    common.masked_store(block_ref, at + (pl.ds(0, nb),), scale_bytes, ok2)
+                        units.astype(codes_ref.dtype), _mask(g_ok, nb, w))
+    common.masked_store(block_ref, at + (pl.ds(0, nb),), scale_bytes, _mask(g_ok, nb))
     common.masked_store(row_ref, at, ts, g_ok)
     if tap:
       _store_record(rec, (jnp.int32(kv), b, s, pl.ds(0, gp)), g_real, codes, units, scale_bytes,
@@ -90,9 +91,9 @@ def _store_record(rec, at, g_real, codes, units, scale_bytes, ts, tap: str) -> N
   row scales, and the payload: `tap` "full" the codes as `formats.pack_fp4` bytes (each code
   unit's bytes, little-endian), "compact" the codes' low bits as `guided.pack_bits` bytes
   (bit j of a block's 16: element j's)."""
-  gp, nb, w, c = codes.shape
+  _, nb, w, c = codes.shape
   block_ref, row_ref, payload_ref = rec
-  ok = lambda *shape: jnp.broadcast_to(g_real.reshape((gp,) + (1,) * len(shape)), (gp,) + shape)
+  ok = functools.partial(_mask, g_real)
   common.masked_store(block_ref, at + (pl.ds(0, nb),), scale_bytes, ok(nb))
   common.masked_store(row_ref, at, ts, g_real)
   if tap == "full":
@@ -168,7 +169,7 @@ def append(cache: PackedKVCache, k: jax.Array, v: jax.Array, positions: jax.Arra
   if tap is not None and tap not in MODES:
     raise ValueError(f"append: tap must be None or one of {MODES}, got {tap!r}")
   for name, x in (("k", k), ("v", v)):
-    if getattr(x, "dtype", None) not in _DTYPES:
+    if getattr(x, "dtype", None) not in nvfp4_act.DTYPES:
       raise TypeError(f"append: {name} must be bf16, f16 or float32, got "
                       f"{getattr(x, 'dtype', type(x).__name__)}")
   b, _, g, h = shape[1:]

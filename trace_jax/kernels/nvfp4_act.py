@@ -56,7 +56,7 @@ from trace_jax.quant import exact, formats
 BLOCK = formats.NVFP4_BLOCK
 # Elements per program's tile at most (block_m * nbp * 16), unless one row is larger.
 TILE_ELEMENTS = 4096
-_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)  # activation dtypes the kernels take
 
 
 def _prev_pow2(n: int) -> int:
@@ -219,7 +219,7 @@ def quantize_rows(x: jax.Array, *, interpret: bool | None = None, block_m: int |
     raise TypeError(f"quantize_rows: expected an array, got {type(x).__name__}")
   if x.ndim != 2:
     raise ValueError(f"quantize_rows: x must be [M, K], got shape {x.shape}")
-  if x.dtype not in _DTYPES:
+  if x.dtype not in DTYPES:
     raise TypeError(f"quantize_rows: x dtype must be bf16, f16 or f32, got {x.dtype}")
   m, k = x.shape
   if k == 0 or k % BLOCK:

@@ -158,7 +158,8 @@ def _decode_kernel_attention(plan: KernelPlan, q: jax.Array, cache: Any, positio
   b = q.shape[0]
 
   def attn(q1, c, lens, j):
-    impl = plan.decode_attention if plan.decode_attention in ("fused", "twopass") else "triton"
+    impl = (plan.decode_attention if plan.decode_attention in decode_attention.FLASH_IMPLS
+            else "triton")
     if plan.decode_attention == "wgmma":  # the plan's kernels where they run
       impl = decode_attention.wgmma_impl(q1, c, layer=j, sm_count=plan.sm_count)
     config = decode_attention.AttentionConfig(impl=impl, sm_count=plan.sm_count)
