@@ -79,7 +79,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -88,7 +87,7 @@ import numpy as np
 from absl import flags
 
 from experiments import common
-from experiments.bench import profiling
+from experiments.bench import profiling, rollout_transformers
 from experiments.bench.rollout_bytes import (
   budget_plan,
   expected_touched,
@@ -403,76 +402,6 @@ def run_budget_case(params: Any, config: Any, budget_bytes: float, context: int,
   return r
 
 
-def run_transformers(params: Any, config: Any, batches: Sequence[int], reps: int,
-                     first_tokens: dict[str, list]) -> dict[str, Any]:
-  """HF transformers `generate` (BF16, greedy) on the same params exported as an HF checkpoint
-  and the same prompts; tokens/s per batch after one warm-up call."""
-  import torch
-  import transformers
-
-  from trace_jax.io import hf
-
-  dev = os.environ.get("TRACE_TORCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-  res: dict[str, Any] = {"device": dev, "transformers": transformers.__version__,
-                         "torch": torch.__version__, "cases": {}}
-  transformers.utils.logging.disable_progress_bar()
-  t0 = time.perf_counter()
-  with tempfile.TemporaryDirectory() as d:
-    hf.save_hf_checkpoint(d, config, params, dtype="bfloat16", progress=False)
-    res["export_s"] = time.perf_counter() - t0
-    model = transformers.Qwen3MoeForCausalLM.from_pretrained(d)
-    model = model.to(device=dev, dtype=torch.bfloat16).eval()
-  res["load_s"] = time.perf_counter() - t0 - res["export_s"]
-  res["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
-  res["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
-  for batch in batches:
-    r = _time_transformers(model, dev, batch, config.vocab_size, reps)
-    ours = first_tokens.get(f"bf16:kernel:{batch}") or first_tokens.get(f"bf16:xla:{batch}")
-    if ours:  # same checkpoint: greedy first tokens mostly agree (BF16 near-ties may not)
-      r["first_token_agreement"] = float(np.mean(r.pop("_first") == np.asarray(ours)))
-    r.pop("_first", None)
-    res["cases"][str(batch)] = r
-    print(f"  transformers:{batch:<9} {r['tokens_per_s']:>10,.0f} tok/s  warm-up call "
-          f"{r['first_call_s']:6.1f} s  ({dev}, attention {res['attn_implementation']}, "
-          f"experts {res['experts_implementation']})", flush=True)
-  del model
-  if dev.startswith("cuda"):
-    torch.cuda.empty_cache()
-  return res
-
-
-def _time_transformers(model: Any, dev: str, batch: int, vocab: int, reps: int
-                       ) -> dict[str, Any]:
-  """One batch of `model.generate`: timings, tokens (checked: exactly --new_tokens per row)
-  and the first generated tokens (`_first`)."""
-  import torch
-
-  sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
-  n, p = FLAGS.new_tokens, FLAGS.prompt_len
-  ids = torch.tensor(make_prompts(batch, p, vocab), device=dev)
-  out: list[Any] = []
-
-  def call() -> float:
-    sync()
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-      # Exactly n new tokens: greedy, and no EOS can end a row early (min_new_tokens).
-      out[:] = [model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                               do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                               pad_token_id=0)]
-    sync()
-    return time.perf_counter() - t0
-
-  r: dict[str, Any] = _timed(call, reps)
-  del r["compile_s"]  # eager torch: the first call is a warm-up, not a compile
-  got = tuple(out[0].shape)
-  if got != (batch, p + n):
-    raise RuntimeError(f"transformers generate returned {got}, expected {(batch, p + n)}")
-  r.update(tokens=batch * n, tokens_per_s=batch * n / r["median_s"],
-           _first=out[0][:, p].cpu().numpy())
-  return r
-
-
 # ----------------------------------------------------------------------------- driver
 
 def _preset(name: str) -> Any:
@@ -541,7 +470,10 @@ def run_bench() -> dict[str, Any]:
     if over_budget():
       res["transformers"] = {"skipped": "budget"}
     else:
-      res["transformers"] = run_transformers(params, base, hf_batches, FLAGS.reps, first_tokens)
+      res["transformers"] = rollout_transformers.run(
+          params, base, hf_batches, first_tokens,
+          lambda b: make_prompts(b, FLAGS.prompt_len, base.vocab_size), FLAGS.new_tokens,
+          lambda call: _timed(call, FLAGS.reps))
 
   budget_gb = _preset("budget_gb")
   for i, context in enumerate(int(c) for c in _preset("budget_context")):
