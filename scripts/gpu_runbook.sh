@@ -13,28 +13,22 @@
 #               GPU of less than 100 GB), and batch 64 at 32k context
 #               (`experiments.bench.rollout`'s GPU preset)
 #   attention   the decode attention without scores in memory (`decode_attention="fused"`, one
-#               pass; "twopass", `attend`'s probabilities) against the exact pair (Triton,
-#               wgmma): the kernels at 8k (batch 64 and 256) and 32k (batch 64) contexts (and
-#               the flash kernels with 128-key blocks)
-#   attention_budget  the 8k fixed-memory decode (bf16, fp4_rtn) with the exact pair, the
-#               single-pass and the two-pass decode attention, one process per impl
+#               pass, online softmax) against the exact pair (Triton, wgmma): the kernels at 8k
+#               (batch 64 and 256) and 32k (batch 64) contexts (and the fused kernel with
+#               128-key blocks)
+#   attention_budget  the 8k fixed-memory decode (bf16, fp4_rtn) with the plan's decode
+#               attention (bf16: fused, FP4: wgmma), the Triton pair and the fused kernel,
+#               one process per impl
 #   kv_write    the k/v sites written into the packed KV cache by one kernel
-#               (`kv_write="kernel"`, `kernels.kv_append`): its tests on the GPU (bit for bit
-#               against the site kernel and XLA's scatters), then the decode at batch 64 and
-#               256 (128 + 128, 8 layers; fp4_rtn, fp4_trace) with and without it, side by
-#               side in one process, profiled (kernels and time per step)
+#               (`kv_write="kernel"`, `kernels.kv_append`, the plan's on Hopper): its tests on
+#               the GPU (bit for bit against the site kernel and XLA's scatters), then the
+#               decode at batch 64 and 256 (128 + 128, 8 layers; fp4_rtn, fp4_trace) with it
+#               and with the site kernel and XLA's scatters (`+kvxla`), side by side in one
+#               process, profiled (kernels and time per step)
 #   mismatch    the rollout/trainer mismatch of the kernel plan against the reference plan
 #               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio), then the kernel
-#               plan with the single-pass and the two-pass decode attention
-#               (`--plan_fields=decode_attention=fused` / `=twopass`)
-#   layers_mismatch  why the trainer's unrolled layers (`seq_layers="unrolled"`, 0.70x the scanned
-#               step) agree less with the rollout: the kernel plan's mismatch with the trainer's
-#               layers scanned, unrolled, unrolled under XLA flags that fix fusion-dependent
-#               numerics (no excess precision; no Triton GEMM fusions), and scanned under the
-#               flags of `train_step_flags` (XLA's own unrolling, dynamic-slice fusion)
-#   train_step_flags  the BF16 train step under the layer scan with XLA flags that may remove
-#               the scan's weight-slice copies (dynamic-slice fusion, XLA's own loop unrolling,
-#               double buffering), against no flag and the unrolled plan; one JSON each
+#               plan with the single-pass decode attention over the packed cache
+#               (`--plan_fields=decode_attention=fused`)
 #   train_step  the training step at Qwen3 layer width, 4 and 12 layers (batch 4 on a GPU of
 #               less than 100 GB): BF16, FP8 and FP4 policies on the grouped GEMM kernels,
 #               cuDNN's fused attention against XLA's
@@ -121,7 +115,6 @@ step_rollout() {
 step_attention() {
   local t=${T_ATTENTION:-420}
   local impls=kernel_bf16,kernel_packed,kernel_packed_wgmma,kernel_bf16_fused,kernel_packed_fused
-  impls=$impls,kernel_bf16_twopass,kernel_packed_twopass
   TAIL=30 run attention_kernels "$((t * 4 / 9))" python3 -m experiments.bench.decode_attention \
     --contexts=8192 --batches=64,256 --decoder_check=false --impls="$impls" \
     --json_out="$OUT/attention_kernels.json"
@@ -130,14 +123,14 @@ step_attention() {
     --json_out="$OUT/attention_kernels_32k.json"
   TAIL=12 run attention_kernels_bt128 "$((t * 2 / 9))" python3 -m \
     experiments.bench.decode_attention --contexts=8192 --batches=256 --decoder_check=false \
-    --block_t=128 --impls=kernel_packed_fused,kernel_packed_twopass \
+    --block_t=128 --impls=kernel_bf16_fused,kernel_packed_fused \
     --json_out="$OUT/attention_kernels_bt128.json"
 }
 
 step_attention_budget() {
   local t=${T_ATTENTION_BUDGET:-540} budget=(--budget_gb=60) impl name
   small_gpu && budget=(--budget_gb=36)
-  for impl in kernel+unroll4 kernel+unroll4+attnfused kernel+unroll4+attntwopass; do
+  for impl in kernel+unroll4 kernel+unroll4+attntriton kernel+unroll4+attnfused; do
     name=attention_budget_${impl##*+}
     TAIL=20 run "$name" "$((t / 3))" python3 -m experiments.bench.rollout --impls="$impl" \
       --budget_impl="$impl" --cases=none --budget_context=8192 --budget_policies=bf16,fp4_rtn \
@@ -150,52 +143,21 @@ step_kv_write() {
   TAIL=12 run kv_write_tests "$((t / 4))" python3 -m pytest -q -p no:cacheprovider -rf \
     tests/kernels/test_kv_append.py tests/kernels/test_nvfp4_act.py
   TAIL=40 run kv_write_rollout "$((t * 3 / 4))" python3 -m experiments.bench.rollout \
-    --impls=kernel+unroll4,kernel+unroll4+kvappend --key_impl=kernel+unroll4 \
+    --impls=kernel+unroll4+kvxla,kernel+unroll4 --key_impl=kernel+unroll4 \
     --policies=fp4_rtn,fp4_trace --batches=64,256 --reps=3 --budget_gb=0 --long_context=0 \
     --transformers=false --budget_s="$((t * 3 / 4 - 90))" --profile_dir=/tmp/profile_kv_write \
     --json_out="$OUT/kv_write_rollout.json" ${KV_WRITE_ARGS:-}
 }
 
 step_mismatch() {
-  local t=${T_MISMATCH:-560} attn
-  TAIL=20 run mismatch "$((t / 2))" python3 -m experiments.measure_mismatch \
+  local t=${T_MISMATCH:-420}
+  TAIL=20 run mismatch "$((t * 2 / 3))" python3 -m experiments.measure_mismatch \
     --config=configs/small_h200.py --decode_impls=xla,kernel --num_prompts=64 \
     --max_new_tokens=64 --json_out="$OUT/mismatch.json" ${MISMATCH_ARGS:-}
-  for attn in fused twopass; do
-    TAIL=12 run "mismatch_$attn" "$((t / 4))" python3 -m experiments.measure_mismatch \
-      --config=configs/small_h200.py --decode_impls=kernel --num_prompts=64 \
-      --max_new_tokens=64 --plan_fields=decode_attention="$attn" \
-      --json_out="$OUT/mismatch_$attn.json" --png_out="/tmp/mismatch_$attn.png" \
-      ${MISMATCH_ARGS:-}
-  done
-}
-
-step_layers_mismatch() {
-  local t=${T_LAYERS_MISMATCH:-540} v layers tag flags
-  for v in scan:scan: unrolled:unrolled: \
-           unrolled:noexcess:--xla_allow_excess_precision=false \
-           unrolled:notritongemm:--xla_gpu_enable_triton_gemm=false \
-           scan:fullunroll:--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL \
-           scan:dsfusion:--xla_gpu_enable_dynamic_slice_fusion=true; do
-    IFS=: read -r layers tag flags <<< "$v"
-    XLA_FLAGS="$flags" TAIL=6 run "layers_mismatch_$tag" "$((t / 6))" python3 -m \
-      experiments.measure_mismatch --config=configs/small_h200.py --decode_impls=kernel \
-      --num_prompts=32 --max_new_tokens=64 --plan_fields=seq_layers="$layers" \
-      --json_out="$OUT/layers_mismatch_$tag.json" --png_out=/tmp/layers_mismatch_$tag.png
-  done
-}
-
-step_train_step_flags() {
-  local t=${T_TRAIN_STEP_FLAGS:-540} v tag flags policy
-  for v in plain::bf16 unrolled::bf16+unrolled \
-           dsfusion:--xla_gpu_enable_dynamic_slice_fusion=true:bf16 \
-           fullunroll:--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL:bf16 \
-           doublebuffer:--xla_gpu_enable_while_loop_double_buffering=true:bf16; do
-    IFS=: read -r tag flags policy <<< "$v"
-    XLA_FLAGS="$flags" TAIL=8 run "train_step_$tag" "$((t / 5))" python3 -m \
-      experiments.bench.train_step --preset=qwen3_layers --moe_impls=kernel --steps=5 \
-      --seq_attentions=cudnn --policies="$policy" --json_out="$OUT/train_step_$tag.json"
-  done
+  TAIL=12 run mismatch_fused "$((t / 3))" python3 -m experiments.measure_mismatch \
+    --config=configs/small_h200.py --decode_impls=kernel --num_prompts=64 \
+    --max_new_tokens=64 --plan_fields=decode_attention=fused \
+    --json_out="$OUT/mismatch_fused.json" --png_out=/tmp/mismatch_fused.png ${MISMATCH_ARGS:-}
 }
 
 step_train_step() {
@@ -283,7 +245,7 @@ main() {
     if ! declare -F "step_$s" > /dev/null; then
       echo "unknown step '$s'; steps: check kernels rollout attention attention_budget" \
         "kv_write mismatch" \
-        "layers_mismatch train_step_flags train_step rl profile multi_gpu tests" >&2
+        "train_step rl profile multi_gpu tests" >&2
       exit 2
     fi
   done

@@ -32,7 +32,7 @@ import jax
 # Kernel categories, first match wins (lower-cased kernel name or HLO op name).
 _CATEGORIES = (
     ("pallas", re.compile(r"grouped_matmul|grouped_fprop|grouped_dgrad|fp8_|decode_attention|"
-                          r"flash_decode|nvfp4_quantize|kv_cache|pallas|wgrad")),
+                          r"flash_decode|nvfp4_quantize|nvfp4_kv_append|kv_cache|pallas|wgrad")),
     ("gemm", re.compile(r"gemm|cublas|cutlass|xmma|nvjet|\bdot\b|^dot|wgmma|matmul")),
     ("collective", re.compile(r"all-reduce|all-gather|all-to-all|reduce-scatter|nccl|"
                               r"collective-permute")),

@@ -29,7 +29,7 @@ REFERENCE = dict(moe_impl="tiled", decode_impl="xla", decode_moe_kernel="triton"
 KERNELS = dict(moe_impl="kernel", decode_impl="kernel", decode_moe_kernel="wgmma",
                fp4_codes="words", decode_attention="wgmma", kv_cache="packed",
                nvfp4_sites="kernel", fp8_gemm="kernel", seq_attention="cudnn",
-               seq_layers="scan", kv_write="xla")
+               seq_layers="scan", kv_write="kernel")
 
 
 def _fields(plan: KernelPlan) -> dict[str, str]:
@@ -65,15 +65,27 @@ def test_other_gpus_resolve_to_the_reference_but_words():
 
 
 @pytest.mark.parametrize("policy,want", [
-    pytest.param("bf16", dict(KERNELS, kv_cache="dense", nvfp4_sites="xla"), id="bf16"),
+    pytest.param("bf16", dict(KERNELS, kv_cache="dense", nvfp4_sites="xla", kv_write="xla",
+                              decode_attention="fused"), id="bf16"),
     pytest.param("fp4_rtn", KERNELS, id="fp4_rtn"),
     pytest.param("mxfp4_trace", dict(KERNELS, decode_impl="xla", kv_cache="dense",
-                                     nvfp4_sites="xla"), id="mxfp4_decodes_on_xla"),
+                                     nvfp4_sites="xla", kv_write="xla",
+                                     decode_attention="fused"), id="mxfp4_decodes_on_xla"),
 ])
 def test_hopper_plan_follows_the_forward(policy, want):
-  """The packed cache and the site kernel are NVFP4's; MXFP4 forwards' weights are not
-  prepared for the decode kernels, so their decode stays on XLA."""
+  """The packed cache, the site kernel and the one-kernel k/v write are NVFP4's; a dense (BF16)
+  cache's decode attention is the single-pass kernel, the packed cache's the wgmma pair (the
+  fastest measured over each); MXFP4 forwards' weights are not prepared for the decode
+  kernels, so their decode stays on XLA (its decode_attention then inert)."""
   assert _fields(plan_lib.resolve(M.tiny(policy=policy, dtype="bfloat16"), HOPPER)) == want
+
+
+def test_decode_attention_without_mosaic_gpu():
+  """A Hopper GPU without the Mosaic GPU API: the packed cache's attention is the Triton pair,
+  a dense cache's still the single-pass kernel."""
+  no_mosaic = dataclasses.replace(HOPPER, mosaic_gpu=False)
+  assert plan_lib.resolve(M.tiny(policy="fp4_rtn"), no_mosaic).decode_attention == "triton"
+  assert plan_lib.resolve(M.tiny(policy="bf16"), no_mosaic).decode_attention == "fused"
 
 
 def test_auto_falls_back_where_shapes_rule_the_kernels_out():
@@ -111,12 +123,14 @@ def test_forced_fields_win_over_the_backend_and_the_preset():
   plan = plan_lib.resolve(M.tiny(policy="fp4_trace", decode_impl="kernel", kv_cache="dense",
                                  fp4_codes="words"), CPU)
   assert (plan.kv_cache, plan.nvfp4_sites, plan.fp4_codes) == ("dense", "kernel", "words")
-  # kv_write "kernel" (opt-in) runs where the plan has the packed cache and the site kernel.
+  # kv_write "kernel" runs where the plan has the packed cache and the site kernel (on CPU
+  # forced, on Hopper by "auto"), and "xla" forced wins on Hopper.
   forced = dict(policy="fp4_trace", decode_impl="kernel", kv_write="kernel")
   assert plan_lib.resolve(M.tiny(**forced), CPU).kv_write == "kernel"
   assert plan_lib.resolve(M.tiny(**forced, kv_cache="dense"), CPU).kv_write == "xla"
   assert plan_lib.resolve(M.tiny(**forced, nvfp4_sites="xla"), HOPPER).kv_write == "xla"
   assert plan_lib.resolve(M.tiny(**dict(forced, policy="bf16")), HOPPER).kv_write == "xla"
+  assert plan_lib.resolve(M.tiny(policy="fp4_trace", kv_write="xla"), HOPPER).kv_write == "xla"
   # A forward without NVFP4 sites keeps a dense cache whatever is forced: the plan says what
   # runs.
   assert plan_lib.resolve(M.tiny(kv_cache="packed", nvfp4_sites="kernel"), HOPPER).kv_cache == \

@@ -37,9 +37,7 @@ decoded straight into wgmma's A registers and V into its shared-memory B tile (0
 Triton pair's time at batch 256, 8k).
 
 `AttentionConfig(impl="fused")` runs `flash_decode`'s single kernel instead (scores, online
-softmax and PV in one pass: no scores in memory, not `attend`'s bits; its module docstring);
-`impl="twopass"` its two kernels (the softmax's statistics, then `attend`'s normalized
-probabilities and PV: no scores in memory, K read twice).
+softmax and PV in one pass: no scores in memory, not `attend`'s bits; its module docstring).
 
 Numerics against `attention_math.attend` (the model's decode path, `decode_attention_reference`):
 the same float32 scores up to the dot's float32 accumulation order, the same probabilities
@@ -75,8 +73,7 @@ from trace_jax.kernels.kv_cache import PackedKVCache, dequantize
 from trace_jax.quant import formats
 
 BF16Cache = tuple[jax.Array, jax.Array]
-IMPLS = ("triton", "wgmma", "wgmma_scores", "fused", "twopass")  # `AttentionConfig.impl`
-FLASH_IMPLS = ("fused", "twopass")  # `flash_decode`'s kernels: no scores in memory
+IMPLS = ("triton", "wgmma", "wgmma_scores", "fused")  # `AttentionConfig.impl`
 WGMMA_IMPLS = ("wgmma", "wgmma_scores")
 MIN_ROWS = kv_tiles.MIN_ROWS
 DEFAULT_BLOCK_T = 64
@@ -94,9 +91,7 @@ class AttentionConfig:
     key splits, for fewer PV programs than SMs); `wgmma_impl` picks between them for a call;
     "fused": `flash_decode`'s single kernel (online softmax, no scores in memory; not
     `attend`'s bits: its module docstring), with `block_t`, `num_splits` and the launch
-    parameters as the Triton pair's; "twopass": `flash_decode`'s two kernels (the softmax's
-    maximum and sum, then `attend`'s normalized probabilities and the PV sum: K read twice,
-    no scores in memory).
+    parameters as the Triton pair's.
   table: codes as words: None picks the bf16 fast table per key block where its row scales
     allow it, "exact" always takes the exact one (for tests), "fast" always the fast one (only
     exact for row scales in `fp4_decode.tensor_scale_factors`' fast range).
@@ -251,11 +246,11 @@ def _decode_attention(q, cache, lengths, layer, *, config: AttentionConfig, num_
   t = ks[0].shape[2]
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
-  if config.impl in FLASH_IMPLS:
+  if config.impl == "fused":
     return flash_decode.attention(q, ks, vs, lengths, lyr, packed=packed, block_t=config.block_t,
                                   num_splits=num_splits, table=config.table,
                                   launch=(config.num_warps, config.num_stages),
-                                  interpret=interpret, two_pass=config.impl == "twopass")
+                                  interpret=interpret)
   scores = _scores(q, ks, lengths, lyr, packed=packed, config=config, interpret=interpret)
   # `attend`'s probabilities from the same scores: masked beyond each length (blocks the
   # kernel skipped hold no data and are masked), float32 softmax, one rounding.

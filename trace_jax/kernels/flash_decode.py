@@ -22,17 +22,6 @@ as the pair's normalized ones are, so `decode_attention.output_tolerance` bounds
 (tests). What the lost bits cost the RL loop (rollout/trainer |dlogp|) is measured by running
 the kernel plan with `decode_attention="fused"` against "triton"/"wgmma".
 
-Two-pass form (`two_pass=True`, `AttentionConfig(impl="twopass")`): `attend`'s probabilities
-without scores in memory. Pass 1 (`_stats_kernel`, grid (B, G, S), K only) keeps the online
-maximum m and sum l of exp(s - m) per split; `softmax_stats` reduces the splits to the row's
-maximum M and sum L in float32; pass 2 (`_pv_kernel`) recomputes each block's scores, takes
-p = exp(s - M) / L (normalized, as `jax.nn.softmax` does), rounds it once to q.dtype and sums
-p @ V in float32 (splits summed after, as the exact pair's PV kernel does). Only L's summation
-order differs from `attend`'s, so on CPU the outputs are `attend`'s bits in nearly every element
-(tests: 0-0.09% differ, as for the exact pair, against 37-39% for the one-pass kernel). It reads K
-twice: 76 + 76 + 76 bytes per key and kv head of the packed cache at head_dim 128, against the
-one-pass kernel's 152 and the exact pair's 152 + R x 12 of scores and probabilities.
-
 Keys at or beyond `lengths` are ignored entirely (masked to -inf before the maximum, their K/V
 rows decoded as zeros); a length of 0 gives zeros.
 """
@@ -64,7 +53,7 @@ def _block_scores(q, k_refs, lyr, b, g, i, length, *, packed: bool, asm: bool,
 
 def _program(layer_ref, len_ref, q_ref, *, packed: bool, asm: bool, table: str | None,
              order: str, block_t: int, blocks_per_split: int, scale: float):
-  """What every program of the three kernels starts from: its (b, g, split), the layer, its
+  """What every program starts from: its (b, g, split), the layer, its
   key blocks [first, last) below sequence b's length, the length, its query rows q [Rp, H]
   (columns in the order K is decoded in) and `_block_scores`' tile arguments."""
   b, g, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -122,57 +111,6 @@ def _store_out(o_ref, out, b, g, si, rows_ok, splits: int) -> None:
   common.masked_store(o_ref, at, out.astype(o_ref.dtype), tile_ok)
 
 
-def _stats_kernel(layer_ref, len_ref, q_ref, *refs, nk: int, packed: bool, asm: bool,
-                  table: str | None, order: str, r: int, block_t: int,
-                  blocks_per_split: int, scale: float):
-  """Two-pass, pass 1, program (b, g, split): the split's score maximum m and sum of
-  exp(s - m) (online), reading K only."""
-  k_refs, (m_ref, l_ref) = refs[:nk], refs[nk:]
-  (b, g, si), lyr, (first, last, length), q, tile = _program(
-      layer_ref, len_ref, q_ref, packed=packed, asm=asm, table=table, order=order,
-      block_t=block_t, blocks_per_split=blocks_per_split, scale=scale)
-  rp = q.shape[0]
-
-  def body(i, carry):
-    m, l = carry
-    s, _, _ = _block_scores(q, k_refs, lyr, b, g, i, length, **tile)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    return m_new, l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s - m_new[:, None]), axis=1)
-
-  m, l = jax.lax.fori_loop(first, last, body, (jnp.full((rp,), -np.inf, jnp.float32),
-                                               jnp.zeros((rp,), jnp.float32)))
-  rows_ok = jnp.arange(rp) < r
-  common.masked_store(m_ref, (b, g, si, slice(None)), m, rows_ok)
-  common.masked_store(l_ref, (b, g, si, slice(None)), l, rows_ok)
-
-
-def _pv_kernel(layer_ref, len_ref, q_ref, top_ref, den_ref, *refs, nk: int, packed: bool,
-               asm: bool, table: str | None, order: str, r: int, block_t: int,
-               blocks_per_split: int, splits: int, scale: float):
-  """Two-pass, pass 2, program (b, g, split): `attend`'s probabilities exp(s - M) / L (the
-  sequence's maximum M and sum L, pass 1's) rounded once to q.dtype, and their PV sum."""
-  k_refs, v_refs, (o_ref,) = refs[:nk], refs[nk:2 * nk], refs[2 * nk:]
-  (b, g, si), lyr, (first, last, length), q, tile = _program(
-      layer_ref, len_ref, q_ref, packed=packed, asm=asm, table=table, order=order,
-      block_t=block_t, blocks_per_split=blocks_per_split, scale=scale)
-  dtype = q.dtype
-  top, den = top_ref[b, g], den_ref[b, g]                                # [Rp]
-  has = den > 0
-  den = jnp.where(has, den, np.float32(1.0))
-
-  def body(i, acc):
-    s, t0, ok = _block_scores(q, k_refs, lyr, b, g, i, length, **tile)
-    p = jnp.where(has[:, None], jnp.exp(s - top[:, None]) / den[:, None], np.float32(0.0))
-    v = kv_tiles.kv_tile(v_refs, lyr, b, g, t0, ok, block_t, dtype, packed=packed, asm=asm,
-                         table=table)
-    return acc + jax.lax.dot_general(p.astype(dtype), v, (((1,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-
-  acc = jax.lax.fori_loop(first, last, body,
-                          jnp.zeros((q.shape[0], o_ref.shape[-1]), jnp.float32))
-  _store_out(o_ref, acc, b, g, si, jnp.arange(q.shape[0]) < r, splits)
-
-
 def combine(acc: jax.Array, m: jax.Array, l: jax.Array, dtype: jnp.dtype) -> jax.Array:
   """The splits' partial results [.., S, R, H], [.., S, R], [.., S, R] -> [.., R, H] in dtype:
   each split rescaled to the common maximum, summed in float32, divided once (rows with no
@@ -186,23 +124,14 @@ def combine(acc: jax.Array, m: jax.Array, l: jax.Array, dtype: jnp.dtype) -> jax
   return out.astype(dtype)
 
 
-def softmax_stats(m: jax.Array, l: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The splits' maxima and sums [.., S, R] -> the row's maximum and sum of exp(s - max) [.., R]
-  in float32 (a split without keys adds nothing)."""
-  top = jnp.max(m, axis=-2)
-  w = jnp.where(m == -np.inf, np.float32(0.0), jnp.exp(m - top[..., None, :]))
-  return top, jnp.sum(l * w, axis=-2)
-
-
 def attention(q: jax.Array, ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...],
               lengths: jax.Array, lyr: jax.Array, *, packed: bool, block_t: int,
               num_splits: int, table: str | None, launch: tuple[int, int],
-              interpret: bool, two_pass: bool = False) -> jax.Array:
+              interpret: bool) -> jax.Array:
   """[B, N, H] in q.dtype: q [B, N, H] over the cache arrays `kv_tiles.cache_arrays` gives
   (each [L, B, T, G, ...]), layer lyr [1] int32, lengths [B] int32 clipped to [0, T], in
   `num_splits` key splits (at least one key block each). launch: Triton's (num_warps,
-  num_stages). two_pass: `attend`'s normalized probabilities (module docstring) in two
-  kernels. Called by `decode_attention.decode_attention` with impl="fused" or "twopass"."""
+  num_stages). Called by `decode_attention.decode_attention` with impl="fused"."""
   b, n, h = q.shape
   t, g = ks[0].shape[2], ks[0].shape[3]
   r = n // g
@@ -211,25 +140,12 @@ def attention(q: jax.Array, ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...]
   bps, splits = kv_tiles.key_splits(t, block_t, num_splits)
   kw = dict(nk=len(ks), packed=packed, asm=not interpret, table=table, order=order, r=r,
             block_t=block_t, blocks_per_split=bps, scale=attention_math.score_scale(h))
-  call = lambda kernel, out_shape, name: pl.pallas_call(
-      kernel, grid=(b, g, splits), out_shape=out_shape, interpret=interpret,
-      compiler_params=None if interpret else common.compiler_params(*launch),
-      name=name + ("_nvfp4" if packed else ""))
   stats = (jax.ShapeDtypeStruct((b, g, splits, rp), jnp.float32),) * 2
-  partial = jax.ShapeDtypeStruct((b, g, splits, rp, h), jnp.float32)
-  if two_pass:
-    m, l = call(functools.partial(_stats_kernel, **kw), stats, "flash_decode_stats")(
-        lyr, lengths, qg, *ks)
-    top, den = softmax_stats(m, l)
-    out_shape = partial if splits > 1 else jax.ShapeDtypeStruct((b, g, rp, h), q.dtype)
-    out = call(functools.partial(_pv_kernel, splits=splits, **kw), out_shape,
-               "flash_decode_pv")(lyr, lengths, qg, top, den, *ks, *vs)
-    if splits > 1:
-      out = jnp.sum(out, axis=2).astype(q.dtype)
-  else:
-    out_shape = ((jax.ShapeDtypeStruct((b, g, rp, h), q.dtype),) if splits == 1
-                 else (partial,) + stats)
-    outs = call(functools.partial(_kernel, splits=splits, **kw), out_shape, "flash_decode")(
-        lyr, lengths, qg, *ks, *vs)
-    out = outs[0] if splits == 1 else combine(*outs, q.dtype)
+  out_shape = ((jax.ShapeDtypeStruct((b, g, rp, h), q.dtype),) if splits == 1
+               else (jax.ShapeDtypeStruct((b, g, splits, rp, h), jnp.float32),) + stats)
+  outs = pl.pallas_call(
+      functools.partial(_kernel, splits=splits, **kw), grid=(b, g, splits), out_shape=out_shape,
+      interpret=interpret, compiler_params=None if interpret else common.compiler_params(*launch),
+      name="flash_decode" + ("_nvfp4" if packed else ""))(lyr, lengths, qg, *ks, *vs)
+  out = outs[0] if splits == 1 else combine(*outs, q.dtype)
   return out[:, :, :r].reshape(b, n, h)

@@ -152,14 +152,12 @@ def _decode_kernel_attention(plan: KernelPlan, q: jax.Array, cache: Any, positio
                              i: jax.Array | None) -> jax.Array:
   """One-token decode: the decode-attention kernels (the plan's) read this layer's cache in
   place in the run's stack: "triton"/"wgmma" with `attend`'s scores and probabilities, "fused"
-  in one pass (online softmax), "twopass" in two (the softmax's statistics, then `attend`'s
-  probabilities and PV). On a mesh each device attends for its own sequences
+  in one pass (online softmax). On a mesh each device attends for its own sequences
   (`batch_local`)."""
   b = q.shape[0]
 
   def attn(q1, c, lens, j):
-    impl = (plan.decode_attention if plan.decode_attention in decode_attention.FLASH_IMPLS
-            else "triton")
+    impl = "fused" if plan.decode_attention == "fused" else "triton"
     if plan.decode_attention == "wgmma":  # the plan's kernels where they run
       impl = decode_attention.wgmma_impl(q1, c, layer=j, sm_count=plan.sm_count)
     config = decode_attention.AttentionConfig(impl=impl, sm_count=plan.sm_count)

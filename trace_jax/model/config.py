@@ -60,10 +60,8 @@ class ModelConfig:
     float32 order.
   fp4_codes: packed NVFP4 codes (the engine's experts, the packed KV cache) held as "bytes"
     (`formats.pack_fp4`'s layout) or "words" per block (the GPU kernels' decoder).
-  decode_attention: the kernel decode's attention over its cache: "triton", "wgmma" (Hopper),
-    "fused" (`kernels.flash_decode`: one pass, online softmax, not `attend`'s bits) or
-    "twopass" (`kernels.flash_decode`'s two kernels: `attend`'s normalized probabilities, no
-    scores in memory, K read twice).
+  decode_attention: the kernel decode's attention over its cache: "triton", "wgmma" (Hopper) or
+    "fused" (`kernels.flash_decode`: one pass, online softmax, not `attend`'s bits).
   kv_cache: under NVFP4 forwards, the KV cache "dense" (fake-quantized values) or "packed"
     (NVFP4 codes and scales, `kernels.kv_cache`).
   nvfp4_sites: the rollout's unguided NVFP4 activation sites: "xla" or "kernel"

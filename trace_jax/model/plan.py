@@ -18,10 +18,11 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 |                   |             |           | lm_head, attention) on the decode kernels      |
 | decode_moe_kernel | wgmma       | triton    | the packed NVFP4 experts' decode kernel        |
 | fp4_codes         | words (GPU) | bytes     | packed NVFP4 codes' layout (weights, KV cache) |
-| decode_attention  | wgmma       | triton    | the kernel decode's attention over its cache   |
+| decode_attention  | wgmma/fused | triton    | the kernel decode's attention over its cache   |
+|                   | (=)         |           | (packed NVFP4 / BF16)                          |
 | kv_cache          | packed (*)  | dense     | NVFP4 forwards' KV cache: codes or values      |
 | nvfp4_sites       | kernel (*)  | xla       | the rollout's unguided NVFP4 activation sites  |
-| kv_write          | xla (-)     | xla       | a kernel decode step's k/v sites (and records) |
+| kv_write          | kernel (-)  | xla       | a kernel decode step's k/v sites (and records) |
 |                   |             |           | and packed-cache write: site kernel + XLA's    |
 |                   |             |           | scatters, or one kernel (`kernels.kv_append`)  |
 | fp8_gemm          | kernel      | xla       | FP8 linears' block-scaled GEMMs                |
@@ -31,10 +32,15 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 |                   |             |           | (training, scoring): `lax.scan` or unrolled    |
 
 (*) with decode_impl "kernel" on any backend: the packed cache and the site kernel are the
-kernel decode's. (-) "kernel" is opt-in until its GPU timing is measured (it writes the same
-bits: `kernels.kv_append`'s contract); it runs where the plan has the packed cache and the
-site kernel. (+) for bf16 compute with head_dim a multiple of 8 up to 128 (cuDNN's
-fused attention). "fp4_codes" is "words" on any GPU with Triton's inline assembly.
+kernel decode's. (=) "wgmma" over the packed NVFP4 cache (the exact pair on a GPU with the Mosaic
+GPU API, else "triton"); "fused" over a dense (BF16) cache: on the H100 the single-pass kernel
+took 0.78-0.98x the Triton pair's time at 8k-32k contexts and decoded the 8k fixed-memory
+case 1.20x faster, while over the packed cache it is the slower one (1.27-1.42x wgmma's time;
+docs/benchmarks.md). (-) where the plan has the packed cache and the site kernel, on Hopper:
+`kernels.kv_append` writes the same bits as the site kernel and XLA's scatters, in 40 fewer
+kernels per 8-layer step (+0.2-0.5% tokens/s on the H100). (+) for bf16 compute with head_dim
+a multiple of 8 up to 128 (cuDNN's fused attention). "fp4_codes" is "words" on any GPU with
+Triton's inline assembly.
 "auto" falls back to the reference where the shapes or the forward rule a kernel out (e.g.
 decode_impl "xla" under MXFP4 forwards, moe_impl "tiled" for widths not multiples of 16).
 Where the code runs each choice: `model.grouped` (moe_impl), `kernels.fp4_moe` (decode_impl,
@@ -48,18 +54,21 @@ kernels and the reference compute the same values up to float32 summation order
 (docs/numerics.md); cuDNN's attention also rounds its probabilities per key block rather than
 once.
 
-decode_attention "fused" (opt-in) is `kernels.flash_decode`'s single kernel: an online softmax
-with no scores in memory, whose rounded probabilities are unnormalized, so it is not `attend`'s
-bits even on CPU; "triton" and "wgmma" keep `attend`'s probabilities, and so does "twopass"
-(opt-in): `flash_decode`'s two kernels, the softmax's maximum and sum over K, then the
-normalized probabilities rounded once and their PV sum (no scores in memory, K read twice).
+decode_attention "fused" is `kernels.flash_decode`'s single kernel: an online softmax with no
+scores in memory, whose rounded probabilities are unnormalized, so it is not `attend`'s bits
+even on CPU; "triton" and "wgmma" keep `attend`'s probabilities. On the GPU the trainer's
+attention is cuDNN's, which also rounds unnormalized probabilities per key block: there the
+fused kernel agreed with the trainer better than the exact pair (fp4_trace's |dlogp| 0.0076
+against 0.0105 on the H100, docs/benchmarks.md), so forcing it over the packed cache trades
+speed for a smaller mismatch.
 
 (!) "unrolled" compiles each layer of a training forward apart: on the H100 the scan's stacking,
 slicing and carried copies took 27 of the BF16 training step's 89 ms at Qwen3 layer width
-(docs/benchmarks.md). It stays opt-in: XLA then fuses the layers' operations otherwise than in
-the rollout's scanned prefill and decode, so the trainer's values agree with the rollout's less
-(the RL loop's unguided code flips rose from 1.4% to 12%, docs/results.md), and on the H100 XLA
-failed to compile its SFT step under --xla_gpu_deterministic_ops.
+(docs/benchmarks.md). It stays opt-in: in the RL loop the unrolled training step's values
+agreed with the rollout's less (unguided code flips rose from 1.4% to 12%, docs/results.md),
+although the unrolled forward scored alone agrees exactly as the scanned one does (the same
+flips and |dlogp| on the H100, docs/benchmarks.md), and on the H100 XLA failed to compile its
+SFT step under --xla_gpu_deterministic_ops.
 
 "invariant": the reference's fields, and every matmul, attention, norm, softmax and MoE
 combine of the forward computed with sums in a fixed order (`kernels.invariant`), so a row's
@@ -86,7 +95,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "decode_impl": ("xla", "kernel"),
     "decode_moe_kernel": ("triton", "wgmma"),
     "fp4_codes": ("bytes", "words"),
-    "decode_attention": ("triton", "wgmma", "fused", "twopass"),
+    "decode_attention": ("triton", "wgmma", "fused"),
     "kv_cache": ("dense", "packed"),
     "nvfp4_sites": ("xla", "kernel"),
     "kv_write": ("xla", "kernel"),
@@ -253,6 +262,16 @@ def _decode_kernel_shapes(config: Any) -> bool:
   return all(w % 16 == 0 for w in widths) and h >= 16 and h & (h - 1) == 0
 
 
+def _decode_attention(hopper: bool, b: Backend, kv_cache: str) -> str:
+  """decode_attention's "auto" (the module docstring's (=)): the fastest measured over the
+  cache the plan holds."""
+  if not hopper:
+    return "triton"
+  if kv_cache == "dense":
+    return "fused"
+  return "wgmma" if b.mosaic_gpu else "triton"
+
+
 def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:
   """The plan of `config` (a `ModelConfig`) on `backend` (default `Backend.current()`):
   forced fields as given, the rest from the config's preset or by the module docstring's
@@ -277,10 +296,10 @@ def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:
       decode_moe_kernel=pick("decode_moe_kernel", "wgmma" if kernels and b.mosaic_gpu
                              else "triton"),
       fp4_codes=pick("fp4_codes", default_codes(b)),
-      decode_attention=pick("decode_attention", "wgmma" if kernels and b.mosaic_gpu
-                            else "triton"),
+      decode_attention=pick("decode_attention", _decode_attention(kernels, b, kv)),
       kv_cache=kv, nvfp4_sites=sites,
-      kv_write=pick("kv_write", "xla") if kv == "packed" and sites == "kernel" else "xla",
+      kv_write=(pick("kv_write", "kernel" if kernels else "xla")
+                if kv == "packed" and sites == "kernel" else "xla"),
       fp8_gemm=pick("fp8_gemm", "kernel" if kernels else "xla"),
       seq_attention=pick("seq_attention", "cudnn" if kernels and _cudnn_attention_shapes(config)
                          else "xla"),

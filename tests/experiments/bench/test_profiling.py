@@ -15,6 +15,7 @@ from experiments.bench import profiling
     pytest.param("decode_attention_scores_nvfp4", "pallas", id="pallas_attention"),
     pytest.param("flash_decode_nvfp4", "pallas", id="pallas_flash_decode"),
     pytest.param("nvfp4_quantize_rows", "pallas", id="pallas_activation_site"),
+    pytest.param("nvfp4_kv_append__1", "pallas", id="pallas_kv_append"),
     pytest.param("nvjet_sm90_tst_256x64_64x5_1x2_h_bz_TNT", "gemm", id="cublas_nvjet"),
     pytest.param("gemm_fusion_dot_21", "gemm", id="xla_gemm_fusion"),
     pytest.param("memcpy32_post", "memcpy", id="memcpy"),

@@ -182,10 +182,11 @@ def test_summary_keys():
     pytest.param("kernel+moewgmma", ("kernel", {"decode_moe_kernel": "wgmma"}), id="moe_wgmma"),
     pytest.param("kernel+attnfused", ("kernel", {"decode_attention": "fused"}),
                  id="attention_fused"),
-    pytest.param("kernel+attntwopass", ("kernel", {"decode_attention": "twopass"}),
-                 id="attention_twopass"),
+    pytest.param("kernel+attntriton", ("kernel", {"decode_attention": "triton"}),
+                 id="attention_triton"),
     pytest.param("kernel+unroll4+kvappend", ("kernel", {"scan_unroll": 4, "kv_write": "kernel"}),
                  id="kv_append"),
+    pytest.param("kernel+kvxla", ("kernel", {"kv_write": "xla"}), id="kv_write_xla"),
 ])
 def test_impl_options(impl, want):
   assert br.impl_options(impl) == want
@@ -204,6 +205,7 @@ def test_impl_case_is_a_config():
     pytest.param("kernel+sync0", "options are", id="sync0"),
     pytest.param("kernel+fast", "options are", id="unknown_option"),
     pytest.param("kernel+stream4", "options are", id="stream"),
+    pytest.param("kernel+attntwopass", "options are", id="removed_two_pass_attention"),
     pytest.param("triton", "is not one of", id="unknown_impl"),
 ])
 def test_bad_impls_are_refused(impl, match):
