@@ -19,8 +19,10 @@ summation order, but the probabilities rounded to q.dtype are the unnormalized e
 the division comes after the PV sum, so the outputs are not `attend`'s bits even on CPU (the
 exact pair's are, nearly always). Each rounded p_j is within 2**-9 relative of its exact value,
 as the pair's normalized ones are, so `decode_attention.output_tolerance` bounds it the same way
-(tests). What the lost bits cost the RL loop (rollout/trainer |dlogp|) is measured by running
-the kernel plan with `decode_attention="fused"` against "triton"/"wgmma".
+(tests). What the lost bits cost the rollout/trainer agreement depends on the trainer's
+attention: on CPU (`attend`) the fused kernel doubles fp4_trace's |dlogp| against the exact
+pair; on the GPU, where the trainer's attention is cuDNN's flash attention, it lowers it (0.72x
+on the H100; docs/benchmarks.md, "Decode attention").
 
 Keys at or beyond `lengths` are ignored entirely (masked to -inf before the maximum, their K/V
 rows decoded as zeros); a length of 0 gives zeros.
@@ -53,9 +55,9 @@ def _block_scores(q, k_refs, lyr, b, g, i, length, *, packed: bool, asm: bool,
 
 def _program(layer_ref, len_ref, q_ref, *, packed: bool, asm: bool, table: str | None,
              order: str, block_t: int, blocks_per_split: int, scale: float):
-  """What every program starts from: its (b, g, split), the layer, its
-  key blocks [first, last) below sequence b's length, the length, its query rows q [Rp, H]
-  (columns in the order K is decoded in) and `_block_scores`' tile arguments."""
+  """What every program starts from: its (b, g, split), the layer, its key blocks [first, last)
+  below sequence b's length, the length, its query rows q [Rp, H] (columns in the order K is
+  decoded in) and `_block_scores`' tile arguments."""
   b, g, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = len_ref[b]
   first = si * blocks_per_split
