@@ -29,6 +29,11 @@
 #               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio), then the kernel
 #               plan with the single-pass decode attention over the packed cache
 #               (`--plan_fields=decode_attention=fused`)
+#   excess_precision  XLA's excess precision (`--xla_allow_excess_precision`, on by default) off:
+#               the kernel plan's rollout/trainer mismatch with the trainer's layers scanned
+#               and unrolled, with and without the flag (on CPU the flag made them agree and
+#               halved fp4_rtn's |dlogp|), then the BF16 train step scanned and unrolled under
+#               it (what it costs in speed)
 #   train_step  the training step at Qwen3 layer width, 4 and 12 layers (batch 4 on a GPU of
 #               less than 100 GB): BF16, FP8 and FP4 policies on the grouped GEMM kernels,
 #               cuDNN's fused attention against XLA's
@@ -160,6 +165,21 @@ step_mismatch() {
     --json_out="$OUT/mismatch_fused.json" --png_out=/tmp/mismatch_fused.png ${MISMATCH_ARGS:-}
 }
 
+step_excess_precision() {
+  local t=${T_EXCESS_PRECISION:-560} v layers tag flags
+  for v in scan:default: unrolled:default: scan:noexcess:--xla_allow_excess_precision=false \
+           unrolled:noexcess:--xla_allow_excess_precision=false; do
+    IFS=: read -r layers tag flags <<< "$v"
+    XLA_FLAGS="$flags" TAIL=6 run "excess_${tag}_$layers" "$((t / 6))" python3 -m \
+      experiments.measure_mismatch --config=configs/small_h200.py --decode_impls=kernel \
+      --num_prompts=32 --max_new_tokens=64 --plan_fields=seq_layers="$layers" \
+      --json_out="$OUT/excess_${tag}_$layers.json" --png_out="/tmp/excess_${tag}_$layers.png"
+  done
+  XLA_FLAGS=--xla_allow_excess_precision=false TAIL=8 run excess_train_step "$((t / 3))" \
+    python3 -m experiments.bench.train_step --preset=qwen3_layers --moe_impls=kernel --steps=5 \
+    --seq_attentions=cudnn --policies=bf16,bf16+unrolled --json_out="$OUT/excess_train_step.json"
+}
+
 step_train_step() {
   local t=${T_TRAIN_STEP:-400}
   local common=(--preset=qwen3_layers --moe_impls=kernel)
@@ -245,7 +265,7 @@ main() {
     if ! declare -F "step_$s" > /dev/null; then
       echo "unknown step '$s'; steps: check kernels rollout attention attention_budget" \
         "kv_write mismatch" \
-        "train_step rl profile multi_gpu tests" >&2
+        "excess_precision train_step rl profile multi_gpu tests" >&2
       exit 2
     fi
   done

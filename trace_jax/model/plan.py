@@ -68,7 +68,8 @@ slicing and carried copies took 27 of the BF16 training step's 89 ms at Qwen3 la
 agreed with the rollout's less (unguided code flips rose from 1.4% to 12%, docs/results.md),
 although the unrolled forward scored alone agrees exactly as the scanned one does (the same
 flips and |dlogp| on the H100, docs/benchmarks.md), and on the H100 XLA failed to compile its
-SFT step under --xla_gpu_deterministic_ops.
+SFT step under --xla_gpu_deterministic_ops. On CPU the two loops give the same bits once XLA
+may not skip BF16 roundings (`--xla_allow_excess_precision=false`, docs/numerics.md).
 
 "invariant": the reference's fields, and every matmul, attention, norm, softmax and MoE
 combine of the forward computed with sums in a fixed order (`kernels.invariant`), so a row's
