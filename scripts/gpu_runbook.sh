@@ -31,9 +31,9 @@
 #               (`--plan_fields=decode_attention=fused`)
 #   excess_precision  XLA's excess precision (`--xla_allow_excess_precision`, on by default) off:
 #               the kernel plan's rollout/trainer mismatch with the trainer's layers scanned
-#               and unrolled, with and without the flag (on CPU the flag made them agree and
-#               halved fp4_rtn's |dlogp|), then the BF16 train step scanned and unrolled under
-#               it (what it costs in speed)
+#               (with and without the flag) and unrolled (with it; on CPU the flag made the
+#               two agree and halved fp4_rtn's |dlogp|), then the BF16 train step scanned and
+#               unrolled under it (what it costs in speed)
 #   train_step  the training step at Qwen3 layer width, 4 and 12 layers (batch 4 on a GPU of
 #               less than 100 GB): BF16, FP8 and FP4 policies on the grouped GEMM kernels,
 #               cuDNN's fused attention against XLA's
@@ -166,16 +166,17 @@ step_mismatch() {
 }
 
 step_excess_precision() {
-  local t=${T_EXCESS_PRECISION:-560} v layers tag flags
-  for v in scan:default: unrolled:default: scan:noexcess:--xla_allow_excess_precision=false \
-           unrolled:noexcess:--xla_allow_excess_precision=false; do
-    IFS=: read -r layers tag flags <<< "$v"
-    XLA_FLAGS="$flags" TAIL=6 run "excess_${tag}_$layers" "$((t / 6))" python3 -m \
+  local t=${T_EXCESS_PRECISION:-560} v layers tag flags part
+  # (the default flags' unrolled run: docs/benchmarks.md, equal to scan on the H100)
+  for v in scan:default::6 scan:noexcess:--xla_allow_excess_precision=false:6 \
+           unrolled:noexcess:--xla_allow_excess_precision=false:3; do
+    IFS=: read -r layers tag flags part <<< "$v"
+    XLA_FLAGS="$flags" TAIL=6 run "excess_${tag}_$layers" "$((t / part))" python3 -m \
       experiments.measure_mismatch --config=configs/small_h200.py --decode_impls=kernel \
       --num_prompts=32 --max_new_tokens=64 --plan_fields=seq_layers="$layers" \
       --json_out="$OUT/excess_${tag}_$layers.json" --png_out="/tmp/excess_${tag}_$layers.png"
   done
-  XLA_FLAGS=--xla_allow_excess_precision=false TAIL=8 run excess_train_step "$((t / 3))" \
+  XLA_FLAGS=--xla_allow_excess_precision=false TAIL=8 run excess_train_step "$((t / 4))" \
     python3 -m experiments.bench.train_step --preset=qwen3_layers --moe_impls=kernel --steps=5 \
     --seq_attentions=cudnn --policies=bf16,bf16+unrolled --json_out="$OUT/excess_train_step.json"
 }
