@@ -23,10 +23,8 @@ def byte_layout(config: Any) -> dict[str, float]:
   norms and router always in the compute dtype; the KV cache too, but packed NVFP4 (codes,
   E4M3 block scales, a float32 row scale: 76 bytes per head row of 128 against 256) where
   the config's plan says `kv_cache="packed"` (NVFP4 forwards with decode_impl "kernel"). Keys:
-  expert (one
-  routed expert), attention (one layer's q, k, v,
-  o), layer_rest (one layer's norms and router), embed, lm_head, final_norm, kv_token (one
-  token's K and V in one layer).
+  expert (one routed expert), attention (one layer's q, k, v, o), layer_rest (one layer's norms
+  and router), embed, lm_head, final_norm, kv_token (one token's K and V in one layer).
   """
   import jax.numpy as jnp
 
