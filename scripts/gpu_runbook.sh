@@ -40,7 +40,8 @@
 #   rl          the RL loop (`experiments.train_rl`, RL_CONFIG, default configs/small_h200.py)
 #               with the config's kernel plan, one process per policy (RL_POLICIES), sharing
 #               the GPU (RL_SEQUENTIAL=1: one after another, each policy's tokens/s its own);
-#               its summary, CSVs and plot in rl.tar.gz
+#               its summary, CSVs and plot in rl.tar.gz (RL_ARGS: every process's extra
+#               arguments; RL_SFT_ARGS, where set, the SFT warm start's instead)
 #   profile     where the device time goes: the train step (bf16, fp8_unified) and the 8k
 #               fixed-memory decode (bf16, fp4_rtn), per kernel and category
 #   multi_gpu   expert parallelism on a multi-GPU kind: its tests, then 1 vs 2 GPUs
@@ -203,7 +204,7 @@ step_rl() {
   local t=${T_RL:-540} w=/tmp/rl_$$ start=$SECONDS
   local cfg=${RL_CONFIG:-configs/small_h200.py}
   XLA_FLAGS=--xla_gpu_deterministic_ops=true run rl_sft "$((t / 4))" python3 -m \
-    experiments.train_rl --config="$cfg" --workdir="$w" --sft_only ${RL_ARGS:-}
+    experiments.train_rl --config="$cfg" --workdir="$w" --sft_only ${RL_SFT_ARGS-${RL_ARGS:-}}
   local left=$((t - (SECONDS - start) - 65)) pids=() policies
   policies=(${RL_POLICIES:-bf16 fp4_rollout fp4_rtn fp4_trace})
   for p in "${policies[@]}"; do
