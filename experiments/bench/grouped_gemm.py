@@ -50,6 +50,91 @@ _WG_CONFIGS = [dict(), dict(block_m=64, block_n=128, block_k=128, num_warps=8, n
                dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)]
 
 
+def _rel_err(got, want) -> float:
+  """max |got - want| / max |want|, in float32."""
+  import numpy as np
+
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+def _best_config(name: str, pname: str, make, args, want, configs, timer, flops: float,
+                 peak: float) -> dict:
+  """Times `make(config)(*args)` for each config (checked against `want` first) and returns
+  the fastest one's row fields `kernel_<pass>_*` ({} when none compiled)."""
+  best, label = None, f"{name} {pname}"
+  for cfg in configs:
+    try:
+      fn = make(cfg)
+      err = _rel_err(fn(*args), want)
+      t = timer(fn, *args)
+    except Exception as ex:  # a config Triton cannot compile: say so, keep going
+      print(f"  {label} config {cfg}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+      continue
+    print(f"  {label} {cfg or 'default'}: {t * 1e3:.3f} ms ({flops / t / 1e12:.0f} TFLOP/s), "
+          f"rel err {err:.1e}", flush=True)
+    if best is None or t < best[0]:
+      best = (t, cfg, err)
+  if best is None:
+    return {}
+  t, cfg, err = best
+  return {f"kernel_{pname}_ms": t * 1e3, f"kernel_{pname}_tflops": flops / t / 1e12,
+          f"kernel_{pname}_fraction_of_bf16_peak": flops / t / 1e12 / peak,
+          f"kernel_{pname}_rel_err": err, f"kernel_{pname}_config": cfg}
+
+
+def _projection(name: str, kk: int, nn: int, gs, rng, timer, peak: float, sweep: bool) -> dict:
+  """One projection [m, kk] x [e, nn, kk]: each kernel pass (its best config) and the fwd+bwd
+  of every `moe_impl`, as a row of the JSON."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from trace_jax.kernels import grouped_gemm as gg
+  from trace_jax.model import grouped
+
+  m, e = int(np.sum(np.asarray(gs))), gs.shape[0]
+  x = jnp.asarray(rng.standard_normal((m, kk), np.float32), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((m, nn), np.float32), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((e, nn, kk), np.float32) * 0.02, jnp.bfloat16)
+  flops = 2 * m * kk * nn
+  row: dict = {"m": m, "k": kk, "n": nn, "gflop_per_pass": flops / 1e9}
+
+  def fwd_bwd(impl):
+    def run(a, b, g):
+      y, vjp = jax.vjp(lambda a, b: grouped.grouped_matmul(a, b, gs, impl), a, b)
+      return y, *vjp(g)
+    return jax.jit(run)
+
+  tiled_out = fwd_bwd("tiled")(x, w, dy)
+  passes = {
+      "fprop": (lambda c: jax.jit(lambda a, b: gg.grouped_matmul(a, b, gs, **c)), (x, w),
+                tiled_out[0], _MM_CONFIGS),
+      "dgrad": (lambda c: jax.jit(lambda a, b: gg.grouped_matmul(a, b, gs, transpose_w=True,
+                                                                 **c)), (dy, w),
+                tiled_out[1], _MM_CONFIGS),
+      "wgrad": (lambda c: jax.jit(lambda a, b: gg.grouped_wgrad(a, b, gs, **c)), (dy, x),
+                tiled_out[2], _WG_CONFIGS),
+  }
+  for pname, (make, args, want, configs) in passes.items():
+    row.update(_best_config(name, pname, make, args, want,
+                            configs if sweep else configs[:1], timer, flops, peak))
+  for impl in ["tiled", "kernel"] + (["ragged_dot"] if FLAGS.ragged else []):
+    row[f"{impl}_fwd_bwd_ms"] = timer(fwd_bwd(impl), x, w, dy) * 1e3
+  row["kernel_fwd_bwd_over_tiled"] = row["kernel_fwd_bwd_ms"] / row["tiled_fwd_bwd_ms"]
+  row["fwd_bwd_tflops_kernel"] = 3 * flops / row["kernel_fwd_bwd_ms"] * 1e3 / 1e12
+  passes_txt = ", ".join(f"{p} {row[f'kernel_{p}_ms']:.3f} ms "
+                         f"({row[f'kernel_{p}_fraction_of_bf16_peak']:.2f} of peak)"
+                         for p in passes if f"kernel_{p}_ms" in row)
+  print(f"{name:8s} M{m} K{kk} N{nn}: kernel {passes_txt}; fwd+bwd: tiled "
+        f"{row['tiled_fwd_bwd_ms']:.3f} ms, kernel {row['kernel_fwd_bwd_ms']:.3f} ms "
+        f"({row['kernel_fwd_bwd_over_tiled']:.2f}x tiled, {row['fwd_bwd_tflops_kernel']:.0f} "
+        f"TFLOP/s)"
+        + (f", ragged_dot {row['ragged_dot_fwd_bwd_ms']:.3f} ms" if FLAGS.ragged else ""),
+        flush=True)
+  return row
+
+
 def main(argv: Sequence[str]) -> dict:
   if not common.parse_flags(FLAGS, argv):
     return {}
@@ -57,9 +142,6 @@ def main(argv: Sequence[str]) -> dict:
   import jax
   import jax.numpy as jnp
   import numpy as np
-
-  from trace_jax.kernels import grouped_gemm as gg
-  from trace_jax.model import grouped
 
   gpu = jax.default_backend() == "gpu"
   reps = FLAGS.reps or (10 if gpu else 1)
@@ -80,80 +162,14 @@ def main(argv: Sequence[str]) -> dict:
   print(f"device {res['device']['device_kind']}: BF16 matmul {peak:.0f} TFLOP/s, copy "
         f"{res['bandwidth']['copy_gbps']:.0f} GB/s; rows {m} ({tokens} tokens x top-{k_top}), "
         f"{e} experts", flush=True)
-  time = lambda fn, *a: common.median_seconds(lambda: fn(*a), jax.block_until_ready, 2,
-                                              reps)[0]
+  timer = lambda fn, *a: common.median_seconds(lambda: fn(*a), jax.block_until_ready, 2,
+                                               reps)[0]
   rng = np.random.default_rng(0)
   ids = np.sort(rng.integers(0, e, m))
   gs = jnp.asarray(np.bincount(ids, minlength=e), jnp.int32)
-
-  def rel_err(got, want):
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
-
   for name in names:
-    kk, nn = projections[name]
-    x = jnp.asarray(rng.standard_normal((m, kk), np.float32), jnp.bfloat16)
-    dy = jnp.asarray(rng.standard_normal((m, nn), np.float32), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((e, nn, kk), np.float32) * 0.02, jnp.bfloat16)
-    flops = 2 * m * kk * nn
-    row: dict = {"m": m, "k": kk, "n": nn, "gflop_per_pass": flops / 1e9}
-
-    def fwd_bwd(impl):
-      def run(a, b, g):
-        y, vjp = jax.vjp(lambda a, b: grouped.grouped_matmul(a, b, gs, impl), a, b)
-        return y, *vjp(g)
-      return jax.jit(run)
-
-    tiled_out = fwd_bwd("tiled")(x, w, dy)
-    passes = {
-        "fprop": (lambda c: jax.jit(lambda a, b: gg.grouped_matmul(a, b, gs, **c)), (x, w),
-                  tiled_out[0], _MM_CONFIGS),
-        "dgrad": (lambda c: jax.jit(lambda a, b: gg.grouped_matmul(a, b, gs, transpose_w=True,
-                                                                   **c)), (dy, w),
-                  tiled_out[1], _MM_CONFIGS),
-        "wgrad": (lambda c: jax.jit(lambda a, b: gg.grouped_wgrad(a, b, gs, **c)), (dy, x),
-                  tiled_out[2], _WG_CONFIGS),
-    }
-    best_cfgs = {}
-    for pname, (make, args, want, configs) in passes.items():
-      best = None
-      for cfg in configs if FLAGS.sweep and gpu else configs[:1]:
-        try:
-          fn = make(cfg)
-          err = rel_err(fn(*args), want)
-          t = time(fn, *args)
-        except Exception as ex:  # a config Triton cannot compile: say so, keep going
-          print(f"  {name} {pname} config {cfg}: {type(ex).__name__}: {str(ex)[:200]}",
-                flush=True)
-          continue
-        print(f"  {name} {pname} {cfg or 'default'}: {t * 1e3:.3f} ms "
-              f"({flops / t / 1e12:.0f} TFLOP/s), rel err {err:.1e}", flush=True)
-        if best is None or t < best[0]:
-          best = (t, cfg, err)
-      if best is None:
-        continue
-      t, cfg, err = best
-      best_cfgs[pname] = cfg
-      row[f"kernel_{pname}_ms"] = t * 1e3
-      row[f"kernel_{pname}_tflops"] = flops / t / 1e12
-      row[f"kernel_{pname}_fraction_of_bf16_peak"] = flops / t / 1e12 / peak
-      row[f"kernel_{pname}_rel_err"] = err
-      row[f"kernel_{pname}_config"] = cfg
-    impls = ["tiled", "kernel"] + (["ragged_dot"] if FLAGS.ragged else [])
-    for impl in impls:
-      row[f"{impl}_fwd_bwd_ms"] = time(fwd_bwd(impl), x, w, dy) * 1e3
-    row["kernel_fwd_bwd_over_tiled"] = row["kernel_fwd_bwd_ms"] / row["tiled_fwd_bwd_ms"]
-    row["fwd_bwd_tflops_kernel"] = 3 * flops / row["kernel_fwd_bwd_ms"] * 1e3 / 1e12
-    res["projections"][name] = row
-    passes_txt = ", ".join(f"{p} {row[f'kernel_{p}_ms']:.3f} ms "
-                           f"({row[f'kernel_{p}_fraction_of_bf16_peak']:.2f} of peak)"
-                           for p in passes if f"kernel_{p}_ms" in row)
-    print(f"{name:8s} M{m} K{kk} N{nn}: kernel {passes_txt}; fwd+bwd: tiled "
-          f"{row['tiled_fwd_bwd_ms']:.3f} ms, kernel {row['kernel_fwd_bwd_ms']:.3f} ms "
-          f"({row['kernel_fwd_bwd_over_tiled']:.2f}x tiled, {row['fwd_bwd_tflops_kernel']:.0f} "
-          f"TFLOP/s)"
-          + (f", ragged_dot {row['ragged_dot_fwd_bwd_ms']:.3f} ms" if FLAGS.ragged else ""),
-          flush=True)
+    res["projections"][name] = _projection(name, *projections[name], gs, rng, timer, peak,
+                                           FLAGS.sweep and gpu)
   return common.finish(res, FLAGS)
 
 
