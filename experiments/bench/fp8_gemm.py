@@ -41,10 +41,10 @@ _CONFIGS = [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, group_k=gk
              (64, 64, 4, 4, 2), (128, 64, 4, 4, 1))]
 
 
-def main(argv: Sequence[str]) -> dict:
-  if not common.parse_flags(FLAGS, argv):
-    return {}
-  common.set_gpu_memory_env()
+def _operands(kind: str, m: int, kk: int, nn: int, e: int, rng):
+  """(w, qw, gs, bf16, fake, xla8, run) of one shape: the BF16 weight and its FP8
+  quantization, the group sizes (grouped), the BF16 and fake-FP8 matmuls, XLA's FP8 matmul
+  (dense only, else None) and run(qa, config): the kernel."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -52,6 +52,85 @@ def main(argv: Sequence[str]) -> dict:
   from trace_jax.kernels import fp8_gemm
   from trace_jax.model import grouped
   from trace_jax.quant import formats, qat
+
+  qdq = lambda a, b: (qat.qdq_act(a, "fp8").astype(a.dtype),
+                      qat.qdq_weight(b, "fp8").astype(b.dtype))
+  if kind == "dense":
+    w = jnp.asarray(rng.standard_normal((nn, kk), np.float32) * 0.02, jnp.bfloat16)
+    qw = formats.fp8_quantize_weight(w)
+    mm = lambda a, b: jnp.einsum("mk,nk->mn", a, b)
+    xla8 = jax.jit(lambda a, b: jnp.einsum("mk,nk->mn", a, b,
+                                           preferred_element_type=jnp.float32
+                                           ).astype(jnp.bfloat16))
+    return (w, qw, None, jax.jit(mm), jax.jit(lambda a, b: mm(*qdq(a, b))), xla8,
+            lambda qa, cfg: fp8_gemm.matmul(qa, qw, **cfg))
+  w = jnp.asarray(rng.standard_normal((e, nn, kk), np.float32) * 0.02, jnp.bfloat16)
+  qw = formats.fp8_quantize_weight(w)
+  gs = jnp.asarray(np.bincount(np.sort(rng.integers(0, e, m)), minlength=e), jnp.int32)
+  mm = lambda a, b: grouped.grouped_matmul(a, b, gs, "tiled")
+  return (w, qw, gs, jax.jit(mm), jax.jit(lambda a, b: mm(*qdq(a, b))), None,
+          lambda qa, cfg: fp8_gemm.grouped_matmul(qa, qw, gs, **cfg))
+
+
+def _shape(name: str, kind: str, m: int, kk: int, nn: int, e: int, rng, timer, peak: float,
+           sweep: bool) -> dict | None:
+  """One shape's row: the kernel at its best config against BF16, fake FP8 and XLA's FP8
+  (None when no kernel config ran)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from trace_jax.kernels import fp8_gemm
+  from trace_jax.quant import formats
+
+  x = jnp.asarray(rng.standard_normal((m, kk), np.float32), jnp.bfloat16)
+  w, qw, gs, bf16, fake, xla8, run = _operands(kind, m, kk, nn, e, rng)
+  qa = formats.fp8_quantize_act(x)
+  ref = fp8_gemm.reference(qa, qw, gs, out_dtype=jnp.float32)
+  best = None
+  for cfg in [{}] + (_CONFIGS if sweep else []):
+    if kind == "grouped" and m // e < 64 and cfg.get("block_m", 0) >= 64:
+      cfg = dict(cfg, block_m=16 if cfg["block_m"] == 64 else 32)
+    try:
+      fn = jax.jit(lambda qa, c=cfg: run(qa, c))
+      t = timer(fn, qa)
+      out = run(qa, dict(cfg, out_dtype=jnp.float32))
+    except Exception as ex:  # a config Triton cannot compile: say so, keep going
+      print(f"  {name} config {cfg}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+      continue
+    err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+    if best is None or t < best[0]:
+      best = (t, cfg, err)
+  if best is None:
+    print(f"{name}: no kernel config ran", flush=True)
+    return None
+  t_kernel, cfg, err = best
+  quant_x = jax.jit(lambda a, c=cfg: run(formats.fp8_quantize_act(a), c))
+  row = dict(m=m, k=kk, n=nn, bf16_ms=timer(bf16, x, w) * 1e3,
+             fake_fp8_ms=timer(fake, x, w) * 1e3, kernel_ms=t_kernel * 1e3,
+             kernel_q_ms=timer(quant_x, x) * 1e3, best_config=cfg, kernel_rel_err=err)
+  if xla8 is not None:
+    row["xla_fp8_tensor_ms"] = timer(xla8, qa.values, qw.values) * 1e3
+  row["kernel_tflops"] = 2 * m * kk * nn / t_kernel / 1e12
+  row["kernel_fraction_of_bf16_peak"] = row["kernel_tflops"] / peak
+  row["kernel_over_bf16"] = row["kernel_ms"] / row["bf16_ms"]
+  row["kernel_q_over_bf16"] = row["kernel_q_ms"] / row["bf16_ms"]
+  print(f"{name:24s} M{m} K{kk} N{nn}: bf16 {row['bf16_ms']:.3f} ms, "
+        f"fake {row['fake_fp8_ms']:.3f}"
+        + (f", xla fp8/tensor {row['xla_fp8_tensor_ms']:.3f}" if xla8 is not None else "")
+        + f", kernel {t_kernel * 1e3:.3f} ({row['kernel_over_bf16']:.2f}x bf16, "
+        f"{row['kernel_tflops']:.0f} TFLOP/s = {row['kernel_fraction_of_bf16_peak']:.2f} of "
+        f"bf16 peak), +quant {row['kernel_q_ms']:.3f} ({row['kernel_q_over_bf16']:.2f}x); "
+        f"rel err {err:.2e}; {cfg}", flush=True)
+  return row
+
+
+def main(argv: Sequence[str]) -> dict:
+  if not common.parse_flags(FLAGS, argv):
+    return {}
+  common.set_gpu_memory_env()
+  import jax
+  import numpy as np
 
   gpu = jax.default_backend() == "gpu"
   reps = FLAGS.reps or (20 if gpu else 2)
@@ -73,77 +152,13 @@ def main(argv: Sequence[str]) -> dict:
   peak = res["matmul"]["bf16_tflops"]
   print(f"device {res['device']['device_kind']}: BF16 matmul {peak:.0f} TFLOP/s, copy "
         f"{res['bandwidth']['copy_gbps']:.0f} GB/s", flush=True)
-  time = lambda fn, *a: common.median_seconds(lambda: fn(*a), jax.block_until_ready, 3,
-                                              reps)[0]
+  timer = lambda fn, *a: common.median_seconds(lambda: fn(*a), jax.block_until_ready, 3,
+                                               reps)[0]
   rng = np.random.default_rng(0)
-  def one(name: str, kind: str, m: int, kk: int, nn: int) -> None:
-    x = jnp.asarray(rng.standard_normal((m, kk), np.float32), jnp.bfloat16)
-    flops = 2 * m * kk * nn
-    row = {"m": m, "k": kk, "n": nn}
-    if kind == "dense":
-      w = jnp.asarray(rng.standard_normal((nn, kk), np.float32) * 0.02, jnp.bfloat16)
-      qw = formats.fp8_quantize_weight(w)
-      gs = None
-      bf16 = jax.jit(lambda a, b: jnp.einsum("mk,nk->mn", a, b))
-      fake = jax.jit(lambda a, b: jnp.einsum("mk,nk->mn", qat.qdq_act(a, "fp8").astype(a.dtype),
-                                             qat.qdq_weight(b, "fp8").astype(b.dtype)))
-      xla8 = jax.jit(lambda a, b: jnp.einsum("mk,nk->mn", a, b,
-                                             preferred_element_type=jnp.float32
-                                             ).astype(jnp.bfloat16))
-      run = lambda qa, cfg: fp8_gemm.matmul(qa, qw, **cfg)
-    else:
-      w = jnp.asarray(rng.standard_normal((e, nn, kk), np.float32) * 0.02, jnp.bfloat16)
-      qw = formats.fp8_quantize_weight(w)
-      ids = np.sort(rng.integers(0, e, m))
-      gs = jnp.asarray(np.bincount(ids, minlength=e), jnp.int32)
-      bf16 = jax.jit(lambda a, b: grouped.grouped_matmul(a, b, gs, "tiled"))
-      fake = jax.jit(lambda a, b: grouped.grouped_matmul(
-          qat.qdq_act(a, "fp8").astype(a.dtype), qat.qdq_weight(b, "fp8").astype(b.dtype), gs,
-          "tiled"))
-      xla8 = None
-      run = lambda qa, cfg: fp8_gemm.grouped_matmul(qa, qw, gs, **cfg)
-    qa = formats.fp8_quantize_act(x)
-    ref = fp8_gemm.reference(qa, qw, gs, out_dtype=jnp.float32)
-    configs = [{}] + (_CONFIGS if FLAGS.sweep and gpu else [])
-    best = None
-    for cfg in configs:
-      if kind == "grouped" and m // e < 64 and cfg.get("block_m", 0) >= 64:
-        cfg = dict(cfg, block_m=16 if cfg["block_m"] == 64 else 32)
-      try:
-        fn = jax.jit(lambda qa, c=cfg: run(qa, c))
-        t = time(fn, qa)
-        out = run(qa, dict(cfg, out_dtype=jnp.float32))
-      except Exception as ex:  # a config Triton cannot compile: say so, keep going
-        print(f"  {name} config {cfg}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
-        continue
-      err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
-      if best is None or t < best[0]:
-        best = (t, cfg, err)
-    if best is None:
-      print(f"{name}: no kernel config ran", flush=True)
-      return
-    t_kernel, cfg, err = best
-    quant_x = jax.jit(lambda a, c=cfg: run(formats.fp8_quantize_act(a), c))
-    row.update(bf16_ms=time(bf16, x, w) * 1e3, fake_fp8_ms=time(fake, x, w) * 1e3,
-               kernel_ms=t_kernel * 1e3, kernel_q_ms=time(quant_x, x) * 1e3, best_config=cfg,
-               kernel_rel_err=err)
-    if xla8 is not None:
-      row["xla_fp8_tensor_ms"] = time(xla8, qa.values, qw.values) * 1e3
-    row["kernel_tflops"] = flops / t_kernel / 1e12
-    row["kernel_fraction_of_bf16_peak"] = row["kernel_tflops"] / peak
-    row["kernel_over_bf16"] = row["kernel_ms"] / row["bf16_ms"]
-    row["kernel_q_over_bf16"] = row["kernel_q_ms"] / row["bf16_ms"]
-    res["shapes"][name] = row
-    print(f"{name:24s} M{m} K{kk} N{nn}: bf16 {row['bf16_ms']:.3f} ms, "
-          f"fake {row['fake_fp8_ms']:.3f}"
-          + (f", xla fp8/tensor {row['xla_fp8_tensor_ms']:.3f}" if xla8 is not None else "")
-          + f", kernel {t_kernel * 1e3:.3f} ({row['kernel_over_bf16']:.2f}x bf16, "
-          f"{row['kernel_tflops']:.0f} TFLOP/s = {row['kernel_fraction_of_bf16_peak']:.2f} of "
-          f"bf16 peak), +quant {row['kernel_q_ms']:.3f} ({row['kernel_q_over_bf16']:.2f}x); "
-          f"rel err {err:.2e}; {cfg}", flush=True)
-
   for name, kind, (m, kk, nn) in shapes:
-    one(name, kind, m, kk, nn)
+    row = _shape(name, kind, m, kk, nn, e, rng, timer, peak, FLAGS.sweep and gpu)
+    if row is not None:
+      res["shapes"][name] = row
   return common.finish(res, FLAGS)
 
 
