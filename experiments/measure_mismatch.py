@@ -128,7 +128,6 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
   rec = engine.last_guidance
   seqs = [s.prompt + s.tokens for s in samples]
   n_new = sum(len(s.tokens) for s in samples)
-  rollout_logp = [np.asarray(s.logprobs, np.float32) for s in samples]
   kernel_plan = plan_lib.resolve(rollout_cfg)
   print(f"[decode_impl={kernel_plan.decode_impl}] rollout ({runs[1].rollout.name}): "
         f"{len(samples)} sequences, {n_new} tokens in {rollout_s:.1f} s (compile included)",
@@ -158,49 +157,66 @@ def measure(params: Any, config: ModelConfig, prompts: Sequence[Sequence[int]],
           "taps": out["taps"], "routing": train_routing}
     counts = mismatch.compare(out["taps"], rec["audit"]["guidance"], train_routing,
                               rec["routing"], guided_layers)
-    per_layer: dict[str, dict[str, float | None]] = {}
-    for layer in all_layers:
-      row = {site: counts.flips[(layer, site)].rate for site in SITES}
-      row["routing"] = counts.routing[layer].flip_rate
-      row["routing_order_swaps"] = counts.routing[layer].order_swap_rate
-      per_layer[str(layer)] = row
-    # Completion tokens: rows P-1 .. P+n-2 of each sequence's scores.
-    lt = np.concatenate([lp[len(s.prompt) - 1:] for lp, s in zip(out["logprobs"], samples)])
-    lr = np.concatenate(rollout_logp)
-    m = losses.mismatch_metrics(jnp.asarray(lt), jnp.asarray(lr), jnp.ones_like(jnp.asarray(lt)))
-    summary = counts.metrics()
-    report["policies"][policy] = {
-        "flip_rate_guided_sites": summary["flip_rate_guided"],
-        "flip_rate_all_sites": counts.total().rate,
-        "flip_one_apart_share": summary["flip_one_apart_share"],
-        "scale_flip_rate_guided": summary["scale_flip_rate_guided"],
-        "per_layer": per_layer,
-        "routing_flip_rate": summary["routing_flip_rate"],
-        "routing_order_swap_rate": summary["routing_order_swap_rate"],
-        "expert_unmatched_rate": summary["expert_unmatched_rate"],
-        "mean_abs_dlogp": float(m["mean_abs_dlogp"]), "k3_kl": float(m["k3_kl"]),
-        "max_abs_dp": float(m["max_abs_dp"]),
-    }
+    report["policies"][policy] = _policy_report(counts, out["logprobs"], samples, n_layers)
   rtn, trace = (report["policies"][r.name] for r in runs)
   report["flip_rate_rtn"] = rtn["flip_rate_guided_sites"]
   report["flip_rate_trace"] = trace["flip_rate_guided_sites"]
   report["routing_flip_rate"] = {p: v["routing_flip_rate"] for p, v in report["policies"].items()}
   report["mean_abs_dlogp"] = {p: v["mean_abs_dlogp"] for p, v in report["policies"].items()}
   report["k3_kl"] = {p: v["k3_kl"] for p, v in report["policies"].items()}
+  report.update(_guidance_bytes(rec, config, fmt))
+  return report
+
+
+def _policy_report(counts: mismatch.MismatchReport, trainer_logp: Sequence[np.ndarray],
+                   samples: Sequence[Any], n_layers: int) -> dict[str, Any]:
+  """One training policy's figures: code and routing flips (per layer and overall) from
+  `counts`, and the log-prob mismatch of the completion tokens against the rollout's."""
+  per_layer: dict[str, dict[str, float | None]] = {}
+  for layer in range(n_layers):
+    row = {site: counts.flips[(layer, site)].rate for site in SITES}
+    row["routing"] = counts.routing[layer].flip_rate
+    row["routing_order_swaps"] = counts.routing[layer].order_swap_rate
+    per_layer[str(layer)] = row
+  # Completion tokens: rows P-1 .. P+n-2 of each sequence's scores.
+  lt = np.concatenate([lp[len(s.prompt) - 1:] for lp, s in zip(trainer_logp, samples)])
+  lr = np.concatenate([np.asarray(s.logprobs, np.float32) for s in samples])
+  m = losses.mismatch_metrics(jnp.asarray(lt), jnp.asarray(lr), jnp.ones_like(jnp.asarray(lt)))
+  summary = counts.metrics()
+  return {
+      "flip_rate_guided_sites": summary["flip_rate_guided"],
+      "flip_rate_all_sites": counts.total().rate,
+      "flip_one_apart_share": summary["flip_one_apart_share"],
+      "scale_flip_rate_guided": summary["scale_flip_rate_guided"],
+      "per_layer": per_layer,
+      "routing_flip_rate": summary["routing_flip_rate"],
+      "routing_order_swap_rate": summary["routing_order_swap_rate"],
+      "expert_unmatched_rate": summary["expert_unmatched_rate"],
+      "mean_abs_dlogp": float(m["mean_abs_dlogp"]), "k3_kl": float(m["k3_kl"]),
+      "max_abs_dp": float(m["max_abs_dp"]),
+  }
+
+
+def _guidance_bytes(rec: dict[str, Any], config: ModelConfig, fmt: str) -> dict[str, Any]:
+  """The rollout's guidance bytes per token: what fp4_trace consumes (the compact record of
+  the guided layers and the expert ids that place it) against full codes of every layer, and
+  the per-row formula."""
+  guided_layers = tuple(config.guided_layers)
   tokens = sum(rec["token_counts"])
   audit = rec["audit"]["guidance"]
   comp = sum(guided.compact(jax.tree.map(jnp.asarray, audit[layer][site])).nbytes
              for layer in guided_layers for site in SITES)
   ids = sum(rec["routing"][layer].nbytes for layer in guided_layers)
-  full_all = sum(audit[layer][site].nbytes for layer in all_layers for site in SITES)
-  # What fp4_trace consumes per token: the compact record and the expert ids that place it.
-  report["guidance_bytes_per_token"] = (comp + ids) / tokens
-  report["full_guidance_bytes_per_token_all_layers"] = full_all / tokens
-  report["compact_vs_full_ratio"] = full_all / max(comp + ids, 1)
-  report["guidance_bytes_per_row_formula"] = {
-      f"{mode}_K{k}": bytes_per_row(k, mode, fmt) for mode in ("compact", "full")
-      for k in (config.hidden_size, config.head_dim, config.moe_intermediate_size)}
-  return report
+  full_all = sum(audit[layer][site].nbytes for layer in range(config.num_hidden_layers)
+                 for site in SITES)
+  return {
+      "guidance_bytes_per_token": (comp + ids) / tokens,
+      "full_guidance_bytes_per_token_all_layers": full_all / tokens,
+      "compact_vs_full_ratio": full_all / max(comp + ids, 1),
+      "guidance_bytes_per_row_formula": {
+          f"{mode}_K{k}": bytes_per_row(k, mode, fmt) for mode in ("compact", "full")
+          for k in (config.hidden_size, config.head_dim, config.moe_intermediate_size)},
+  }
 
 
 def by_decode_impl(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
