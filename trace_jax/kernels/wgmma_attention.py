@@ -21,6 +21,10 @@ scores kernel 316 us at batch 256, 59% of DRAM peak (docs/benchmarks/rollout.jso
 `wgmma_scores_ncu_256x8k`), against the Triton scores kernel's 585 (the git history of
 docs/benchmarks.md).
 
+`flash` is the single pass over the same decoded tiles (`flash_decode`'s online softmax, its
+numerics): K and V decoded into shared memory as wgmma's B operands, q (8 rows padded to 64)
+from shared memory, the probabilities as the PV wgmma's A registers; no scores in memory.
+
 Limits (checked by `supported`): bf16, head_dim a multiple of 128, R = 8 (the scores' wgmma N),
 a context that is a multiple of the 64-key tile, the fast table (exact for every row scale the
 quantizer makes: `fp4_decode.tensor_scale_factors`' `fast`, tested), GPU only (no interpret
@@ -345,3 +349,119 @@ def scores(q: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
                      plgpu.Barrier(num_arrivals=1)],
   )
   return kernel(layer.astype(jnp.int32), lengths.astype(jnp.int32), q, codes, scale_bits, rows)
+
+
+# ----------------------------------------------------------------------------- single pass
+
+def flash_splits(b: int, g: int, t: int, sm_count: int) -> int:
+  """Key splits of `flash`: about 4 programs per SM (a program decodes its tiles without
+  overlapping its own loads, so the SM overlaps programs), at least 4 tiles per split."""
+  want = -(-4 * sm_count // max(b * g, 1))
+  return int(max(1, min(want, t // TILE // 4)))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "splits"))
+def flash(q: jax.Array, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...],
+          lengths: jax.Array, layer: jax.Array, *, scale: float,
+          splits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One pass over the packed cache (flash decoding, `flash_decode`'s online softmax):
+  per split of the keys, float32 (acc [B, G, S, R, H], m [B, G, S, R], l [B, G, S, R]) for
+  `flash_decode.combine`; acc's columns in `column_order(H)`.
+
+  q: bf16 [B, G, R, H] (columns in `column_order(H)`); k, v: (codes [L, B, T, G, H/8] uint32,
+  scale bits [L, B, T, G, H/16] uint8, row scales [L, B, T, G] float32) as `scores` takes K.
+  Program (b, g, s) walks its split's 64-key tiles below the length: K decoded into shared
+  memory, scores [64, 64 keys] = q (rows >= R zero) @ K^T by wgmma (V decoded into registers
+  meanwhile), masked beyond the length, the online softmax in registers (m' = max(m, max s),
+  p = exp(s - m'), l' = l exp(m - m') + sum p), then V stored to shared memory and
+  acc' = acc exp(m - m') + round(p, bf16) @ V by wgmma with p as its A registers. Tiles
+  beyond the length are not read; a split without keys gives acc = 0, m = -inf, l = 0
+  (`combine` weighs it 0)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  b, g, r, h = q.shape
+  t = k[0].shape[2]
+  if not supported(h, r, t, q.dtype):
+    raise ValueError(f"wgmma flash: unsupported shape/dtype {q.shape} {q.dtype}, T={t}")
+  n_tiles = t // TILE
+  per = -(-n_tiles // splits)
+  qp = jnp.pad(q, ((0, 0), (0, 0), (0, TILE - r), (0, 0)))
+  decode = _inline_decode(h, g, masked=True)
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def body(layer_ref, len_ref, q_ref, kc, ks, kr, vc, vs, vr, o_ref, m_ref, l_ref, q_smem,
+           bar):
+    bi, gi, si = (jax.lax.axis_index(n) for n in ("b", "g", "s"))
+    lyr = layer_ref[0]
+    length = len_ref[bi]
+    first = si * per
+    last = jnp.minimum(first + per, (length + TILE - 1) // TILE)
+    plgpu.copy_gmem_to_smem(q_ref.at[bi, gi], q_smem, bar)
+    plgpu.barrier_wait(bar)
+
+    def tile(i, carry, k_smem, v_smem):
+      acc, m, l = carry
+      t0 = pl.multiple_of(i * TILE, TILE)
+      keys, valid = pl.ds(t0, TILE), length - t0
+      # Every warp is past the previous tile's PV wgmma (its acc was read) before K is
+      # overwritten; the barrier in commit_smem makes the stores visible to wgmma.
+      k_smem[...] = decode(kc.at[lyr, bi, keys, gi], ks.at[lyr, bi, keys, gi],
+                           kr.at[lyr, bi, keys, gi], valid)
+      plgpu.commit_smem()
+
+      def qk(acc_ref):  # V's loads and decode overlap the scores' wgmma
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+        v = decode(vc.at[lyr, bi, keys, gi], vs.at[lyr, bi, keys, gi],
+                   vr.at[lyr, bi, keys, gi], valid)
+        return acc_ref[...], v
+
+      s, v = pl.run_scoped(qk, plgpu.ACC((TILE, TILE), jnp.float32))
+      s = s * np.float32(scale)
+      cols = plgpu.broadcasted_iota(jnp.int32, (TILE, TILE), 1, layout=plgpu.Layout.WGMMA)
+      s = jnp.where(cols < valid, s, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      alpha = jnp.exp(m - m_new)
+      p = jnp.exp(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+      v_smem[...] = v
+      plgpu.commit_smem()
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), v_smem)
+
+      return pl.run_state(pv)(plgpu.ACC.init(acc)), m_new, l
+
+    row = plgpu.Layout.WGMMA.reduce(1)
+    init = (plgpu.layout_cast(jnp.zeros((TILE, h), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), row),
+            plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row))
+    acc, m, l = pl.run_scoped(
+        lambda k_smem, v_smem: jax.lax.fori_loop(
+            first, last, functools.partial(tile, k_smem=k_smem, v_smem=v_smem), init),
+        plgpu.SMEM((TILE, h), jnp.bfloat16, transforms=swizzled),
+        plgpu.SMEM((TILE, h), jnp.bfloat16, transforms=swizzled))
+
+    def store(o_smem, m_smem, l_smem):
+      o_smem[...] = acc
+      m_smem[...] = m
+      l_smem[...] = l
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, r)], o_ref.at[bi, gi, si])
+      plgpu.copy_smem_to_gmem(m_smem.at[pl.ds(0, r)], m_ref.at[bi, gi, si])
+      plgpu.copy_smem_to_gmem(l_smem.at[pl.ds(0, r)], l_ref.at[bi, gi, si])
+      plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, plgpu.SMEM((TILE, h), jnp.float32), plgpu.SMEM((TILE,), jnp.float32),
+                  plgpu.SMEM((TILE,), jnp.float32))
+
+  stats = jax.ShapeDtypeStruct((b, g, splits, r), jnp.float32)
+  kernel = plgpu.kernel(
+      body, out_type=(jax.ShapeDtypeStruct((b, g, splits, r, h), jnp.float32), stats, stats),
+      grid=(b, g, splits), grid_names=("b", "g", "s"),
+      kernel_name="decode_attention_flash_wgmma",
+      scratch_types=[plgpu.SMEM((TILE, h), jnp.bfloat16, transforms=swizzled),
+                     plgpu.Barrier(num_arrivals=1)],
+  )
+  return kernel(layer.astype(jnp.int32), lengths.astype(jnp.int32), qp, *k, *v)
