@@ -34,6 +34,9 @@ flags.DEFINE_bool("sweep", False, "time the kernels' tile configs, report the be
                   flag_values=FLAGS)
 flags.DEFINE_bool("ragged", False, "also time moe_impl=ragged_dot (large temporaries)",
                   flag_values=FLAGS)
+flags.DEFINE_bool("mgpu", True, "on the GPU, also time JAX's Mosaic GPU grouped GEMMs "
+                  "(jax.experimental.pallas.ops.gpu ragged_dot / transposed_ragged_dot)",
+                  flag_values=FLAGS)
 flags.DEFINE_integer("reps", 0, "timing samples (0: 10 on GPU, 1 otherwise)", flag_values=FLAGS)
 flags.DEFINE_string("json_out", "", "write results as JSON here", flag_values=FLAGS)
 
@@ -48,6 +51,13 @@ _WG_CONFIGS = [dict(), dict(block_m=64, block_n=128, block_k=128, num_warps=8, n
                dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
                dict(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3),
                dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)]
+
+# JAX's Mosaic GPU grouped GEMMs: (block_m, block_n, block_k, max_concurrent_steps,
+# grid_block_n) as its own sweep names them; the first is the default.
+_MGPU_CONFIGS = [dict(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=s,
+                      grid_block_n=gb)
+                 for bm, bn, s, gb in ((128, 128, 4, 1), (128, 256, 4, 1), (64, 128, 4, 2),
+                                       (128, 128, 5, 4), (192, 128, 4, 1))]
 
 
 def _rel_err(got, want) -> float:
@@ -83,6 +93,22 @@ def _best_config(name: str, pname: str, make, args, want, configs, timer, flops:
           f"kernel_{pname}_rel_err": err, f"kernel_{pname}_config": cfg}
 
 
+def _mgpu_passes(gs, x, w, dy, want) -> dict:
+  """JAX's own Mosaic GPU grouped GEMMs (`jax.experimental.pallas.ops.gpu`: `ragged_dot` with
+  TMA loads and wgmma, `transposed_ragged_dot` for the weight gradient), as passes beside
+  ours: mgpu_fprop, mgpu_dgrad, mgpu_wgrad."""
+  import jax
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+  rd = lambda t: lambda c: jax.jit(lambda a, b: ragged_dot_mgpu.ragged_dot(
+      a, b, group_sizes=gs, transpose_rhs=t, **c))
+  wg = lambda c: jax.jit(lambda a, b: transposed_ragged_dot_mgpu.transposed_ragged_dot(
+      a, b, group_sizes=gs, **c))
+  return {"mgpu_fprop": (rd(True), (x, w), want[0], _MGPU_CONFIGS),
+          "mgpu_dgrad": (rd(False), (dy, w), want[1], _MGPU_CONFIGS),
+          "mgpu_wgrad": (wg, (dy, x), want[2], _MGPU_CONFIGS)}
+
+
 def _projection(name: str, kk: int, nn: int, gs, rng, timer, peak: float, sweep: bool) -> dict:
   """One projection [m, kk] x [e, nn, kk]: each kernel pass (its best config) and the fwd+bwd
   of every `moe_impl`, as a row of the JSON."""
@@ -116,6 +142,8 @@ def _projection(name: str, kk: int, nn: int, gs, rng, timer, peak: float, sweep:
       "wgrad": (lambda c: jax.jit(lambda a, b: gg.grouped_wgrad(a, b, gs, **c)), (dy, x),
                 tiled_out[2], _WG_CONFIGS),
   }
+  if FLAGS.mgpu and jax.default_backend() == "gpu":
+    passes.update(_mgpu_passes(gs, x, w, dy, tiled_out))
   for pname, (make, args, want, configs) in passes.items():
     row.update(_best_config(name, pname, make, args, want,
                             configs if sweep else configs[:1], timer, flops, peak))
