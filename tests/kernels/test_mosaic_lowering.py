@@ -1,0 +1,99 @@
+"""The Mosaic GPU kernels (`wgmma_attention`: scores, PV, flash; `wgmma_moe`) lower for CUDA on
+this CPU: the Pallas program of each kernel (its shapes, layouts, wgmma operands, shared-memory
+refs, loops, reductions) goes through Pallas's Mosaic GPU lowering without a GPU. What needs
+the GPU (PTX compilation, the values) is tested there (test_decode_attention, test_fp4_moe).
+
+A jax without `mosaic.gpu.utils.inline_ptx` (this machine's 0.10; the GPU image has 0.11) gets a
+stand-in for the lowering only: each inline PTX statement becomes constants of its result
+types, and an `inline_mgpu` function's empty result is given as None, as that jax expects."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from trace_jax.kernels import wgmma_attention, wgmma_decode, wgmma_moe
+
+SDS = jax.ShapeDtypeStruct
+
+
+def _stub_inline_ptx(asm, *args, result_types=None):
+  """Constants of the result types in place of an inline PTX statement."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm
+
+  def const(ty):
+    if isinstance(ty, ir.IntegerType):
+      return arith.constant(ty, 0)
+    if isinstance(ty, ir.F32Type):
+      return arith.constant(ty, 0.0)
+    return llvm.mlir_undef(ty)
+
+  del asm, args
+  if result_types is None:
+    return None
+  if isinstance(result_types, (list, tuple)):
+    return [const(t) for t in result_types]
+  return const(result_types)
+
+
+@pytest.fixture
+def lowering(monkeypatch):
+  """lower(fn, *shapes) -> the StableHLO text of fn lowered for CUDA."""
+  if not wgmma_decode.available():
+    from jax.experimental.mosaic.gpu import utils as mu
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    monkeypatch.setattr(mu, "inline_ptx", _stub_inline_ptx, raising=False)
+    inline_mgpu = plgpu.inline_mgpu
+
+    def inline_mgpu_none_for_empty(**kwargs):
+      def wrap(fn):
+        def fn2(*a):
+          out = fn(*a)
+          return None if isinstance(out, tuple) and not out else out
+        return inline_mgpu(**kwargs)(fn2)
+      return wrap
+
+    monkeypatch.setattr(plgpu, "inline_mgpu", inline_mgpu_none_for_empty)
+
+  def lower(fn, *shapes):
+    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+  return lower
+
+
+B, G, R, H, T, L = 2, 2, 8, 128, 256, 2
+Q = SDS((B, G, R, H), jnp.bfloat16)
+KV = (SDS((L, B, T, G, H // 8), jnp.uint32), SDS((L, B, T, G, H // 16), jnp.uint8),
+      SDS((L, B, T, G), jnp.float32))
+LENGTHS, LAYER = SDS((B,), jnp.int32), SDS((1,), jnp.int32)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["one_split", "three_splits"])
+def test_flash_lowers(lowering, splits):
+  text = lowering(lambda q, k, v, n, y: wgmma_attention.flash(q, k, v, n, y, scale=0.088,
+                                                              splits=splits),
+                  Q, KV, KV, LENGTHS, LAYER)
+  assert "decode_attention_flash_wgmma" in text
+  out = jax.eval_shape(lambda q, k, v, n, y: wgmma_attention.flash(
+      q, k, v, n, y, scale=0.088, splits=splits), Q, KV, KV, LENGTHS, LAYER)
+  assert [o.shape for o in out] == [(B, G, splits, R, H), (B, G, splits, R), (B, G, splits, R)]
+
+
+def test_scores_and_pv_lower(lowering):
+  text = lowering(lambda q, *a: wgmma_attention.scores(q, *a, scale=0.088), Q, *KV, LENGTHS,
+                  LAYER)
+  assert "decode_attention_scores_wgmma" in text
+  probs = SDS((B, G, R, T), jnp.bfloat16)
+  assert "decode_attention_pv_wgmma" in lowering(wgmma_attention.pv, probs, *KV, LENGTHS, LAYER)
+
+
+def test_wgmma_moe_lowers(lowering):
+  m, e, n, k = 64, 4, 128, 256
+  text = lowering(lambda *a: wgmma_moe.grouped_matmul(*a, rows=16),
+                  SDS((m, k), jnp.bfloat16), SDS((L, e, n, k // 16, 2), jnp.uint32),
+                  SDS((L, e, n, k // 16), jnp.float8_e4m3fn), SDS((L, e), jnp.float32),
+                  SDS((e,), jnp.int32), SDS((), jnp.int32))
+  assert "grouped_matmul_fp4_wgmma" in text
