@@ -29,8 +29,9 @@ Limits (checked by `supported`): bf16, head_dim a multiple of 128, R = 8 (the sc
 a context that is a multiple of the 64-key tile, the fast table (exact for every row scale the
 quantizer makes: `fp4_decode.tensor_scale_factors`' `fast`, tested), GPU only (no interpret
 mode: the decode is inline PTX; `tests/kernels/test_wgmma_attention.py` rebuilds the
-registers on CPU). Scores of keys at or beyond a sequence's length are computed like any other
-(the softmax masks them); PV decodes those V rows as zeros; tiles wholly beyond it are skipped.
+registers on CPU and `test_mosaic_lowering.py` lowers the kernels there). Scores of keys at or
+beyond a sequence's length are computed like any other (the softmax masks them); PV decodes
+those V rows as zeros; tiles wholly beyond it are skipped.
 wgmma reads its A registers while in flight: PV waits for the previous tile's wgmma before it
 makes the next tile's registers (without that its outputs were wrong on the H200).
 """
