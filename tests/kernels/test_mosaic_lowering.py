@@ -97,3 +97,16 @@ def test_wgmma_moe_lowers(lowering):
                   SDS((L, e, n, k // 16), jnp.float8_e4m3fn), SDS((L, e), jnp.float32),
                   SDS((e,), jnp.int32), SDS((), jnp.int32))
   assert "grouped_matmul_fp4_wgmma" in text
+
+
+def test_mgpu_grouped_matmul_lowers(lowering):
+  """moe_impl="mgpu": JAX's Mosaic GPU grouped GEMM, forward and DGrad."""
+  from trace_jax.model import grouped
+
+  m, k, n, e = 1024, 256, 256, 4
+  shapes = (SDS((m, k), jnp.bfloat16), SDS((e, n, k), jnp.bfloat16), SDS((e,), jnp.int32))
+  fwd = lambda x, w, gs: grouped.grouped_matmul(x, w, gs, "mgpu")
+  dgrad = lambda x, w, gs: jax.vjp(lambda a: fwd(a, w, gs), x)[1](
+      jnp.ones((m, n), jnp.bfloat16))[0]
+  for fn in (fwd, dgrad):
+    assert "mosaic" in lowering(fn, *shapes).lower()

@@ -91,6 +91,9 @@ def _moe_reference(x, router, gate, up, down, k, norm):
 @pytest.mark.parametrize("norm_topk_prob", [pytest.param(True, id="norm_topk"),
                                             pytest.param(False, id="raw_topk")])
 def test_moe_matches_numpy(norm_topk_prob, moe_impl):
+  if moe_impl == "mgpu":
+    pytest.skip("moe_impl='mgpu' runs bf16 on a Hopper GPU only (its lowering: "
+                "tests/kernels/test_mosaic_lowering.py)")
   config = CONFIG.replace(norm_topk_prob=norm_topk_prob, moe_impl=moe_impl)
   model = nnx.merge(M.graphdef(config), scaled_params(config, 1))
   moe = model.layers[0].moe

@@ -41,6 +41,8 @@ docs/benchmarks.md). (-) where the plan has the packed cache and the site kernel
 kernels per 8-layer step (+0.2-0.5% tokens/s on the H100). (+) for bf16 compute with head_dim
 a multiple of 8 up to 128 (cuDNN's fused attention). "fp4_codes" is "words" on any GPU with
 Triton's inline assembly.
+moe_impl "mgpu" (opt-in, bf16 on Hopper) takes JAX's own Mosaic GPU grouped GEMM
+(`model.grouped`) for the forward and DGrad.
 "auto" falls back to the reference where the shapes or the forward rule a kernel out (e.g.
 decode_impl "xla" under MXFP4 forwards, moe_impl "tiled" for widths not multiples of 16).
 Where the code runs each choice: `model.grouped` (moe_impl), `kernels.fp4_moe` (decode_impl,
@@ -93,7 +95,7 @@ from trace_jax.kernels import fp4_decode, wgmma_decode
 AUTO = "auto"
 # field -> its choices, the reference (XLA) implementation first.
 FIELDS: dict[str, tuple[str, ...]] = {
-    "moe_impl": ("tiled", "ragged_dot", "kernel"),
+    "moe_impl": ("tiled", "ragged_dot", "kernel", "mgpu"),
     "decode_impl": ("xla", "kernel"),
     "decode_moe_kernel": ("triton", "wgmma"),
     "fp4_codes": ("bytes", "words"),
