@@ -445,6 +445,7 @@ def flash(q: jax.Array, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...],
         plgpu.SMEM((TILE, h), jnp.bfloat16, transforms=swizzled))
 
     def store(o_smem, m_smem, l_smem):
+      plgpu.commit_smem()  # every warp past the last PV wgmma: o_smem may reuse V's buffer
       o_smem[...] = acc
       m_smem[...] = m
       l_smem[...] = l
