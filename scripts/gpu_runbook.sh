@@ -12,13 +12,13 @@
 #               128 + 128), the 60 GB fixed-memory cases at 8k and 32k contexts (36 GB on a
 #               GPU of less than 100 GB), and batch 64 at 32k context
 #               (`experiments.bench.rollout`'s GPU preset)
-#   attention   the decode attention without scores in memory (one pass, online softmax:
-#               `decode_attention="fused"`, and "wgmma_flash" over the packed cache) against
-#               the exact pair (Triton, wgmma): the kernels at 8k (batch 64 and 256) and 32k
-#               (batch 64) contexts (and the fused kernel with 128-key blocks)
+#   attention   the decode attention without scores in memory (`decode_attention="fused"`, one
+#               pass, online softmax) against the exact pair (Triton, wgmma): the kernels at 8k
+#               (batch 64 and 256) and 32k (batch 64) contexts (and the fused kernel with
+#               128-key blocks)
 #   attention_budget  the 8k fixed-memory decode (bf16, fp4_rtn) with the plan's decode
-#               attention (bf16: fused, FP4: wgmma), the Triton pair and wgmma_flash (over
-#               the packed cache), one process per impl
+#               attention (bf16: fused, FP4: wgmma), the Triton pair and the fused kernel,
+#               one process per impl
 #   kv_write    the k/v sites written into the packed KV cache by one kernel
 #               (`kv_write="kernel"`, `kernels.kv_append`, the plan's on Hopper): its tests on
 #               the GPU (bit for bit against the site kernel and XLA's scatters), then the
@@ -120,8 +120,7 @@ step_rollout() {
 
 step_attention() {
   local t=${T_ATTENTION:-420}
-  local impls=kernel_bf16,kernel_packed,kernel_packed_wgmma,kernel_packed_wgmma_flash
-  impls+=,kernel_bf16_fused,kernel_packed_fused
+  local impls=kernel_bf16,kernel_packed,kernel_packed_wgmma,kernel_bf16_fused,kernel_packed_fused
   TAIL=30 run attention_kernels "$((t * 4 / 9))" python3 -m experiments.bench.decode_attention \
     --contexts=8192 --batches=64,256 --decoder_check=false --impls="$impls" \
     --json_out="$OUT/attention_kernels.json"
@@ -137,7 +136,7 @@ step_attention() {
 step_attention_budget() {
   local t=${T_ATTENTION_BUDGET:-540} budget=(--budget_gb=60) impl name
   small_gpu && budget=(--budget_gb=36)
-  for impl in kernel+unroll4 kernel+unroll4+attntriton kernel+unroll4+attnwgmmaflash; do
+  for impl in kernel+unroll4 kernel+unroll4+attntriton kernel+unroll4+attnfused; do
     name=attention_budget_${impl##*+}
     TAIL=20 run "$name" "$((t / 3))" python3 -m experiments.bench.rollout --impls="$impl" \
       --budget_impl="$impl" --cases=none --budget_context=8192 --budget_policies=bf16,fp4_rtn \

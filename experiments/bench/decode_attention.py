@@ -17,8 +17,6 @@ Per case (context T, batch B; every sequence at full length T, one query token e
                       plan's `decode_attention="wgmma"` where B x G fills the SMs)
   kernel_packed_wgmma_scores  the wgmma scores with the Triton PV kernel (the plan's choice
                       where B x G gives fewer PV programs than SMs)
-  kernel_packed_wgmma_flash  `wgmma_attention.flash`: one pass with wgmma over the packed
-                      cache (online softmax, no scores in memory; GPU only)
   kernel_bf16_fused / kernel_packed_fused  `flash_decode`'s single kernel (scores, online
                       softmax and PV in one pass: no scores in memory;
                       `AttentionConfig(impl="fused")`, the plan's `decode_attention="fused"`)
@@ -91,15 +89,13 @@ PRESETS = {
 }
 IMPLS = ("xla_bf16", "xla_fq_bf16", "xla_packed_dequant", "kernel_bf16", "kernel_packed",
          "kernel_packed_bits", "kernel_packed_wgmma", "kernel_packed_wgmma_scores",
-         "kernel_packed_wgmma_flash", "kernel_bf16_fused", "kernel_packed_fused")
-GPU_ONLY = ("kernel_packed_wgmma", "kernel_packed_wgmma_scores",  # Mosaic GPU + inline PTX
-            "kernel_packed_wgmma_flash")
+         "kernel_bf16_fused", "kernel_packed_fused")
+GPU_ONLY = ("kernel_packed_wgmma", "kernel_packed_wgmma_scores")  # Mosaic GPU + inline PTX
 COPY = "copy"
 # The cache each path reads, and the contract its output is checked against.
 CACHE_OF = {"xla_bf16": "bf16", "xla_fq_bf16": "fq_bf16", "xla_packed_dequant": "packed",
             "kernel_bf16": "bf16", "kernel_packed": "packed", "kernel_packed_bits": "packed_bytes",
             "kernel_packed_wgmma": "packed", "kernel_packed_wgmma_scores": "packed",
-            "kernel_packed_wgmma_flash": "packed",
             "kernel_bf16_fused": "bf16", "kernel_packed_fused": "packed"}
 
 
@@ -187,7 +183,6 @@ def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int,
           "kernel_bf16": kernel("triton"), "kernel_packed": kernel("triton"),
           "kernel_packed_bits": kernel("triton"), "kernel_packed_wgmma": kernel("wgmma"),
           "kernel_packed_wgmma_scores": kernel("wgmma_scores"),
-          "kernel_packed_wgmma_flash": kernel("wgmma_flash"),
           "kernel_bf16_fused": kernel("fused"), "kernel_packed_fused": kernel("fused")}
 
 

@@ -24,9 +24,8 @@ decode over XLA's, and an impl with options over the plain one (`--impls=kernel,
 the layer scans two layers per iteration, `ModelConfig.scan_unroll`; `+unrolled`: every layer
 compiled apart; `+sync4`: the decode loop's condition checked once per 4 steps,
 `ModelConfig.decode_steps_per_sync`; `+moetriton` / `+moewgmma`: the packed experts' kernel,
-`ModelConfig.decode_moe_kernel`; `+attnfused` / `+attntriton` / `+attnwgmma` /
-`+attnwgmmaflash`: the decode attention, `ModelConfig.decode_attention`, "fused" and
-"wgmma_flash" the single-pass kernels; `+kvappend` /
+`ModelConfig.decode_moe_kernel`; `+attnfused` / `+attntriton` / `+attnwgmma`: the decode
+attention, `ModelConfig.decode_attention`, "fused" the single-pass kernel; `+kvappend` /
 `+kvxla`: the k/v sites written into the packed cache by one kernel or by the site kernel and
 XLA's scatters, `ModelConfig.kv_write`), and fp4_trace over fp4_rtn per impl. Every case's
 config states its kernel plan (`trace_jax.model.plan`); the fields an entry does not set are the
@@ -104,9 +103,9 @@ flags.DEFINE_list("impls", ["xla", "kernel"],
                   "decode_impl values (and fp8_gemm's, for fp8_unified), each optionally with "
                   "`+unrolled` (scan_layers=False), `+unroll<N>` (scan_unroll=N) and "
                   "`+sync<N>` (decode_steps_per_sync=N), `+moetriton` / `+moewgmma` "
-                  "(decode_moe_kernel), `+attnfused` / `+attntriton` / `+attnwgmma` / "
-                  "`+attnwgmmaflash` (decode_attention), `+kvappend` / `+kvxla` (kv_write), "
-                  "timed beside the plain impl; "
+                  "(decode_moe_kernel), `+attnfused` / `+attntriton` / `+attnwgmma` "
+                  "(decode_attention), `+kvappend` / `+kvxla` (kv_write), timed beside the "
+                  "plain impl; "
                   "\"kernel_bytes\": "
                   "decode_impl kernel with packed NVFP4 codes held as bytes instead of words "
                   "(fp4_codes=\"bytes\"), for the side-by-side ratio.",
@@ -170,8 +169,8 @@ def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
   decodes with "kernel" and fp4_codes="bytes"; `+unrolled` sets scan_layers=False,
   `+unroll<N>` scan_unroll=N,
   `+sync<N>` decode_steps_per_sync=N, `+moetriton` / `+moewgmma` decode_moe_kernel,
-  `+attnfused` / `+attntriton` / `+attnwgmma` / `+attnwgmmaflash` decode_attention,
-  `+kvappend` / `+kvxla` kv_write "kernel" / "xla"."""
+  `+attnfused` / `+attntriton` / `+attnwgmma` decode_attention, `+kvappend` / `+kvxla`
+  kv_write "kernel" / "xla"."""
   from trace_jax.model.config import DECODE_IMPLS
 
   base, *mods = impl.split("+")
@@ -189,14 +188,14 @@ def impl_options(impl: str) -> tuple[str, dict[str, Any]]:
       fields["decode_steps_per_sync"] = int(mod[4:])
     elif mod in ("moetriton", "moewgmma"):
       fields["decode_moe_kernel"] = mod[3:]
-    elif mod in ("attnfused", "attntriton", "attnwgmma", "attnwgmmaflash"):
-      fields["decode_attention"] = {"wgmmaflash": "wgmma_flash"}.get(mod[4:], mod[4:])
+    elif mod in ("attnfused", "attntriton", "attnwgmma"):
+      fields["decode_attention"] = mod[4:]
     elif mod in ("kvappend", "kvxla"):
       fields["kv_write"] = "kernel" if mod == "kvappend" else "xla"
     else:
       raise ValueError(f"--impls entry {impl!r}: options are +unrolled, +unroll<N>, "
                        f"+sync<N> (N >= 1), +moetriton, +moewgmma, +attnfused, +attntriton, "
-                       f"+attnwgmma, +attnwgmmaflash, +kvappend and +kvxla, got +{mod}")
+                       f"+attnwgmma, +kvappend and +kvxla, got +{mod}")
   return decode_impl, fields
 
 

@@ -205,20 +205,16 @@ PACKED_VARIANTS = {"packed": (None, {}), "packed_words": (True, {}),
                    "packed_words_exact": (True, {"table": "exact"}),
                    "packed_bits": (False, {}),
                    "packed_wgmma": (True, {"impl": "wgmma"}),
-                   "packed_wgmma_scores": (True, {"impl": "wgmma_scores"}),
-                   "packed_wgmma_flash": (True, {"impl": "wgmma_flash"})}
-# GPU only (Mosaic GPU, inline PTX)
-WGMMA_KINDS = ("packed_wgmma", "packed_wgmma_scores", "packed_wgmma_flash")
+                   "packed_wgmma_scores": (True, {"impl": "wgmma_scores"})}
+WGMMA_KINDS = ("packed_wgmma", "packed_wgmma_scores")  # GPU only (Mosaic GPU, inline PTX)
 KERNEL_CASES = [(name, kind) for name in ATTN_CASES for kind in ("bf16", "packed",
                                                                    "packed_words")] + [
     ("full_r8", "packed_bits"), ("full_r8", "packed_words_exact"),
     ("len1_r4", "packed_words_exact"), ("mixed_lengths_r2_split3", "packed_words_exact")] + [
-    (name, kind) for name in ("full_r8", "mixed_r8") for kind in WGMMA_KINDS] + [
-    ("split_r8", "packed_wgmma_flash")]
+    (name, kind) for name in ("full_r8", "mixed_r8") for kind in WGMMA_KINDS]
 # R = 8 and head_dim 128, the wgmma kernels' shape (GPU only): lengths 1 and mid-tile (rows
 # from the pool: B x T x G <= POOL).
-ATTN_CASES_GPU = {"mixed_r8": (2, 128, 4, 32, 128, [1, 70], 64, 1),
-                  "split_r8": (1, 512, 2, 16, 128, [500], 64, 3)}
+ATTN_CASES_GPU = {"mixed_r8": (2, 128, 4, 32, 128, [1, 70], 64, 1)}
 
 
 @pytest.mark.parametrize("name,kind", KERNEL_CASES, ids=[f"{n}-{k}" for n, k in KERNEL_CASES])
@@ -250,8 +246,7 @@ def test_kernel_matches_reference(name, kind):
     np.testing.assert_array_equal(np.asarray(out)[bi].astype(np.float32), want)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "packed", "packed_words", "packed_wgmma",
-                                  "packed_wgmma_flash"])
+@pytest.mark.parametrize("kind", ["bf16", "packed", "packed_words", "packed_wgmma"])
 def test_stacked_layer_is_read_in_place(kind):
   """A stack of layers [L, ...] read at a (traced) layer gives that layer's result bit for bit,
   and the other layers' rows (NaN here) never reach it."""

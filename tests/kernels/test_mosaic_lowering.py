@@ -1,7 +1,8 @@
-"""The Mosaic GPU kernels (`wgmma_attention`: scores, PV, flash; `wgmma_moe`) lower for CUDA on
-this CPU: the Pallas program of each kernel (its shapes, layouts, wgmma operands, shared-memory
-refs, loops, reductions) goes through Pallas's Mosaic GPU lowering without a GPU. What needs
-the GPU (PTX compilation, the values) is tested there (test_decode_attention, test_fp4_moe).
+"""The Mosaic GPU kernels (`wgmma_attention`: scores and PV; `wgmma_moe`; JAX's grouped GEMM
+of moe_impl "mgpu") lower for CUDA on this CPU: the Pallas program of each kernel (its shapes,
+layouts, wgmma operands, shared-memory refs, loops, reductions) goes through Pallas's Mosaic
+GPU lowering without a GPU. What needs the GPU (PTX compilation, the values) is tested there
+(test_decode_attention, test_fp4_moe, test_grouped).
 
 A jax without `mosaic.gpu.utils.inline_ptx` (this machine's 0.10; the GPU image has 0.11) gets a
 stand-in for the lowering only: each inline PTX statement becomes constants of its result
@@ -69,17 +70,6 @@ Q = SDS((B, G, R, H), jnp.bfloat16)
 KV = (SDS((L, B, T, G, H // 8), jnp.uint32), SDS((L, B, T, G, H // 16), jnp.uint8),
       SDS((L, B, T, G), jnp.float32))
 LENGTHS, LAYER = SDS((B,), jnp.int32), SDS((1,), jnp.int32)
-
-
-@pytest.mark.parametrize("splits", [1, 3], ids=["one_split", "three_splits"])
-def test_flash_lowers(lowering, splits):
-  text = lowering(lambda q, k, v, n, y: wgmma_attention.flash(q, k, v, n, y, scale=0.088,
-                                                              splits=splits),
-                  Q, KV, KV, LENGTHS, LAYER)
-  assert "decode_attention_flash_wgmma" in text
-  out = jax.eval_shape(lambda q, k, v, n, y: wgmma_attention.flash(
-      q, k, v, n, y, scale=0.088, splits=splits), Q, KV, KV, LENGTHS, LAYER)
-  assert [o.shape for o in out] == [(B, G, splits, R, H), (B, G, splits, R), (B, G, splits, R)]
 
 
 def test_scores_and_pv_lower(lowering):

@@ -137,7 +137,7 @@ def test_decode_attention_refuses_wgmma_where_it_cannot_run():
   q = jnp.zeros((b, n, h), jnp.bfloat16)
   cache = kv_cache.init_packed_cache(b, t, g, h, words=True)
   lengths = jnp.full((b,), t, jnp.int32)
-  for impl in ("wgmma", "wgmma_scores", "wgmma_flash"):
+  for impl in ("wgmma", "wgmma_scores"):
     with pytest.raises(ValueError, match="needs a packed cache of code words on the GPU"):
       da.decode_attention(q, cache, lengths,
                           config=da.AttentionConfig(interpret=True, impl=impl))
@@ -149,16 +149,6 @@ def test_decode_attention_refuses_wgmma_where_it_cannot_run():
   # where the kernels do not run, the model's choice for a call is the Triton pair
   assert da.wgmma_impl(q, cache, interpret=True) == "triton"
   assert da.wgmma_impl(q, cache.as_bytes()) == "triton"
-
-
-@pytest.mark.parametrize("b, g, t, want", [
-    pytest.param(64, 4, 8192, 3, id="batch64_8k"),  # 768 programs on 132 SMs
-    pytest.param(256, 4, 8192, 1, id="batch256_8k"),  # 1024 programs already
-    pytest.param(1, 4, 8192, 32, id="batch1_8k_four_tiles_each"),
-    pytest.param(1, 1, 128, 1, id="two_tiles"),
-])
-def test_flash_splits_fill_the_sms_with_at_least_four_tiles_each(b, g, t, want):
-  assert wgmma_attention.flash_splits(b, g, t, sm_count=132) == want
 
 
 @pytest.mark.parametrize("half", [0, 1], ids=["low_scale_byte", "high_scale_byte"])

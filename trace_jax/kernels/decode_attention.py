@@ -73,8 +73,8 @@ from trace_jax.kernels.kv_cache import PackedKVCache, dequantize
 from trace_jax.quant import formats
 
 BF16Cache = tuple[jax.Array, jax.Array]
-IMPLS = ("triton", "wgmma", "wgmma_scores", "wgmma_flash", "fused")  # `AttentionConfig.impl`
-WGMMA_IMPLS = ("wgmma", "wgmma_scores", "wgmma_flash")
+IMPLS = ("triton", "wgmma", "wgmma_scores", "fused")  # `AttentionConfig.impl`
+WGMMA_IMPLS = ("wgmma", "wgmma_scores")
 MIN_ROWS = kv_tiles.MIN_ROWS
 DEFAULT_BLOCK_T = 64
 SM_COUNT = 132  # an H100/H200's; the caller passes its device's (the kernel plan's sm_count)
@@ -89,9 +89,6 @@ class AttentionConfig:
     the scores, V into shared memory for the PV sum, with the fast table, exact for every row
     scale the quantizer makes) or "wgmma_scores" (the wgmma scores with the Triton PV kernel's
     key splits, for fewer PV programs than SMs); `wgmma_impl` picks between them for a call;
-    "wgmma_flash": `wgmma_attention.flash`, one pass over the packed cache with wgmma (K and
-    V decoded into shared memory, `flash_decode`'s online softmax in registers; key splits
-    `wgmma_attention.flash_splits` unless num_splits is given);
     "fused": `flash_decode`'s single kernel (online softmax, no scores in memory; not
     `attend`'s bits: its module docstring), with `block_t`, `num_splits` and the launch
     parameters as the Triton pair's.
@@ -249,8 +246,6 @@ def _decode_attention(q, cache, lengths, layer, *, config: AttentionConfig, num_
   t = ks[0].shape[2]
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
-  if config.impl == "wgmma_flash":
-    return _wgmma_flash(q, ks, vs, lengths, lyr, num_splits)
   if config.impl == "fused":
     return flash_decode.attention(q, ks, vs, lengths, lyr, packed=packed, block_t=config.block_t,
                                   num_splits=num_splits, table=config.table,
@@ -265,22 +260,6 @@ def _decode_attention(q, cache, lengths, layer, *, config: AttentionConfig, num_
   out = _pv(probs, vs, lengths, lyr, h, packed=packed, config=config, num_splits=num_splits,
             interpret=interpret)
   return out.reshape(b, n, h)
-
-
-def _wgmma_flash(q, ks, vs, lengths, lyr, num_splits: int) -> jax.Array:
-  """[B, N, H]: `wgmma_attention.flash`'s splits combined by `flash_decode.combine`, q's
-  columns put in the decode's order and the output's put back."""
-  b, n, h = q.shape
-  g = ks[0].shape[3]
-  order = wgmma_decode.column_order(h)
-  words = lambda c: c.reshape(c.shape[:4] + (h // 8,))
-  qw = jnp.take(q.reshape(b, g, n // g, h), order, axis=-1)
-  n_tiles = ks[0].shape[2] // wgmma_decode.TILE
-  acc, m, l = wgmma_attention.flash(
-      qw, (words(ks[0]), *ks[1:]), (words(vs[0]), *vs[1:]), lengths, lyr,
-      scale=float(attention_math.score_scale(h)), splits=max(1, min(num_splits, n_tiles)))
-  out = flash_decode.combine(acc, m, l, q.dtype)
-  return jnp.take(out, np.argsort(order), axis=-1).reshape(b, n, h)
 
 
 def wgmma_impl(q: jax.Array, cache: PackedKVCache | BF16Cache, *,
@@ -356,9 +335,7 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   if packed:
     kv_tiles.check_words(cache.words, q.dtype, bool(interpret))
   num_splits = config.num_splits
-  if num_splits is None and config.impl == "wgmma_flash":
-    num_splits = wgmma_attention.flash_splits(b, g, t, config.sm_count)
-  elif num_splits is None:
+  if num_splits is None:
     num_splits = default_num_splits(b, g, -(-t // config.block_t), config.sm_count)
   if config.impl in WGMMA_IMPLS:
     if config.table == "exact":

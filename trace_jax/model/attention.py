@@ -152,16 +152,14 @@ def _decode_kernel_attention(plan: KernelPlan, q: jax.Array, cache: Any, positio
                              i: jax.Array | None) -> jax.Array:
   """One-token decode: the decode-attention kernels (the plan's) read this layer's cache in
   place in the run's stack: "triton"/"wgmma" with `attend`'s scores and probabilities, "fused"
-  and "wgmma_flash" in one pass (online softmax). On a mesh each device attends for its own
-  sequences (`batch_local`)."""
+  in one pass (online softmax). On a mesh each device attends for its own sequences
+  (`batch_local`)."""
   b = q.shape[0]
 
   def attn(q1, c, lens, j):
     impl = "fused" if plan.decode_attention == "fused" else "triton"
-    if plan.decode_attention in ("wgmma", "wgmma_flash"):  # the plan's kernels where they run
+    if plan.decode_attention == "wgmma":  # the plan's kernels where they run
       impl = decode_attention.wgmma_impl(q1, c, layer=j, sm_count=plan.sm_count)
-      if impl != "triton" and plan.decode_attention == "wgmma_flash":
-        impl = "wgmma_flash"
     config = decode_attention.AttentionConfig(impl=impl, sm_count=plan.sm_count)
     return decode_attention.decode_attention(q1, c, lens, layer=j, config=config)
 

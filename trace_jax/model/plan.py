@@ -62,8 +62,7 @@ even on CPU; "triton" and "wgmma" keep `attend`'s probabilities. On the GPU the 
 attention is cuDNN's, which also rounds unnormalized probabilities per key block: there the
 fused kernel agreed with the trainer better than the exact pair (fp4_trace's |dlogp| 0.0076
 against 0.0105 on the H100, docs/benchmarks.md), so forcing it over the packed cache trades
-speed for a smaller mismatch. "wgmma_flash" (`kernels.wgmma_attention.flash`, opt-in) is the
-same single pass with wgmma over the packed cache, K and V decoded as the pair decodes them.
+speed for a smaller mismatch.
 
 (!) "unrolled" compiles each layer of a training forward apart: on the H100 the scan's stacking,
 slicing and carried copies took 27 of the BF16 training step's 89 ms at Qwen3 layer width
@@ -99,7 +98,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "decode_impl": ("xla", "kernel"),
     "decode_moe_kernel": ("triton", "wgmma"),
     "fp4_codes": ("bytes", "words"),
-    "decode_attention": ("triton", "wgmma", "wgmma_flash", "fused"),
+    "decode_attention": ("triton", "wgmma", "fused"),
     "kv_cache": ("dense", "packed"),
     "nvfp4_sites": ("xla", "kernel"),
     "kv_write": ("xla", "kernel"),
