@@ -127,6 +127,40 @@ def test_kernel_impl_and_its_gradients_match_ragged_dot(dtype):
                                rtol=tol, atol=tol)
 
 
+def test_mgpu_impl_sends_float32_rows_to_the_kernel():
+  """moe_impl="mgpu" is wgmma's bf16/f16: float32 rows (e.g. dequantized FP8) take "kernel"."""
+  rng = np.random.default_rng(3)
+  sizes = jnp.asarray((9, 0, 30, 1, 0, 17, 3, 4), jnp.int32)
+  x = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((8, 48, 32)), jnp.float32)
+  np.testing.assert_array_equal(grouped.grouped_matmul(x, w, sizes, "mgpu"),
+                                grouped.grouped_matmul(x, w, sizes, "kernel"))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="moe_impl='mgpu' runs on a Hopper "
+                    "GPU only (its CPU coverage: tests/kernels/test_mosaic_lowering.py)")
+def test_mgpu_impl_and_its_gradients_match_the_kernel_s():
+  """JAX's Mosaic GPU grouped GEMM through its custom VJP, bf16, with rows past the groups'
+  sum (expert parallelism's case): those come out zero and get no gradient."""
+  rng = np.random.default_rng(4)
+  sizes = jnp.asarray((9, 0, 30, 1, 0, 17, 3, 4), jnp.int32)  # 64 of 96 rows
+  x = jnp.asarray(rng.standard_normal((96, 128)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((8, 192, 128)), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((96, 192)), jnp.bfloat16)
+
+  def run(impl):
+    y, vjp = jax.vjp(lambda a, b: grouped.grouped_matmul(a, b, sizes, impl), x, w)
+    return (y, *vjp(dy))
+
+  got, want = run("mgpu"), run("kernel")
+  assert not np.any(np.asarray(got[0][64:], np.float32)) and \
+      not np.any(np.asarray(got[1][64:], np.float32))
+  for g, r in zip(got, want):
+    assert g.dtype == r.dtype and g.shape == r.shape
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("m", [1, 7, 512], ids=lambda m: f"m{m}")
 def test_inverse_permutation_brings_sorted_rows_back(m):
   """The dispatch's stable sort by expert and its inverse: rows[order][inverse] == rows, and

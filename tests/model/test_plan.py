@@ -26,7 +26,7 @@ REFERENCE = dict(moe_impl="tiled", decode_impl="xla", decode_moe_kernel="triton"
                  fp4_codes="bytes", decode_attention="triton", kv_cache="dense",
                  nvfp4_sites="xla", fp8_gemm="xla", seq_attention="xla", seq_layers="scan",
                  kv_write="xla")
-KERNELS = dict(moe_impl="kernel", decode_impl="kernel", decode_moe_kernel="wgmma",
+KERNELS = dict(moe_impl="mgpu", decode_impl="kernel", decode_moe_kernel="wgmma",
                fp4_codes="words", decode_attention="wgmma", kv_cache="packed",
                nvfp4_sites="kernel", fp8_gemm="kernel", seq_attention="cudnn",
                seq_layers="scan", kv_write="kernel")
@@ -78,6 +78,25 @@ def test_hopper_plan_follows_the_forward(policy, want):
   fastest measured over each); MXFP4 forwards' weights are not prepared for the decode
   kernels, so their decode stays on XLA (its decode_attention then inert)."""
   assert _fields(plan_lib.resolve(M.tiny(policy=policy, dtype="bfloat16"), HOPPER)) == want
+
+
+@pytest.mark.parametrize("config,backend,want", [
+    pytest.param(M.tiny(dtype="bfloat16"), HOPPER, "mgpu", id="bf16"),
+    pytest.param(M.tiny(), HOPPER, "kernel", id="float32_compute"),
+    pytest.param(M.tiny(dtype="bfloat16", moe_intermediate_size=48), HOPPER, "kernel",
+                 id="width_48"),
+    pytest.param(M.tiny(dtype="bfloat16"), dataclasses.replace(HOPPER, mosaic_gpu=False),
+                 "kernel", id="no_mosaic_gpu"),
+    pytest.param(M.tiny(dtype="bfloat16"), AMPERE, "tiled", id="ampere"),
+])
+def test_moe_impl_is_jax_s_mosaic_kernel_where_it_runs(config, backend, want):
+  """moe_impl "auto": "mgpu" on Hopper for bf16/f16 compute and widths of 64-column tiles,
+  else the Pallas kernels for widths of 16, else (not Hopper) the tiled reference; forcing
+  "mgpu" on a config it cannot take is refused by name."""
+  assert plan_lib.resolve(config, backend).moe_impl == want
+  if want == "kernel" and backend.mosaic_gpu:
+    with pytest.raises(ValueError, match='moe_impl="mgpu" needs'):
+      config.replace(moe_impl="mgpu")
 
 
 def test_decode_attention_without_mosaic_gpu():

@@ -52,6 +52,31 @@ def _precision(dtype: Any) -> Any:
   return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+# ----------------------------------------------------------------------------- JAX's kernel
+
+# JAX's own Mosaic GPU grouped GEMM's tiles (`ragged_dot_mgpu.ragged_dot`, its sweep's names):
+# the best of `experiments.bench.grouped_gemm --sweep` at the Qwen3-30B-A3B training shapes on
+# the H100 (gate_up forward 1.17 ms, 0.51 of the BF16 rate, against 1.78 ms with 4 stages and
+# grid_block_n 1; docs/benchmarks.md). K of every product must be a multiple of block_k.
+MGPU_TILES = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=5, grid_block_n=4)
+
+
+def mgpu_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                transpose_w: bool = False) -> jax.Array:
+  """`grouped_matmul`'s contract (x [M, K], w [E, N, K], or [E, K, N] with transpose_w) by
+  JAX's Mosaic GPU kernel (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`: a persistent
+  kernel of TMA-pipelined wgmma tiles; Hopper, bf16/f16, K a multiple of
+  `MGPU_TILES["block_k"]`), out in x.dtype. The kernel leaves rows past sum(group_sizes)
+  unwritten; a select sets them to zero here, as the contract says (expert parallelism's local
+  group sizes sum to fewer than M)."""
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # Hopper only: loaded on use
+
+  y = ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, transpose_rhs=not transpose_w,
+                                 **MGPU_TILES)
+  live = jnp.arange(x.shape[0])[:, None] < jnp.sum(group_sizes)
+  return jnp.where(live, y, jnp.zeros((), y.dtype))
+
+
 # ----------------------------------------------------------------------------- references
 
 # lhs [M, in] (ragged over M) x rhs [E, out, in] (group axis 0, contraction axis 2) -> [M, out].
