@@ -46,11 +46,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str
     return grouped_gemm.ragged_dot(x, w, group_sizes)
   if impl == "tiled":
     return _tiled(x, w, group_sizes, tile_rows(x.shape[0], w.shape[0]))
-  if impl == "kernel":
-    return _kernel(x, w, group_sizes)
-  if impl == "mgpu":  # wgmma takes bf16/f16: other rows (e.g. dequantized FP8) take "kernel"
-    return _mgpu(x, w, group_sizes) if x.dtype in (jnp.bfloat16, jnp.float16) else \
-        _kernel(x, w, group_sizes)
+  if impl in ("kernel", "mgpu"):  # wgmma takes bf16/f16: other rows take "kernel"
+    return _gemms(x, w, group_sizes, impl == "mgpu" and x.dtype in (jnp.bfloat16, jnp.float16))
   if impl == "invariant":
     return _invariant(x, w, group_sizes, tile_rows(x.shape[0], w.shape[0]))
   raise ValueError(f"grouped matmul impl must be one of {(*MOE_IMPLS, 'invariant')}, got "
@@ -147,43 +144,31 @@ def _invariant(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int) ->
   return _from_chunks(y, dest)
 
 
-@jax.custom_vjp
-def _kernel(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-  return grouped_gemm.grouped_matmul(x, w.astype(x.dtype), group_sizes)
+def _row_gemm(mgpu: bool):
+  """The row products' kernel (forward and DGrad): JAX's Mosaic GPU one or ours."""
+  return grouped_gemm.mgpu_matmul if mgpu else grouped_gemm.grouped_matmul
 
 
-def _kernel_fwd(x, w, group_sizes):
-  return _kernel(x, w, group_sizes), (x, w, group_sizes)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gemms(x: jax.Array, w: jax.Array, group_sizes: jax.Array, mgpu: bool) -> jax.Array:
+  """moe_impl "kernel" (mgpu False) or "mgpu": the row products by `_row_gemm`, the weight
+  gradient by our WGrad kernel."""
+  return _row_gemm(mgpu)(x, w.astype(x.dtype), group_sizes)
 
 
-def _kernel_bwd(res, dy):
+def _gemms_fwd(x, w, group_sizes, mgpu):
+  return _gemms(x, w, group_sizes, mgpu), (x, w, group_sizes)
+
+
+def _gemms_bwd(mgpu, res, dy):
   x, w, group_sizes = res
   dy = dy.astype(x.dtype)
-  dx = grouped_gemm.grouped_matmul(dy, w.astype(x.dtype), group_sizes, transpose_w=True)
+  dx = _row_gemm(mgpu)(dy, w.astype(x.dtype), group_sizes, transpose_w=True)
   dw = grouped_gemm.grouped_wgrad(dy, x, group_sizes, out_dtype=w.dtype)
   return dx, dw, None
 
 
-_kernel.defvjp(_kernel_fwd, _kernel_bwd)
-
-@jax.custom_vjp
-def _mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-  return grouped_gemm.mgpu_matmul(x, w.astype(x.dtype), group_sizes)
-
-
-def _mgpu_fwd(x, w, group_sizes):
-  return _mgpu(x, w, group_sizes), (x, w, group_sizes)
-
-
-def _mgpu_bwd(res, dy):
-  x, w, group_sizes = res
-  dy = dy.astype(x.dtype)
-  dx = grouped_gemm.mgpu_matmul(dy, w.astype(x.dtype), group_sizes, transpose_w=True)
-  dw = grouped_gemm.grouped_wgrad(dy, x, group_sizes, out_dtype=w.dtype)
-  return dx, dw, None
-
-
-_mgpu.defvjp(_mgpu_fwd, _mgpu_bwd)
+_gemms.defvjp(_gemms_fwd, _gemms_bwd)
 
 
 def inverse_permutation(order: jax.Array) -> jax.Array:
