@@ -35,8 +35,8 @@
 #               two agree and halved fp4_rtn's |dlogp|), then the BF16 train step scanned and
 #               unrolled under it (what it costs in speed)
 #   train_step  the training step at Qwen3 layer width, 4 and 12 layers (batch 4 on a GPU of
-#               less than 100 GB): BF16, FP8 and FP4 policies on the grouped GEMM kernels,
-#               cuDNN's fused attention against XLA's
+#               less than 100 GB): BF16, FP8 and FP4 policies on the plan's grouped GEMMs
+#               (`moe_impl="mgpu"`), cuDNN's fused attention against XLA's
 #   rl          the RL loop (`experiments.train_rl`, RL_CONFIG, default configs/small_h200.py)
 #               with the config's kernel plan, one process per policy (RL_POLICIES), sharing
 #               the GPU (RL_SEQUENTIAL=1: one after another, each policy's tokens/s its own);
@@ -178,13 +178,13 @@ step_excess_precision() {
       --json_out="$OUT/excess_${tag}_$layers.json" --png_out="/tmp/excess_${tag}_$layers.png"
   done
   XLA_FLAGS=--xla_allow_excess_precision=false TAIL=8 run excess_train_step "$((t / 4))" \
-    python3 -m experiments.bench.train_step --preset=qwen3_layers --moe_impls=kernel --steps=5 \
+    python3 -m experiments.bench.train_step --preset=qwen3_layers --moe_impls=mgpu --steps=5 \
     --seq_attentions=cudnn --policies=bf16,bf16+unrolled --json_out="$OUT/excess_train_step.json"
 }
 
 step_train_step() {
   local t=${T_TRAIN_STEP:-400}
-  local common=(--preset=qwen3_layers --moe_impls=kernel)
+  local common=(--preset=qwen3_layers --moe_impls=mgpu)
   TAIL=20 run train_step "$((2 * t / 3))" python3 -m experiments.bench.train_step "${common[@]}" \
     --steps=5 --seq_attentions=cudnn,xla \
     --policies=bf16,fp8_unified@kernel,fp8_unified@kernel+fp8bwd,fp4_trace \
@@ -242,7 +242,7 @@ step_profile() {
   local t=${T_PROFILE:-300} budget=(--budget_gb=60)
   small_gpu && budget=(--budget_gb=36)
   TAIL=70 run profile_train_step "$((t / 2))" python3 -m experiments.bench.train_step \
-    --preset=qwen3_layers --moe_impls=kernel --seq_attentions=cudnn \
+    --preset=qwen3_layers --moe_impls=mgpu --seq_attentions=cudnn \
     --policies=bf16,fp8_unified@kernel --steps=2 --profile_dir=/tmp/profile_train_step \
     --json_out="$OUT/profile_train_step.json" ${PROFILE_ARGS:-}
   TAIL=70 run profile_rollout "$((t / 2))" python3 -m experiments.bench.rollout \
@@ -255,7 +255,8 @@ step_profile() {
 # failures (its summary never prints).
 step_tests() {
   TAIL=30 run tests "${T_TESTS:-540}" python3 -m pytest -v -p no:cacheprovider -rf \
-    --durations=10 ${TESTS_ARGS:-tests/kernels tests/quant tests/model/test_plan.py}
+    --durations=10 \
+    ${TESTS_ARGS:-tests/kernels tests/quant tests/model/test_plan.py tests/model/test_grouped.py}
 }
 
 main() {
