@@ -222,70 +222,54 @@ def _np(t: Any) -> np.ndarray:
   return t.numpy()
 
 
+def _quantized(m: Any, x: Any) -> dict[str, Any]:
+  """The quantizations of x by module m (`trace_jax.quant` or its torch twin
+  `rollout_bridge.torch_quant`: the same names) that both compare as they are."""
+  q1 = m.nvfp4_quantize(x)
+  rs = m.nvfp4_row_scale(x)
+  q2 = m.nvfp4_quantize(x, rs)
+  ts = m.nvfp4_tensor_scale(x)
+  qt = m.nvfp4_quantize(x, ts)
+  qm = m.mxfp4_quantize(x)
+  q8 = m.fp8_quantize_act(x)
+  q8w = m.fp8_quantize_weight(x[:(x.shape[0] // 128) * 128])
+  return {
+      "nvfp4_1level/codes": q1.codes, "nvfp4_1level/block_scale": q1.block_scale,
+      "nvfp4_1level/dequant": m.nvfp4_dequantize(q1),
+      "nvfp4_row/codes": q2.codes, "nvfp4_row/block_scale": q2.block_scale,
+      "nvfp4_row/row_scale": rs, "nvfp4_row/dequant": m.nvfp4_dequantize(q2),
+      "nvfp4_tensor/tensor_scale": ts, "nvfp4_tensor/codes": qt.codes,
+      "nvfp4_tensor/block_scale": qt.block_scale,
+      "mxfp4/codes": qm.codes, "mxfp4/block_scale": qm.block_scale,
+      "mxfp4/dequant": m.mxfp4_dequantize(qm),
+      "fp8_act/values": q8.values, "fp8_act/scale": q8.scale,
+      "fp8_act/dequant": m.fp8_dequantize(q8),
+      "fp8_weight/values": q8w.values, "fp8_weight/scale": q8w.scale,
+  }
+
+
 def _jax_all(x: Any) -> dict[str, Any]:
   """Every JAX quantization under test of one input (traced once under jit)."""
   from trace_jax import quant
 
-  q1 = quant.nvfp4_quantize(x)
-  rs = quant.nvfp4_row_scale(x)
-  q2 = quant.nvfp4_quantize(x, rs)
-  ts = quant.nvfp4_tensor_scale(x)
-  qt = quant.nvfp4_quantize(x, ts)
-  qm = quant.mxfp4_quantize(x)
-  q8 = quant.fp8_quantize_act(x)
-  n128 = (x.shape[0] // 128) * 128
-  q8w = quant.fp8_quantize_weight(x[:n128])
-  return {
-      "nvfp4_1level/codes": q1.codes, "nvfp4_1level/block_scale": q1.block_scale,
-      "nvfp4_1level/dequant": quant.nvfp4_dequantize(q1),
-      "nvfp4_row/codes": q2.codes, "nvfp4_row/block_scale": q2.block_scale,
-      "nvfp4_row/row_scale": rs, "nvfp4_row/dequant": quant.nvfp4_dequantize(q2),
-      "nvfp4_tensor/tensor_scale": ts, "nvfp4_tensor/codes": qt.codes,
-      "nvfp4_tensor/block_scale": qt.block_scale,
-      "mxfp4/codes": qm.codes, "mxfp4/block_scale": qm.block_scale,
-      "mxfp4/dequant": quant.mxfp4_dequantize(qm),
-      "fp8_act/values": q8.values, "fp8_act/scale": q8.scale,
-      "fp8_act/dequant": quant.fp8_dequantize(q8),
-      "fp8_weight/values": q8w.values, "fp8_weight/scale": q8w.scale,
-      "fake_quant_nvfp4": quant.fake_quant_act(x, "nvfp4"),
-      "fake_quant_mxfp4": quant.fake_quant_act(x, "mxfp4"),
-      "fake_quant_fp8": quant.fake_quant_act(x, "fp8"),
-      "fake_quant_weight_nvfp4": quant.fake_quant_weight(x, "nvfp4"),
-  }
+  return {**_quantized(quant, x),
+          "fake_quant_nvfp4": quant.fake_quant_act(x, "nvfp4"),
+          "fake_quant_mxfp4": quant.fake_quant_act(x, "mxfp4"),
+          "fake_quant_fp8": quant.fake_quant_act(x, "fp8"),
+          "fake_quant_weight_nvfp4": quant.fake_quant_weight(x, "nvfp4")}
 
 
 def _torch_all(x: Any) -> dict[str, Any]:
-  """The torch twin's results for the keys of `_jax_all`."""
+  """The torch twin's results for the keys of `_jax_all` (its fake quantization: the
+  dequantized values in x's dtype)."""
   from rollout_bridge import torch_quant as tq
 
-  q1 = tq.nvfp4_quantize(x)
-  rs = tq.nvfp4_row_scale(x)
-  q2 = tq.nvfp4_quantize(x, rs)
-  ts = tq.nvfp4_tensor_scale(x)
-  qt = tq.nvfp4_quantize(x, ts)
-  qm = tq.mxfp4_quantize(x)
-  q8 = tq.fp8_quantize_act(x)
-  n128 = (x.shape[0] // 128) * 128
-  q8w = tq.fp8_quantize_weight(x[:n128])
-  wts = tq.nvfp4_tensor_scale(x, dims=(-2, -1))
-  dt = x.dtype
-  return {
-      "nvfp4_1level/codes": q1.codes, "nvfp4_1level/block_scale": q1.block_scale,
-      "nvfp4_1level/dequant": tq.nvfp4_dequantize(q1),
-      "nvfp4_row/codes": q2.codes, "nvfp4_row/block_scale": q2.block_scale,
-      "nvfp4_row/row_scale": rs, "nvfp4_row/dequant": tq.nvfp4_dequantize(q2),
-      "nvfp4_tensor/tensor_scale": ts, "nvfp4_tensor/codes": qt.codes,
-      "nvfp4_tensor/block_scale": qt.block_scale,
-      "mxfp4/codes": qm.codes, "mxfp4/block_scale": qm.block_scale,
-      "mxfp4/dequant": tq.mxfp4_dequantize(qm),
-      "fp8_act/values": q8.values, "fp8_act/scale": q8.scale,
-      "fp8_act/dequant": tq.fp8_dequantize(q8),
-      "fp8_weight/values": q8w.values, "fp8_weight/scale": q8w.scale,
-      "fake_quant_nvfp4": tq.nvfp4_dequantize(q2).to(dt),
-      "fake_quant_mxfp4": tq.mxfp4_dequantize(qm).to(dt),
-      "fake_quant_fp8": tq.fp8_dequantize(q8).to(dt),
-      "fake_quant_weight_nvfp4": tq.nvfp4_dequantize(tq.nvfp4_quantize(x, wts)).to(dt),
-  }
+  out = _quantized(tq, x)
+  wq = tq.nvfp4_quantize(x, tq.nvfp4_tensor_scale(x, dims=(-2, -1)))
+  return {**out, "fake_quant_nvfp4": out["nvfp4_row/dequant"].to(x.dtype),
+          "fake_quant_mxfp4": out["mxfp4/dequant"].to(x.dtype),
+          "fake_quant_fp8": out["fp8_act/dequant"].to(x.dtype),
+          "fake_quant_weight_nvfp4": tq.nvfp4_dequantize(wq).to(x.dtype)}
 
 
 def check_parity(checks: Checks, n_log2: int, device: str, seed: int, k: int = 2048) -> None:
