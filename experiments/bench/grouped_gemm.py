@@ -8,11 +8,13 @@ step's rows (tokens x top-k, routed uniformly at random, rows sorted by expert),
 of each pass:
 - fprop: y = x @ w[e]^T; dgrad: dx = dy @ w[e]; wgrad: dW[e] = dy_e^T x_e;
 - fwd+bwd: one jitted forward and backward of `grouped.grouped_matmul` (what the step runs),
-for `moe_impl` tiled (the XLA default), kernel (`trace_jax.kernels.grouped_gemm`) and, with
---ragged, ragged_dot. The tiled backward computes dgrad and wgrad together, so only its
-fwd+bwd is timed. Before timing, each kernel pass is compared with the tiled path's result:
-max |diff| / max |ref| is printed. TFLOP/s, and the fraction of the dense BF16 matmul rate
-measured in the same process; --sweep times the kernels' tile configs and keeps the best.
+for `moe_impl` tiled (the XLA default), kernel (`trace_jax.kernels.grouped_gemm`), on the GPU
+mgpu (JAX's Mosaic GPU grouped GEMM, the plan's on Hopper; `--mgpu` also sweeps its passes
+beside ours) and, with --ragged, ragged_dot. The tiled backward computes dgrad and wgrad
+together, so only its fwd+bwd is timed. Before timing, each kernel pass is compared with the
+tiled path's result: max |diff| / max |ref| is printed. TFLOP/s, and the fraction of the dense
+BF16 matmul rate measured in the same process; --sweep times the kernels' tile configs and
+keeps the best.
 """
 
 from __future__ import annotations
@@ -142,14 +144,18 @@ def _projection(name: str, kk: int, nn: int, gs, rng, timer, peak: float, sweep:
       "wgrad": (lambda c: jax.jit(lambda a, b: gg.grouped_wgrad(a, b, gs, **c)), (dy, x),
                 tiled_out[2], _WG_CONFIGS),
   }
-  if FLAGS.mgpu and jax.default_backend() == "gpu":
+  if FLAGS.mgpu and jax.default_backend() == "gpu":  # JAX's kernels' passes, swept
     passes.update(_mgpu_passes(gs, x, w, dy, tiled_out))
   for pname, (make, args, want, configs) in passes.items():
     row.update(_best_config(name, pname, make, args, want,
                             configs if sweep else configs[:1], timer, flops, peak))
-  for impl in ["tiled", "kernel"] + (["ragged_dot"] if FLAGS.ragged else []):
+  mgpu = FLAGS.mgpu and jax.default_backend() == "gpu"  # the plan's moe_impl on Hopper
+  for impl in ["tiled", "kernel"] + (["mgpu"] if mgpu else []) + (
+      ["ragged_dot"] if FLAGS.ragged else []):
     row[f"{impl}_fwd_bwd_ms"] = timer(fwd_bwd(impl), x, w, dy) * 1e3
   row["kernel_fwd_bwd_over_tiled"] = row["kernel_fwd_bwd_ms"] / row["tiled_fwd_bwd_ms"]
+  if mgpu:
+    row["mgpu_fwd_bwd_over_kernel"] = row["mgpu_fwd_bwd_ms"] / row["kernel_fwd_bwd_ms"]
   row["fwd_bwd_tflops_kernel"] = 3 * flops / row["kernel_fwd_bwd_ms"] * 1e3 / 1e12
   passes_txt = ", ".join(f"{p} {row[f'kernel_{p}_ms']:.3f} ms "
                          f"({row[f'kernel_{p}_fraction_of_bf16_peak']:.2f} of peak)"
@@ -158,6 +164,8 @@ def _projection(name: str, kk: int, nn: int, gs, rng, timer, peak: float, sweep:
         f"{row['tiled_fwd_bwd_ms']:.3f} ms, kernel {row['kernel_fwd_bwd_ms']:.3f} ms "
         f"({row['kernel_fwd_bwd_over_tiled']:.2f}x tiled, {row['fwd_bwd_tflops_kernel']:.0f} "
         f"TFLOP/s)"
+        + (f", mgpu {row['mgpu_fwd_bwd_ms']:.3f} ms ({row['mgpu_fwd_bwd_over_kernel']:.2f}x "
+           "kernel)" if mgpu else "")
         + (f", ragged_dot {row['ragged_dot_fwd_bwd_ms']:.3f} ms" if FLAGS.ragged else ""),
         flush=True)
   return row
