@@ -102,6 +102,27 @@ def test_flip_metrics_see_an_unrelated_rollout(policy, start_params, tmp_path):
   assert len(flips) == 1 + 4 + 1  # header, 4 sites and routing of the one layer
 
 
+def test_records_in_memory_train_as_records_on_disk(start_params, tmp_path):
+  """The in-process loop hands its rollout records to the trainer in memory (no guidance
+  directory); kept on disk (`rl.keep_guidance`: the disk store) the same run trains and
+  audits bit for bit alike."""
+  cfg = tiny_cfg()
+  cfg.rl.steps = 2
+  memory = rl_loop.run_rl(cfg, str(tmp_path / "memory"), "fp4_trace", start_params,
+                          progress=False)
+  cfg.rl.keep_guidance = True
+  disk = rl_loop.run_rl(cfg, str(tmp_path / "disk"), "fp4_trace", start_params, progress=False)
+  assert not (tmp_path / "memory" / "guidance").exists()
+  assert [p.name for p in (tmp_path / "disk" / "guidance").iterdir() if p.name.startswith("b")]
+  for a, b in zip(jax.tree.leaves(memory["state"]), jax.tree.leaves(disk["state"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  strip = lambda h: [{k: v for k, v in r.items() if k not in run_log.TIMING_KEYS} for r in h]
+  assert strip(memory["history"]) == strip(disk["history"])
+  assert memory["history"][-1]["flip_rate_guided"] is not None
+  assert (tmp_path / "memory" / "flips.csv").read_text() == (
+      tmp_path / "disk" / "flips.csv").read_text()
+
+
 # gsm8k's prompts are 112-141 tokens: max_prompt_len 144 pads every batch (rollout and eval) to
 # one length, one rollout program (at 104 they fell in the 128 and 256 buckets: two).
 @pytest.mark.parametrize("task,kwargs,seq_len,max_prompt_len", [

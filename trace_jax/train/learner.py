@@ -133,8 +133,13 @@ class GRPOLearner:
     self.start = self.restore()
     # An FP4 rollout records into the guidance store: a TRACE policy's training record
     # (guidance of the guided layers), every layer's routing, and full codes of audited rows.
+    # The in-process engine hands them over in memory unless the run keeps them; a server (an
+    # engine_factory) writes them to the run's directory.
     self.store = None
-    if pol.fp4_rollout:
+    if pol.fp4_rollout and engine_factory is None and not r.keep_guidance:
+      self.store = guidance_store.MemoryGuidanceStore(
+          guidance_store.config_hash(self.rollout_cfg))
+    elif pol.fp4_rollout:
       self.store = guidance_store.GuidanceStore(
           os.path.join(workdir, "guidance"), guidance_store.config_hash(self.rollout_cfg),
           options=guidance_store.StoreOptions(fsync=False), on_missing=r.on_missing_guidance,

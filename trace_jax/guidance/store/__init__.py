@@ -2,14 +2,16 @@
 
 `GuidanceStore` (`store.py`) owns a root's batches; `GuidanceWriter` (`writer.py`) and
 `GuidanceReader` (`reader.py`) are its parts, and `arrays.py` the TensorStore specs and files
-they share. The on-disk layout, manifest and checksums are `trace_jax.guidance.schema`'s;
-docs/reliability.md says what the store promises under faults.
+they share. `MemoryGuidanceStore` (`memory.py`) answers the same calls in host memory, for a
+trainer in the rollout's process. The on-disk layout, manifest and checksums are
+`trace_jax.guidance.schema`'s; docs/reliability.md says what the store promises under faults.
 
 This module gathers the store's public names, so callers import one module.
 """
 
 from trace_jax.guidance.schema import GuidanceError, config_hash
 from trace_jax.guidance.store.arrays import StoreOptions
+from trace_jax.guidance.store.memory import MemoryGuidanceStore
 from trace_jax.guidance.store.reader import GuidanceBatch, GuidanceReader, ReaderStats
 from trace_jax.guidance.store.store import (
     AUDIT_SUFFIX,
@@ -21,6 +23,6 @@ from trace_jax.guidance.store.writer import BatchWrite, GuidanceWriter
 
 __all__ = [
     "AUDIT_SUFFIX", "BatchWrite", "GuidanceBatch", "GuidanceError", "GuidanceReader",
-    "GuidanceStore", "GuidanceWriter", "ReaderStats", "StoreOptions", "batch_name",
-    "config_hash", "rollout_handles",
+    "GuidanceStore", "GuidanceWriter", "MemoryGuidanceStore", "ReaderStats", "StoreOptions",
+    "batch_name", "config_hash", "rollout_handles",
 ]
