@@ -205,20 +205,32 @@ def _step_records(rng, n_audit: int):
     t_in_scale[-1, 1] *= 2  # one block-scale flip
   r_mid_scale = np.ones((audited, TOP_K, WIDTH // 16), np.float32)
   t_mid_scale = r_mid_scale.copy()
+  # A per-head site (k): rows [T, heads, WIDTH], some flips and one block-scale flip.
+  r_k = rng.integers(0, 16, (audited, 2, WIDTH), np.uint8)
+  t_k = r_k.copy()
+  k_flip = rng.random(t_k.shape) < 0.05
+  t_k[k_flip] = rng.integers(0, 16, int(k_flip.sum()))
+  r_k_scale = np.ones((audited, 2, WIDTH // 16), np.float32)
+  t_k_scale = r_k_scale.copy()
+  if audited:
+    t_k_scale[0, 1, 0] = 2.0
 
   b = len(COUNTS)
   garbage_ids = rng.integers(0, NUM_EXPERTS, (b, SEQ_LEN, TOP_K)).astype(np.int32)
   taps = {"routing": _padded(t_ids, COUNTS, garbage_ids)}
   audit_counts = COUNTS[:n_audit]
-  for site, codes, scales in (("moe_in", t_in, t_in_scale), ("expert_mid", t_mid, t_mid_scale)):
+  for site, codes, scales in (("moe_in", t_in, t_in_scale), ("expert_mid", t_mid, t_mid_scale),
+                              ("k", t_k, t_k_scale)):
     fill = rng.integers(0, 16, (n_audit, SEQ_LEN) + codes.shape[1:], np.uint8)
     taps[site] = record(_padded(codes, audit_counts, fill),
                         _padded(scales, audit_counts,
                                 np.full((n_audit, SEQ_LEN) + scales.shape[1:], 4.0, np.float32)))
-  rollout = {"moe_in": record(r_in, r_in_scale), "expert_mid": record(r_mid, r_mid_scale)}
+  rollout = {"moe_in": record(r_in, r_in_scale), "expert_mid": record(r_mid, r_mid_scale),
+             "k": record(r_k, r_k_scale)}
   arrays = dict(r_ids=r_ids, t_ids=t_ids, r_in=r_in, t_in=t_in, r_mid=r_mid, t_mid=t_mid,
                 r_in_scale=r_in_scale, t_in_scale=t_in_scale, r_mid_scale=r_mid_scale,
-                t_mid_scale=t_mid_scale)
+                t_mid_scale=t_mid_scale, r_k=r_k, t_k=t_k, r_k_scale=r_k_scale,
+                t_k_scale=t_k_scale)
   return taps, rollout, r_ids, arrays
 
 
@@ -252,23 +264,28 @@ def _expected_counts(a: dict, audited: int) -> tuple[dict, mismatch.RoutingCount
         rs = r_ids.index(e)
         mid_pairs.append((a["t_mid"][j, s], a["r_mid"][j, rs], a["t_mid_scale"][j, s],
                           a["r_mid_scale"][j, rs]))
-  return {"moe_in": moe_in, "expert_mid": count(mid_pairs)}, routing
+  k = count((a["t_k"][j], a["r_k"][j], a["t_k_scale"][j], a["r_k_scale"][j])
+            for j in range(audited))
+  return {"moe_in": moe_in, "expert_mid": count(mid_pairs), "k": k}, routing
 
 
+@pytest.mark.parametrize("compare", [mismatch.compare_step, mismatch.compare_step_device],
+                         ids=["host", "device"])
 @pytest.mark.parametrize("n_audit", [pytest.param(0, id="no_audit"),
                                      pytest.param(2, id="two_of_three_audited"),
                                      pytest.param(3, id="all_audited")])
-def test_compare_step_counts_match_an_independent_count(n_audit):
+def test_compare_step_counts_match_an_independent_count(n_audit, compare):
   """Padded trainer taps whose top-k slots are the rollout's in another order on some rows,
-  with real routing flips and code flips: compare_step's report equals a row-by-row count."""
+  with real routing flips and code flips: compare_step's report, counted on the host or on
+  the device, equals a row-by-row count."""
   rng = np.random.default_rng(7)
   layers, guided = (0, 1), (1,)
   taps, rollout_records, rollout_routing, arrays = {}, {}, {}, {}
   for layer in layers:
     taps[layer], rollout_records[layer], rollout_routing[layer], arrays[layer] = (
         _step_records(rng, n_audit))
-  report = mismatch.compare_step(taps, list(COUNTS), n_audit,
-                                 rollout_records if n_audit else {}, rollout_routing, guided)
+  report = compare(taps, list(COUNTS), n_audit, rollout_records if n_audit else {},
+                   rollout_routing, guided)
   audited = sum(COUNTS[:n_audit])
   want_flips, want_routing = {}, {}
   for layer in layers:
@@ -283,10 +300,10 @@ def test_compare_step_counts_match_an_independent_count(n_audit):
   assert r.order_swaps == ROW_KINDS.count("swap") and r.set_flips == 4 and r.unmatched_slots
   if n_audit:
     assert all(c.flips for c in want_flips.values())
-    assert want_flips[(1, "moe_in")].scale_flips == 1
+    assert want_flips[(1, "moe_in")].scale_flips == 1 and want_flips[(1, "k")].scale_flips == 1
   m = report.metrics()
-  g = mismatch.FlipCount() if not n_audit else want_flips[(1, "moe_in")] + want_flips[
-      (1, "expert_mid")]
+  g = sum((want_flips[(1, site)] for site in ("moe_in", "expert_mid", "k")),
+          mismatch.FlipCount()) if n_audit else None
   assert m["flip_rate_guided"] == (g.flips / g.total if n_audit else None)
   assert m["routing_flip_rate"] == (want_routing[0].set_flips + r.set_flips) / (2 * sum(COUNTS))
   assert m["routing_order_swap_rate"] == (

@@ -303,8 +303,8 @@ class GRPOLearner:
            **{k: float(m[k]) for k in DASHBOARD_KEYS if k in m}}
     flips = []
     if complete:
-      report = mismatch.compare_step(
-          jax.device_get(taps), ro.counts, records.n_audit,
+      report = mismatch.compare_step_device(
+          taps, ro.counts, records.n_audit,
           records.audit.guidance if records.audit is not None else {},
           records.main.routing, self.guided_layers)
       row.update(report.metrics())

@@ -1,7 +1,9 @@
 """Rollout/trainer mismatch counts: FP4 code flips, block-scale flips and routing flips.
 
-Pure numpy functions of host arrays, so the RL loop, `experiments/measure_mismatch.py` and the
-notebooks count the same way. Inputs are full-mode records (`Guidance` with 4-bit `codes`) of
+Numpy functions of host arrays, so the RL loop, `experiments/measure_mismatch.py` and the
+notebooks count the same way; the RL loop counts its own audit with `compare_step_device`,
+the same counts made on the device where the trainer's taps are (tests hold it to the numpy
+ones). Inputs are full-mode records (`Guidance` with 4-bit `codes`) of
 the same token rows, one from the rollout and one from the training forward.
 
 - A code flip is an element whose E2M1 *value* differs (+0 and -0 are equal); `one_apart`
@@ -19,11 +21,15 @@ the same token rows, one from the rollout and one from the training forward.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from trace_jax.guidance import layout as guidance_layout
 from trace_jax.guidance.layout import unpad
 from trace_jax.model.config import SITES
 
@@ -280,3 +286,95 @@ def guidance_bytes_per_token(guidance: Mapping[int, Mapping[str, Any]] | None,
   n = (sum(g.nbytes for sites in guidance.values() for g in sites.values()) +
        sum(np.asarray(a).nbytes for a in (routing or {}).values()))
   return n / max(tokens, 1)
+
+
+# ------------------------------------------------------------------------- on the device
+
+
+def compare_step_device(train_taps: Mapping[int, Mapping[str, Any]], counts: list[int],
+                        n_audit: int, rollout_records: Mapping[int, Mapping[str, Any]],
+                        rollout_routing: Mapping[int, Any], guided_layers: Iterable[int]
+                        ) -> MismatchReport:
+  """`compare_step`'s counts made where the trainer's taps are: the rollout's ragged records
+  are padded to the taps' [B, S, ...] layout and sent there, one program counts every site
+  and layer, and only per-sequence counts come back (on a GPU the taps' copy to the host and
+  the host's passes over them were most of an FP4 RL step's audit)."""
+  train_routing = {layer: t["routing"] for layer, t in train_taps.items() if "routing" in t}
+  layers = sorted(set(train_routing) & set(rollout_routing))
+  if not layers:
+    return MismatchReport({}, {}, tuple(sorted(set(guided_layers))))
+  seq_len = int(np.shape(train_routing[layers[0]])[1])
+  sites = {}
+  if n_audit:
+    audit_counts = list(counts[:n_audit])
+    sites = {layer: {site: (train_taps[layer][site],
+                            guidance_layout.pad_guidance(rollout_records[layer][site],
+                                                         audit_counts, seq_len))
+                     for site in SITES if site in train_taps[layer]
+                     and site in rollout_records.get(layer, {})}
+             for layer in sorted(set(train_taps) & set(rollout_records))}
+  routing = {layer: (train_routing[layer][:len(counts)],
+                     guidance_layout.pad_routing(rollout_routing[layer], counts, seq_len))
+             for layer in layers}
+  valid = np.arange(seq_len)[None, :] < np.asarray(counts)[:, None]
+  got = jax.device_get(_device_counts(sites, routing, valid, max(n_audit, 0)))
+  total = lambda a: int(np.sum(np.asarray(a, np.int64)))
+  flips = {(layer, site): FlipCount(*(total(a) for a in c))
+           for layer, per_site in got["sites"].items() for site, c in per_site.items()}
+  routes = {layer: RoutingCount(*(total(a) for a in c)) for layer, c in got["routing"].items()}
+  return MismatchReport(flips, routes, tuple(sorted(set(guided_layers))))
+
+
+def _ordinal(c: jax.Array) -> jax.Array:
+  """`e2m1_ordinal` of 4-bit codes held in a uint8 array."""
+  mag = (c & 7).astype(jnp.int8)
+  return jnp.where((c & 8) != 0, -mag, mag)
+
+
+def _per_seq(a: jax.Array) -> jax.Array:
+  """int32 sums over every axis but the first (sequences): exact, whatever the batch."""
+  return jnp.sum(a.astype(jnp.int32), axis=tuple(range(1, a.ndim)))
+
+
+def _site_counts(t: Any, r: Any, mask: jax.Array) -> tuple[jax.Array, ...]:
+  """Per-sequence (flips, total, one_apart, scale_flips, scale_total) of two full records of
+  the same padded rows; mask [rows...]: which (token[, slot]) rows count."""
+  tc, rc = t.codes, r.codes
+  d = [jnp.abs(_ordinal(tc & 15) - _ordinal(rc & 15)),
+       jnp.abs(_ordinal(tc >> 4) - _ordinal(rc >> 4))]
+  m = mask.reshape(mask.shape + (1,) * (tc.ndim - mask.ndim))  # over the record's last axes
+  tb = jax.lax.bitcast_convert_type(t.block_scale, jnp.uint8)
+  rb = jax.lax.bitcast_convert_type(r.block_scale, jnp.uint8)
+  return (_per_seq(((d[0] != 0).astype(jnp.int32) + (d[1] != 0)) * m),
+          _per_seq(jnp.broadcast_to(m, tc.shape)) * 2,
+          _per_seq(((d[0] == 1).astype(jnp.int32) + (d[1] == 1)) * m),
+          _per_seq((tb != rb) & m), _per_seq(jnp.broadcast_to(m, tb.shape)))
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _device_counts(sites: Any, routing: Any, valid: jax.Array, n_audit: int) -> dict:
+  """The counts of `compare_step_device`, per sequence: {"sites": {layer: {site: 5 arrays}},
+  "routing": {layer: 5 arrays}} (`FlipCount`'s and `RoutingCount`'s fields)."""
+  out = {"sites": {}, "routing": {}}
+  for layer, (t, r) in routing.items():
+    eq = t[..., :, None] == r[..., None, :]
+    matched = jnp.any(eq, axis=-1)
+    same_set = jnp.all(jnp.sort(t, axis=-1) == jnp.sort(r, axis=-1), axis=-1)
+    same_order = jnp.all(t == r, axis=-1)
+    out["routing"][layer] = (_per_seq(valid), _per_seq(valid & ~same_set),
+                             _per_seq(valid & same_set & ~same_order),
+                             _per_seq(jnp.broadcast_to(valid[..., None], matched.shape)),
+                             _per_seq(valid[..., None] & ~matched))
+  audit = valid[:n_audit]
+  for layer, per_site in sites.items():
+    out["sites"][layer] = {}
+    for site, (t, r) in per_site.items():
+      mask = audit
+      if site == "expert_mid":  # the rollout's slots taken in the trainer's order, by expert
+        ids_t, ids_r = routing[layer][0][:n_audit], routing[layer][1][:n_audit]
+        eq = ids_t[..., :, None] == ids_r[..., None, :]
+        src = jnp.argmax(eq, axis=-1)[..., None]
+        r = jax.tree.map(functools.partial(jnp.take_along_axis, indices=src, axis=2), r)
+        mask = audit[..., None] & jnp.any(eq, axis=-1)
+      out["sites"][layer][site] = _site_counts(t, r, mask)
+  return out
