@@ -201,7 +201,9 @@ step_train_step() {
 # train_rl process per policy sharing the GPU (seeds in turn), then the report; the runs'
 # summary, CSVs and plot come back in $OUT/rl.tar.gz (checkpoints and guidance stay).
 step_rl() {
-  local t=${T_RL:-540} w=/tmp/rl_$$ start=$SECONDS
+  # A fresh workdir: a machine's /tmp can hold another session's run under the same pid.
+  local t=${T_RL:-540} w start=$SECONDS
+  w=$(mktemp -d /tmp/rl_XXXXXX)
   local cfg=${RL_CONFIG:-configs/small_h200.py}
   XLA_FLAGS=--xla_gpu_deterministic_ops=true run rl_sft "$((t / 4))" python3 -m \
     experiments.train_rl --config="$cfg" --workdir="$w" --sft_only ${RL_SFT_ARGS-${RL_ARGS:-}}
