@@ -638,6 +638,5 @@ class _Programs:
 
 def _drop_layers(params: Any) -> Any:
   """params with every decoder layer's arrays empty (the engine holds them stacked)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, a: jnp.zeros((0,), a.dtype)
-      if getattr(path[0], "key", None) == "layers" else a, params)
+  return expert_weights.empty_where(params,
+                                    lambda path: getattr(path[0], "key", None) == "layers")
