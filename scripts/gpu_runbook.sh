@@ -201,7 +201,7 @@ step_train_step() {
 # train_rl process per policy sharing the GPU (seeds in turn), then the report; the runs'
 # summary, CSVs and plot come back in $OUT/rl.tar.gz (checkpoints and guidance stay).
 step_rl() {
-  # A fresh workdir: a machine's /tmp can hold another session's run under the same pid.
+  # A fresh workdir: a newly started machine's /tmp can hold an earlier run under the same pid.
   local t=${T_RL:-540} w start=$SECONDS
   w=$(mktemp -d /tmp/rl_XXXXXX)
   local cfg=${RL_CONFIG:-configs/small_h200.py}

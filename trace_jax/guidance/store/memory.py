@@ -27,7 +27,7 @@ from trace_jax.guidance.handle import GuidanceHandle
 from trace_jax.guidance.record import ROUTING, SCALE_DTYPES, Guidance, mode_fields, numpy_dtype
 from trace_jax.guidance.schema import GuidanceError, SeqId
 from trace_jax.guidance.store.reader import GuidanceBatch, ReaderStats
-from trace_jax.guidance.store.store import AUDIT_SUFFIX, _merge, batch_name, rollout_handles
+from trace_jax.guidance.store.store import AUDIT_SUFFIX, batch_name, read_handles, rollout_handles
 from trace_jax.guidance.store.writer import _check_request, _collect
 
 
@@ -89,13 +89,7 @@ class MemoryGuidanceStore:
   def read(self, handles: Sequence[GuidanceHandle], audit: bool = False) -> GuidanceBatch:
     """The records of `handles`' sequences, rows in their order (audit=True: their full
     codes); waits for their copies to the host."""
-    groups: dict[str, list[SeqId]] = {}
-    for h in handles:
-      bid = h.audit_batch_id if audit else h.batch_id
-      if bid is None:
-        raise ValueError(f"sequence {h.seq_id!r} has no audit record")
-      groups.setdefault(bid, []).append(h.seq_id)
-    return _merge([self._read(bid, ids) for bid, ids in groups.items()])
+    return read_handles(handles, audit, self._read)
 
   def _read(self, bid: str, seq_ids: list[SeqId]) -> GuidanceBatch:
     with self._lock:

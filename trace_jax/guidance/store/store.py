@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -64,6 +64,19 @@ def _merge(parts: list[GuidanceBatch]) -> GuidanceBatch:
                         for site in first.guidance[layer]} for layer in first.guidance},
       routing={layer: cat(*[p.routing[layer] for p in parts]) for layer in first.routing},
       problems=[q for p in parts for q in p.problems])
+
+
+def read_handles(handles: Sequence[GuidanceHandle], audit: bool,
+                 read: Callable[[str, list[SeqId]], GuidanceBatch]) -> GuidanceBatch:
+  """The records of `handles`' sequences in their order: `read(batch_id, seq_ids)` of each
+  batch holding some, merged; audit=True: their audit batches (every handle must have one)."""
+  groups: dict[str, list[SeqId]] = {}
+  for h in handles:
+    bid = h.audit_batch_id if audit else h.batch_id
+    if bid is None:
+      raise ValueError(f"sequence {h.seq_id!r} has no audit record")
+    groups.setdefault(bid, []).append(h.seq_id)
+  return _merge([read(bid, ids) for bid, ids in groups.items()])
 
 
 class GuidanceStore:
@@ -127,13 +140,7 @@ class GuidanceStore:
     hold them; audit=True reads their full codes (every handle must be audited). Waits for
     pending writes first."""
     self.writer.flush()
-    groups: dict[str, list[SeqId]] = {}
-    for h in handles:
-      bid = h.audit_batch_id if audit else h.batch_id
-      if bid is None:
-        raise ValueError(f"sequence {h.seq_id!r} has no audit record")
-      groups.setdefault(bid, []).append(h.seq_id)
-    return _merge([self.reader.read(bid, ids) for bid, ids in groups.items()])
+    return read_handles(handles, audit, self.reader.read)
 
   def delete(self, batch_ids: Sequence[str]) -> None:
     """Removes rollout batches and their audit batches (records read, or never needed)."""
