@@ -110,6 +110,8 @@ def test_numpy_inputs_are_copied_and_device_padding_rows_cut():
   for ids in mine.values():
     ids[:] = -1
   got = memory.read(handles)
+  with pytest.raises(ValueError, match="read-only"):
+    got.routing[min(got.routing)][0, 0] = 5  # the store's own arrays: no caller changes them
   for layer, sites in compact.items():
     np.testing.assert_array_equal(got.routing[layer], routing[layer])
     for site, g in sites.items():

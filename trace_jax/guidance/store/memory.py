@@ -79,7 +79,8 @@ class MemoryGuidanceStore:
     arrays, _, stats = _collect(bid, tokens, guidance, routing)
     # NumPy inputs are copied now (the caller may reuse them); device arrays on the worker.
     arrays = {p: (a.copy() if isinstance(a, np.ndarray) else a) for p, a in arrays.items()}
-    host = lambda: {p: np.asarray(jax.device_get(a))[:tokens] for p, a in arrays.items()}
+    host = lambda: {p: _read_only(np.asarray(jax.device_get(a))[:tokens])
+                    for p, a in arrays.items()}
     offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
     with self._lock:
       self._batches[bid] = _Batch(seq_ids, offsets, stats["mode"], stats["fp4_format"],
@@ -88,7 +89,8 @@ class MemoryGuidanceStore:
 
   def read(self, handles: Sequence[GuidanceHandle], audit: bool = False) -> GuidanceBatch:
     """The records of `handles`' sequences, rows in their order (audit=True: their full
-    codes); waits for their copies to the host."""
+    codes); waits for their copies to the host. A whole batch read in its order shares the
+    store's arrays, which are read-only."""
     return read_handles(handles, audit, self._read)
 
   def _read(self, bid: str, seq_ids: list[SeqId]) -> GuidanceBatch:
@@ -138,6 +140,11 @@ class MemoryGuidanceStore:
   def close(self) -> None:
     self.flush()
     self._pool.shutdown(wait=True)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+  a.flags.writeable = False
+  return a
 
 
 def _records(arrays: Mapping[str, np.ndarray], mode: str, fmt: str
