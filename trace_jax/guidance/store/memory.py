@@ -24,9 +24,9 @@ import jax
 import numpy as np
 
 from trace_jax.guidance.handle import GuidanceHandle
-from trace_jax.guidance.record import ROUTING, SCALE_DTYPES, Guidance, mode_fields, numpy_dtype
+from trace_jax.guidance.record import Guidance
 from trace_jax.guidance.schema import GuidanceError, SeqId
-from trace_jax.guidance.store.reader import GuidanceBatch, ReaderStats
+from trace_jax.guidance.store.reader import GuidanceBatch, ReaderStats, records_by_path
 from trace_jax.guidance.store.store import AUDIT_SUFFIX, batch_name, read_handles, rollout_handles
 from trace_jax.guidance.store.writer import _check_request, _collect
 
@@ -113,7 +113,7 @@ class MemoryGuidanceStore:
     with self._lock:
       self.stats.batches_read += 1
     return GuidanceBatch(bid, list(seq_ids), offsets, np.ones(len(idx), bool),
-                         *_records(arrays, batch.mode, batch.fp4_format), None, [])
+                         *records_by_path(arrays, batch.mode, batch.fp4_format), None, [])
 
   def delete(self, batch_ids: Sequence[str]) -> None:
     """Drops rollout batches and their audit batches."""
@@ -145,24 +145,3 @@ class MemoryGuidanceStore:
 def _read_only(a: np.ndarray) -> np.ndarray:
   a.flags.writeable = False
   return a
-
-
-def _records(arrays: Mapping[str, np.ndarray], mode: str, fmt: str
-             ) -> tuple[dict[int, dict[str, Guidance]], dict[int, np.ndarray]]:
-  """Guidance records and routing ids from a batch's arrays by store path (the reader's)."""
-  names = mode_fields(mode, fmt)
-  scale_dtype = numpy_dtype(SCALE_DTYPES[fmt])
-  guidance: dict[int, dict[str, Guidance]] = {}
-  routing: dict[int, np.ndarray] = {}
-  sites: dict[tuple[int, str], dict[str, np.ndarray]] = {}
-  for path, a in arrays.items():
-    layer_s, site, field = path.split("/")
-    layer = int(layer_s.removeprefix("layer_"))
-    if site == ROUTING:
-      routing[layer] = a
-    else:
-      sites.setdefault((layer, site), {})[field] = (
-          a.view(scale_dtype) if field == "block_scale" else a)
-  for (layer, site), fields in sites.items():
-    guidance.setdefault(layer, {})[site] = Guidance(**{f: fields[f] for f in names})
-  return guidance, routing

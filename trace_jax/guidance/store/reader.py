@@ -382,7 +382,6 @@ class GuidanceReader:
     lengths = np.where(sel.valid, offsets[idx + 1] - offsets[idx], 0)
     out_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     fmt = manifest_format(manifest)
-    scale_dtype = numpy_dtype(SCALE_DTYPES[fmt])
     arrays: dict[str, np.ndarray] = {}
     for path, parts in data.items():
       pieces = []
@@ -394,19 +393,31 @@ class GuidanceReader:
       if a is None:
         shape = (0,) + tuple(manifest["arrays"][path]["shape"][1:])
         a = np.zeros(shape, STORED_DTYPES[path.rsplit("/", 1)[1]])
-      arrays[path] = a.view(scale_dtype) if path.endswith("/block_scale") else a
-    guidance: dict[int, dict[str, Guidance]] = {}
-    routing: dict[int, np.ndarray] = {}
-    names = mode_fields(manifest["mode"], fmt)
-    for path, a in arrays.items():
-      layer_s, site, field = path.split("/")
-      layer = int(layer_s.removeprefix("layer_"))
-      if site == ROUTING:
-        routing[layer] = a
-      elif field == names[0]:
-        fields = {f: arrays.get(array_path(layer, site, f)) for f in names}
-        if all(v is not None for v in fields.values()):
-          guidance.setdefault(layer, {})[site] = Guidance(**fields)
+      arrays[path] = a
+    guidance, routing = records_by_path(arrays, manifest["mode"], fmt)
     self._count(sel)
     return GuidanceBatch(bid, sel.seq_ids, out_offsets, sel.valid.copy(), guidance, routing,
                          manifest, sel.problems)
+
+
+def records_by_path(arrays: dict[str, np.ndarray], mode: str, fmt: str
+                    ) -> tuple[dict[int, dict[str, Guidance]], dict[int, np.ndarray]]:
+  """A batch's arrays by store path (`array_path`) as Guidance records (block scales viewed as
+  the format's float8; a site whose mode fields are not all there is left out) and routing
+  ids."""
+  scale_dtype = numpy_dtype(SCALE_DTYPES[fmt])
+  arrays = {p: a.view(scale_dtype) if p.endswith("/block_scale") else a
+            for p, a in arrays.items()}
+  guidance: dict[int, dict[str, Guidance]] = {}
+  routing: dict[int, np.ndarray] = {}
+  names = mode_fields(mode, fmt)
+  for path, a in arrays.items():
+    layer_s, site, field = path.split("/")
+    layer = int(layer_s.removeprefix("layer_"))
+    if site == ROUTING:
+      routing[layer] = a
+    elif field == names[0]:
+      fields = {f: arrays.get(array_path(layer, site, f)) for f in names}
+      if all(v is not None for v in fields.values()):
+        guidance.setdefault(layer, {})[site] = Guidance(**fields)
+  return guidance, routing
