@@ -15,7 +15,7 @@ reference elsewhere; the report's `kernel_plan` says which ran). --decode_impls=
 measures each rollout decode path on its own rollout (the report is the first one's) and adds
 `by_decode_impl` and `fp4_trace_dlogp_kernel_over_xla`: the fast path's rollout/trainer mean
 |dlogp| under fp4_trace over the reference path's (the target is <= 1.2, docs/benchmarks.md).
---plan_fields=decode_attention=fused (or seq_layers=unrolled, any plan field) sets kernel plan
+--plan_fields=decode_attention=fused (or layer_loop=scan, any plan field) sets kernel plan
 fields on the config: what one plan choice does to the mismatch, by a run with and one without.
 """
 
@@ -66,8 +66,9 @@ _DECODE_IMPLS = flags.DEFINE_list(
     "measured on its own rollout; the report is the first one's.")
 _PLAN_FIELDS = flags.DEFINE_list(
     "plan_fields", [], "Kernel plan fields set on the config, as field=value (e.g. "
-    "decode_attention=fused: the rollout's single-pass attention; seq_layers=unrolled: the "
-    "trainer's layers compiled apart), to measure what a plan choice does to the mismatch.")
+    "decode_attention=fused: the rollout's single-pass attention; layer_loop=scan: the "
+    "rollout's and the trainer's layers under `lax.scan`), to measure what a plan choice "
+    "does to the mismatch.")
 _BUDGET = flags.DEFINE_float(
     "guidance_budget", None, "Bytes of guidance per token: choose the guided layers by greedy "
     "selection on a calibration rollout of other prompts (trace_jax.train.guidance_budget), "

@@ -174,7 +174,7 @@ step_excess_precision() {
     IFS=: read -r layers tag flags part <<< "$v"
     XLA_FLAGS="$flags" TAIL=6 run "excess_${tag}_$layers" "$((t / part))" python3 -m \
       experiments.measure_mismatch --config=configs/small_h200.py --decode_impls=kernel \
-      --num_prompts=32 --max_new_tokens=64 --plan_fields=seq_layers="$layers" \
+      --num_prompts=32 --max_new_tokens=64 --plan_fields=layer_loop="$layers" \
       --json_out="$OUT/excess_${tag}_$layers.json" --png_out="/tmp/excess_${tag}_$layers.png"
   done
   XLA_FLAGS=--xla_allow_excess_precision=false TAIL=8 run excess_train_step "$((t / 4))" \

@@ -34,7 +34,8 @@ _POLICIES = flags.DEFINE_list(
     "policies", ["bf16", "fp8_unified", "fp8_unified@kernel", "fp8_unified@kernel+fp8bwd",
                  "fp4_rtn", "fp4_trace"],
     "forwards to time; `name@impl` sets fp8_gemm (xla, kernel), `+fp8bwd` the FP8 backward, "
-    "`+scan` / `+unrolled` the plan's seq_layers (default: the plan's, scan)")
+    "`+scan` / `+unrolled` the plan's layer_loop (default: the plan's; unrolled on Hopper up "
+    "to 16 layers)")
 _BATCH = flags.DEFINE_integer("batch", None, "batch size (default per preset)")
 _SEQ = flags.DEFINE_integer("seq", None, "sequence length (default per preset)")
 _EXPERTS = flags.DEFINE_integer("experts", None, "number of experts (default per preset; the "
@@ -115,7 +116,7 @@ def _variant(base: M.ModelConfig, impl: str, attention: str, policy: str) -> M.M
   name, _, fp8_gemm = name.partition("@")
   layers = "scan" if "scan" in opts else "unrolled" if "unrolled" in opts else "auto"
   return base.replace(policy=name, moe_impl=impl, fp8_gemm=fp8_gemm or "xla",
-                      fp8_backward="fp8bwd" in opts, seq_layers=layers,
+                      fp8_backward="fp8bwd" in opts, layer_loop=layers,
                       seq_attention=attention)
 
 

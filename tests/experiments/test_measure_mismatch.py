@@ -145,8 +145,8 @@ def test_by_decode_impl_ratios():
 def test_plan_fields_parse_and_refuse():
   """--plan_fields entries become config fields; a field that is no plan field, or a value that
   is not one of its choices, is refused naming the entry."""
-  assert measure_mismatch.plan_fields(["decode_attention=fused", "seq_layers=unrolled"]) == {
-      "decode_attention": "fused", "seq_layers": "unrolled"}
+  assert measure_mismatch.plan_fields(["decode_attention=fused", "layer_loop=unrolled"]) == {
+      "decode_attention": "fused", "layer_loop": "unrolled"}
   for bad, match in (("decode_attention", "want field=value"), ("dtype=float32", "field one of"),
                      ("decode_attention=flash", "decode_attention is one of")):
     with pytest.raises(ValueError, match=match):

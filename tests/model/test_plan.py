@@ -24,12 +24,12 @@ HOPPER = Backend("gpu", (9, 0), sm_count=132, mosaic_gpu=True, triton_asm=True)
 AMPERE = Backend("gpu", (8, 0), sm_count=108, mosaic_gpu=False, triton_asm=True)
 REFERENCE = dict(moe_impl="tiled", decode_impl="xla", decode_moe_kernel="triton",
                  fp4_codes="bytes", decode_attention="triton", kv_cache="dense",
-                 nvfp4_sites="xla", fp8_gemm="xla", seq_attention="xla", seq_layers="scan",
+                 nvfp4_sites="xla", fp8_gemm="xla", seq_attention="xla", layer_loop="scan",
                  kv_write="xla")
 KERNELS = dict(moe_impl="mgpu", decode_impl="kernel", decode_moe_kernel="wgmma",
                fp4_codes="words", decode_attention="wgmma", kv_cache="packed",
                nvfp4_sites="kernel", fp8_gemm="kernel", seq_attention="cudnn",
-               seq_layers="scan", kv_write="kernel")
+               layer_loop="unrolled", kv_write="kernel")
 
 
 def _fields(plan: KernelPlan) -> dict[str, str]:
@@ -40,7 +40,9 @@ def _fields(plan: KernelPlan) -> dict[str, str]:
                          ids=["qwen3_30b_a3b", "tiny"])
 def test_default_config_resolves_to_the_kernels_on_hopper_and_the_reference_on_cpu(make):
   config = make(policy="fp4_trace")
-  assert _fields(plan_lib.resolve(config, HOPPER)) == KERNELS
+  deep = config.num_hidden_layers > plan_lib.UNROLLED_MAX_LAYERS  # Qwen3-30B-A3B's 48 scan
+  assert _fields(plan_lib.resolve(config, HOPPER)) == dict(
+      KERNELS, layer_loop="scan" if deep else "unrolled")
   assert _fields(plan_lib.resolve(config, CPU)) == REFERENCE
   assert plan_lib.resolve(config, CPU) == plan_lib.reference()
   assert plan_lib.resolve(config, HOPPER).sm_count == 132
@@ -79,6 +81,22 @@ def test_hopper_plan_follows_the_forward(policy, want):
   fastest measured over each); MXFP4 forwards' weights are not prepared for the decode
   kernels, so their decode stays on XLA (its decode_attention then inert)."""
   assert _fields(plan_lib.resolve(M.tiny(policy=policy, dtype="bfloat16"), HOPPER)) == want
+
+
+@pytest.mark.parametrize("layers,backend,want", [
+    pytest.param(plan_lib.UNROLLED_MAX_LAYERS, HOPPER, "unrolled", id="hopper_at_the_bound"),
+    pytest.param(plan_lib.UNROLLED_MAX_LAYERS + 1, HOPPER, "scan", id="hopper_deeper"),
+    pytest.param(2, AMPERE, "scan", id="ampere"),
+    pytest.param(2, CPU, "scan", id="cpu"),
+])
+def test_layer_loop_unrolls_on_hopper_up_to_its_bound(layers, backend, want):
+  """layer_loop "auto": every forward's scans unrolled on Hopper for models up to
+  `UNROLLED_MAX_LAYERS` layers (compile time grows with depth), else scanned; forced either
+  way on any backend."""
+  config = M.tiny(dtype="bfloat16", num_hidden_layers=layers)
+  assert plan_lib.resolve(config, backend).layer_loop == want
+  for forced in ("scan", "unrolled"):
+    assert plan_lib.resolve(config.replace(layer_loop=forced), backend).layer_loop == forced
 
 
 @pytest.mark.parametrize("config,backend,want", [

@@ -78,11 +78,10 @@ class ModelConfig:
     softmax statistics, no scores in memory; bf16, head_dim a multiple of 8 up to 128,
     a GPU). Decode steps never use it; the same values up to float32 order and where the
     probabilities are rounded.
-  seq_layers: the layer loop of forwards without a KV cache (training steps, scoring): "scan"
-    (the runs of `scan_layers` as `lax.scan`s) or "unrolled" (every layer its own call: no
-    stacked weights, slices or carried copies, compile time growing with depth; faster on
-    the GPU but further from the rollout's values, `model.plan`). Forwards with a cache
-    (prefill, decode) keep `scan_layers`' runs, which the cache is held in.
+  layer_loop: every forward's layer loop (the rollout's and the trainer's alike, as their
+    agreement needs): "scan" (each run of `scan_layers` one `lax.scan`, `scan_unroll` layers
+    per iteration) or "unrolled" (each such scan unrolled whole: no stacked weights, slices
+    or carried copies on the GPU, compile time growing with depth; `model.plan`).
   fp8_backward: those forwards' DGrad/WGrad GEMMs on FP8 operands too (Jet-RL's full flow);
     False: BF16 backward GEMMs. Gradients between operators are BF16 either way.
   scan_layers: run layers the forward treats alike as one `lax.scan` (compile time flat in
@@ -129,7 +128,7 @@ class ModelConfig:
   kv_write: str = "auto"
   fp8_gemm: str = "auto"
   seq_attention: str = "auto"
-  seq_layers: str = "auto"
+  layer_loop: str = "auto"
   fp8_backward: bool = False
   scan_layers: bool = True
   scan_unroll: int = 1

@@ -17,11 +17,11 @@ import jax.numpy as jnp
 from trace_jax.model.config import ModelConfig
 
 
-def layer_runs(config: ModelConfig, apart: bool = False) -> tuple[tuple[int, int], ...]:
+def layer_runs(config: ModelConfig) -> tuple[tuple[int, int], ...]:
   """[start, stop) of each run of layers that one scan body runs; every layer its own run
-  when `config.scan_layers` is False or `apart` (the plan's seq_layers="unrolled")."""
+  when `config.scan_layers` is False."""
   n = config.num_hidden_layers
-  if apart or not config.scan_layers:
+  if not config.scan_layers:
     return tuple((i, i + 1) for i in range(n))
   kind = [config.forward.guided and i in config.guided_layers for i in range(n)]
   cuts = [0] + [i for i in range(1, n) if kind[i] != kind[i - 1]] + [n]

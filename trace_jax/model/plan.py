@@ -28,8 +28,8 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 | fp8_gemm          | kernel      | xla       | FP8 linears' block-scaled GEMMs                |
 | seq_attention     | cudnn (+)   | xla       | full-sequence attention (training, scoring,    |
 |                   |             |           | prefill): fused flash attention or XLA's       |
-| seq_layers        | scan (!)    | scan      | the layer loop of forwards without a cache     |
-|                   |             |           | (training, scoring): `lax.scan` or unrolled    |
+| layer_loop        | unrolled (!)| scan      | every forward's layer loop: each run of layers |
+|                   |             |           | one `lax.scan` or that scan unrolled whole     |
 
 (*) with decode_impl "kernel" on any backend: the packed cache and the site kernel are the
 kernel decode's. (=) "wgmma" over the packed NVFP4 cache (the exact pair on a GPU with the Mosaic
@@ -52,7 +52,7 @@ Where the code runs each choice: `model.grouped` (moe_impl), `kernels.fp4_moe` (
 decode_moe_kernel, fp4_codes), `kernels.decode_attention` and `kernels.kv_cache`
 (decode_attention, kv_cache), `kernels.kv_append` (kv_write), `kernels.nvfp4_act`
 (nvfp4_sites), `model.fp8_linear` (fp8_gemm), `model.attention` (seq_attention, through
-`kernels.attention_math`), `model.transformer` (seq_layers). A resolved plan states what runs:
+`kernels.attention_math`), `model.transformer` (layer_loop). A resolved plan states what runs:
 `kv_cache` is "dense" and `nvfp4_sites` "xla" under forwards without NVFP4 sites, and
 `kv_write` "xla" without both the packed cache and the site kernel, whatever was forced. The
 kernels and the reference compute the same values up to float32 summation order
@@ -67,14 +67,14 @@ fused kernel agreed with the trainer better than the exact pair (fp4_trace's |dl
 against 0.0105 on the H100, docs/benchmarks.md), so forcing it over the packed cache trades
 speed for a smaller mismatch.
 
-(!) "unrolled" compiles each layer of a training forward apart: on the H100 the scan's stacking,
-slicing and carried copies took 27 of the BF16 training step's 89 ms at Qwen3 layer width
-(docs/benchmarks.md). It stays opt-in: in the RL loop the unrolled training step's values
-agreed with the rollout's less (unguided code flips rose from 1.4% to 12%, docs/results.md),
-although the unrolled forward scored alone agrees exactly as the scanned one does (the same
-flips and |dlogp| on the H100, docs/benchmarks.md), and on the H100 XLA failed to compile its
-SFT step under --xla_gpu_deterministic_ops. On CPU the two loops give the same bits once XLA
-may not skip BF16 roundings (`--xla_allow_excess_precision=false`, docs/numerics.md).
+(!) up to `UNROLLED_MAX_LAYERS` decoder layers, else "scan". Unrolled, the same scan body is
+compiled once per layer, and XLA folds away the scan's stacking of the layers' weights, its
+per-layer slices and its carried copies: on the H100 they took 26 of the BF16 training step's
+76 ms at Qwen3 layer width (docs/benchmarks.md). It is the loop of every forward, the rollout's
+prefill and decode steps as much as the trainer's, because the rollout/trainer agreement
+needs both programs alike: in the RL loop a trainer unrolled against a scanned rollout agreed
+with it far less (unguided code flips 13% against 1.4%, docs/results.md), both unrolled as
+well as both scanned. Compile time grows with depth, hence the bound.
 
 "invariant": the reference's fields, and every matmul, attention, norm, softmax and MoE
 combine of the forward computed with sums in a fixed order (`kernels.invariant`), so a row's
@@ -107,7 +107,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "kv_write": ("xla", "kernel"),
     "fp8_gemm": ("xla", "kernel"),
     "seq_attention": ("xla", "cudnn"),
-    "seq_layers": ("scan", "unrolled"),
+    "layer_loop": ("scan", "unrolled"),
 }
 # Named plans: field -> value; the fields a preset leaves out are resolved per backend.
 PRESETS: dict[str, Mapping[str, str]] = {
@@ -116,6 +116,10 @@ PRESETS: dict[str, Mapping[str, str]] = {
     "invariant": {name: choices[0] for name, choices in FIELDS.items()},
 }
 INVARIANT = "invariant"  # the preset whose forward is row-invariant (`KernelPlan.invariant`)
+# The deepest model whose layer loop "auto" unrolls on Hopper: unrolled, a program compiles
+# each layer's body apart (6 layers of configs/small_h200.py: the RL loop's first step, which
+# compiles the rollout's and the trainer's programs, took 130 s on the H100).
+UNROLLED_MAX_LAYERS = 16
 # SMs assumed where the device does not say (an H100/H200's).
 DEFAULT_SM_COUNT = 132
 
@@ -175,7 +179,7 @@ class KernelPlan:
   nvfp4_sites: str
   fp8_gemm: str
   seq_attention: str = "xla"
-  seq_layers: str = "scan"
+  layer_loop: str = "scan"
   kv_write: str = "xla"
   sm_count: int = DEFAULT_SM_COUNT
   invariant: bool = False
@@ -330,5 +334,6 @@ def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:
       fp8_gemm=pick("fp8_gemm", "kernel" if kernels else "xla"),
       seq_attention=pick("seq_attention", "cudnn" if kernels and _cudnn_attention_shapes(config)
                          else "xla"),
-      seq_layers=pick("seq_layers", "scan"),
+      layer_loop=pick("layer_loop", "unrolled" if kernels
+                      and config.num_hidden_layers <= UNROLLED_MAX_LAYERS else "scan"),
       sm_count=b.sm_count, invariant=config.plan == INVARIANT)

@@ -7,13 +7,12 @@ be float32 while the forward runs in bfloat16).
 The decoder layers run in "runs" (`layer_runs`): contiguous layers the forward treats alike
 (with `config.scan_layers`, all layers of a policy without guidance, else the unguided prefix
 and the guided suffix) run as one `jax.lax.scan` over their stacked parameters, so a program
-compiles each run's body once however deep the model is. The KV cache and the rollout
+traces each run's body once however deep the model is. The KV cache and the rollout
 engine's prepared weights are held stacked per run; the params stay one subtree per layer
 (checkpoints, HF export and sharding rules see the same tree), stacked inside the forward
-unless the caller passes them stacked (`stack_layers`, once per weight update). A forward
-without a cache (training, scoring) runs every layer apart instead where the plan's
-`seq_layers` is "unrolled" (opt-in: faster on the GPU, further from the rollout's values;
-`model.plan`).
+unless the caller passes them stacked (`stack_layers`, once per weight update). Where the
+plan's `layer_loop` is "unrolled" every forward unrolls each run's scan whole (the same body,
+compiled once per layer: XLA then folds the stacking and slicing away; `model.plan`).
 """
 
 from __future__ import annotations
@@ -119,10 +118,9 @@ class Transformer(nnx.Module):
     new_cache = [] if cache is not None else None
     router_logits = []
     tap_rows = []
-    # Forwards without a cache take the plan's layer loop; the others the cache's runs.
-    unrolled = (prec.plan.seq_layers == "unrolled" and cache is None and layers is None
-                and experts is None)
-    for r, (a, b) in enumerate(layer_runs(c, apart=unrolled)):
+    # The plan's layer loop: every scan unrolled whole, or `scan_unroll` layers per iteration.
+    unroll = None if prec.plan.layer_loop == "unrolled" else prec.config.scan_unroll
+    for r, (a, b) in enumerate(layer_runs(c)):
       state = (stack([nnx.state(self.layers[i]) for i in range(a, b)]) if layers is None
                else layers[r])
       run_cache = None if cache is None else cache[r]
@@ -140,7 +138,7 @@ class Transformer(nnx.Module):
         run_experts = None if experts is None else _take(experts[r], lo - a, hi - a, b - a)
         (x, run_cache), (rl, rows, layout) = self._scan(
             gdef, (x, run_cache), xs, run_experts, lo, lo - a, hi - lo, cos, sin, positions,
-            prec, decode, replay)
+            prec, decode, replay, unroll or hi - lo)
         router_logits += [rl[j] for j in range(hi - lo)]
         if rows is not None:
           tap_rows.append(rows)
@@ -172,9 +170,10 @@ class Transformer(nnx.Module):
   @staticmethod
   def _scan(gdef: nnx.GraphDef, carry: tuple[jax.Array, LayerCache | None], xs: dict[str, Any],
             experts: Any, first: int, offset: int, n: int, cos, sin, positions,
-            prec: Precision, decode: bool, replay: bool):
+            prec: Precision, decode: bool, replay: bool, unroll: int):
     """Layers first..first+n (alike) over carry (x, the run's cache stack or None; these
-    layers sit at offset.. in the run): one scan body, or one call when n is 1. xs: the
+    layers sit at offset.. in the run): one scan body, `unroll` layers per iteration (n: the
+    body traced once, the loop unrolled whole), or one call when n is 1. xs: the
     per-layer inputs, stacked; experts: the run's prepared weights, stacked, which the body
     indexes (the decode kernel reads them in place) rather than scan slicing them; likewise
     the cache is carried and written in place (`CacheSlot`). Returns ((x, cache), (router
@@ -199,7 +198,7 @@ class Transformer(nnx.Module):
 
     xs = dict(xs, index=jnp.arange(n, dtype=jnp.int32))
     if n > 1:
-      carry, (rl, rows) = jax.lax.scan(body, carry, xs, unroll=min(prec.config.scan_unroll, n))
+      carry, (rl, rows) = jax.lax.scan(body, carry, xs, unroll=min(unroll, n))
     else:
       carry, ys = body(carry, jax.tree.map(lambda a: a[0], xs))
       rl, rows = jax.tree.map(lambda a: a[None], ys)
