@@ -30,13 +30,13 @@
 #               plan with the single-pass decode attention over the packed cache
 #               (`--plan_fields=decode_attention=fused`)
 #   excess_precision  XLA's excess precision (`--xla_allow_excess_precision`, on by default) off:
-#               the kernel plan's rollout/trainer mismatch with the trainer's layers scanned
-#               (with and without the flag) and unrolled (with it; on CPU the flag made the
-#               two agree and halved fp4_rtn's |dlogp|), then the BF16 train step scanned and
-#               unrolled under it (what it costs in speed)
-#   train_step  the training step at Qwen3 layer width, 4 and 12 layers (batch 4 on a GPU of
-#               less than 100 GB): BF16, FP8 and FP4 policies on the plan's grouped GEMMs
-#               (`moe_impl="mgpu"`), cuDNN's fused attention against XLA's
+#               the kernel plan's rollout/trainer mismatch with every forward's layers scanned
+#               (with and without the flag) and unrolled (with it; on CPU the flag halved
+#               fp4_rtn's |dlogp|), then the BF16 train step scanned and unrolled under it
+#               (what it costs in speed)
+#   train_step  the training step at Qwen3 layer width, 4 and 12 layers: BF16, FP8 and FP4
+#               policies on the plan's grouped GEMMs (`moe_impl="mgpu"`) and layer loop,
+#               cuDNN's fused attention against XLA's, and the BF16 step scanned
 #   rl          the RL loop (`experiments.train_rl`, RL_CONFIG, default configs/small_h200.py)
 #               with the config's kernel plan, one process per policy (RL_POLICIES), sharing
 #               the GPU (RL_SEQUENTIAL=1: one after another, each policy's tokens/s its own);
@@ -168,7 +168,6 @@ step_mismatch() {
 
 step_excess_precision() {
   local t=${T_EXCESS_PRECISION:-560} v layers tag flags part
-  # (the default flags' unrolled run: docs/benchmarks.md, equal to scan on the H100)
   for v in scan:default::6 scan:noexcess:--xla_allow_excess_precision=false:6 \
            unrolled:noexcess:--xla_allow_excess_precision=false:3; do
     IFS=: read -r layers tag flags part <<< "$v"
@@ -179,7 +178,8 @@ step_excess_precision() {
   done
   XLA_FLAGS=--xla_allow_excess_precision=false TAIL=8 run excess_train_step "$((t / 4))" \
     python3 -m experiments.bench.train_step --preset=qwen3_layers --moe_impls=mgpu --steps=5 \
-    --seq_attentions=cudnn --policies=bf16,bf16+unrolled --json_out="$OUT/excess_train_step.json"
+    --seq_attentions=cudnn --policies=bf16+scan,bf16+unrolled \
+    --json_out="$OUT/excess_train_step.json"
 }
 
 step_train_step() {
@@ -187,12 +187,10 @@ step_train_step() {
   local common=(--preset=qwen3_layers --moe_impls=mgpu)
   TAIL=20 run train_step "$((2 * t / 3))" python3 -m experiments.bench.train_step "${common[@]}" \
     --steps=5 --seq_attentions=cudnn,xla \
-    --policies=bf16,fp8_unified@kernel,fp8_unified@kernel+fp8bwd,fp4_trace \
+    --policies=bf16,fp8_unified@kernel,fp8_unified@kernel+fp8bwd,fp4_trace,bf16+scan \
     --json_out="$OUT/train_step.json" ${TRAIN_STEP_ARGS:-}
-  local batch=()
-  small_gpu && batch=(--batch=4)
   TAIL=12 run train_step_12 "$((t / 3))" python3 -m experiments.bench.train_step "${common[@]}" \
-    --layers=12 --steps=3 --seq_attentions=cudnn ${batch[@]+"${batch[@]}"} \
+    --layers=12 --steps=3 --seq_attentions=cudnn \
     --policies=bf16,fp8_unified@kernel,fp8_unified@kernel+fp8bwd,fp4_trace \
     --json_out="$OUT/train_step_12.json"
 }

@@ -44,8 +44,8 @@ Triton's inline assembly.
 (%) JAX's own Mosaic GPU grouped GEMM (`model.grouped`) for the forward and DGrad, with bf16
 or f16 compute and widths that are multiples of its 64-column tiles (else "kernel", the Pallas
 grouped GEMMs, for widths that are multiples of 16): on the H100 at Qwen3-30B-A3B width it took
-the BF16 training step from 89.8 to 77.6 ms scanned and from 61.9 to 50.3 ms unrolled
-(docs/benchmarks.md).
+the BF16 training step from 89.8 to 77.6 ms scanned and from 61.9 to 50.3 ms with every layer
+its own call (docs/benchmarks.md).
 "auto" falls back to the reference where the shapes or the forward rule a kernel out (e.g.
 decode_impl "xla" under MXFP4 forwards, moe_impl "tiled" for widths not multiples of 16).
 Where the code runs each choice: `model.grouped` (moe_impl), `kernels.fp4_moe` (decode_impl,
@@ -69,12 +69,12 @@ speed for a smaller mismatch.
 
 (!) up to `UNROLLED_MAX_LAYERS` decoder layers, else "scan". Unrolled, the same scan body is
 compiled once per layer, and XLA folds away the scan's stacking of the layers' weights, its
-per-layer slices and its carried copies: on the H100 they took 26 of the BF16 training step's
-76 ms at Qwen3 layer width (docs/benchmarks.md). It is the loop of every forward, the rollout's
+per-layer slices and its carried copies: on the H100 the BF16 training step at Qwen3 layer
+width took 49.4 ms unrolled against 78.1 ms scanned (docs/benchmarks.md). It is the loop of every forward, the rollout's
 prefill and decode steps as much as the trainer's, because the rollout/trainer agreement
 needs both programs alike: in the RL loop a trainer unrolled against a scanned rollout agreed
 with it far less (unguided code flips 13% against 1.4%, docs/results.md), both unrolled as
-well as both scanned. Compile time grows with depth, hence the bound.
+well as both scanned (1.26%). Compile time grows with depth, hence the bound.
 
 "invariant": the reference's fields, and every matmul, attention, norm, softmax and MoE
 combine of the forward computed with sums in a fixed order (`kernels.invariant`), so a row's
@@ -117,8 +117,8 @@ PRESETS: dict[str, Mapping[str, str]] = {
 }
 INVARIANT = "invariant"  # the preset whose forward is row-invariant (`KernelPlan.invariant`)
 # The deepest model whose layer loop "auto" unrolls on Hopper: unrolled, a program compiles
-# each layer's body apart (6 layers of configs/small_h200.py: the RL loop's first step, which
-# compiles the rollout's and the trainer's programs, took 130 s on the H100).
+# each layer's body apart (6 layers of configs/small_h200.py: the RL loop's first fp4_trace
+# step, which compiles the rollout's and the trainer's programs, took 75 s on the H100).
 UNROLLED_MAX_LAYERS = 16
 # SMs assumed where the device does not say (an H100/H200's).
 DEFAULT_SM_COUNT = 132
