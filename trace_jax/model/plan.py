@@ -70,11 +70,12 @@ speed for a smaller mismatch.
 (!) up to `UNROLLED_MAX_LAYERS` decoder layers, else "scan". Unrolled, the same scan body is
 compiled once per layer, and XLA folds away the scan's stacking of the layers' weights, its
 per-layer slices and its carried copies: on the H100 the BF16 training step at Qwen3 layer
-width took 49.4 ms unrolled against 78.1 ms scanned (docs/benchmarks.md). It is the loop of every forward, the rollout's
-prefill and decode steps as much as the trainer's, because the rollout/trainer agreement
-needs both programs alike: in the RL loop a trainer unrolled against a scanned rollout agreed
-with it far less (unguided code flips 13% against 1.4%, docs/results.md), both unrolled as
-well as both scanned (1.26%). Compile time grows with depth, hence the bound.
+width took 49.4 ms unrolled against 78.1 ms scanned (docs/benchmarks.md). It is the loop of
+every forward, the rollout's prefill and decode steps as much as the trainer's, because the
+rollout/trainer agreement needs both programs alike: in the RL loop a trainer unrolled
+against a scanned rollout agreed with it far less (unguided code flips 13% against 1.4%,
+docs/results.md), both unrolled as well as both scanned (1.26%). Compile time grows with
+depth, hence the bound.
 
 "invariant": the reference's fields, and every matmul, attention, norm, softmax and MoE
 combine of the forward computed with sums in a fixed order (`kernels.invariant`), so a row's
