@@ -119,7 +119,7 @@ class Transformer(nnx.Module):
     router_logits = []
     tap_rows = []
     # The plan's layer loop: every scan unrolled whole, or `scan_unroll` layers per iteration.
-    unroll = None if prec.plan.layer_loop == "unrolled" else prec.config.scan_unroll
+    whole = prec.plan.layer_loop == "unrolled"
     for r, (a, b) in enumerate(layer_runs(c)):
       state = (stack([nnx.state(self.layers[i]) for i in range(a, b)]) if layers is None
                else layers[r])
@@ -138,7 +138,7 @@ class Transformer(nnx.Module):
         run_experts = None if experts is None else _take(experts[r], lo - a, hi - a, b - a)
         (x, run_cache), (rl, rows, layout) = self._scan(
             gdef, (x, run_cache), xs, run_experts, lo, lo - a, hi - lo, cos, sin, positions,
-            prec, decode, replay, unroll or hi - lo)
+            prec, decode, replay, hi - lo if whole else prec.config.scan_unroll)
         router_logits += [rl[j] for j in range(hi - lo)]
         if rows is not None:
           tap_rows.append(rows)
