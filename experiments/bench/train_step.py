@@ -26,6 +26,7 @@ from absl import app, flags
 from experiments import common
 from experiments.bench import profiling
 from trace_jax import model as M
+from trace_jax.model import plan as plan_lib
 
 _PRESET = flags.DEFINE_enum("preset", "tiny", ["tiny", "small_h200", "bench_gpu", "qwen3_layers"],
                             "model size (small_h200: configs/small_h200.py's model and batch; "
@@ -35,7 +36,7 @@ _POLICIES = flags.DEFINE_list(
                  "fp4_rtn", "fp4_trace"],
     "forwards to time; `name@impl` sets fp8_gemm (xla, kernel), `+fp8bwd` the FP8 backward, "
     "`+scan` / `+unrolled` the plan's layer_loop (default: the plan's; unrolled on Hopper up "
-    "to 16 layers)")
+    "to 16 layers), `+FIELD=VALUE` any other plan field (e.g. `fp4_trace+fp4_weights=kernel`)")
 _BATCH = flags.DEFINE_integer("batch", None, "batch size (default per preset)")
 _SEQ = flags.DEFINE_integer("seq", None, "sequence length (default per preset)")
 _EXPERTS = flags.DEFINE_integer("experts", None, "number of experts (default per preset; the "
@@ -111,13 +112,20 @@ def step_flops(c: M.ModelConfig, batch: int, seq: int) -> dict[str, float]:
 
 def _variant(base: M.ModelConfig, impl: str, attention: str, policy: str) -> M.ModelConfig:
   name, *opts = policy.split("+")
-  if set(opts) - {"fp8bwd", "scan", "unrolled"} or {"scan", "unrolled"} <= set(opts):
-    raise app.UsageError(f"{policy}: options are +fp8bwd and one of +scan, +unrolled")
+  fields = dict(opt.split("=", 1) for opt in opts if "=" in opt)
+  flags_ = {opt for opt in opts if "=" not in opt}
+  if flags_ - {"fp8bwd", "scan", "unrolled"} or {"scan", "unrolled"} <= flags_:
+    raise app.UsageError(f"{policy}: options are +fp8bwd, one of +scan, +unrolled, and "
+                         "+FIELD=VALUE plan fields")
+  unknown = set(fields) - set(plan_lib.FIELDS) | set(fields) & {"moe_impl", "seq_attention"}
+  if unknown:
+    raise app.UsageError(f"{policy}: {sorted(unknown)} are not plan fields a policy sets "
+                         "(moe_impl and seq_attention have their own flags)")
   name, _, fp8_gemm = name.partition("@")
-  layers = "scan" if "scan" in opts else "unrolled" if "unrolled" in opts else "auto"
+  layers = "scan" if "scan" in flags_ else "unrolled" if "unrolled" in flags_ else "auto"
   return base.replace(policy=name, moe_impl=impl, fp8_gemm=fp8_gemm or "xla",
-                      fp8_backward="fp8bwd" in opts, layer_loop=layers,
-                      seq_attention=attention)
+                      fp8_backward="fp8bwd" in flags_, layer_loop=layers,
+                      seq_attention=attention, **fields)
 
 
 def _run_one(config: M.ModelConfig, params, tokens, label: str) -> dict[str, float]:

@@ -274,6 +274,117 @@ def test_bad_inputs():
     nvfp4_act.quantize_rows(x, num_warps=6)
 
 
+# ----------------------------------------------------------------------------- given scales
+
+_qdq_reference = jax.jit(nvfp4_act.qdq_reference)
+
+
+def _numpy_qdq(x: np.ndarray, ts: np.ndarray) -> np.ndarray:
+  """Independent reference of `qdq_rows` for finite rows and scales: numpy float32 arithmetic
+  (IEEE division) and ml_dtypes rounding under the given row scales ts [M]; float32 values
+  after a round trip through x's dtype."""
+  dt = np.asarray(x).dtype
+  xf = np.asarray(x).astype(F32)
+  xf = np.where(np.abs(xf) < F32(2.0**-126), np.copysign(F32(0.0), xf), xf).astype(F32)
+  m, k = xf.shape
+  xb = xf.reshape(m, k // 16, 16)
+  t = ts.astype(F32)[:, None]
+  with np.errstate(all="ignore"):
+    bs = np.clip((np.abs(xb).max(axis=-1) / F32(6.0)) / t, F32(2.0**-6), F32(448.0))
+    bsf = bs.astype(E4M3).astype(F32)
+    codes = np.clip(xb * ((F32(1.0) / t) / bsf)[..., None], F32(-6.0), F32(6.0)).astype(E2M1)
+    y = (codes.astype(F32) * bsf[..., None]) * t[..., None]
+  return y.reshape(m, k).astype(dt).astype(F32)
+
+
+def _check_qdq(x: jax.Array, ts: np.ndarray, what: str, **kw) -> np.ndarray:
+  """qdq_rows against formats (every row) and numpy (rows finite, with finite scales)."""
+  ts = np.asarray(ts, F32)
+  y = nvfp4_act.qdq_rows(x, jnp.asarray(ts), **kw)
+  assert y.dtype == x.dtype and y.shape == x.shape
+  got = np.asarray(y).astype(F32)
+  xn = np.asarray(x)
+  assert_bits_equal(got, np.asarray(_qdq_reference(x, jnp.asarray(ts))).astype(F32),
+                    f"{what} vs formats", {"x": xn.astype(F32)})
+  ok = np.isfinite(xn.astype(F32)).all(axis=1) & np.isfinite(ts)
+  assert_bits_equal(got[ok], _numpy_qdq(xn, ts)[ok], f"{what} vs numpy",
+                    {"x": xn.astype(F32)[ok]})
+  return got
+
+
+def _expert_scales(x: np.ndarray, experts: int) -> np.ndarray:
+  """A weight's second-level scales: rows split into `experts` equal runs, one
+  `formats.nvfp4_tensor_scale` per run, repeated over its rows."""
+  m, k = x.shape
+  ts = jax.jit(lambda v: formats.nvfp4_tensor_scale(v, axes=(1, 2)))(
+      jnp.asarray(x).reshape(experts, m // experts, k))
+  return np.repeat(np.asarray(ts).reshape(experts), m // experts)
+
+
+# (id, K, dtype, M, experts, block_m): the expert weights' K (gate/up 2048, down 768) and odd
+# ones, M not a multiple of block_m, the defaults last.
+QDQ = [
+    ("k48_f32_3experts", 48, "float32", 9, 3, 4),
+    ("k768_bf16_2experts", 768, "bfloat16", 6, 2, 4),
+    ("k2048_bf16_2experts", 2048, "bfloat16", 4, 2, 2),
+    ("k80_f16_1expert", 80, "float16", 5, 1, 2),
+    ("k2048_bf16_defaults", 2048, "bfloat16", 6, 3, None),
+]
+
+
+@pytest.mark.parametrize("name,k,dtype,m,experts,block_m", QDQ, ids=[c[0] for c in QDQ])
+def test_qdq_rows_under_expert_scales_bit_exact(name, k, dtype, m, experts, block_m):
+  x = _random_rows(m, k, DTYPES[dtype], seed=k + m)
+  _check_qdq(x, _expert_scales(np.asarray(x).astype(F32), experts), name,
+             **({} if block_m is None else {"block_m": block_m}))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name,make,expect", ADVERSARIAL, ids=[c[0] for c in ADVERSARIAL])
+def test_qdq_rows_adversarial_under_the_rows_own_scales(name, make, expect, dtype):
+  """Under each row's own scale (`formats.nvfp4_row_scale`) the values are the site kernel's,
+  so every adversarial case (ties, saturation, zeros, subnormals, tiny and huge scales,
+  NaN/Inf) checks the given-scale path against both kernels and both references."""
+  x = adversarial_input(make, dtype)
+  ts = np.asarray(jax.jit(formats.nvfp4_row_scale)(x))[:, 0]
+  got = _check_qdq(x, ts, f"{name}/{dtype}", block_m=ADV_BLOCK_M)
+  assert_bits_equal(got, _run(x, block_m=ADV_BLOCK_M)["y"], f"{name}/{dtype} vs quantize_rows")
+
+
+def test_qdq_rows_scales_that_clamp_or_poison():
+  """Rows 1 and 4 hold the same values: under 2**12 times their own scale most block scales
+  clamp at 2**-6 and round their values to zero; 2**-12 times it saturates block scales at
+  448; NaN poisons its row only."""
+  x = _random_rows(6, 64, jnp.float32, seed=11)
+  x = x.at[4].set(x[1])
+  own = np.asarray(jax.jit(formats.nvfp4_row_scale)(x))[:, 0]
+  ts = own * np.array([2.0**-12, 2.0**12, 1.0, np.nan, 1.0, 2.0**-3], F32)
+  got = _check_qdq(x, ts, "clamped and poisoned", block_m=2)
+  assert np.isnan(got[3]).all() and np.isfinite(np.delete(got, 3, axis=0)).all()
+  assert np.abs(got[0]).max() == np.float32(6 * 448) * ts[0]  # saturated blocks: +-6 * 448 * ts
+  assert (got[1] == 0).sum() > 2 * (got[4] == 0).sum()
+
+
+def test_qdq_rows_control_scale_matters():
+  """The comparison can fail: twice the scale is other values."""
+  x = _random_rows(4, 64, jnp.float32, seed=12)
+  ts = _expert_scales(np.asarray(x), 2)
+  got = np.asarray(nvfp4_act.qdq_rows(x, jnp.asarray(ts), block_m=2))
+  with pytest.raises(AssertionError, match="differ"):
+    assert_bits_equal(got, np.asarray(_qdq_reference(x, jnp.asarray(2 * ts))), "2 ts")
+
+
+def test_qdq_rows_bad_inputs():
+  x = jnp.zeros((4, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"tensor_scale must be float32 \[4\]"):
+    nvfp4_act.qdq_rows(x, jnp.ones((4, 1), jnp.float32))
+  with pytest.raises(ValueError, match="tensor_scale must be float32"):
+    nvfp4_act.qdq_rows(x, jnp.ones((4,), jnp.bfloat16))
+  with pytest.raises(ValueError, match="qdq_rows: K=24"):
+    nvfp4_act.qdq_rows(x[:, :24], jnp.ones((4,), jnp.float32))
+  assert nvfp4_act.qdq_rows(x[:0], jnp.ones((0,), jnp.float32)).shape == (0, 32)
+
+
 # ----------------------------------------------------------------------------- Triton IR
 
 # (id, M, K, dtype, block_m, num_warps): the sites with the GPU's defaults, then variants.
@@ -303,6 +414,15 @@ def test_lowers_to_triton(name, m, k, dtype, block_m, num_warps, traced_as_on_gp
   f = functools.partial(nvfp4_act.quantize_rows, interpret=False, block_m=block_m,
                         num_warps=num_warps, mantissa="no_mantissa" not in name)
   text = jax.jit(f).trace(jnp.zeros((m, k), DTYPES[dtype])).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "triton" in text
+
+
+@pytest.mark.parametrize("m,k", [(3072, 2048), (3072, 768)], ids=["gate_up", "down"])
+def test_qdq_rows_lowers_to_triton(m, k, traced_as_on_gpu):
+  """The given-scale kernel at the expert weights' widths, with the GPU's default tiles."""
+  f = functools.partial(nvfp4_act.qdq_rows, interpret=False)
+  text = jax.jit(f).trace(jnp.zeros((m, k), jnp.bfloat16), jnp.ones((m,), jnp.float32)).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "triton" in text
 

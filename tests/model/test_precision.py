@@ -263,6 +263,59 @@ def test_engine_sites_run_the_site_kernel_with_the_same_bits(tap, mode, monkeypa
   assert len(calls) == 2
 
 
+def _bits(tree) -> list[np.ndarray]:
+  return [np.ascontiguousarray(np.asarray(a)).view(np.uint8) for a in jax.tree.leaves(tree)]
+
+
+def test_weight_kernel_is_the_xla_quantizer_bit_for_bit_with_its_gradient():
+  """`fake_quant_weights_kernel` (gate and up under one scale per expert without joining them,
+  one kernel each) equals `qat.fake_quant_weight` of the joined weights, values and
+  straight-through cotangents, on experts alike, all-zero, poisoned by one NaN, and one whose
+  largest value lies in `up` only (the shared scale is the pair's, not gate's)."""
+  from trace_jax.model.precision import fake_quant_weights_kernel
+  from trace_jax.quant import qat
+
+  rng = np.random.default_rng(4)
+  gate, up = (jnp.asarray(rng.standard_normal((4, 8, 48)), jnp.bfloat16) for _ in range(2))
+  gate, up = gate.at[1].set(0.0), up.at[1].set(0.0)
+  up = up.at[2, 3, 5].set(jnp.nan).at[3, 0, 0].set(64.0)
+
+  def xla(g, u):
+    gu = qat.fake_quant_weight(jnp.concatenate([g, u], axis=1), "nvfp4")
+    return gu[:, :8], gu[:, 8:]
+
+  kernel = lambda g, u: fake_quant_weights_kernel((g, u))
+  cot = tuple(jnp.asarray(rng.standard_normal(gate.shape), jnp.bfloat16) for _ in range(2))
+  outs = []
+  for f in (xla, kernel):
+    y, vjp = jax.vjp(jax.jit(f), gate, up)
+    outs.append((y, vjp(cot)))
+  assert len(_bits(outs[0])) == 4
+  for a, b in zip(_bits(outs[0]), _bits(outs[1]), strict=True):
+    np.testing.assert_array_equal(a, b)
+  y = np.asarray(outs[1][0][0].astype(jnp.float32))
+  assert np.isnan(y[2]).all() and not np.isnan(y[[0, 1, 3]]).any() and (y[1] == 0).all()
+
+
+@pytest.mark.parametrize("policy", ["fp4_trace", "fp4_rtn"])
+def test_fp4_weights_kernel_trains_the_xla_quantizers_bits(policy):
+  """A training forward with fp4_weights="kernel" calls the weight kernel (three per layer)
+  and gives the "xla" plan's logits and float32 gradients bit for bit."""
+  from cases import pallas_calls
+
+  toks = np.random.default_rng(5).integers(0, 64, (B, 8), np.int32)
+  results = []
+  for impl in ("xla", "kernel"):
+    config = M.tiny(policy=policy, num_hidden_layers=1, fp4_weights=impl)
+    params = _params(config)
+    loss = lambda p, c=config: jnp.mean(M.forward(p, c, toks).logits.astype(jnp.float32) ** 2)
+    names = [n for n, _ in pallas_calls(jax.make_jaxpr(loss)(params).jaxpr)]
+    assert names.count("nvfp4_qdq_rows") == (3 if impl == "kernel" else 0), names
+    results.append(jax.jit(jax.value_and_grad(loss))(params))
+  for a, b in zip(_bits(results[0]), _bits(results[1]), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_site_row_order_needs_its_inverse():
   """A site computed in another row order puts its record back by the inverse the dispatch
   holds; given one without the other it refuses."""

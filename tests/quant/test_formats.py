@@ -386,6 +386,24 @@ def test_tensor_scale_matches_reference() -> None:
     cases.assert_bits_equal(got[name], ref_tensor_scale(x, axes), f"tensor scale {name}")
 
 
+def test_shared_tensor_scale_is_the_joined_arrays_scale() -> None:
+  """nvfp4_shared_tensor_scale of arrays equals the reference scale of them joined along a
+  kept axis: the largest value in either part sets it, an all-zero expert floors it, a NaN in
+  one part poisons its expert only."""
+  x = cases.stacked()[0][:4].copy()
+  a, b = x[:, :5], x[:, 5:]
+  a[1], b[1] = 0.0, 0.0
+  b[2, 0, 3] = np.nan
+  b[3, 1, 1] = 2.0 * np.abs(x[3]).max()
+  got = jax.jit(lambda u, v: formats.nvfp4_shared_tensor_scale((u, v), axes=(1, 2)))(
+      jnp.asarray(a), jnp.asarray(b))
+  want = ref_tensor_scale(np.concatenate([a, b], axis=1), (1, 2))
+  cases.assert_bits_equal(got, want, "shared scale")
+  assert np.isnan(np.asarray(got)[2]).all() and np.isfinite(np.asarray(got)[[0, 1, 3]]).all()
+  with pytest.raises(ValueError, match="no arrays"):
+    formats.nvfp4_shared_tensor_scale((), axes=(1, 2))
+
+
 def test_dequantize_error_bounds() -> None:
   """Dequantized values are close to the input: within half the largest E2M1 step times the
   effective scale (NVFP4, MXFP4) or 2**-4 relative (FP8), plus any saturation excess."""

@@ -6,6 +6,11 @@ row holding NaN/Inf is poisoned, never raised on). XLA runs that as ~6 small ker
 (row amax, row scale, block amax, scales, codes, dequantize); at decode the rows are few and
 each of those launches costs more than its bytes, so this is one launch per site.
 
+`qdq_rows(x, tensor_scale)` is the same kernel under second-level scales given per row (a
+weight's, one per expert: `formats.nvfp4_quantize(x, ts)`), storing the dequantized values
+only: the training forward's fake-quantized expert weights (the plan's `fp4_weights`), one
+read and one write per element where XLA's quantizer makes several passes.
+
 Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewhere):
 - x [M, K] is viewed as [M, K // 16, 16] (a free reshape outside): one NVFP4 block per row of
   the last two axes, so a block's amax is a reduction over the last axis of the tile.
@@ -113,23 +118,27 @@ def _per_block(a: jax.Array, ndim: int) -> jax.Array:
   return a[(slice(None), slice(None)) + (None,) * (ndim - 2)]
 
 
-def quantize_tile(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def quantize_tile(x: jax.Array, ts: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """In-kernel `formats.fp4_quantize_act(x, "nvfp4")` of float32 rows x [R, NB, *block]: row
   r's NVFP4 block j is x[r, j] (its 16 elements over the block axes, in any arrangement).
+  ts: the rows' second-level scales float32 [R] given (`formats.nvfp4_quantize(x, ts)`: a
+  weight's per-expert scale), or None for each row's own (the activation sites').
   Returns (codes uint8 shaped as x, block scales float32 [R, NB] (E4M3 values; NaN in a
   non-finite block or row), row scales float32 [R] (NaN in a non-finite row)). Elements loaded
-  as 0 past the data change no amax. Shared by the site kernel and `kv_append`."""
+  as 0 past the data change no amax. Shared by the site kernel, the weights' and `kv_append`."""
   x = exact.flush_subnormal(x)
   # formats._amax per block; the row's amax is the max of its blocks' (max is exact).
   finite = jnp.isfinite(x)
   amax = _block_max(jnp.where(finite, jnp.abs(x), np.float32(0.0)))     # [R, NB]
   block_bad = _block_max((~finite).astype(jnp.int32)) > 0               # [R, NB]
-  row_amax = jnp.max(amax, axis=1)                                       # [R]
-  row_bad = _any(block_bad, axis=1)                                      # [R]
-
-  # formats.nvfp4_row_scale
-  ts = ieee_div(jnp.maximum(row_amax, formats.AMAX_FLOOR), formats.NVFP4_TENSOR_DIVISOR)
-  ts = jnp.where(row_bad, np.float32(np.nan), ts)                        # [R]
+  if ts is None:  # formats.nvfp4_row_scale
+    row_bad = _any(block_bad, axis=1)                                    # [R]
+    row_amax = jnp.max(amax, axis=1)                                     # [R]
+    ts = ieee_div(jnp.maximum(row_amax, formats.AMAX_FLOOR), formats.NVFP4_TENSOR_DIVISOR)
+    ts = jnp.where(row_bad, np.float32(np.nan), ts)                      # [R]
+  else:  # a given scale poisons its rows where it is not finite, as in formats
+    row_bad = ~jnp.isfinite(ts)
 
   # formats.nvfp4_quantize with tensor_scale=ts (the row's non-finite flag is ts's)
   bad = block_bad | row_bad[:, None]
@@ -142,16 +151,22 @@ def quantize_tile(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   return codes, jnp.where(bad, np.float32(np.nan), bs), ts
 
 
-def _kernel(x_ref, y_ref, codes_ref, scale_ref, ts_ref, *mant_ref, m: int, nb: int, bm: int,
-            nbp: int):
-  """One program: rows [r0, r0 + bm) whole, as [bm, nbp, 16] (see the module docstring);
-  mant_ref: the blocks' code low bits (`mantissa=True`) or nothing."""
+def _tile_masks(m: int, nb: int, bm: int, nbp: int) -> tuple[jax.Array, ...]:
+  """A program's rows [r0, r0 + bm) as a [bm, nbp, 16] tile: (index, 3-axis mask, [bm, nbp]
+  mask, row mask); rows past m and blocks past nb are masked."""
   r0 = pl.program_id(0) * bm
   row_ok = (r0 + jnp.arange(bm, dtype=jnp.int32)) < m                    # [bm]
   blk_ok = jnp.arange(nbp, dtype=jnp.int32) < nb                         # [nbp]
   ok2 = row_ok[:, None] & blk_ok[None, :]                                # [bm, nbp]
   ok3 = jnp.broadcast_to(ok2[:, :, None], (bm, nbp, BLOCK))
-  idx3 = (pl.ds(r0, bm), pl.ds(0, nbp), pl.ds(0, BLOCK))
+  return (pl.ds(r0, bm), pl.ds(0, nbp), pl.ds(0, BLOCK)), ok3, ok2, row_ok
+
+
+def _kernel(x_ref, y_ref, codes_ref, scale_ref, ts_ref, *mant_ref, m: int, nb: int, bm: int,
+            nbp: int):
+  """One program: rows [r0, r0 + bm) whole, as [bm, nbp, 16] (see the module docstring);
+  mant_ref: the blocks' code low bits (`mantissa=True`) or nothing."""
+  idx3, ok3, ok2, row_ok = _tile_masks(m, nb, bm, nbp)
   x = common.masked_load(x_ref, idx3, ok3, 0).astype(jnp.float32)
   codes, bs, ts = quantize_tile(x)
 
@@ -166,6 +181,17 @@ def _kernel(x_ref, y_ref, codes_ref, scale_ref, ts_ref, *mant_ref, m: int, nb: i
     shifts = jnp.arange(BLOCK, dtype=jnp.int32)[None, None, :]
     bits = jnp.sum((codes & 1).astype(jnp.int32) << shifts, axis=2)
     common.masked_store(mant_ref[0], idx3[:2], bits.astype(jnp.uint16), ok2)
+
+
+def _qdq_kernel(x_ref, ts_ref, y_ref, *, m: int, nb: int, bm: int, nbp: int):
+  """One program of `qdq_rows`: `_kernel`'s rows under the given row scales, values only."""
+  idx3, ok3, _, row_ok = _tile_masks(m, nb, bm, nbp)
+  x = common.masked_load(x_ref, idx3, ok3, 0).astype(jnp.float32)
+  # rows past m load a scale of 1 (never stored), so no NaN flag runs through their blocks
+  ts = common.masked_load(ts_ref, idx3[:1], row_ok, 1)
+  codes, bs, ts = quantize_tile(x, ts)
+  y = (_e2m1_value(codes) * bs[:, :, None]) * ts[:, None, None]
+  common.masked_store(y_ref, idx3, y.astype(y_ref.dtype), ok3)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "num_warps", "mantissa"))
@@ -199,6 +225,32 @@ def _quantize_rows(x: jax.Array, *, interpret: bool, block_m: int, num_warps: in
   return (y.reshape(m, k), q) + bits
 
 
+def _launch(name: str, x: jax.Array, block_m: int | None, num_warps: int | None,
+            interpret: bool | None) -> tuple[int, int, bool]:
+  """Checks rows x [M, K] and resolves a launch's (block_m, num_warps, interpret)."""
+  if not hasattr(x, "dtype") or not hasattr(x, "ndim"):
+    raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
+  if x.ndim != 2:
+    raise ValueError(f"{name}: x must be [M, K], got shape {x.shape}")
+  if x.dtype not in DTYPES:
+    raise TypeError(f"{name}: x dtype must be bf16, f16 or f32, got {x.dtype}")
+  m, k = x.shape
+  if k == 0 or k % BLOCK:
+    raise ValueError(f"{name}: K={k} (x of shape {x.shape}) must be a positive multiple "
+                     f"of the block size {BLOCK}")
+  if block_m is None:
+    block_m = default_block_m(m, k)
+  if block_m < 1 or block_m & (block_m - 1):
+    raise ValueError(f"{name}: block_m must be a power of two >= 1, got {block_m}")
+  if num_warps is None:
+    num_warps = default_num_warps(block_m, k)
+  if num_warps < 1 or num_warps & (num_warps - 1):
+    raise ValueError(f"{name}: num_warps must be a power of two >= 1, got {num_warps}")
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  return int(block_m), int(num_warps), bool(interpret)
+
+
 def quantize_rows(x: jax.Array, *, interpret: bool | None = None, block_m: int | None = None,
                   num_warps: int | None = None, mantissa: bool = False
                   ) -> tuple[jax.Array, ...]:
@@ -215,28 +267,50 @@ def quantize_rows(x: jax.Array, *, interpret: bool | None = None, block_m: int |
   block_m: rows per program, a power of two (None: `default_block_m`); num_warps: Triton's
   (None: `default_num_warps`).
   """
-  if not hasattr(x, "dtype") or not hasattr(x, "ndim"):
-    raise TypeError(f"quantize_rows: expected an array, got {type(x).__name__}")
-  if x.ndim != 2:
-    raise ValueError(f"quantize_rows: x must be [M, K], got shape {x.shape}")
-  if x.dtype not in DTYPES:
-    raise TypeError(f"quantize_rows: x dtype must be bf16, f16 or f32, got {x.dtype}")
+  block_m, num_warps, interpret = _launch("quantize_rows", x, block_m, num_warps, interpret)
+  return _quantize_rows(x, interpret=interpret, block_m=block_m, num_warps=num_warps,
+                        mantissa=bool(mantissa))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "num_warps"))
+def _qdq_rows(x: jax.Array, ts: jax.Array, *, interpret: bool, block_m: int,
+              num_warps: int) -> jax.Array:
   m, k = x.shape
-  if k == 0 or k % BLOCK:
-    raise ValueError(f"quantize_rows: K={k} (x of shape {x.shape}) must be a positive multiple "
-                     f"of the block size {BLOCK}")
-  if block_m is None:
-    block_m = default_block_m(m, k)
-  if block_m < 1 or block_m & (block_m - 1):
-    raise ValueError(f"quantize_rows: block_m must be a power of two >= 1, got {block_m}")
-  if num_warps is None:
-    num_warps = default_num_warps(block_m, k)
-  if num_warps < 1 or num_warps & (num_warps - 1):
-    raise ValueError(f"quantize_rows: num_warps must be a power of two >= 1, got {num_warps}")
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
-  return _quantize_rows(x, interpret=bool(interpret), block_m=int(block_m),
-                        num_warps=int(num_warps), mantissa=bool(mantissa))
+  if m == 0:
+    return jnp.zeros((0, k), x.dtype)
+  nb = k // BLOCK
+  kernel = functools.partial(_qdq_kernel, m=m, nb=nb, bm=block_m, nbp=padded_blocks(k))
+  y = pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((m, nb, BLOCK), x.dtype),
+      grid=(pl.cdiv(m, block_m),), interpret=interpret, name="nvfp4_qdq_rows",
+      compiler_params=None if interpret else common.compiler_params(num_warps, 1),
+  )(x.reshape(m, nb, BLOCK), ts)
+  return y.reshape(m, k)
+
+
+def qdq_rows(x: jax.Array, tensor_scale: jax.Array, *, interpret: bool | None = None,
+             block_m: int | None = None, num_warps: int | None = None) -> jax.Array:
+  """NVFP4 quantize-dequantize of rows x [M, K] under given second-level scales
+  `tensor_scale` float32 [M] (a weight's per-expert scale, one per row), in one kernel: the
+  values only, [M, K] in x.dtype. What the training forward's fake-quantized weights need:
+  one read and one write per element, the block scales made in registers.
+
+  Bit for bit `formats.nvfp4_dequantize(formats.nvfp4_quantize(x, tensor_scale[:, None]))
+  .astype(x.dtype)` as under jit (`qdq_reference`): a non-finite block, or a row whose scale
+  is not finite, comes out NaN. interpret, block_m, num_warps: as `quantize_rows`'.
+  """
+  block_m, num_warps, interpret = _launch("qdq_rows", x, block_m, num_warps, interpret)
+  ts = jnp.asarray(tensor_scale)
+  if ts.shape != x.shape[:1] or ts.dtype != jnp.float32:
+    raise ValueError(f"qdq_rows: tensor_scale must be float32 [{x.shape[0]}] (one per row of x "
+                     f"{x.shape}), got {ts.dtype} {ts.shape}")
+  return _qdq_rows(x, ts, interpret=interpret, block_m=block_m, num_warps=num_warps)
+
+
+def qdq_reference(x: jax.Array, tensor_scale: jax.Array) -> jax.Array:
+  """`qdq_rows`' contract in XLA (`formats`)."""
+  q = formats.nvfp4_quantize(x, tensor_scale[:, None])
+  return formats.nvfp4_dequantize(q).astype(x.dtype)
 
 
 def reference(x: jax.Array) -> tuple[jax.Array, formats.NVFP4Tensor]:

@@ -30,6 +30,8 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 |                   |             |           | prefill): fused flash attention or XLA's       |
 | layer_loop        | unrolled (!)| scan      | every forward's layer loop: each run of layers |
 |                   |             |           | one `lax.scan` or that scan unrolled whole     |
+| fp4_weights       | xla (&)     | xla       | NVFP4 forwards' fake-quantized expert weights: |
+|                   |             |           | XLA's quantizer or one kernel per weight       |
 
 (*) with decode_impl "kernel" on any backend: the packed cache and the site kernel are the
 kernel decode's. (=) "wgmma" over the packed NVFP4 cache (the exact pair on a GPU with the Mosaic
@@ -51,11 +53,12 @@ decode_impl "xla" under MXFP4 forwards, moe_impl "tiled" for widths not multiple
 Where the code runs each choice: `model.grouped` (moe_impl), `kernels.fp4_moe` (decode_impl,
 decode_moe_kernel, fp4_codes), `kernels.decode_attention` and `kernels.kv_cache`
 (decode_attention, kv_cache), `kernels.kv_append` (kv_write), `kernels.nvfp4_act`
-(nvfp4_sites), `model.fp8_linear` (fp8_gemm), `model.attention` (seq_attention, through
-`kernels.attention_math`), `model.transformer` (layer_loop). A resolved plan states what runs:
-`kv_cache` is "dense" and `nvfp4_sites` "xla" under forwards without NVFP4 sites, and
-`kv_write` "xla" without both the packed cache and the site kernel, whatever was forced. The
-kernels and the reference compute the same values up to float32 summation order
+(nvfp4_sites; fp4_weights through `model.precision`), `model.fp8_linear` (fp8_gemm),
+`model.attention` (seq_attention, through `kernels.attention_math`), `model.transformer`
+(layer_loop). A resolved plan states what runs: `kv_cache`, `nvfp4_sites` and `fp4_weights`
+are "dense", "xla" and "xla" under forwards without NVFP4 sites, and `kv_write` "xla" without
+both the packed cache and the site kernel, whatever was forced. The kernels and the reference
+compute the same values up to float32 summation order
 (docs/numerics.md); cuDNN's attention also rounds its probabilities per key block rather than
 once.
 
@@ -76,6 +79,12 @@ rollout/trainer agreement needs both programs alike: in the RL loop a trainer un
 against a scanned rollout agreed with it far less (unguided code flips 13% against 1.4%,
 docs/results.md), both unrolled as well as both scanned (1.26%). Compile time grows with
 depth, hence the bound.
+
+(&) "kernel" is `kernels.nvfp4_act.qdq_rows` (Triton on the GPU, the interpreter elsewhere):
+each weight read once and written once with its block scales made in registers, under the
+expert's second-level scale (gate and up sharing theirs), the same bits as XLA's quantizer. On
+a mesh (outside an expert-parallel body) the weights take XLA's quantizer, which the SPMD
+partitioner splits. Not yet the default anywhere: it is "auto" only once measured faster.
 
 "invariant": the reference's fields, and every matmul, attention, norm, softmax and MoE
 combine of the forward computed with sums in a fixed order (`kernels.invariant`), so a row's
@@ -109,6 +118,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "fp8_gemm": ("xla", "kernel"),
     "seq_attention": ("xla", "cudnn"),
     "layer_loop": ("scan", "unrolled"),
+    "fp4_weights": ("xla", "kernel"),
 }
 # Named plans: field -> value; the fields a preset leaves out are resolved per backend.
 PRESETS: dict[str, Mapping[str, str]] = {
@@ -182,6 +192,7 @@ class KernelPlan:
   seq_attention: str = "xla"
   layer_loop: str = "scan"
   kv_write: str = "xla"
+  fp4_weights: str = "xla"
   sm_count: int = DEFAULT_SM_COUNT
   invariant: bool = False
 
@@ -337,4 +348,5 @@ def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:
                          else "xla"),
       layer_loop=pick("layer_loop", "unrolled" if kernels
                       and config.num_hidden_layers <= UNROLLED_MAX_LAYERS else "scan"),
+      fp4_weights=pick("fp4_weights", "xla") if nvfp4 else "xla",
       sm_count=b.sm_count, invariant=config.plan == INVARIANT)

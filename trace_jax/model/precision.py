@@ -30,7 +30,7 @@ from trace_jax.guidance import byte_rows
 from trace_jax.guidance.record import Guidance
 from trace_jax.kernels import invariant, kv_append, nvfp4_act
 from trace_jax.kernels.kv_cache import PackedKVCache
-from trace_jax.model import batch_local, fp8_linear
+from trace_jax.model import batch_local, fp8_linear, mesh_context
 from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.model.grouped import grouped_matmul
 from trace_jax.model.plan import KernelPlan, resolve
@@ -273,12 +273,16 @@ class Precision:
   def expert_weights(self, gate: jax.Array, up: jax.Array,
                      down: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """FP4 fake-quantized routed expert weights [E, F, D], [E, F, D], [E, D, F] (the FP8
-    linears quantize their weights inside `grouped`)."""
-    if self.fp4:
-      f = gate.shape[1]
-      gate_up = qat.fake_quant_weight(jnp.concatenate([gate, up], axis=1), self.fmt)
-      return gate_up[:, :f], gate_up[:, f:], qat.fake_quant_weight(down, self.fmt)
-    return gate, up, down
+    linears quantize their weights inside `grouped`), gate and up under one second-level
+    scale per expert: XLA's quantizer or, by the plan's `fp4_weights`, one kernel per weight
+    (`fake_quant_weights_kernel`, the same bits)."""
+    if not self.fp4:
+      return gate, up, down
+    if self.fmt == "nvfp4" and self.plan.fp4_weights == "kernel" and _weights_local():
+      return fake_quant_weights_kernel((gate, up)) + fake_quant_weights_kernel((down,))
+    f = gate.shape[1]
+    gate_up = qat.fake_quant_weight(jnp.concatenate([gate, up], axis=1), self.fmt)
+    return gate_up[:, :f], gate_up[:, f:], qat.fake_quant_weight(down, self.fmt)
 
   def expert_hidden(self, rows: jax.Array, gate: jax.Array, up: jax.Array,
                     group_sizes: jax.Array) -> jax.Array:
@@ -342,6 +346,29 @@ class Precision:
       return grouped_matmul(rows, w, group_sizes, p.grouped)
     return fp8_linear.grouped(rows, w, group_sizes, p.fp8_gemm,
                               "fp8" if self.config.fp8_backward else "bf16", p.moe_impl)
+
+
+def _weights_local() -> bool:
+  """Whether the weights are this device's whole arrays: off a mesh, or inside a shard_map
+  body (the expert-parallel block's). A kernel is one custom call, which the SPMD partitioner
+  would gather to every device."""
+  return mesh_context.entered() is None or mesh_context.in_manual_body()
+
+
+def fake_quant_weights_kernel(ws: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+  """NVFP4 fake quantization of expert weights ws [E, N_i, K] under one second-level scale
+  per expert shared by all of them (`formats.nvfp4_shared_tensor_scale`), each weight by one
+  kernel (`kernels.nvfp4_act.qdq_rows`) with `qat.straight_through`'s gradient: bit for bit
+  `qat.fake_quant_weight` of the weights joined along N, without joining them."""
+  consts = tuple(jax.lax.stop_gradient(w) for w in ws)
+  ts = formats.nvfp4_shared_tensor_scale(consts, axes=(1, 2))          # [E, 1, 1]
+  out = []
+  for w, c in zip(ws, consts, strict=True):
+    e, n, k = w.shape
+    rows_ts = jnp.broadcast_to(ts.reshape(e, 1), (e, n)).reshape(e * n)
+    y = nvfp4_act.qdq_rows(c.reshape(e * n, k), rows_ts).reshape(w.shape)
+    out.append(qat.straight_through(w, y))
+  return tuple(out)
 
 
 def quantize_rows(x: jax.Array, mantissa: bool = False) -> tuple[Any, ...]:

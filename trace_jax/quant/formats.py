@@ -20,6 +20,7 @@ Defined behaviour at the edges (the same in both twins):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -170,13 +171,27 @@ def nvfp4_tensor_scale(x: jax.Array, axes: tuple[int, ...] | None = None) -> jax
   axes=None: the whole tensor; axes=(-1,): per row (activations); for stacked expert weights
   [E, N, K] use axes=(1, 2) (one scale per expert). All-zero inputs use amax 2**-100.
   """
-  xf = exact.flush_subnormal(jnp.asarray(x).astype(jnp.float32))
-  ax = tuple(range(xf.ndim)) if axes is None else axes
-  # Explicit: XLA's max reduction does not promise to propagate NaN.
-  finite = jnp.all(jnp.isfinite(xf), axis=ax, keepdims=True)
-  amax = jnp.max(jnp.where(jnp.isfinite(xf), jnp.abs(xf), 0.0), axis=ax, keepdims=True)
-  ts = exact.ieee_div(jnp.maximum(amax, AMAX_FLOOR),
-                      NVFP4_TENSOR_DIVISOR)
+  return nvfp4_shared_tensor_scale((x,), axes)
+
+
+def nvfp4_shared_tensor_scale(xs: Sequence[jax.Array], axes: tuple[int, ...] | None = None
+                              ) -> jax.Array:
+  """`nvfp4_tensor_scale` of the arrays xs joined along an axis outside `axes` (of one shape
+  after the reduction), without joining them: the gate and up projections [E, F, D] share one
+  scale per expert, as SGLang's fused w13 does. The max is exact, so this is the joined
+  array's scale bit for bit."""
+  if not xs:
+    raise ValueError("nvfp4_shared_tensor_scale: no arrays given")
+  amax, finite = None, None
+  for x in xs:
+    xf = exact.flush_subnormal(jnp.asarray(x).astype(jnp.float32))
+    ax = tuple(range(xf.ndim)) if axes is None else axes
+    # Explicit: XLA's max reduction does not promise to propagate NaN.
+    f = jnp.all(jnp.isfinite(xf), axis=ax, keepdims=True)
+    a = jnp.max(jnp.where(jnp.isfinite(xf), jnp.abs(xf), 0.0), axis=ax, keepdims=True)
+    amax = a if amax is None else jnp.maximum(amax, a)
+    finite = f if finite is None else finite & f
+  ts = exact.ieee_div(jnp.maximum(amax, AMAX_FLOOR), NVFP4_TENSOR_DIVISOR)
   return jnp.where(finite, ts, jnp.float32(np.nan))
 
 
