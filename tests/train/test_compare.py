@@ -149,7 +149,11 @@ def test_a_guidance_budget_chooses_the_layers_once_per_workdir(tmp_path, monkeyp
   cfg.rl.steps, cfg.policies = 1, ("fp4_trace",)
   one = guidance_budget.layer_bytes(run_config.resolve(cfg).model_for("fp4_trace"))
   cfg.guidance.budget_bytes_per_token = 1.5 * one
-  cfg.guidance.calibration_prompts = 2
+  # The calibration rollout (4 prompts, padded to a power of two: 128) and the run's rollouts
+  # (4 rows, padded to max_prompt_len) are then one generation program, compiled once.
+  cfg.guidance.calibration_prompts = 4
+  cfg.max_prompt_len, cfg.seq_len = 128, 136
+  cfg.rl.seeds = (0,)
   cfg.rl.keep_guidance = True  # the store's batches stay, to read their manifests
   calls = []
   real = guidance_budget.greedy_path
