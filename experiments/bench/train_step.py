@@ -36,7 +36,7 @@ _POLICIES = flags.DEFINE_list(
                  "fp4_rtn", "fp4_trace"],
     "forwards to time; `name@impl` sets fp8_gemm (xla, kernel), `+fp8bwd` the FP8 backward, "
     "`+scan` / `+unrolled` the plan's layer_loop (default: the plan's; unrolled on Hopper up "
-    "to 16 layers), `+FIELD=VALUE` any other plan field (e.g. `fp4_trace+fp4_weights=kernel`)")
+    "to 16 layers), `+FIELD=VALUE` any other plan field (e.g. `fp4_trace+fake_quant=kernel`)")
 _BATCH = flags.DEFINE_integer("batch", None, "batch size (default per preset)")
 _SEQ = flags.DEFINE_integer("seq", None, "sequence length (default per preset)")
 _EXPERTS = flags.DEFINE_integer("experts", None, "number of experts (default per preset; the "

@@ -30,7 +30,7 @@ from tests.kernels.nvfp4_rows import (
   ties_pow2,
 )
 from trace_jax.kernels import common, nvfp4_act
-from trace_jax.quant import exact, formats
+from trace_jax.quant import exact, formats, guided
 
 E4M3 = ml_dtypes.float8_e4m3fn
 E2M1 = ml_dtypes.float4_e2m1fn
@@ -385,6 +385,115 @@ def test_qdq_rows_bad_inputs():
   assert nvfp4_act.qdq_rows(x[:0], jnp.ones((0,), jnp.float32)).shape == (0, 32)
 
 
+# ----------------------------------------------------------------------------- guided rows
+
+_guided_reference = jax.jit(nvfp4_act.guided_qdq_reference)
+_record = jax.jit(lambda v: guided.record(formats.fp4_quantize_act(v, "nvfp4"), "compact"))
+
+
+def _numpy_guided(x: np.ndarray, g) -> np.ndarray:
+  """Independent reference of guided rounding for finite rows and scales: numpy float32 scale
+  units, then of the two E2M1 grid points bracketing each |z| the one whose code's low bit is
+  the record's (sign from z); float32 values after a round trip through x's dtype."""
+  dt = np.asarray(x).dtype
+  xf = np.asarray(x).astype(F32)
+  xf = np.where(np.abs(xf) < F32(2.0**-126), np.copysign(F32(0.0), xf), xf).astype(F32)
+  m, k = xf.shape
+  bs = np.asarray(g.block_scale).view(np.uint8).view(E4M3).astype(F32)
+  ts = np.asarray(g.row_scale, F32)
+  with np.errstate(all="ignore"):
+    inv = (F32(1.0) / ts) / bs
+    z = np.clip(xf.reshape(m, k // 16, 16) * inv[..., None], F32(-6.0), F32(6.0))
+  grid = formats.E2M1_GRID
+  a = np.abs(z)
+  lo = (a[..., None] >= grid[1:]).sum(-1)
+  hi = np.where(grid[lo] == a, lo, np.minimum(lo + 1, 7))
+  bit = np.unpackbits(np.asarray(g.mantissa), axis=-1, bitorder="little").reshape(lo.shape)
+  mag = np.where((lo & 1) == bit, lo, hi)
+  val = np.where(np.signbit(z), -grid[mag], grid[mag])
+  y = (val * bs[..., None]) * ts[..., None]
+  return y.reshape(m, k).astype(dt).astype(F32)
+
+
+def _check_guided(x: jax.Array, g, rtn=None, what: str = "", **kw) -> np.ndarray:
+  """guided_qdq_rows against the XLA reference (every row) and numpy (finite rows that take
+  the guidance, with finite scales)."""
+  y = nvfp4_act.guided_qdq_rows(x, g, rtn, **kw)
+  assert y.dtype == x.dtype and y.shape == x.shape
+  got = np.asarray(y).astype(F32)
+  xn = np.asarray(x).astype(F32)
+  assert_bits_equal(got, np.asarray(_guided_reference(x, g, rtn)).astype(F32),
+                    f"{what} vs XLA", {"x": xn})
+  ok = (np.isfinite(xn).all(axis=1) & np.isfinite(np.asarray(g.row_scale)[:, 0])
+        & np.isfinite(to_numpy(g.block_scale).astype(F32)).all(axis=1))
+  if rtn is not None:
+    ok &= ~np.asarray(rtn)
+  assert_bits_equal(got[ok], _numpy_guided(np.asarray(x), g)[ok], f"{what} vs numpy",
+                    {"x": xn[ok]})
+  return got
+
+
+# (id, K, dtype, M, block_m, RTN rows): the sites' K (moe_in 2048, expert_mid 768, k/v 128).
+GUIDED = [
+    ("k128_f32", 128, "float32", 5, 2, False),
+    ("k768_bf16_rtn_rows", 768, "bfloat16", 6, 4, True),
+    ("k2048_bf16", 2048, "bfloat16", 3, 2, False),
+    ("k48_f16_rtn_rows_defaults", 48, "float16", 7, None, True),
+]
+
+
+@pytest.mark.parametrize("name,k,dtype,m,block_m,rtn", GUIDED, ids=[c[0] for c in GUIDED])
+def test_guided_rows_under_a_drifted_record_bit_exact(name, k, dtype, m, block_m, rtn):
+  """The record is a rollout's of the input drifted by ~3%: codes move within one grid step
+  and the record's bits choose among them."""
+  x = _random_rows(m, k, DTYPES[dtype], seed=k + 1)
+  rng = np.random.default_rng(k)
+  drifted = (np.asarray(x).astype(F32) * (1 + 0.03 * rng.standard_normal(x.shape))).astype(F32)
+  g = _record(jnp.asarray(drifted, x.dtype))
+  rows = jnp.asarray(np.arange(m) % 3 == 1) if rtn else None
+  got = _check_guided(x, g, rows, name, **({} if block_m is None else {"block_m": block_m}))
+  if rtn:  # the RTN rows are the site kernel's values under the rows' own scales
+    own = _run(x, block_m=2)["y"]
+    assert_bits_equal(got[np.asarray(rows)], own[np.asarray(rows)], f"{name}: RTN rows")
+  assert not np.array_equal(got, _run(x, block_m=2)["y"]), "control: the drift moved no code"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name,make,expect", ADVERSARIAL, ids=[c[0] for c in ADVERSARIAL])
+def test_guided_rows_without_drift_are_round_to_nearest(name, make, expect, dtype):
+  """Under the record of the input itself, guided rounding is RTN bit for bit: every
+  adversarial case (ties, saturation, zeros, subnormals, tiny and huge scales, NaN/Inf)
+  against the site kernel, the XLA reference and numpy."""
+  x = adversarial_input(make, dtype)
+  got = _check_guided(x, _record(x), None, f"{name}/{dtype}", block_m=ADV_BLOCK_M)
+  assert_bits_equal(got, _run(x, block_m=ADV_BLOCK_M)["y"], f"{name}/{dtype} vs RTN")
+
+
+def test_guided_rows_poisoned_record():
+  """A NaN block scale or row scale in the record poisons that block or row only."""
+  x = _random_rows(4, 64, jnp.float32, seed=13)
+  g = _record(x)
+  bits = np.asarray(g.block_scale).view(np.uint8).copy()
+  bits[1, 2] = 0x7F
+  g = g.replace(block_scale=jnp.asarray(bits).view(jnp.float8_e4m3fn),
+                row_scale=g.row_scale.at[3, 0].set(jnp.nan))
+  got = _check_guided(x, g, None, "poisoned", block_m=2)
+  assert np.isnan(got[1, 32:48]).all() and np.isnan(got[3]).all()
+  assert np.isfinite(np.delete(got, 3, axis=0)[:, :32]).all()
+
+
+def test_guided_rows_bad_inputs():
+  x = _random_rows(4, 32, jnp.bfloat16, seed=14)
+  g = _record(x)
+  full = guided.record(formats.fp4_quantize_act(x, "nvfp4"), "full")
+  with pytest.raises(ValueError, match="compact NVFP4 records"):
+    nvfp4_act.guided_qdq_rows(x, full)
+  with pytest.raises(ValueError, match=r"rtn_rows must be bool \[4\]"):
+    nvfp4_act.guided_qdq_rows(x, g, jnp.zeros((4,), jnp.int32))
+  with pytest.raises(ValueError, match="block_scale has shape"):
+    nvfp4_act.guided_qdq_rows(x[:, :16], g)
+
+
 # ----------------------------------------------------------------------------- Triton IR
 
 # (id, M, K, dtype, block_m, num_warps): the sites with the GPU's defaults, then variants.
@@ -423,6 +532,20 @@ def test_qdq_rows_lowers_to_triton(m, k, traced_as_on_gpu):
   """The given-scale kernel at the expert weights' widths, with the GPU's default tiles."""
   f = functools.partial(nvfp4_act.qdq_rows, interpret=False)
   text = jax.jit(f).trace(jnp.zeros((m, k), jnp.bfloat16), jnp.ones((m,), jnp.float32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "triton" in text
+
+
+@pytest.mark.parametrize("m,k,rtn", [(65536, 768, True), (8192, 2048, False)],
+                         ids=["expert_mid", "moe_in"])
+def test_guided_qdq_rows_lowers_to_triton(m, k, rtn, traced_as_on_gpu):
+  """The guided kernel at the training sites' widths, with the GPU's default tiles."""
+  g = guided.Guidance(block_scale=jnp.zeros((m, k // 16), jnp.float8_e4m3fn),
+                      row_scale=jnp.ones((m, 1), jnp.float32),
+                      mantissa=jnp.zeros((m, k // 8), jnp.uint8))
+  f = functools.partial(nvfp4_act.guided_qdq_rows, interpret=False)
+  rows = jnp.zeros((m,), jnp.bool_) if rtn else None
+  text = jax.jit(f).trace(jnp.zeros((m, k), jnp.bfloat16), g, rows).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "triton" in text
 

@@ -25,11 +25,11 @@ AMPERE = Backend("gpu", (8, 0), sm_count=108, mosaic_gpu=False, triton_asm=True)
 REFERENCE = dict(moe_impl="tiled", decode_impl="xla", decode_moe_kernel="triton",
                  fp4_codes="bytes", decode_attention="triton", kv_cache="dense",
                  nvfp4_sites="xla", fp8_gemm="xla", seq_attention="xla", layer_loop="scan",
-                 kv_write="xla", fp4_weights="xla")
+                 kv_write="xla", fake_quant="xla")
 KERNELS = dict(moe_impl="mgpu", decode_impl="kernel", decode_moe_kernel="wgmma",
                fp4_codes="words", decode_attention="wgmma", kv_cache="packed",
                nvfp4_sites="kernel", fp8_gemm="kernel", seq_attention="cudnn",
-               layer_loop="unrolled", kv_write="kernel", fp4_weights="xla")
+               layer_loop="unrolled", kv_write="kernel", fake_quant="xla")
 
 
 def _fields(plan: KernelPlan) -> dict[str, str]:
@@ -174,7 +174,7 @@ def test_forced_fields_win_over_the_backend_and_the_preset():
   assert plan_lib.resolve(M.tiny(kv_cache="packed", nvfp4_sites="kernel"), HOPPER).kv_cache == \
       "dense"
   for policy, want in (("fp4_rtn", "kernel"), ("bf16", "xla"), ("mxfp4_trace", "xla")):
-    assert plan_lib.resolve(M.tiny(policy=policy, fp4_weights="kernel"), CPU).fp4_weights == want
+    assert plan_lib.resolve(M.tiny(policy=policy, fake_quant="kernel"), CPU).fake_quant == want
 
 
 def test_reference_preset_on_hopper_and_as_dict():
@@ -194,7 +194,7 @@ def test_reference_preset_on_hopper_and_as_dict():
     pytest.param("decode_attention", "cuda", "decode_attention must be one of", id="attention"),
     pytest.param("nvfp4_sites", "pallas", "nvfp4_sites must be one of", id="sites"),
     pytest.param("kv_write", "scatter", "kv_write must be one of", id="kv_write"),
-    pytest.param("fp4_weights", "triton", "fp4_weights must be one of", id="fp4_weights"),
+    pytest.param("fake_quant", "triton", "fake_quant must be one of", id="fake_quant"),
 ])
 def test_bad_plan_fields_are_refused(field, value, pattern):
   with pytest.raises(ValueError, match=pattern):

@@ -297,20 +297,33 @@ def test_weight_kernel_is_the_xla_quantizer_bit_for_bit_with_its_gradient():
   assert np.isnan(y[2]).all() and not np.isnan(y[[0, 1, 3]]).any() and (y[1] == 0).all()
 
 
-@pytest.mark.parametrize("policy", ["fp4_trace", "fp4_rtn"])
-def test_fp4_weights_kernel_trains_the_xla_quantizers_bits(policy):
-  """A training forward with fp4_weights="kernel" calls the weight kernel (three per layer)
+@pytest.mark.parametrize("policy,weights,sites", [("fp4_trace", 3, 3), ("fp4_rtn", 3, 0)])
+def test_fake_quant_kernel_trains_the_xla_quantizers_bits(policy, weights, sites):
+  """A training forward with fake_quant="kernel" calls the weight kernel (three per layer) and,
+  under guidance, the guided-site kernel (moe_in, k/v stacked, expert_mid with its RTN rows),
   and gives the "xla" plan's logits and float32 gradients bit for bit."""
   from cases import pallas_calls
 
   toks = np.random.default_rng(5).integers(0, 64, (B, 8), np.int32)
   results = []
   for impl in ("xla", "kernel"):
-    config = M.tiny(policy=policy, num_hidden_layers=1, fp4_weights=impl)
+    config = M.tiny(policy=policy, num_hidden_layers=1, fake_quant=impl)
     params = _params(config)
-    loss = lambda p, c=config: jnp.mean(M.forward(p, c, toks).logits.astype(jnp.float32) ** 2)
+    guidance = routing = None
+    if policy == "fp4_trace":  # a bf16 rollout's records: the trainer's input drifts from them
+      rollout = config.replace(dtype="bfloat16")
+      taps = jax.jit(lambda p, c=rollout: M.forward(p, c, toks, tap_layers=(0,),
+                                                     record=True).taps)(params)
+      guidance, routing = {0: {s: taps[0][s] for s in M.SITES}}, {0: taps[0]["routing"]}
+
+    def loss(p, c=config, g=guidance, r=routing):
+      out = M.forward(p, c, toks, guidance=g, routing=r)
+      return jnp.mean(out.logits.astype(jnp.float32) ** 2)
+
     names = [n for n, _ in pallas_calls(jax.make_jaxpr(loss)(params).jaxpr)]
-    assert names.count("nvfp4_qdq_rows") == (3 if impl == "kernel" else 0), names
+    on = impl == "kernel"
+    assert names.count("nvfp4_qdq_rows") == weights * on, names
+    assert names.count("nvfp4_guided_qdq_rows") == sites * on, names
     results.append(jax.jit(jax.value_and_grad(loss))(params))
   for a, b in zip(_bits(results[0]), _bits(results[1]), strict=True):
     np.testing.assert_array_equal(a, b)

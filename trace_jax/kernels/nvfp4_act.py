@@ -6,10 +6,11 @@ row holding NaN/Inf is poisoned, never raised on). XLA runs that as ~6 small ker
 (row amax, row scale, block amax, scales, codes, dequantize); at decode the rows are few and
 each of those launches costs more than its bytes, so this is one launch per site.
 
+The training forward's fake quantizers (the plan's `fake_quant`), the dequantized values only,
+one read and one write per element where XLA's quantizers make several passes:
 `qdq_rows(x, tensor_scale)` is the same kernel under second-level scales given per row (a
-weight's, one per expert: `formats.nvfp4_quantize(x, ts)`), storing the dequantized values
-only: the training forward's fake-quantized expert weights (the plan's `fp4_weights`), one
-read and one write per element where XLA's quantizer makes several passes.
+weight's, one per expert: `formats.nvfp4_quantize(x, ts)`); `guided_qdq_rows(x, g)` rounds
+rows under a compact guidance record (`guided.guided_quantize`), some rows RTN instead.
 
 Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewhere):
 - x [M, K] is viewed as [M, K // 16, 16] (a free reshape outside): one NVFP4 block per row of
@@ -55,8 +56,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from trace_jax.guidance.record import Guidance
 from trace_jax.kernels import common
-from trace_jax.quant import exact, formats
+from trace_jax.quant import exact, formats, guided
 
 BLOCK = formats.NVFP4_BLOCK
 # Elements per program's tile at most (block_m * nbp * 16), unless one row is larger.
@@ -194,6 +196,36 @@ def _qdq_kernel(x_ref, ts_ref, y_ref, *, m: int, nb: int, bm: int, nbp: int):
   common.masked_store(y_ref, idx3, y.astype(y_ref.dtype), ok3)
 
 
+def _guided_kernel(x_ref, scale_ref, ts_ref, mant_ref, *refs, m: int, nb: int, bm: int,
+                   nbp: int):
+  """One program of `guided_qdq_rows`: refs are (rtn flags, y) or (y)."""
+  *rtn_ref, y_ref = refs
+  idx3, ok3, ok2, row_ok = _tile_masks(m, nb, bm, nbp)
+  x = common.masked_load(x_ref, idx3, ok3, 0).astype(jnp.float32)
+  ts = common.masked_load(ts_ref, idx3[:1], row_ok, 1)                   # [bm]
+  # past the data: scale byte 0x38 (1.0), no mantissa bits (never stored)
+  bs = exact.e4m3_bits_value(common.masked_load(scale_ref, idx3[:2], ok2, 0x38))
+  mant = common.masked_load(mant_ref, idx3[:2], ok2, 0).astype(jnp.int32)
+  # guided.guided_codes under a compact record: the rollout's scales, its mantissa bits
+  xf = exact.flush_subnormal(x)
+  x_bad = _block_max((~jnp.isfinite(xf)).astype(jnp.int32)) > 0          # [bm, nbp]
+  inv = ieee_div(ieee_div(np.float32(1.0), ts)[:, None], bs)             # [bm, nbp]
+  bad = ~jnp.isfinite(bs) | ~jnp.isfinite(ts)[:, None] | x_bad
+  z = jnp.clip(xf * inv[:, :, None], -formats.E2M1_MAX, formats.E2M1_MAX)
+  bit = (mant[:, :, None] >> jnp.arange(BLOCK, dtype=jnp.int32)[None, None, :]) & 1
+  codes = jnp.where(bad[:, :, None], jnp.uint8(0),
+                    guided.compact_codes(z, bit.astype(jnp.uint8)))
+  # guided.guided_quantize's NaN scale where x is not finite, then nvfp4_dequantize
+  bs = jnp.where(x_bad, np.float32(np.nan), bs)
+  y = (_e2m1_value(codes) * bs[:, :, None]) * ts[:, None, None]
+  if rtn_ref:  # rows that round RTN with their own scales (`quantize_tile`)
+    rtn = common.masked_load(rtn_ref[0], idx3[:1], row_ok, 0) != 0
+    codes_r, bs_r, ts_r = quantize_tile(x)
+    y_r = (_e2m1_value(codes_r) * bs_r[:, :, None]) * ts_r[:, None, None]
+    y = jnp.where(rtn[:, None, None], y_r, y)
+  common.masked_store(y_ref, idx3, y.astype(y_ref.dtype), ok3)
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "num_warps", "mantissa"))
 def _quantize_rows(x: jax.Array, *, interpret: bool, block_m: int, num_warps: int,
                    mantissa: bool) -> tuple[jax.Array, ...]:
@@ -305,6 +337,62 @@ def qdq_rows(x: jax.Array, tensor_scale: jax.Array, *, interpret: bool | None = 
     raise ValueError(f"qdq_rows: tensor_scale must be float32 [{x.shape[0]}] (one per row of x "
                      f"{x.shape}), got {ts.dtype} {ts.shape}")
   return _qdq_rows(x, ts, interpret=interpret, block_m=block_m, num_warps=num_warps)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "num_warps"))
+def _guided_qdq_rows(x: jax.Array, scale: jax.Array, ts: jax.Array, mant: jax.Array,
+                     rtn: jax.Array | None, *, interpret: bool, block_m: int,
+                     num_warps: int) -> jax.Array:
+  m, k = x.shape
+  if m == 0:
+    return jnp.zeros((0, k), x.dtype)
+  nb = k // BLOCK
+  kernel = functools.partial(_guided_kernel, m=m, nb=nb, bm=block_m, nbp=padded_blocks(k))
+  # the record's bytes of a block's 16 mantissa bits as one little-endian uint16 (bit j:
+  # element j), as XLA bitcasts on CPU and GPU alike
+  words = jax.lax.bitcast_convert_type(mant.reshape(m, nb, 2), jnp.uint16)
+  args = (x.reshape(m, nb, BLOCK), jax.lax.bitcast_convert_type(scale, jnp.uint8), ts, words)
+  args += () if rtn is None else (rtn.astype(jnp.int32),)
+  y = pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((m, nb, BLOCK), x.dtype),
+      grid=(pl.cdiv(m, block_m),), interpret=interpret, name="nvfp4_guided_qdq_rows",
+      compiler_params=None if interpret else common.compiler_params(num_warps, 1),
+  )(*args)
+  return y.reshape(m, k)
+
+
+def guided_qdq_rows(x: jax.Array, g: Guidance, rtn_rows: jax.Array | None = None, *,
+                    interpret: bool | None = None, block_m: int | None = None,
+                    num_warps: int | None = None) -> jax.Array:
+  """NVFP4 fake quantization of rows x [M, K] rounded under a compact guidance record g (rows
+  [M]: block_scale [M, K // 16], row_scale [M, 1], mantissa [M, K // 8]), in one kernel: the
+  values only, [M, K] in x.dtype. rtn_rows: bool [M], rows that round to nearest with their
+  own scales instead (expert_mid slots whose expert the rollout did not select), or None.
+
+  Bit for bit `formats.fp4_dequantize(guided.guided_quantize(x, g)).astype(x.dtype)`, and
+  `formats.fp4_dequantize(formats.fp4_quantize_act(x)).astype(x.dtype)` on rtn_rows, as under
+  jit (`guided_qdq_reference`). interpret, block_m, num_warps: as `quantize_rows`'.
+  """
+  block_m, num_warps, interpret = _launch("guided_qdq_rows", x, block_m, num_warps, interpret)
+  guided.validate(x, g, "guided_qdq_rows")
+  if g.format != "nvfp4" or g.mantissa is None:
+    raise ValueError(f"guided_qdq_rows: takes compact NVFP4 records, got {g.format} {g.mode}")
+  m = x.shape[0]
+  if rtn_rows is not None and (rtn_rows.shape != (m,) or rtn_rows.dtype != jnp.bool_):
+    raise ValueError(f"guided_qdq_rows: rtn_rows must be bool [{m}], got {rtn_rows.dtype} "
+                     f"{rtn_rows.shape}")
+  return _guided_qdq_rows(x, g.block_scale, g.row_scale.reshape(m), g.mantissa, rtn_rows,
+                          interpret=interpret, block_m=block_m, num_warps=num_warps)
+
+
+def guided_qdq_reference(x: jax.Array, g: Guidance, rtn_rows: jax.Array | None = None
+                         ) -> jax.Array:
+  """`guided_qdq_rows`' contract in XLA (`guided`, `formats`)."""
+  y = formats.fp4_dequantize(guided.guided_quantize(x, g)).astype(x.dtype)
+  if rtn_rows is None:
+    return y
+  rtn = formats.fp4_dequantize(formats.fp4_quantize_act(x, "nvfp4")).astype(x.dtype)
+  return jnp.where(rtn_rows[:, None], rtn, y)
 
 
 def qdq_reference(x: jax.Array, tensor_scale: jax.Array) -> jax.Array:

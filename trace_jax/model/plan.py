@@ -30,8 +30,9 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 |                   |             |           | prefill): fused flash attention or XLA's       |
 | layer_loop        | unrolled (!)| scan      | every forward's layer loop: each run of layers |
 |                   |             |           | one `lax.scan` or that scan unrolled whole     |
-| fp4_weights       | xla (&)     | xla       | NVFP4 forwards' fake-quantized expert weights: |
-|                   |             |           | XLA's quantizer or one kernel per weight       |
+| fake_quant        | xla (&)     | xla       | NVFP4 training forwards' fake quantizers (the  |
+|                   |             |           | expert weights, the guided sites): XLA's or    |
+|                   |             |           | one kernel each                                |
 
 (*) with decode_impl "kernel" on any backend: the packed cache and the site kernel are the
 kernel decode's. (=) "wgmma" over the packed NVFP4 cache (the exact pair on a GPU with the Mosaic
@@ -53,9 +54,9 @@ decode_impl "xla" under MXFP4 forwards, moe_impl "tiled" for widths not multiple
 Where the code runs each choice: `model.grouped` (moe_impl), `kernels.fp4_moe` (decode_impl,
 decode_moe_kernel, fp4_codes), `kernels.decode_attention` and `kernels.kv_cache`
 (decode_attention, kv_cache), `kernels.kv_append` (kv_write), `kernels.nvfp4_act`
-(nvfp4_sites; fp4_weights through `model.precision`), `model.fp8_linear` (fp8_gemm),
+(nvfp4_sites; fake_quant through `model.precision`), `model.fp8_linear` (fp8_gemm),
 `model.attention` (seq_attention, through `kernels.attention_math`), `model.transformer`
-(layer_loop). A resolved plan states what runs: `kv_cache`, `nvfp4_sites` and `fp4_weights`
+(layer_loop). A resolved plan states what runs: `kv_cache`, `nvfp4_sites` and `fake_quant`
 are "dense", "xla" and "xla" under forwards without NVFP4 sites, and `kv_write` "xla" without
 both the packed cache and the site kernel, whatever was forced. The kernels and the reference
 compute the same values up to float32 summation order
@@ -80,11 +81,14 @@ against a scanned rollout agreed with it far less (unguided code flips 13% again
 docs/results.md), both unrolled as well as both scanned (1.26%). Compile time grows with
 depth, hence the bound.
 
-(&) "kernel" is `kernels.nvfp4_act.qdq_rows` (Triton on the GPU, the interpreter elsewhere):
-each weight read once and written once with its block scales made in registers, under the
-expert's second-level scale (gate and up sharing theirs), the same bits as XLA's quantizer. On
-a mesh (outside an expert-parallel body) the weights take XLA's quantizer, which the SPMD
-partitioner splits. Not yet the default anywhere: it is "auto" only once measured faster.
+(&) "kernel": `kernels.nvfp4_act.qdq_rows` for the expert weights (each read once and written
+once, its block scales made in registers, under the expert's second-level scale, gate and up
+sharing theirs) and `guided_qdq_rows` for the activation sites that round under a compact
+record (the RTN rows of expert_mid in the same kernel); Triton on the GPU, the interpreter
+elsewhere; the same bits and straight-through gradients as XLA's quantizers. On a mesh the
+weights (outside an expert-parallel body) take XLA's quantizer, which the SPMD partitioner
+splits; the sites run per batch shard. Not yet the default anywhere: "auto" picks it only once
+measured faster.
 
 "invariant": the reference's fields, and every matmul, attention, norm, softmax and MoE
 combine of the forward computed with sums in a fixed order (`kernels.invariant`), so a row's
@@ -118,7 +122,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "fp8_gemm": ("xla", "kernel"),
     "seq_attention": ("xla", "cudnn"),
     "layer_loop": ("scan", "unrolled"),
-    "fp4_weights": ("xla", "kernel"),
+    "fake_quant": ("xla", "kernel"),
 }
 # Named plans: field -> value; the fields a preset leaves out are resolved per backend.
 PRESETS: dict[str, Mapping[str, str]] = {
@@ -192,7 +196,7 @@ class KernelPlan:
   seq_attention: str = "xla"
   layer_loop: str = "scan"
   kv_write: str = "xla"
-  fp4_weights: str = "xla"
+  fake_quant: str = "xla"
   sm_count: int = DEFAULT_SM_COUNT
   invariant: bool = False
 
@@ -348,5 +352,5 @@ def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:
                          else "xla"),
       layer_loop=pick("layer_loop", "unrolled" if kernels
                       and config.num_hidden_layers <= UNROLLED_MAX_LAYERS else "scan"),
-      fp4_weights=pick("fp4_weights", "xla") if nvfp4 else "xla",
+      fake_quant=pick("fake_quant", "xla") if nvfp4 else "xla",
       sm_count=b.sm_count, invariant=config.plan == INVARIANT)

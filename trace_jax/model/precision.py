@@ -136,9 +136,11 @@ class Precision:
 
     guided_rows [...]: rows that take the guidance; the others round RTN with their own
     scales (expert_mid slots whose expert the rollout did not select).
-    Without a tap this is the `qat` operator itself. With a tap, one quantization feeds both
-    the output and the record (the quantizers are costly to compile); its output equals the
-    `qat` operator's bit for bit and has the same straight-through BF16 gradient.
+    Without a tap this is the `qat` operator itself (or, by the plan's `fake_quant`, a compact
+    record's rounding on the kernel, `guided_kernel_site`: the same bits). With a tap, one
+    quantization feeds both the output and the record (the quantizers are costly to compile);
+    its output equals the `qat` operator's bit for bit and has the same straight-through BF16
+    gradient.
     """
     fmt = self.fmt
     if g is None and self.site_kernel:
@@ -147,6 +149,8 @@ class Precision:
       if g is None:
         return (qat.qdq_act(x, fmt).astype(x.dtype) if self.record
                 else qat.fake_quant_act(x, fmt)), None
+      if self.plan.fake_quant == "kernel" and g.format == "nvfp4" and g.mantissa is not None:
+        return guided_kernel_site(x, g, guided_rows), None
       y = qat.fake_quant_act_guided(x, g)
       if guided_rows is not None:
         y = jnp.where(guided_rows[..., None], y, qat.fake_quant_act(x, fmt))
@@ -274,11 +278,11 @@ class Precision:
                      down: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """FP4 fake-quantized routed expert weights [E, F, D], [E, F, D], [E, D, F] (the FP8
     linears quantize their weights inside `grouped`), gate and up under one second-level
-    scale per expert: XLA's quantizer or, by the plan's `fp4_weights`, one kernel per weight
+    scale per expert: XLA's quantizer or, by the plan's `fake_quant`, one kernel per weight
     (`fake_quant_weights_kernel`, the same bits)."""
     if not self.fp4:
       return gate, up, down
-    if self.fmt == "nvfp4" and self.plan.fp4_weights == "kernel" and _weights_local():
+    if self.fmt == "nvfp4" and self.plan.fake_quant == "kernel" and _weights_local():
       return fake_quant_weights_kernel((gate, up)) + fake_quant_weights_kernel((down,))
     f = gate.shape[1]
     gate_up = qat.fake_quant_weight(jnp.concatenate([gate, up], axis=1), self.fmt)
@@ -369,6 +373,22 @@ def fake_quant_weights_kernel(ws: tuple[jax.Array, ...]) -> tuple[jax.Array, ...
     y = nvfp4_act.qdq_rows(c.reshape(e * n, k), rows_ts).reshape(w.shape)
     out.append(qat.straight_through(w, y))
   return tuple(out)
+
+
+def guided_kernel_site(x: jax.Array, g: Guidance, guided_rows: jax.Array | None = None
+                       ) -> jax.Array:
+  """`qat.fake_quant_act_guided(x, g)` of rows x [..., K] under a compact NVFP4 record, RTN on
+  the rows outside `guided_rows` [...] where given, on one kernel per batch shard
+  (`kernels.nvfp4_act.guided_qdq_rows`) with `qat.straight_through`'s gradient: the same bits
+  and gradient as `Precision._quantize`'s XLA path."""
+  lead, k = x.shape[:-1], x.shape[-1]
+  rows = jax.lax.stop_gradient(x).reshape(-1, k)
+  n = rows.shape[0]
+  g = jax.tree.map(lambda a: a.reshape((n,) + a.shape[len(lead):]), g)
+  args = (rows, g) if guided_rows is None else (rows, g, ~guided_rows.reshape(n))
+  y = batch_local.on_batch_shards(lambda r, gg, *t: nvfp4_act.guided_qdq_rows(r, gg, *t),
+                                  args, (0,) * len(args), n)
+  return qat.straight_through(x, y.reshape(x.shape))
 
 
 def quantize_rows(x: jax.Array, mantissa: bool = False) -> tuple[Any, ...]:

@@ -153,7 +153,13 @@ def bits_to_e4m3(bits: jax.Array) -> jax.Array:
 
 def e4m3_value(scale: jax.Array) -> jax.Array:
   """float32 value of float8_e4m3fn scales, decoded from their bits (exact on every backend)."""
-  bits = jax.lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)
+  return e4m3_bits_value(jax.lax.bitcast_convert_type(scale, jnp.uint8))
+
+
+def e4m3_bits_value(bits: jax.Array) -> jax.Array:
+  """float32 value of E4M3 bytes (uint8 or int 0..255): `e4m3_value` of their bitcast, in
+  integer and float ops only (it runs inside Pallas kernels too)."""
+  bits = bits.astype(jnp.int32)
   e = (bits >> 3) & 0xF
   m = bits & 0x7
   normal = exp2i(e - 7) * (np.float32(1.0) + m.astype(jnp.float32) * np.float32(0.125))

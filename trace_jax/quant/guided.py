@@ -140,6 +140,20 @@ def _bracket(a: jax.Array) -> tuple[jax.Array, jax.Array]:
   return lo, hi
 
 
+def _signed(z: jax.Array, mag: jax.Array) -> jax.Array:
+  """Magnitude codes with the sign of z, zero included (code 8 for a negative z that rounds to
+  zero, as RTN gives it), so with no drift the guided code equals the rollout's bit for bit."""
+  return jnp.where(exact.sign_bit(z), jnp.uint8(8), jnp.uint8(0)) | mag
+
+
+def compact_codes(z: jax.Array, bit: jax.Array) -> jax.Array:
+  """E2M1 codes of values z in the rollout's scale units (clipped to +-6) under a compact
+  record's mantissa bits (0/1 per element): of the two grid points bracketing |z|, the one
+  whose code has the rollout's low bit. Elementwise (the guided Pallas kernel runs it too)."""
+  lo, hi = _bracket(jnp.abs(z))
+  return _signed(z, jnp.where((lo & 1) == bit, lo, hi))
+
+
 def guided_codes(x: jax.Array, g: Guidance) -> jax.Array:
   """E2M1 codes (uint8 per element) of training input x rounded under rollout guidance."""
   validate(x, g)
@@ -147,20 +161,15 @@ def guided_codes(x: jax.Array, g: Guidance) -> jax.Array:
   xf = exact.flush_subnormal(x.astype(jnp.float32))
   zb, bad = _scaled(xf, g)
   z = _unblock(jnp.clip(zb, -E2M1_MAX, E2M1_MAX))
-  lo, hi = _bracket(jnp.abs(z))
   if g.mantissa is not None:
-    bit = unpack_bits(g.mantissa)
-    mag = jnp.where((lo & 1) == bit, lo, hi)
+    codes = compact_codes(z, unpack_bits(g.mantissa))
   else:
+    lo, hi = _bracket(jnp.abs(z))
     ref = e2m1_decode(unpack_fp4(g.codes))
     sgn = jnp.where(exact.sign_bit(z), np.float32(-1.0), np.float32(1.0))
     d_lo = jnp.abs(sgn * e2m1_magnitude(lo) - ref)
     d_hi = jnp.abs(sgn * e2m1_magnitude(hi) - ref)
-    mag = jnp.where(d_lo <= d_hi, lo, hi)
-  # Sign from z, zero included (code 8 for a negative z that rounds to zero, as RTN gives it),
-  # so with no drift the guided code equals the rollout's code bit for bit.
-  sign = jnp.where(exact.sign_bit(z), jnp.uint8(8), jnp.uint8(0))
-  codes = sign | mag
+    codes = _signed(z, jnp.where(d_lo <= d_hi, lo, hi))
   # Blocks whose guidance is poisoned (NaN scales) or whose input is not finite get codes 0,
   # as the quantizers give them.
   bad = bad | ~jnp.all(jnp.isfinite(_blocks(xf, block)), axis=-1)

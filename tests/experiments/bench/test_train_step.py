@@ -18,8 +18,8 @@ BASE = M.tiny(moe_intermediate_size=128, head_dim=64)  # FP8 blocks of 128 fit
     pytest.param("fp8_unified@kernel+fp8bwd", dict(policy="fp8_unified", fp8_gemm="kernel",
                                                    fp8_backward=True), id="fp8_full"),
     pytest.param("bf16+scan", dict(layer_loop="scan"), id="scan"),
-    pytest.param("fp4_trace+fp4_weights=kernel+unrolled",
-                 dict(policy="fp4_trace", fp4_weights="kernel", layer_loop="unrolled"),
+    pytest.param("fp4_trace+fake_quant=kernel+unrolled",
+                 dict(policy="fp4_trace", fake_quant="kernel", layer_loop="unrolled"),
                  id="plan_field"),
 ])
 def test_policy_strings_set_the_config(policy, want):
