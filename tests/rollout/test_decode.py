@@ -10,7 +10,10 @@ from trace_jax.rollout import decode
 from trace_jax.rollout.engine import InProcessEngine
 from trace_jax.rollout.protocol import SamplingParams
 
-CFG = model_lib.tiny(vocab_size=64, num_hidden_layers=2, policy="fp4_trace", dtype="float32")
+# Every layer guided: the layers are one run (one scan body), so the programs compile half the
+# layer code of a guided and an unguided run; the decode loop is the same for any layers.
+CFG = model_lib.tiny(vocab_size=64, num_hidden_layers=2, policy="fp4_trace", dtype="float32",
+                     guided_layers=(0, 1))
 PER_SYNC = 4  # steps 1..15 of max_new 16 in blocks of 4: the last runs one step past the end
 
 
