@@ -93,12 +93,14 @@ def test_minibatches_equal_sequential_updates_on_the_parts(start_params, tmp_pat
     state0 = _state_copy(learner.state)
     m, _, rows = learner.update(batch)
     got = learner.state
-    old, _ = step_lib.policy_logprobs(state0.params, learner.model_cfg, learner.loss_cfg, batch)
+    # The learner's static arguments (no taps): the programs it compiled run again.
+    old, _ = step_lib.policy_logprobs(state0.params, learner.model_cfg, learner.loss_cfg, batch,
+                                      tap_layers=(), tap_rows=0)
     want = state0
     for half in (np.arange(0, 2), np.arange(2, 4)):
       part = batch_lib.take_rows(batch.replace(logp_old=old), half)
       want, _, _ = step_lib.grpo_step(want, part, config=learner.model_cfg, tx=learner.tx,
-                                      rl=learner.loss_cfg)
+                                      rl=learner.loss_cfg, tap_layers=(), tap_rows=0)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert [(r["update"], r["epoch"], r["minibatch"]) for r in rows] == [(0, 0, 0), (1, 0, 1)]
