@@ -85,8 +85,9 @@ def test_records_match_one_device():
   have the one-device layout, and layer 0's (routing, moe_in, k, v and expert_mid, the
   expert-parallel site) are bit for bit the same. Later layers' inputs differ in summation
   order (layer 0's outputs are summed over devices). A guided forward given the one-device
-  records gives the same logits within summation order."""
-  config, params, toks, mesh = _setup("fp4_trace", dict(data=2, expert=4))
+  records gives the same logits within summation order. Both layers guided: one run of layers,
+  one scan body per program (a guided and an unguided run compile two)."""
+  config, params, toks, mesh = _setup("fp4_trace", dict(data=2, expert=4), guided_layers=(0, 1))
   config = config.replace(dtype="bfloat16")
   layers = tuple(range(config.num_hidden_layers))
   run = lambda p, t: M.forward(p, config, t, tap_layers=layers, record=True)
