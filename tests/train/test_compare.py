@@ -13,7 +13,7 @@ from trace_jax.train import step as step_lib
 
 def test_split_run_then_summary(tmp_path):
   cfg = tiny_cfg()
-  cfg.rl.steps = 2
+  cfg.rl.steps, cfg.rl.seeds = 2, (0,)  # several seeds: test_seeds_spread_and_posthoc_fp4
   cfg.policies = ("bf16",)
   work = str(tmp_path)
   out = compare.run(cfg, work, [], progress=False)  # --sft_only
@@ -66,7 +66,7 @@ def _refuses_another_config(cfg, tmp_path) -> None:
   for field, value, shown in [("seed", 1, "seed: 0 -> 1"),
                               ("hidden_size", 256, "model.hidden_size: 128 -> 256")]:
     other = tiny_cfg()
-    other.rl.steps, other.policies = cfg.rl.steps, cfg.policies
+    other.rl.steps, other.rl.seeds, other.policies = cfg.rl.steps, cfg.rl.seeds, cfg.policies
     (other.model if field == "hidden_size" else other)[field] = value
     with pytest.raises(run_guard.ConfigMismatchError, match=shown):
       compare.run(other, work, ["bf16"], progress=False)
@@ -80,7 +80,8 @@ def _refuses_another_config(cfg, tmp_path) -> None:
   compare.preflight(cfg, work, ["bf16"])
   # Allowed: the run goes on, and the summary says the config changed.
   other = tiny_cfg()
-  other.rl.steps, other.policies, other.rl.lr = cfg.rl.steps, cfg.policies, 2 * cfg.rl.lr
+  other.rl.steps, other.rl.seeds, other.policies = cfg.rl.steps, cfg.rl.seeds, cfg.policies
+  other.rl.lr = 2 * cfg.rl.lr
   out = compare.run(other, work, ["bf16"], progress=False, allow_config_change=True)
   assert out["config_changes"][-1]["fields"] == {"rl.lr": [cfg.rl.lr, 2 * cfg.rl.lr]}
 
