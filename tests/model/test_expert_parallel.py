@@ -85,8 +85,10 @@ def test_records_match_one_device():
   have the one-device layout, and layer 0's (routing, moe_in, k, v and expert_mid, the
   expert-parallel site) are bit for bit the same. Later layers' inputs differ in summation
   order (layer 0's outputs are summed over devices). A guided forward given the one-device
-  records gives the same logits within summation order. Both layers guided: one run of layers,
-  one scan body per program (a guided and an unguided run compile two)."""
+  records, its fake quantizers on their kernels (`fake_quant="kernel"`: the weights in the
+  expert-parallel block, the guided sites per batch shard), gives the one-device XLA
+  quantizers' logits within summation order. Both layers guided: one run of layers, one scan
+  body per program (a guided and an unguided run compile two)."""
   config, params, toks, mesh = _setup("fp4_trace", dict(data=2, expert=4), guided_layers=(0, 1))
   config = config.replace(dtype="bfloat16")
   layers = tuple(range(config.num_hidden_layers))
@@ -105,10 +107,11 @@ def test_records_match_one_device():
   guidance = {l: {s: g for s, g in sites.items() if s != "routing"}
               for l, sites in ref.taps.items()}
   routing = {l: sites["routing"] for l, sites in ref.taps.items()}
-  guided = lambda p, t, g, r: M.forward(p, config, t, guidance=g, routing=r).logits
-  want = np.asarray(jax.jit(guided)(params, toks, guidance, routing), np.float32)
-  with mesh_context.use_mesh(mesh):
-    got = np.asarray(jax.jit(guided)(sp, toks, guidance, routing), np.float32)
+  guided = lambda c: lambda p, t, g, r: M.forward(p, c, t, guidance=g, routing=r).logits
+  want = np.asarray(jax.jit(guided(config))(params, toks, guidance, routing), np.float32)
+  with mesh_context.use_mesh(mesh):  # the fake quantizers on their kernels, per device
+    got = np.asarray(jax.jit(guided(config.replace(fake_quant="kernel")))(
+        sp, toks, guidance, routing), np.float32)
   # bf16 over 2 layers: a token whose layer-1 router sits at a near tie may pick another
   # expert than on one device (the layer-0 outputs differ in summation order); the rest agree.
   off = np.max(np.abs(got - want), axis=-1) > 2e-2 * np.abs(want).max()
