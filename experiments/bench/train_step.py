@@ -24,9 +24,8 @@ import numpy as np
 from absl import app, flags
 
 from experiments import common
-from experiments.bench import profiling
+from experiments.bench import profiling, variants
 from trace_jax import model as M
-from trace_jax.model import plan as plan_lib
 
 _PRESET = flags.DEFINE_enum("preset", "tiny", ["tiny", "small_h200", "bench_gpu", "qwen3_layers"],
                             "model size (small_h200: configs/small_h200.py's model and batch; "
@@ -110,24 +109,6 @@ def step_flops(c: M.ModelConfig, batch: int, seq: int) -> dict[str, float]:
           "other": 3.0 * other}
 
 
-def _variant(base: M.ModelConfig, impl: str, attention: str, policy: str) -> M.ModelConfig:
-  name, *opts = policy.split("+")
-  fields = dict(opt.split("=", 1) for opt in opts if "=" in opt)
-  flags_ = {opt for opt in opts if "=" not in opt}
-  if flags_ - {"fp8bwd", "scan", "unrolled"} or {"scan", "unrolled"} <= flags_:
-    raise app.UsageError(f"{policy}: options are +fp8bwd, one of +scan, +unrolled, and "
-                         "+FIELD=VALUE plan fields")
-  unknown = set(fields) - set(plan_lib.FIELDS) | set(fields) & {"moe_impl", "seq_attention"}
-  if unknown:
-    raise app.UsageError(f"{policy}: {sorted(unknown)} are not plan fields a policy sets "
-                         "(moe_impl and seq_attention have their own flags)")
-  name, _, fp8_gemm = name.partition("@")
-  layers = "scan" if "scan" in flags_ else "unrolled" if "unrolled" in flags_ else "auto"
-  return base.replace(policy=name, moe_impl=impl, fp8_gemm=fp8_gemm or "xla",
-                      fp8_backward="fp8bwd" in flags_, layer_loop=layers,
-                      seq_attention=attention, **fields)
-
-
 def _run_one(config: M.ModelConfig, params, tokens, label: str) -> dict[str, float]:
   """Compiles and times one variant's step; profiles it with --profile_dir."""
   guidance = routing = None
@@ -202,8 +183,8 @@ def main(argv):
     for attention in _ATTENTIONS.value:
       for policy in _POLICIES.value:
         label = f"{impl} {attention} {policy}"
-        row = rows[label] = _run_one(_variant(base, impl, attention, policy), params, tokens,
-                                     label)
+        config = variants.train_variant(base, impl, attention, policy)
+        row = rows[label] = _run_one(config, params, tokens, label)
         ref = rows.get(f"{first} bf16", {}).get("ms_per_step")
         t = row.get("ms_per_step")
         if t:

@@ -1,12 +1,12 @@
-"""The training-step benchmark's policy syntax (`experiments.bench.train_step._variant`): the
-config each `name@impl+option` string times."""
+"""The training-step benchmark's policy syntax (`experiments.bench.variants.train_variant`):
+the config each `name@impl+option` string times."""
 
 from __future__ import annotations
 
 import pytest
 from absl import app
 
-from experiments.bench import train_step
+from experiments.bench import variants
 from trace_jax import model as M
 
 BASE = M.tiny(moe_intermediate_size=128, head_dim=64)  # FP8 blocks of 128 fit
@@ -23,7 +23,7 @@ BASE = M.tiny(moe_intermediate_size=128, head_dim=64)  # FP8 blocks of 128 fit
                  id="plan_field"),
 ])
 def test_policy_strings_set_the_config(policy, want):
-  config = train_step._variant(BASE, "tiled", "xla", policy)
+  config = variants.train_variant(BASE, "tiled", "xla", policy)
   assert (config.moe_impl, config.seq_attention) == ("tiled", "xla")
   assert {k: getattr(config, k) for k in want} == want
 
@@ -36,4 +36,4 @@ def test_policy_strings_set_the_config(policy, want):
 ])
 def test_bad_policy_strings_are_refused(policy, pattern):
   with pytest.raises(app.UsageError, match=pattern):
-    train_step._variant(BASE, "tiled", "xla", policy)
+    variants.train_variant(BASE, "tiled", "xla", policy)
