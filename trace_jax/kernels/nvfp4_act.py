@@ -304,20 +304,28 @@ def quantize_rows(x: jax.Array, *, interpret: bool | None = None, block_m: int |
                         mantissa=bool(mantissa))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "num_warps"))
-def _qdq_rows(x: jax.Array, ts: jax.Array, *, interpret: bool, block_m: int,
-              num_warps: int) -> jax.Array:
+def _values_call(kernel_fn, name: str, x: jax.Array, *args: jax.Array, interpret: bool,
+                 block_m: int, num_warps: int) -> jax.Array:
+  """A values-only kernel over rows x [M, K] (`_qdq_kernel`, `_guided_kernel`): x viewed as
+  [M, K // 16, 16] and `args` its other operands, out [M, K] in x.dtype."""
   m, k = x.shape
   if m == 0:
     return jnp.zeros((0, k), x.dtype)
   nb = k // BLOCK
-  kernel = functools.partial(_qdq_kernel, m=m, nb=nb, bm=block_m, nbp=padded_blocks(k))
+  kernel = functools.partial(kernel_fn, m=m, nb=nb, bm=block_m, nbp=padded_blocks(k))
   y = pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, nb, BLOCK), x.dtype),
-      grid=(pl.cdiv(m, block_m),), interpret=interpret, name="nvfp4_qdq_rows",
+      grid=(pl.cdiv(m, block_m),), interpret=interpret, name=name,
       compiler_params=None if interpret else common.compiler_params(num_warps, 1),
-  )(x.reshape(m, nb, BLOCK), ts)
+  )(x.reshape(m, nb, BLOCK), *args)
   return y.reshape(m, k)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "num_warps"))
+def _qdq_rows(x: jax.Array, ts: jax.Array, *, interpret: bool, block_m: int,
+              num_warps: int) -> jax.Array:
+  return _values_call(_qdq_kernel, "nvfp4_qdq_rows", x, ts, interpret=interpret,
+                      block_m=block_m, num_warps=num_warps)
 
 
 def qdq_rows(x: jax.Array, tensor_scale: jax.Array, *, interpret: bool | None = None,
@@ -344,21 +352,13 @@ def _guided_qdq_rows(x: jax.Array, scale: jax.Array, ts: jax.Array, mant: jax.Ar
                      rtn: jax.Array | None, *, interpret: bool, block_m: int,
                      num_warps: int) -> jax.Array:
   m, k = x.shape
-  if m == 0:
-    return jnp.zeros((0, k), x.dtype)
-  nb = k // BLOCK
-  kernel = functools.partial(_guided_kernel, m=m, nb=nb, bm=block_m, nbp=padded_blocks(k))
   # the record's bytes of a block's 16 mantissa bits as one little-endian uint16 (bit j:
   # element j), as XLA bitcasts on CPU and GPU alike
-  words = jax.lax.bitcast_convert_type(mant.reshape(m, nb, 2), jnp.uint16)
-  args = (x.reshape(m, nb, BLOCK), jax.lax.bitcast_convert_type(scale, jnp.uint8), ts, words)
+  words = jax.lax.bitcast_convert_type(mant.reshape(m, k // BLOCK, 2), jnp.uint16)
+  args = (jax.lax.bitcast_convert_type(scale, jnp.uint8), ts, words)
   args += () if rtn is None else (rtn.astype(jnp.int32),)
-  y = pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((m, nb, BLOCK), x.dtype),
-      grid=(pl.cdiv(m, block_m),), interpret=interpret, name="nvfp4_guided_qdq_rows",
-      compiler_params=None if interpret else common.compiler_params(num_warps, 1),
-  )(*args)
-  return y.reshape(m, k)
+  return _values_call(_guided_kernel, "nvfp4_guided_qdq_rows", x, *args, interpret=interpret,
+                      block_m=block_m, num_warps=num_warps)
 
 
 def guided_qdq_rows(x: jax.Array, g: Guidance, rtn_rows: jax.Array | None = None, *,
