@@ -374,6 +374,17 @@ def test_qdq_rows_control_scale_matters():
     assert_bits_equal(got, np.asarray(_qdq_reference(x, jnp.asarray(2 * ts))), "2 ts")
 
 
+ROW_PARTS = [("k768_three_rows_of_256", 768, 3), ("k2048_whole", 2048, 1), ("k48", 48, 3),
+             ("k16", 16, 1), ("k80", 80, 5), ("k4096_whole", 4096, 1)]
+
+
+@pytest.mark.parametrize("name,k,parts", ROW_PARTS, ids=[c[0] for c in ROW_PARTS])
+def test_row_parts_leave_no_padded_blocks(name, k, parts):
+  """The values-only kernels split rows so that each part's blocks are a power of two."""
+  assert nvfp4_act.row_parts(k) == parts
+  assert nvfp4_act.padded_blocks(k // parts) == k // parts // 16
+
+
 def test_qdq_rows_bad_inputs():
   x = jnp.zeros((4, 32), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"tensor_scale must be float32 \[4\]"):

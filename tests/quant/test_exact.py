@@ -152,6 +152,61 @@ def test_ieee_div_e4m3_ties_are_exact() -> None:
   assert _DIV_CASES["random_1M"][0].size >= 10**6
 
 
+# ----------------------------------------------------------------------------- ieee_div_short
+
+def _short_div_cases() -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+  """(a, b, divisor_bits): divisors with short significands, as the kernels divide by them."""
+  rng = np.random.default_rng(5)
+  scales = cases.e4m3_values()[1:]                     # every positive E4M3 value
+  n = 400_000
+  b = rng.choice(scales, n)
+  out = {"random_over_e4m3": (_from_parts(rng, rng.integers(1, 255, n)), b, 3)}
+  # Quotients within a hair of a float32 rounding midpoint, over E4M3 divisors.
+  b = rng.choice(scales, 20000)
+  m = (1 + (2 * rng.integers(0, 1 << 23, b.size) + 1) * 2.0**-24) * np.exp2(
+      rng.integers(-20, 20, b.size))
+  a = (b.astype(np.float64) * m).astype(F32)
+  out["near_float32_ties_over_e4m3"] = (
+      np.concatenate([a, cases.nudge(a, True), cases.nudge(a, False)]), np.tile(b, 3), 3)
+  tsr = np.exp2(rng.uniform(-111, 20, scales.size)).astype(F32)
+  out["inv_ts_over_e4m3"] = ((F32(1) / tsr).astype(F32), scales, 3)
+  a6, b6 = _DIV_CASES["e4m3_ties_over_6"]
+  out["e4m3_ties_over_6"] = (a6, b6, 1)
+  out["random_over_6"] = (_from_parts(rng, rng.integers(1, 255, n)), np.full(n, 6.0, F32), 1)
+  # every significand length 0..5 over divisors near the exponent range's ends
+  for d in range(6):
+    bd = (_from_parts(rng, rng.choice([1, 2, 127, 253, 254], 5000)).view(np.uint32)
+          & ~np.uint32((1 << (23 - d)) - 1)).view(F32)
+    out[f"bits{d}_all_exponents"] = (_from_parts(rng, rng.integers(1, 255, 5000)), bd, d)
+  sub = np.array([0.0, 1e-45, 2.0**-127, 2.0**-149, 1.1e-38], F32)
+  out["zero_and_subnormal_numerator"] = (sub, np.full(sub.shape, 3.0, F32), 1)
+  return out
+
+
+_SHORT_CASES = _short_div_cases()
+
+
+@pytest.mark.parametrize("name", list(_SHORT_CASES), ids=list(_SHORT_CASES))
+def test_ieee_div_short(name: str) -> None:
+  """ieee_div_short equals IEEE float32 division and ieee_div where the divisor's significand
+  is as short as it is told."""
+  a, b, d = _SHORT_CASES[name]
+  got = np.asarray(jax.jit(exact.ieee_div_short, static_argnums=2)(a, b, d))
+  cases.assert_bits_equal(got, _expected_div(a, b), f"ieee_div_short {name}", {"a": a, "b": b})
+
+
+def test_ieee_div_short_control_needs_short_divisors() -> None:
+  """Control: a divisor with more significand bits than `divisor_bits` gives other quotients
+  (its low bits are dropped), so the cases above can fail; bad bit counts raise."""
+  rng = np.random.default_rng(6)
+  a = _from_parts(rng, np.full(1000, 127))
+  b = _from_parts(rng, np.full(1000, 127))
+  got = np.asarray(jax.jit(exact.ieee_div_short, static_argnums=2)(a, b, 3))
+  assert np.mean(got != _expected_div(a, b)) > 0.9
+  with pytest.raises(ValueError, match="divisor_bits"):
+    exact.ieee_div_short(a, b, 6)
+
+
 # ----------------------------------------------------------------------------- E4M3
 
 @functools.cache

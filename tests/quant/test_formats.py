@@ -106,6 +106,28 @@ def test_e2m1_decode_all_codes() -> None:
   assert np.signbit(got[8]) and not np.signbit(got[0])
 
 
+def test_e2m1_round_is_encode_then_decode() -> None:
+  """e2m1_round gives e2m1_decode(e2m1_encode(x))'s bits (ml_dtypes' values) without codes:
+  every bf16 pattern, float32 ties and 1..3 ulps around them, past 6, inf; NaN stays NaN."""
+  bf = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(F32)
+  base = np.concatenate([cases.E2M1_GRID, cases.E2M1_MIDPOINTS, [6.5, 7.0, 8.0, 1e30]]).astype(F32)
+  vals, up, down = [base], base, base
+  for _ in range(3):
+    up, down = cases.nudge(up, True), cases.nudge(down, False)
+    vals += [up, down]
+  x = np.concatenate(vals + [np.array([np.inf, 1e-45, 2.0**-126, 0.2499], F32)])
+  x = np.concatenate([bf, x, -x]).astype(F32)
+  got = np.asarray(jax.jit(quant.formats.e2m1_round)(x))
+  with np.errstate(invalid="ignore"):
+    nan = np.isnan(x)
+  assert np.all(np.isnan(got[nan]))
+  want = np.asarray(decode(encode(x)))
+  cases.assert_bits_equal(got[~nan], want[~nan], "e2m1_round", {"x": x[~nan]})
+  ml = np.clip(x[~nan], -6, 6).astype(E2M1).astype(F32)
+  normal = np.abs(x[~nan]) >= 2.0**-126  # ml_dtypes keeps subnormals' signs as the grid's zero
+  cases.assert_bits_equal(got[~nan][normal], ml[normal], "e2m1_round vs ml_dtypes")
+
+
 def test_pack_nibble_order_hand_example() -> None:
   """Element 2i goes to the low nibble, element 2i+1 to the high nibble (NVFP4 checkpoints)."""
   codes = np.array([[0x1, 0x2, 0x3, 0x4, 0xF, 0x0, 0x8, 0x7]], np.uint8)

@@ -33,6 +33,12 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
   (64 programs, 4 warps); [512, 768] -> 2 (256 programs of [2, 64, 16], 4 warps); [512, 128]
   -> 2 (256 programs of [2, 8, 16], 1 warp). Rows of K > 8192 hold > 32 elements per thread.
   Not tuned on the GPU yet: `experiments/bench/quant.py --sites` times them against XLA's.
+- The values-only kernels (`qdq_rows`, `guided_qdq_rows`) are ALU-bound, not byte-bound: they
+  round straight to E2M1 values (`formats.e2m1_round`, no codes made or decoded), and their
+  rows, which share only a given scale, are split in `row_parts(K)` so no tile holds padded
+  blocks (K = 768: three rows of 16 blocks, not one of 64 with 16 masked).
+- Of a block's three scale divisions two have short divisors (6, and the E4M3 block scale):
+  `exact.ieee_div_short`, one integer division each in place of 25 long-division steps.
 
 Numerics are `formats`' (exact float32 scale arithmetic from `exact`), in-kernel. Reused as they
 are: `exact.flush_subnormal`, `exact.round_mantissa`, `exact.sign_bit` (through
@@ -120,15 +126,11 @@ def _per_block(a: jax.Array, ndim: int) -> jax.Array:
   return a[(slice(None), slice(None)) + (None,) * (ndim - 2)]
 
 
-def quantize_tile(x: jax.Array, ts: jax.Array | None = None
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """In-kernel `formats.fp4_quantize_act(x, "nvfp4")` of float32 rows x [R, NB, *block]: row
-  r's NVFP4 block j is x[r, j] (its 16 elements over the block axes, in any arrangement).
-  ts: the rows' second-level scales float32 [R] given (`formats.nvfp4_quantize(x, ts)`: a
-  weight's per-expert scale), or None for each row's own (the activation sites').
-  Returns (codes uint8 shaped as x, block scales float32 [R, NB] (E4M3 values; NaN in a
-  non-finite block or row), row scales float32 [R] (NaN in a non-finite row)). Elements loaded
-  as 0 past the data change no amax. Shared by the site kernel, the weights' and `kv_append`."""
+def _scales(x: jax.Array, ts: jax.Array | None
+            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+  """`formats.nvfp4_quantize`'s scales of float32 rows x [R, NB, *block] in a kernel: (x with
+  subnormals flushed, inverse block scales [R, NB], non-finite blocks [R, NB], block scales
+  [R, NB] (NaN where non-finite), row scales [R])."""
   x = exact.flush_subnormal(x)
   # formats._amax per block; the row's amax is the max of its blocks' (max is exact).
   finite = jnp.isfinite(x)
@@ -142,15 +144,44 @@ def quantize_tile(x: jax.Array, ts: jax.Array | None = None
   else:  # a given scale poisons its rows where it is not finite, as in formats
     row_bad = ~jnp.isfinite(ts)
 
-  # formats.nvfp4_quantize with tensor_scale=ts (the row's non-finite flag is ts's)
+  # formats.nvfp4_quantize with tensor_scale=ts (the row's non-finite flag is ts's); 6 and the
+  # E4M3 block scales have short significands, so two of the three divisions are short ones
   bad = block_bad | row_bad[:, None]
   ts_div = jnp.where(row_bad, np.float32(1.0), ts)[:, None]
-  bs = ieee_div(ieee_div(amax, formats.E2M1_MAX), ts_div)
+  bs = ieee_div(exact.ieee_div_short(amax, formats.E2M1_MAX, 1), ts_div)
   bs = exact.round_mantissa(jnp.clip(bs, exact.E4M3_MIN_NORMAL, exact.E4M3_MAX), 3)
-  inv = ieee_div(ieee_div(np.float32(1.0), ts)[:, None], bs)             # [R, NB]
+  inv = _div_by_e4m3(ieee_div(np.float32(1.0), ts)[:, None], bs)         # [R, NB]
+  return x, inv, bad, jnp.where(bad, np.float32(np.nan), bs), ts
+
+
+def _div_by_e4m3(a: jax.Array, bs: jax.Array) -> jax.Array:
+  """a / bs, IEEE float32, for E4M3-valued block scales bs (3 bits after the point)."""
+  return exact.ieee_div_short(a, bs, 3)
+
+
+def quantize_tile(x: jax.Array, ts: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """In-kernel `formats.fp4_quantize_act(x, "nvfp4")` of float32 rows x [R, NB, *block]: row
+  r's NVFP4 block j is x[r, j] (its 16 elements over the block axes, in any arrangement).
+  ts: the rows' second-level scales float32 [R] given (`formats.nvfp4_quantize(x, ts)`: a
+  weight's per-expert scale), or None for each row's own (the activation sites').
+  Returns (codes uint8 shaped as x, block scales float32 [R, NB] (E4M3 values; NaN in a
+  non-finite block or row), row scales float32 [R] (NaN in a non-finite row)). Elements loaded
+  as 0 past the data change no amax. Shared by the site kernel and `kv_append`."""
+  x, inv, bad, bs, ts = _scales(x, ts)
   scaled = jnp.clip(x * _per_block(inv, x.ndim), -formats.E2M1_MAX, formats.E2M1_MAX)
   codes = jnp.where(_per_block(bad, x.ndim), jnp.uint8(0), formats.e2m1_encode(scaled))
-  return codes, jnp.where(bad, np.float32(np.nan), bs), ts
+  return codes, bs, ts
+
+
+def qdq_tile(x: jax.Array, ts: jax.Array | None = None) -> jax.Array:
+  """`quantize_tile`'s codes dequantized, float32 shaped as x, rounded straight to E2M1
+  values (`formats.e2m1_round`: no codes made or decoded): what the fake quantizers need."""
+  x, inv, bad, bs, ts = _scales(x, ts)
+  v = jnp.where(_per_block(bad, x.ndim), np.float32(0.0),
+                formats.e2m1_round(x * _per_block(inv, x.ndim)))
+  # formats.nvfp4_dequantize: (value * block scale) * row scale
+  return (v * _per_block(bs, x.ndim)) * ts[(slice(None),) + (None,) * (x.ndim - 1)]
 
 
 def _tile_masks(m: int, nb: int, bm: int, nbp: int) -> tuple[jax.Array, ...]:
@@ -191,15 +222,13 @@ def _qdq_kernel(x_ref, ts_ref, y_ref, *, m: int, nb: int, bm: int, nbp: int):
   x = common.masked_load(x_ref, idx3, ok3, 0).astype(jnp.float32)
   # rows past m load a scale of 1 (never stored), so no NaN flag runs through their blocks
   ts = common.masked_load(ts_ref, idx3[:1], row_ok, 1)
-  codes, bs, ts = quantize_tile(x, ts)
-  y = (_e2m1_value(codes) * bs[:, :, None]) * ts[:, None, None]
-  common.masked_store(y_ref, idx3, y.astype(y_ref.dtype), ok3)
+  common.masked_store(y_ref, idx3, qdq_tile(x, ts).astype(y_ref.dtype), ok3)
 
 
 def _guided_kernel(x_ref, scale_ref, ts_ref, mant_ref, *refs, m: int, nb: int, bm: int,
                    nbp: int):
-  """One program of `guided_qdq_rows`: refs are (rtn flags, y) or (y)."""
-  *rtn_ref, y_ref = refs
+  """One program of `guided_qdq_rows`: refs are (rtn flags, rtn row scales, y) or (y)."""
+  *rtn_refs, y_ref = refs
   idx3, ok3, ok2, row_ok = _tile_masks(m, nb, bm, nbp)
   x = common.masked_load(x_ref, idx3, ok3, 0).astype(jnp.float32)
   ts = common.masked_load(ts_ref, idx3[:1], row_ok, 1)                   # [bm]
@@ -209,7 +238,7 @@ def _guided_kernel(x_ref, scale_ref, ts_ref, mant_ref, *refs, m: int, nb: int, b
   # guided.guided_codes under a compact record: the rollout's scales, its mantissa bits
   xf = exact.flush_subnormal(x)
   x_bad = _block_max((~jnp.isfinite(xf)).astype(jnp.int32)) > 0          # [bm, nbp]
-  inv = ieee_div(ieee_div(np.float32(1.0), ts)[:, None], bs)             # [bm, nbp]
+  inv = _div_by_e4m3(ieee_div(np.float32(1.0), ts)[:, None], bs)        # [bm, nbp]
   bad = ~jnp.isfinite(bs) | ~jnp.isfinite(ts)[:, None] | x_bad
   z = jnp.clip(xf * inv[:, :, None], -formats.E2M1_MAX, formats.E2M1_MAX)
   bit = (mant[:, :, None] >> jnp.arange(BLOCK, dtype=jnp.int32)[None, None, :]) & 1
@@ -218,11 +247,10 @@ def _guided_kernel(x_ref, scale_ref, ts_ref, mant_ref, *refs, m: int, nb: int, b
   # guided.guided_quantize's NaN scale where x is not finite, then nvfp4_dequantize
   bs = jnp.where(x_bad, np.float32(np.nan), bs)
   y = (_e2m1_value(codes) * bs[:, :, None]) * ts[:, None, None]
-  if rtn_ref:  # rows that round RTN with their own scales (`quantize_tile`)
-    rtn = common.masked_load(rtn_ref[0], idx3[:1], row_ok, 0) != 0
-    codes_r, bs_r, ts_r = quantize_tile(x)
-    y_r = (_e2m1_value(codes_r) * bs_r[:, :, None]) * ts_r[:, None, None]
-    y = jnp.where(rtn[:, None, None], y_r, y)
+  if rtn_refs:  # rows that round RTN with their own scales (whole rows' scales, given)
+    rtn = common.masked_load(rtn_refs[0], idx3[:1], row_ok, 0) != 0
+    rtn_ts = common.masked_load(rtn_refs[1], idx3[:1], row_ok, 1)
+    y = jnp.where(rtn[:, None, None], qdq_tile(x, rtn_ts), y)
   common.masked_store(y_ref, idx3, y.astype(y_ref.dtype), ok3)
 
 
@@ -257,9 +285,18 @@ def _quantize_rows(x: jax.Array, *, interpret: bool, block_m: int, num_warps: in
   return (y.reshape(m, k), q) + bits
 
 
+def row_parts(k: int) -> int:
+  """Parts a row of K elements is split into by the values-only kernels (`qdq_rows`,
+  `guided_qdq_rows`), whose rows share nothing but their given scale: K // 16 blocks over the
+  largest power of two dividing it, so no tile holds padded blocks (K = 768: 3 rows of 256)."""
+  nb = k // BLOCK
+  return nb // (nb & -nb)
+
+
 def _launch(name: str, x: jax.Array, block_m: int | None, num_warps: int | None,
-            interpret: bool | None) -> tuple[int, int, bool]:
-  """Checks rows x [M, K] and resolves a launch's (block_m, num_warps, interpret)."""
+            interpret: bool | None, split: bool = False) -> tuple[int, int, bool]:
+  """Checks rows x [M, K] and resolves a launch's (block_m, num_warps, interpret); split: for
+  x's rows split into `row_parts(K)` rows."""
   if not hasattr(x, "dtype") or not hasattr(x, "ndim"):
     raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
   if x.ndim != 2:
@@ -270,6 +307,8 @@ def _launch(name: str, x: jax.Array, block_m: int | None, num_warps: int | None,
   if k == 0 or k % BLOCK:
     raise ValueError(f"{name}: K={k} (x of shape {x.shape}) must be a positive multiple "
                      f"of the block size {BLOCK}")
+  if split:
+    m, k = m * row_parts(k), k // row_parts(k)
   if block_m is None:
     block_m = default_block_m(m, k)
   if block_m < 1 or block_m & (block_m - 1):
@@ -324,8 +363,11 @@ def _values_call(kernel_fn, name: str, x: jax.Array, *args: jax.Array, interpret
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "num_warps"))
 def _qdq_rows(x: jax.Array, ts: jax.Array, *, interpret: bool, block_m: int,
               num_warps: int) -> jax.Array:
-  return _values_call(_qdq_kernel, "nvfp4_qdq_rows", x, ts, interpret=interpret,
-                      block_m=block_m, num_warps=num_warps)
+  m, k = x.shape
+  p = row_parts(k)
+  y = _values_call(_qdq_kernel, "nvfp4_qdq_rows", x.reshape(m * p, k // p), jnp.repeat(ts, p),
+                   interpret=interpret, block_m=block_m, num_warps=num_warps)
+  return y.reshape(m, k)
 
 
 def qdq_rows(x: jax.Array, tensor_scale: jax.Array, *, interpret: bool | None = None,
@@ -337,9 +379,11 @@ def qdq_rows(x: jax.Array, tensor_scale: jax.Array, *, interpret: bool | None = 
 
   Bit for bit `formats.nvfp4_dequantize(formats.nvfp4_quantize(x, tensor_scale[:, None]))
   .astype(x.dtype)` as under jit (`qdq_reference`): a non-finite block, or a row whose scale
-  is not finite, comes out NaN. interpret, block_m, num_warps: as `quantize_rows`'.
+  is not finite, comes out NaN. interpret, block_m, num_warps: as `quantize_rows`', block_m
+  counting the rows split in `row_parts(K)`.
   """
-  block_m, num_warps, interpret = _launch("qdq_rows", x, block_m, num_warps, interpret)
+  block_m, num_warps, interpret = _launch("qdq_rows", x, block_m, num_warps, interpret,
+                                         split=True)
   ts = jnp.asarray(tensor_scale)
   if ts.shape != x.shape[:1] or ts.dtype != jnp.float32:
     raise ValueError(f"qdq_rows: tensor_scale must be float32 [{x.shape[0]}] (one per row of x "
@@ -352,13 +396,19 @@ def _guided_qdq_rows(x: jax.Array, scale: jax.Array, ts: jax.Array, mant: jax.Ar
                      rtn: jax.Array | None, *, interpret: bool, block_m: int,
                      num_warps: int) -> jax.Array:
   m, k = x.shape
+  p = row_parts(k)
+  mp, nbp = m * p, k // BLOCK // p  # rows split in p parts (`row_parts`)
   # the record's bytes of a block's 16 mantissa bits as one little-endian uint16 (bit j:
   # element j), as XLA bitcasts on CPU and GPU alike
-  words = jax.lax.bitcast_convert_type(mant.reshape(m, k // BLOCK, 2), jnp.uint16)
-  args = (jax.lax.bitcast_convert_type(scale, jnp.uint8), ts, words)
-  args += () if rtn is None else (rtn.astype(jnp.int32),)
-  return _values_call(_guided_kernel, "nvfp4_guided_qdq_rows", x, *args, interpret=interpret,
-                      block_m=block_m, num_warps=num_warps)
+  words = jax.lax.bitcast_convert_type(mant.reshape(mp, nbp, 2), jnp.uint16)
+  args = (jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(mp, nbp), jnp.repeat(ts, p),
+          words)
+  if rtn is not None:  # the RTN rows' own scales, of whole rows (the kernel sees parts)
+    rtn_ts = formats.nvfp4_row_scale(x).reshape(m)
+    args += (jnp.repeat(rtn.astype(jnp.int32), p), jnp.repeat(rtn_ts, p))
+  y = _values_call(_guided_kernel, "nvfp4_guided_qdq_rows", x.reshape(mp, k // p), *args,
+                   interpret=interpret, block_m=block_m, num_warps=num_warps)
+  return y.reshape(m, k)
 
 
 def guided_qdq_rows(x: jax.Array, g: Guidance, rtn_rows: jax.Array | None = None, *,
@@ -371,9 +421,10 @@ def guided_qdq_rows(x: jax.Array, g: Guidance, rtn_rows: jax.Array | None = None
 
   Bit for bit `formats.fp4_dequantize(guided.guided_quantize(x, g)).astype(x.dtype)`, and
   `formats.fp4_dequantize(formats.fp4_quantize_act(x)).astype(x.dtype)` on rtn_rows, as under
-  jit (`guided_qdq_reference`). interpret, block_m, num_warps: as `quantize_rows`'.
+  jit (`guided_qdq_reference`). interpret, block_m, num_warps: as `qdq_rows`'.
   """
-  block_m, num_warps, interpret = _launch("guided_qdq_rows", x, block_m, num_warps, interpret)
+  block_m, num_warps, interpret = _launch("guided_qdq_rows", x, block_m, num_warps, interpret,
+                                         split=True)
   guided.validate(x, g, "guided_qdq_rows")
   if g.format != "nvfp4" or g.mantissa is None:
     raise ValueError(f"guided_qdq_rows: takes compact NVFP4 records, got {g.format} {g.mode}")

@@ -92,6 +92,45 @@ def ieee_div(a: jax.Array, b: jax.Array, *, straight_line: bool = False) -> jax.
   return jnp.where((exp <= 0) | (ea == 0), jnp.float32(0.0), out)
 
 
+def ieee_div_short(a: jax.Array, b: jax.Array, divisor_bits: int) -> jax.Array:
+  """`ieee_div(a, b)`, the same bits, for divisors whose significand has at most
+  `divisor_bits` (0..5) bits after the point (6.0: 1; every E4M3 value: 3), from one integer
+  division instead of 25 long-division steps.
+
+  The divisor's significand is then a (divisor_bits + 1)-bit integer, so a's 24-bit
+  significand shifted left by 7 (< 2**31) divided by it gives 25 - 26 + divisor_bits quotient
+  bits and a remainder: at least the 24 significant bits, a guard bit and a sticky bit that
+  rounding to nearest even needs. Integer division is exact on every backend. A divisor with
+  more significand bits than `divisor_bits` is the caller's error (the low bits are dropped).
+  """
+  if not 0 <= divisor_bits <= 5:
+    raise ValueError(f"ieee_div_short: divisor_bits must be in 0..5, got {divisor_bits}")
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  a, b = jnp.broadcast_arrays(a, b)
+  ai, bi = _bits(a), _bits(b)
+  ea, eb = ai >> _MANT_BITS, bi >> _MANT_BITS
+  ma = (ai & _MANT_MASK) | _IMPLICIT
+  mb = ((bi & _MANT_MASK) | _IMPLICIT) >> (_MANT_BITS - divisor_bits)   # [2**d, 2**(d+1))
+  below = ma < (mb << (_MANT_BITS - divisor_bits))
+  n = ma << 7
+  q = jax.lax.div(n, mb)                     # 31 - d significant bits, one fewer when below
+  r = n - q * mb
+  shift = 6 - divisor_bits - below.astype(jnp.int32)   # down to 25 bits: 24 and a guard bit
+  sticky = (r != 0) | ((q & ((1 << shift) - 1)) != 0)
+  q = q >> shift
+  guard = q & 1
+  q = q >> 1
+  round_up = (guard == 1) & (sticky | ((q & 1) == 1))
+  q = q + round_up.astype(jnp.int32)
+  carry = q >> (_MANT_BITS + 1)
+  q = jnp.where(carry == 1, q >> 1, q)
+  exp = ea - eb + 127 - below.astype(jnp.int32) + carry
+  out = _from_bits((exp << _MANT_BITS) | (q & _MANT_MASK))
+  out = jnp.where(exp >= 255, jnp.float32(np.inf), out)
+  return jnp.where((exp <= 0) | (ea == 0), jnp.float32(0.0), out)
+
+
 def exponent(x: jax.Array) -> jax.Array:
   """floor(log2(|x|)) of a normal float32, read from its exponent bits."""
   return ((_bits(x) >> _MANT_BITS) & 0xFF) - 127
