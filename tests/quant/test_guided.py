@@ -307,3 +307,25 @@ def test_compact_vs_full_caching_budget() -> None:
         f"site, {whole_model:.3f}x with half the layers guided")
   assert 2.97 < per_site < 3.0
   assert 5.9 < whole_model < 6.0
+
+
+@pytest.mark.parametrize("bit", [0, 1], ids=["bit0", "bit1"])
+def test_compact_values_are_the_compact_codes_decoded(bit: int) -> None:
+  """compact_values (the guided kernel's values without codes) equals
+  e2m1_decode(compact_codes(z, bit)) bit for bit: every finite bf16 value clipped to +-6, the
+  grid, its midpoints and their float32 neighbours, both signs (the sign of zero kept)."""
+  import ml_dtypes
+  bf = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(F32)
+  with np.errstate(invalid="ignore"):
+    bf = bf[np.isfinite(bf)]
+  base = np.concatenate([cases.E2M1_GRID, cases.E2M1_MIDPOINTS]).astype(F32)
+  ex = np.concatenate([base, cases.nudge(base, True), cases.nudge(base, False)])
+  z = np.concatenate([np.clip(bf, -6, 6), np.clip(ex, 0, 6), -np.clip(ex, 0, 6)]).astype(F32)
+  b = np.full(z.shape, bit, np.uint8)
+  got = np.asarray(jax.jit(guided.compact_values)(z, b))
+  want = np.asarray(jax.jit(lambda z, b: formats.e2m1_decode(guided.compact_codes(z, b)))(z, b))
+  cases.assert_bits_equal(got, want, f"compact_values bit {bit}", {"z": z})
+  # control: off the grid the bit picks between two grid points, so the other bit differs
+  other = np.asarray(jax.jit(guided.compact_values)(z, 1 - b))
+  off = ~np.isin(np.abs(z), cases.E2M1_GRID) & (np.abs(z) >= 2.0**-126)
+  assert off.sum() > 10000 and np.all(got[off] != other[off])

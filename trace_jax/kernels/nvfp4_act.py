@@ -34,9 +34,9 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
   -> 2 (256 programs of [2, 8, 16], 1 warp). Rows of K > 8192 hold > 32 elements per thread.
   Not tuned on the GPU yet: `experiments/bench/quant.py --sites` times them against XLA's.
 - The values-only kernels (`qdq_rows`, `guided_qdq_rows`) are ALU-bound, not byte-bound: they
-  round straight to E2M1 values (`formats.e2m1_round`, no codes made or decoded), and their
-  rows, which share only a given scale, are split in `row_parts(K)` so no tile holds padded
-  blocks (K = 768: three rows of 16 blocks, not one of 64 with 16 masked).
+  round straight to E2M1 values (`formats.e2m1_round`, `guided.compact_values`: no codes made
+  or decoded), and their rows, which share only a given scale, are split in `row_parts(K)` so
+  no tile holds padded blocks (K = 768: three rows of 16 blocks, not one of 64 with 16 masked).
 - Of a block's three scale divisions two have short divisors (6, and the E4M3 block scale):
   `exact.ieee_div_short`, one integer division each in place of 25 long-division steps.
 
@@ -242,11 +242,11 @@ def _guided_kernel(x_ref, scale_ref, ts_ref, mant_ref, *refs, m: int, nb: int, b
   bad = ~jnp.isfinite(bs) | ~jnp.isfinite(ts)[:, None] | x_bad
   z = jnp.clip(xf * inv[:, :, None], -formats.E2M1_MAX, formats.E2M1_MAX)
   bit = (mant[:, :, None] >> jnp.arange(BLOCK, dtype=jnp.int32)[None, None, :]) & 1
-  codes = jnp.where(bad[:, :, None], jnp.uint8(0),
-                    guided.compact_codes(z, bit.astype(jnp.uint8)))
+  v = jnp.where(bad[:, :, None], np.float32(0.0),
+                guided.compact_values(z, bit.astype(jnp.uint8)))
   # guided.guided_quantize's NaN scale where x is not finite, then nvfp4_dequantize
   bs = jnp.where(x_bad, np.float32(np.nan), bs)
-  y = (_e2m1_value(codes) * bs[:, :, None]) * ts[:, None, None]
+  y = (v * bs[:, :, None]) * ts[:, None, None]
   if rtn_refs:  # rows that round RTN with their own scales (whole rows' scales, given)
     rtn = common.masked_load(rtn_refs[0], idx3[:1], row_ok, 0) != 0
     rtn_ts = common.masked_load(rtn_refs[1], idx3[:1], row_ok, 1)

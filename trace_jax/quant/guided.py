@@ -154,6 +154,24 @@ def compact_codes(z: jax.Array, bit: jax.Array) -> jax.Array:
   return _signed(z, jnp.where((lo & 1) == bit, lo, hi))
 
 
+def compact_values(z: jax.Array, bit: jax.Array) -> jax.Array:
+  """`e2m1_decode(compact_codes(z, bit))` as float32, without codes (the guided kernel's fake
+  quantizer needs the value only): the grid point at or below |z| clears the significand below
+  its top bit (0.5 and 0 below 1), the one above adds the grid's step, and the odd codes are
+  the values 0.5, 1.5, 3 and 6."""
+  a = jnp.abs(z)
+  top = jax.lax.bitcast_convert_type(
+      jax.lax.bitcast_convert_type(a, jnp.int32) & np.int32(-0x400000), jnp.float32)
+  lo = jnp.where(a >= 1.0, top, jnp.where(a >= 0.5, np.float32(0.5), np.float32(0.0)))
+  step = jnp.where(lo < 2.0, np.float32(0.5), jnp.where(lo < 4.0, np.float32(1.0),
+                                                       np.float32(2.0)))
+  hi = jnp.where(lo == a, lo, jnp.minimum(lo + step, E2M1_MAX))
+  odd = (lo == 0.5) | ((jax.lax.bitcast_convert_type(lo, jnp.int32) & 0x400000) != 0)
+  v = jnp.where(odd.astype(jnp.uint8) == bit, lo, hi)
+  # `* -1`, not `-v`: see formats.e2m1_decode
+  return jnp.where(exact.sign_bit(z), v * np.float32(-1.0), v)
+
+
 def guided_codes(x: jax.Array, g: Guidance) -> jax.Array:
   """E2M1 codes (uint8 per element) of training input x rounded under rollout guidance."""
   validate(x, g)
