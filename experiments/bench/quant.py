@@ -88,6 +88,7 @@ def _ops() -> list[Op]:
   import jax.numpy as jnp
 
   from trace_jax import quant
+  from trace_jax.kernels import nvfp4_act
 
   def fq_fwd_bwd(x, ct):
     y, vjp = jax.vjp(quant.fake_quant_act, x)
@@ -132,6 +133,12 @@ def _ops() -> list[Op]:
       Op("fake_quant_guided_fwd_bwd", fq_guided_fwd_bwd, ("x", "g_compact", "ct"), None),
       Op("fake_quant_fp8_fwd", lambda x: quant.fake_quant_act(x, "fp8"), ("x",), None,
          "Jet-RL unified FP8"),
+      Op("qdq_rows_xla", nvfp4_act.qdq_reference, ("x", "ts_rows"), None,
+         "NVFP4 qdq under given row scales (the weights' fake quantizer), XLA"),
+      Op("qdq_rows_kernel", nvfp4_act.qdq_rows, ("x", "ts_rows"), None,
+         "the same, one Pallas kernel (fake_quant='kernel')"),
+      Op("guided_qdq_rows_kernel", nvfp4_act.guided_qdq_rows, ("x", "g_compact"), None,
+         "fake_quant_guided_fwd in one Pallas kernel"),
   ]
 
 
@@ -165,6 +172,7 @@ def _jax_inputs(rows: int, k: int, dtype: str, seed: int, needed: set[str]) -> d
   del ct
   builders = {
       "q_nvfp4": lambda v: quant.nvfp4_quantize(v, quant.nvfp4_row_scale(v)),
+      "ts_rows": lambda v: quant.nvfp4_row_scale(v).reshape(v.shape[0]),
       "q_mxfp4": quant.mxfp4_quantize,
       "q_fp8": quant.fp8_quantize_act,
       "g_compact": lambda v: quant.quantize_act_record(v, "compact")[1],

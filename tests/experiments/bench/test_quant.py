@@ -66,6 +66,21 @@ def _check_bytes(bench):
   assert ops["fake_quant_fwd_bwd"]["bytes_in"] == ops["fake_quant_fwd_bwd"]["bytes_out"] == 4 * n
 
 
+def test_fake_quant_kernels_beside_xla(tmp_path):
+  """The fake quantizers' kernels (interpret mode here) run beside XLA's, with their bytes."""
+  path = tmp_path / "bench.json"
+  ops = ["qdq_rows_xla", "qdq_rows_kernel", "guided_qdq_rows_kernel"]
+  bench_quant.main(["bench_quant", f"--size={4 * 768}", "--k=768", "--reps=1", "--warmup=1",
+                    "--torch=false", f"--ops={','.join(ops)}", f"--json_out={path}"])
+  with open(path) as f:
+    bench = json.load(f)
+  n = 4 * 768
+  for name in ops:
+    assert "error" not in bench["ops"][name], bench["ops"][name].get("error")
+    assert bench["ops"][name]["bytes_out"] == 2 * n
+  assert bench["ops"]["qdq_rows_kernel"]["bytes_in"] == 2 * n + 4 * 4
+
+
 def test_unknown_op_is_an_error(tmp_path):
   with pytest.raises(ValueError, match="unknown ops"):
     bench_quant.main(["bench_quant", "--size=1024", "--k=1024", "--ops=nope",
