@@ -9,6 +9,7 @@ import functools
 
 import cases
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -205,6 +206,75 @@ def test_ieee_div_short_control_needs_short_divisors() -> None:
   assert np.mean(got != _expected_div(a, b)) > 0.9
   with pytest.raises(ValueError, match="divisor_bits"):
     exact.ieee_div_short(a, b, 6)
+
+
+# ----------------------------------------------------------------------------- e4m3_quotient
+
+def _quotient_cases() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """(a, b) for `e4m3_quotient`: block amaxes over 6 and row scales, as the kernels divide."""
+  rng = np.random.default_rng(8)
+  n = 300_000
+  eb = rng.integers(1, 252, n)                          # 1 / b stays normal
+  out = {"random": (_from_parts(rng, np.clip(eb + rng.integers(-14, 16, n), 1, 254)),
+                    _from_parts(rng, eb))}
+  # a / b within a few float32 ulps of every E4M3 midpoint: the float32 rounding's and the
+  # E4M3 rounding's ties, and double rounding onto a midpoint
+  mids = cases.e4m3_midpoints()
+  mids = mids[(mids > 2.0**-6) & (mids < 448)]
+  b = _from_parts(rng, rng.integers(60, 190, 40 * mids.size))
+  m = np.tile(mids, 40).astype(np.float64)
+  a = (b.astype(np.float64) * m).astype(F32)
+  near = [a] + [(cases.bits(a).astype(np.int64) + d).astype(np.uint32).view(F32)
+                for d in (-3, -2, -1, 1, 2, 3)]
+  out["near_e4m3_midpoints"] = (np.concatenate(near), np.tile(b, len(near)))
+  vals = cases.e4m3_values()
+  vals = vals[(vals >= 2.0**-6) & (vals <= 448)]
+  b = _from_parts(rng, rng.integers(60, 190, 20 * vals.size))
+  a = (b.astype(np.float64) * np.tile(vals, 20)).astype(F32)
+  out["near_e4m3_values"] = (np.concatenate([a, cases.nudge(a, True), cases.nudge(a, False)]),
+                             np.tile(b, 3))
+  # quotients far outside [2**-6, 448] (clamped), and zero / subnormal numerators (2**-6)
+  b = _from_parts(rng, rng.integers(1, 240, 4000))
+  out["clamped"] = (np.concatenate([(b * F32(2.0**-9)).astype(F32), (b * F32(1000)).astype(F32)]),
+                    np.tile(b, 2))
+  sub = np.array([0.0, 1e-45, 2.0**-127, 1.1e-38], F32)
+  out["zero_and_subnormal_numerator"] = (sub, np.full(sub.shape, 3.0, F32))
+  return out
+
+
+_QUOTIENT_CASES = _quotient_cases()
+
+
+@functools.cache
+def _quotients(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(e4m3_quotient, its definition through ieee_div, the control: a * 1 / b rounded)."""
+  a, b = _QUOTIENT_CASES[name]
+
+  @jax.jit
+  def run(a, b):
+    inv = exact.ieee_div(np.float32(1.0), b)
+    want = exact.round_mantissa(jnp.clip(exact.ieee_div(a, b), exact.E4M3_MIN_NORMAL,
+                                         exact.E4M3_MAX), 3)
+    naive = exact.round_mantissa(jnp.clip(a * inv, exact.E4M3_MIN_NORMAL, exact.E4M3_MAX), 3)
+    return exact.e4m3_quotient(a, b, inv), want, naive
+  return tuple(np.asarray(v) for v in run(a, b))
+
+
+@pytest.mark.parametrize("name", list(_QUOTIENT_CASES), ids=list(_QUOTIENT_CASES))
+def test_e4m3_quotient(name: str) -> None:
+  """e4m3_quotient is the E4M3 rounding of ieee_div's quotient, bit for bit, and of numpy's
+  IEEE quotient (ml_dtypes' E4M3 cast, clamped)."""
+  a, b = _QUOTIENT_CASES[name]
+  got, want, _ = _quotients(name)
+  cases.assert_bits_equal(got, want, f"e4m3_quotient {name}", {"a": a, "b": b})
+  q = np.clip(_expected_div(a, b), 2.0**-6, 448).astype(E4M3).astype(F32)
+  cases.assert_bits_equal(got, q, f"e4m3_quotient {name} vs numpy", {"a": a, "b": b})
+
+
+def test_e4m3_quotient_control_the_reciprocal_alone_is_wrong() -> None:
+  """Control: rounding a * (1 / b) without the exact comparisons misses near the midpoints."""
+  got, want, naive = _quotients("near_e4m3_midpoints")
+  assert np.sum(naive != want) > 100 and np.array_equal(got, want)
 
 
 # ----------------------------------------------------------------------------- E4M3

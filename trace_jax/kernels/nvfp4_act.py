@@ -37,8 +37,10 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
   round straight to E2M1 values (`formats.e2m1_round`, `guided.compact_values`: no codes made
   or decoded), and their rows, which share only a given scale, are split in `row_parts(K)` so
   no tile holds padded blocks (K = 768: three rows of 16 blocks, not one of 64 with 16 masked).
-- Of a block's three scale divisions two have short divisors (6, and the E4M3 block scale):
-  `exact.ieee_div_short`, one integer division each in place of 25 long-division steps.
+- A block's scales take no long division (25 integer steps each): amax / 6 and the inverse
+  scale's division by the E4M3 block scale have short divisors (`exact.ieee_div_short`, one
+  integer division), and the E4M3 rounding of (amax / 6) / ts is decided from ts's reciprocal
+  with exact int32 comparisons (`exact.e4m3_quotient`); only the row scales divide the long way.
 
 Numerics are `formats`' (exact float32 scale arithmetic from `exact`), in-kernel. Reused as they
 are: `exact.flush_subnormal`, `exact.round_mantissa`, `exact.sign_bit` (through
@@ -144,12 +146,13 @@ def _scales(x: jax.Array, ts: jax.Array | None
   else:  # a given scale poisons its rows where it is not finite, as in formats
     row_bad = ~jnp.isfinite(ts)
 
-  # formats.nvfp4_quantize with tensor_scale=ts (the row's non-finite flag is ts's); 6 and the
-  # E4M3 block scales have short significands, so two of the three divisions are short ones
+  # formats.nvfp4_quantize with tensor_scale=ts (the row's non-finite flag is ts's): per block
+  # no long division (6 and the E4M3 block scales have short significands; the division by
+  # ts is decided from its reciprocal, `exact.e4m3_quotient`), per row two
   bad = block_bad | row_bad[:, None]
   ts_div = jnp.where(row_bad, np.float32(1.0), ts)[:, None]
-  bs = ieee_div(exact.ieee_div_short(amax, formats.E2M1_MAX, 1), ts_div)
-  bs = exact.round_mantissa(jnp.clip(bs, exact.E4M3_MIN_NORMAL, exact.E4M3_MAX), 3)
+  bs = exact.e4m3_quotient(exact.ieee_div_short(amax, formats.E2M1_MAX, 1), ts_div,
+                           ieee_div(np.float32(1.0), ts_div))
   inv = _div_by_e4m3(ieee_div(np.float32(1.0), ts)[:, None], bs)         # [R, NB]
   return x, inv, bad, jnp.where(bad, np.float32(np.nan), bs), ts
 

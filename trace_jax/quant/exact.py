@@ -131,6 +131,52 @@ def ieee_div_short(a: jax.Array, b: jax.Array, divisor_bits: int) -> jax.Array:
   return jnp.where((exp <= 0) | (ea == 0), jnp.float32(0.0), out)
 
 
+def _above(am: jax.Array, ea: jax.Array, bm: jax.Array, eb: jax.Array, mid: jax.Array
+           ) -> tuple[jax.Array, jax.Array]:
+  """(a / b > mid + h, a / b < mid - h) exactly, h half of mid's float32 ulp, for a midpoint
+  `mid` of the E4M3 grid (5 significant bits, the last set) and significands am, bm (24-bit
+  integers) with biased exponents ea, eb: int32 arithmetic only."""
+  mb = _bits(mid)
+  mi = ((mb & _MANT_MASK) | _IMPLICIT) >> 19                        # 5-bit odd integer
+  em = (mb >> _MANT_BITS) - 4                                       # mid = mi * 2**(em - 127)
+  d = jnp.clip(ea - eb - em + 127, 0, 7)  # a / b ~ mid: 3..6 where it matters (clamps keep signs)
+  diff = (am << d) - bm * mi              # (a / b - mid) in units of b * 2**(em - 127 - d)...
+  # ... compared with h = 2**-20 of those units: diff * 2**20 against +-bm (bm < 2**24)
+  big = jnp.abs(diff) >= 16
+  scaled = jnp.where(big, 0, diff) << 20
+  return (diff > 0) & (big | (scaled > bm)), (diff < 0) & (big | (-scaled > bm))
+
+
+def e4m3_quotient(a: jax.Array, b: jax.Array, b_inv: jax.Array) -> jax.Array:
+  """`round_mantissa(clip(ieee_div(a, b), E4M3_MIN_NORMAL, E4M3_MAX), 3)`, the same bits, with
+  no division: an NVFP4 block scale (amax / 6) / ts given ts's reciprocal b_inv =
+  `ieee_div(1, b)` (one per row). For finite a >= 0 and normal b > 0 with a normal
+  reciprocal (b < 2**126: a row scale is at most FLT_MAX / 2688).
+
+  a * b_inv is within 2**-22 of a / b, so its E4M3 rounding c is the answer or a neighbour; the
+  quotient's float32 rounding is compared exactly (int32 products) with the two midpoints
+  around c, ties of the float32 rounding and of the E4M3 one included.
+  """
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  a, b, b_inv = jnp.broadcast_arrays(a, b, jnp.asarray(b_inv, jnp.float32))
+  c = round_mantissa(jnp.clip(a * b_inv, E4M3_MIN_NORMAL, E4M3_MAX), 3)
+  ai, bi = _bits(a), _bits(b)
+  ea, eb = ai >> _MANT_BITS, bi >> _MANT_BITS
+  am, bm = (ai & _MANT_MASK) | _IMPLICIT, (bi & _MANT_MASK) | _IMPLICIT
+  step = exp2i(exponent(c) - 3)                                     # c's E4M3 step
+  pow2 = (_bits(c) & _MANT_MASK) == 0
+  up = c + step
+  down = c - jnp.where(pow2, step * np.float32(0.5), step)
+  up_gt, up_lt = _above(am, ea, bm, eb, c + step * np.float32(0.5))
+  dn_gt, dn_lt = _above(am, ea, bm, eb, (c + down) * np.float32(0.5))
+  even = lambda v: ((_bits(v) >> 20) & 1) == 0  # noqa: E731
+  r = jnp.where(up_gt | (~up_lt & even(up)), up, c)
+  r = jnp.where(dn_lt | (~dn_gt & even(down)), down, r)
+  r = jnp.clip(r, E4M3_MIN_NORMAL, E4M3_MAX)
+  return jnp.where(ea == 0, E4M3_MIN_NORMAL, r)  # a zero or subnormal a: ieee_div's 0
+
+
 def exponent(x: jax.Array) -> jax.Array:
   """floor(log2(|x|)) of a normal float32, read from its exponent bits."""
   return ((_bits(x) >> _MANT_BITS) & 0xFF) - 127
