@@ -480,6 +480,19 @@ def test_guided_rows_without_drift_are_round_to_nearest(name, make, expect, dtyp
   assert_bits_equal(got, _run(x, block_m=ADV_BLOCK_M)["y"], f"{name}/{dtype} vs RTN")
 
 
+def test_guided_rows_tiles_without_rtn_rows_skip_them():
+  """Tiles holding no RTN row skip the RTN rounding: with no row RTN the output is the guided
+  one, with one row RTN only that row changes (its tile takes the RTN branch)."""
+  x = _random_rows(6, 768, jnp.bfloat16, seed=769)
+  g = _record(jnp.asarray(np.asarray(x).astype(F32) * F32(1.03), x.dtype))
+  none = np.asarray(nvfp4_act.guided_qdq_rows(x, g, jnp.zeros((6,), bool), block_m=4))
+  guided_only = np.asarray(nvfp4_act.guided_qdq_rows(x, g, block_m=4))
+  assert_bits_equal(none.astype(F32), guided_only.astype(F32), "no RTN rows")
+  one = np.asarray(nvfp4_act.guided_qdq_rows(x, g, jnp.arange(6) == 4, block_m=4)).astype(F32)
+  changed = np.any(one != guided_only.astype(F32), axis=1)
+  assert changed.tolist() == [False] * 4 + [True, False]
+
+
 def test_guided_rows_poisoned_record():
   """A NaN block scale or row scale in the record poisons that block or row only."""
   x = _random_rows(4, 64, jnp.float32, seed=13)

@@ -250,10 +250,12 @@ def _guided_kernel(x_ref, scale_ref, ts_ref, mant_ref, *refs, m: int, nb: int, b
   # guided.guided_quantize's NaN scale where x is not finite, then nvfp4_dequantize
   bs = jnp.where(x_bad, np.float32(np.nan), bs)
   y = (v * bs[:, :, None]) * ts[:, None, None]
-  if rtn_refs:  # rows that round RTN with their own scales (whole rows' scales, given)
+  if rtn_refs:  # rows that round RTN with their own scales (whole rows' scales, given): few
+    # (slots whose expert the rollout did not select), so a tile without any skips them
     rtn = common.masked_load(rtn_refs[0], idx3[:1], row_ok, 0) != 0
     rtn_ts = common.masked_load(rtn_refs[1], idx3[:1], row_ok, 1)
-    y = jnp.where(rtn[:, None, None], qdq_tile(x, rtn_ts), y)
+    y = jax.lax.cond(_any(rtn, axis=0), lambda: jnp.where(rtn[:, None, None],
+                                                          qdq_tile(x, rtn_ts), y), lambda: y)
   common.masked_store(y_ref, idx3, y.astype(y_ref.dtype), ok3)
 
 
