@@ -349,6 +349,22 @@ def test_qdq_rows_adversarial_under_the_rows_own_scales(name, make, expect, dtyp
   ts = np.asarray(jax.jit(formats.nvfp4_row_scale)(x))[:, 0]
   got = _check_qdq(x, ts, f"{name}/{dtype}", block_m=ADV_BLOCK_M)
   assert_bits_equal(got, _run(x, block_m=ADV_BLOCK_M)["y"], f"{name}/{dtype} vs quantize_rows")
+  own = np.asarray(nvfp4_act.qdq_rows(x, block_m=ADV_BLOCK_M)).astype(F32)
+  assert_bits_equal(own, got, f"{name}/{dtype}: the rows' own scales (tensor_scale None)")
+
+
+# (id, K, M, block_m): K = 768 splits rows in 3 parts (its scales made by XLA first), 2048 and
+# 64 do not (made in the kernel).
+QDQ_OWN = [("k768_split", 768, 5, 4), ("k2048_whole", 2048, 3, 2), ("k64_defaults", 64, 9, None)]
+
+
+@pytest.mark.parametrize("name,k,m,block_m", QDQ_OWN, ids=[c[0] for c in QDQ_OWN])
+def test_qdq_rows_under_the_rows_own_scales_bit_exact(name, k, m, block_m):
+  """tensor_scale None (an unguided activation site): the site kernel's and XLA's values."""
+  x = _random_rows(m, k, jnp.bfloat16, seed=k + 3)
+  got = np.asarray(nvfp4_act.qdq_rows(x, **({} if block_m is None else {"block_m": block_m})))
+  assert_bits_equal(got.astype(F32), np.asarray(_reference(x)[0]).astype(F32), f"{name} vs XLA")
+  assert_bits_equal(got.astype(F32), _run(x, block_m=2)["y"], f"{name} vs quantize_rows")
 
 
 def test_qdq_rows_scales_that_clamp_or_poison():

@@ -297,11 +297,13 @@ def test_weight_kernel_is_the_xla_quantizer_bit_for_bit_with_its_gradient():
   assert np.isnan(y[2]).all() and not np.isnan(y[[0, 1, 3]]).any() and (y[1] == 0).all()
 
 
-@pytest.mark.parametrize("policy,weights,sites", [("fp4_trace", 3, 3), ("fp4_rtn", 3, 0)])
-def test_fake_quant_kernel_trains_the_xla_quantizers_bits(policy, weights, sites):
-  """A training forward with fake_quant="kernel" calls the weight kernel (three per layer) and,
-  under guidance, the guided-site kernel (moe_in, k/v stacked, expert_mid with its RTN rows),
-  and gives the "xla" plan's logits and float32 gradients bit for bit."""
+@pytest.mark.parametrize("policy,weights,sites,rtn_sites",
+                         [("fp4_trace", 3, 3, 0), ("fp4_rtn", 3, 0, 3)])
+def test_fake_quant_kernel_trains_the_xla_quantizers_bits(policy, weights, sites, rtn_sites):
+  """A training forward with fake_quant="kernel" calls the weight kernel (three per layer) and
+  the site kernels: under guidance the guided one (moe_in, k/v stacked, expert_mid with its
+  RTN rows), unguided the RTN one (the weight kernel under the rows' own scales); and gives the
+  "xla" plan's logits and float32 gradients bit for bit."""
   from cases import pallas_calls
 
   toks = np.random.default_rng(5).integers(0, 64, (B, 8), np.int32)
@@ -322,7 +324,7 @@ def test_fake_quant_kernel_trains_the_xla_quantizers_bits(policy, weights, sites
 
     names = [n for n, _ in pallas_calls(jax.make_jaxpr(loss)(params).jaxpr)]
     on = impl == "kernel"
-    assert names.count("nvfp4_qdq_rows") == weights * on, names
+    assert names.count("nvfp4_qdq_rows") == (weights + rtn_sites) * on, names
     assert names.count("nvfp4_guided_qdq_rows") == sites * on, names
     results.append(jax.jit(jax.value_and_grad(loss))(params))
   for a, b in zip(_bits(results[0]), _bits(results[1]), strict=True):

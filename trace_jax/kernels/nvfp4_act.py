@@ -219,12 +219,14 @@ def _kernel(x_ref, y_ref, codes_ref, scale_ref, ts_ref, *mant_ref, m: int, nb: i
     common.masked_store(mant_ref[0], idx3[:2], bits.astype(jnp.uint16), ok2)
 
 
-def _qdq_kernel(x_ref, ts_ref, y_ref, *, m: int, nb: int, bm: int, nbp: int):
-  """One program of `qdq_rows`: `_kernel`'s rows under the given row scales, values only."""
+def _qdq_kernel(x_ref, *refs, m: int, nb: int, bm: int, nbp: int):
+  """One program of `qdq_rows`: `_kernel`'s rows under the given row scales (refs: (ts, y)) or
+  their own (refs: (y,)), values only."""
+  *ts_ref, y_ref = refs
   idx3, ok3, _, row_ok = _tile_masks(m, nb, bm, nbp)
   x = common.masked_load(x_ref, idx3, ok3, 0).astype(jnp.float32)
   # rows past m load a scale of 1 (never stored), so no NaN flag runs through their blocks
-  ts = common.masked_load(ts_ref, idx3[:1], row_ok, 1)
+  ts = common.masked_load(ts_ref[0], idx3[:1], row_ok, 1) if ts_ref else None
   common.masked_store(y_ref, idx3, qdq_tile(x, ts).astype(y_ref.dtype), ok3)
 
 
@@ -366,29 +368,37 @@ def _values_call(kernel_fn, name: str, x: jax.Array, *args: jax.Array, interpret
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "num_warps"))
-def _qdq_rows(x: jax.Array, ts: jax.Array, *, interpret: bool, block_m: int,
+def _qdq_rows(x: jax.Array, ts: jax.Array | None, *, interpret: bool, block_m: int,
               num_warps: int) -> jax.Array:
   m, k = x.shape
   p = row_parts(k)
-  y = _values_call(_qdq_kernel, "nvfp4_qdq_rows", x.reshape(m * p, k // p), jnp.repeat(ts, p),
+  if ts is None and p > 1:  # the rows' own scales, of whole rows (the kernel sees parts)
+    ts = formats.nvfp4_row_scale(x).reshape(m)
+  args = () if ts is None else (jnp.repeat(ts, p),)
+  y = _values_call(_qdq_kernel, "nvfp4_qdq_rows", x.reshape(m * p, k // p), *args,
                    interpret=interpret, block_m=block_m, num_warps=num_warps)
   return y.reshape(m, k)
 
 
-def qdq_rows(x: jax.Array, tensor_scale: jax.Array, *, interpret: bool | None = None,
-             block_m: int | None = None, num_warps: int | None = None) -> jax.Array:
+def qdq_rows(x: jax.Array, tensor_scale: jax.Array | None = None, *,
+             interpret: bool | None = None, block_m: int | None = None,
+             num_warps: int | None = None) -> jax.Array:
   """NVFP4 quantize-dequantize of rows x [M, K] under given second-level scales
-  `tensor_scale` float32 [M] (a weight's per-expert scale, one per row), in one kernel: the
-  values only, [M, K] in x.dtype. What the training forward's fake-quantized weights need:
-  one read and one write per element, the block scales made in registers.
+  `tensor_scale` float32 [M] (a weight's per-expert scale, one per row), or None for each
+  row's own (an unguided activation site's), in one kernel: the values only, [M, K] in
+  x.dtype. What the training forward's fake quantizers need: one read and one write per
+  element, the block scales made in registers (a row split in `row_parts(K)` > 1 parts has
+  its own scale made by XLA first, one more read).
 
   Bit for bit `formats.nvfp4_dequantize(formats.nvfp4_quantize(x, tensor_scale[:, None]))
-  .astype(x.dtype)` as under jit (`qdq_reference`): a non-finite block, or a row whose scale
-  is not finite, comes out NaN. interpret, block_m, num_warps: as `quantize_rows`', block_m
-  counting the rows split in `row_parts(K)`.
+  .astype(x.dtype)` as under jit (`qdq_reference`; None: `reference(x)[0]`): a non-finite
+  block, or a row whose scale is not finite, comes out NaN. interpret, block_m, num_warps:
+  as `quantize_rows`', block_m counting the rows split in `row_parts(K)`.
   """
   block_m, num_warps, interpret = _launch("qdq_rows", x, block_m, num_warps, interpret,
                                          split=True)
+  if tensor_scale is None:
+    return _qdq_rows(x, None, interpret=interpret, block_m=block_m, num_warps=num_warps)
   ts = jnp.asarray(tensor_scale)
   if ts.shape != x.shape[:1] or ts.dtype != jnp.float32:
     raise ValueError(f"qdq_rows: tensor_scale must be float32 [{x.shape[0]}] (one per row of x "

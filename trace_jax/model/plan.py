@@ -31,8 +31,8 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 | layer_loop        | unrolled (!)| scan      | every forward's layer loop: each run of layers |
 |                   |             |           | one `lax.scan` or that scan unrolled whole     |
 | fake_quant        | kernel (&)  | xla       | NVFP4 training forwards' fake quantizers (the  |
-|                   |             |           | expert weights, the guided sites): XLA's or    |
-|                   |             |           | one kernel each                                |
+|                   |             |           | expert weights, the guided and the RTN         |
+|                   |             |           | activation sites): XLA's or one kernel each    |
 
 (*) with decode_impl "kernel" on any backend: the packed cache and the site kernel are the
 kernel decode's. (=) "wgmma" over the packed NVFP4 cache (the exact pair on a GPU with the Mosaic

@@ -147,8 +147,11 @@ class Precision:
       return self._kernel_site(x, tap)[:2]
     if not tap:
       if g is None:
-        return (qat.qdq_act(x, fmt).astype(x.dtype) if self.record
-                else qat.fake_quant_act(x, fmt)), None
+        if self.record:
+          return qat.qdq_act(x, fmt).astype(x.dtype), None
+        if self.plan.fake_quant == "kernel" and fmt == "nvfp4":
+          return rtn_kernel_site(x), None
+        return qat.fake_quant_act(x, fmt), None
       if self.plan.fake_quant == "kernel" and g.format == "nvfp4" and g.mantissa is not None:
         return guided_kernel_site(x, g, guided_rows), None
       y = qat.fake_quant_act_guided(x, g)
@@ -373,6 +376,16 @@ def fake_quant_weights_kernel(ws: tuple[jax.Array, ...]) -> tuple[jax.Array, ...
     y = nvfp4_act.qdq_rows(c.reshape(e * n, k), rows_ts).reshape(w.shape)
     out.append(qat.straight_through(w, y))
   return tuple(out)
+
+
+def rtn_kernel_site(x: jax.Array) -> jax.Array:
+  """`qat.fake_quant_act(x, "nvfp4")` of rows x [..., K] (an unguided site) on one kernel per
+  batch shard (`kernels.nvfp4_act.qdq_rows` under the rows' own scales): the same bits and
+  straight-through gradient as XLA's quantizer."""
+  k = x.shape[-1]
+  rows = jax.lax.stop_gradient(x).reshape(-1, k)
+  y = batch_local.on_batch_shards(lambda r: nvfp4_act.qdq_rows(r), (rows,), (0,), rows.shape[0])
+  return qat.straight_through(x, y.reshape(x.shape))
 
 
 def guided_kernel_site(x: jax.Array, g: Guidance, guided_rows: jax.Array | None = None
