@@ -70,8 +70,9 @@ class ModelConfig:
     kernel, then XLA packs and scatters) or "kernel" (`kernels.kv_append`: quantized, with the
     sites' records where tapped, and written in place in one kernel; the same bits).
   fake_quant: NVFP4 training forwards' fake quantizers of the routed expert weights and the
-    guided sites: "xla" (`qat`'s) or "kernel" (`kernels.nvfp4_act.qdq_rows` and
-    `guided_qdq_rows`, one read and one write per element); the same bits.
+    activation sites, guided and RTN: "xla" (`qat`'s) or "kernel"
+    (`kernels.nvfp4_act.qdq_rows` and `guided_qdq_rows`, one read and one write per
+    element); the same bits.
   fp8_gemm: how forwards with FP8 linears (`fp8_unified`) run their block-scaled FP8 GEMMs
     (`trace_jax.model.fp8_linear`): "xla" (the plain-JAX reference: dequantized float32
     operands) or "kernel" (Pallas on the FP8 tensor cores); the same sums up to order.

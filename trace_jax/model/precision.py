@@ -136,8 +136,9 @@ class Precision:
 
     guided_rows [...]: rows that take the guidance; the others round RTN with their own
     scales (expert_mid slots whose expert the rollout did not select).
-    Without a tap this is the `qat` operator itself (or, by the plan's `fake_quant`, a compact
-    record's rounding on the kernel, `guided_kernel_site`: the same bits). With a tap, one
+    Without a tap this is the `qat` operator itself (or, by the plan's `fake_quant`, the
+    kernels: `rtn_kernel_site`, or a compact record's rounding in `guided_kernel_site`; the
+    same bits). With a tap, one
     quantization feeds both the output and the record (the quantizers are costly to compile);
     its output equals the `qat` operator's bit for bit and has the same straight-through BF16
     gradient.
