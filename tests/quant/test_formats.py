@@ -83,15 +83,20 @@ def test_e2m1_encode_every_bf16_pattern() -> None:
   cases.assert_bits_equal(got, want, "e2m1_encode(bf16)", {"x": x})
 
 
-def test_e2m1_encode_float32_ties_and_neighbours() -> None:
-  """float32 input: grid points, midpoints and 1..3 ulps around them, both signs, inf, tiny."""
+def _e2m1_ties_and_neighbours() -> np.ndarray:
+  """float32: grid points, midpoints and 1..3 ulps around them, both signs, inf, tiny."""
   base = np.concatenate([cases.E2M1_GRID, cases.E2M1_MIDPOINTS, [6.5, 7.0, 8.0, 1e30]]).astype(F32)
   vals, up, down = [base], base, base
   for _ in range(3):
     up, down = cases.nudge(up, True), cases.nudge(down, False)
     vals += [up, down]
   x = np.concatenate(vals + [np.array([np.inf, 1e-45, 2.0**-126, 0.2499], F32)])
-  x = np.concatenate([x, -x]).astype(F32)
+  return np.concatenate([x, -x]).astype(F32)
+
+
+def test_e2m1_encode_float32_ties_and_neighbours() -> None:
+  """float32 input: grid points, midpoints and 1..3 ulps around them, both signs, inf, tiny."""
+  x = _e2m1_ties_and_neighbours()
   got = np.asarray(encode(x))
   want = x.astype(E2M1).view(np.uint8) & 0xF
   cases.assert_bits_equal(got, want, "e2m1_encode(float32)", {"x": x})
@@ -110,13 +115,7 @@ def test_e2m1_round_is_encode_then_decode() -> None:
   """e2m1_round gives e2m1_decode(e2m1_encode(x))'s bits (ml_dtypes' values) without codes:
   every bf16 pattern, float32 ties and 1..3 ulps around them, past 6, inf; NaN stays NaN."""
   bf = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(F32)
-  base = np.concatenate([cases.E2M1_GRID, cases.E2M1_MIDPOINTS, [6.5, 7.0, 8.0, 1e30]]).astype(F32)
-  vals, up, down = [base], base, base
-  for _ in range(3):
-    up, down = cases.nudge(up, True), cases.nudge(down, False)
-    vals += [up, down]
-  x = np.concatenate(vals + [np.array([np.inf, 1e-45, 2.0**-126, 0.2499], F32)])
-  x = np.concatenate([bf, x, -x]).astype(F32)
+  x = np.concatenate([bf, _e2m1_ties_and_neighbours()]).astype(F32)
   got = np.asarray(jax.jit(quant.formats.e2m1_round)(x))
   with np.errstate(invalid="ignore"):
     nan = np.isnan(x)

@@ -48,6 +48,15 @@ def _unroll() -> bool | int:
   return 1 if jax.default_backend() == "cpu" else True
 
 
+def _parts(a: jax.Array, b: jax.Array) -> tuple[jax.Array, ...]:
+  """Biased exponents (ea, eb) and significands with the implicit bit (ma, mb) of float32 a
+  and b broadcast together (non-negative a, b)."""
+  a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+  ai, bi = _bits(a), _bits(b)
+  return (ai >> _MANT_BITS, bi >> _MANT_BITS, (ai & _MANT_MASK) | _IMPLICIT,
+          (bi & _MANT_MASK) | _IMPLICIT)
+
+
 def ieee_div(a: jax.Array, b: jax.Array, *, straight_line: bool = False) -> jax.Array:
   """IEEE float32 quotient a / b (round to nearest even) from integer long division.
 
@@ -57,13 +66,7 @@ def ieee_div(a: jax.Array, b: jax.Array, *, straight_line: bool = False) -> jax.
   straight_line: the division's steps unrolled in Python, no loop primitive: what a Pallas
   kernel on the GPU needs (Triton's lowering rejects scans with unroll != 1). Same bits.
   """
-  a = jnp.asarray(a, jnp.float32)
-  b = jnp.asarray(b, jnp.float32)
-  a, b = jnp.broadcast_arrays(a, b)
-  ai, bi = _bits(a), _bits(b)
-  ea, eb = ai >> _MANT_BITS, bi >> _MANT_BITS
-  ma = (ai & _MANT_MASK) | _IMPLICIT
-  mb = (bi & _MANT_MASK) | _IMPLICIT
+  ea, eb, ma, mb = _parts(a, b)
   below = ma < mb
   r = jnp.where(below, ma << 1, ma)  # now mb <= r < 2 mb, quotient in [1, 2)
   exp = ea - eb + 127 - below.astype(jnp.int32)
@@ -80,9 +83,17 @@ def ieee_div(a: jax.Array, b: jax.Array, *, straight_line: bool = False) -> jax.
       q, r = step(i, (q, r))
   else:
     q, r = jax.lax.fori_loop(0, _MANT_BITS + 2, step, (q, r), unroll=_unroll())
+  return _round_quotient(q, r != 0, exp, ea)
+
+
+def _round_quotient(q: jax.Array, sticky: jax.Array, exp: jax.Array, ea: jax.Array
+                    ) -> jax.Array:
+  """The float32 of a quotient's 24 significant bits and guard bit q (25 bits), rounded to
+  nearest even with the sticky flag (a nonzero remainder below), biased exponent exp; 0 where
+  the numerator's exponent ea is 0 or the quotient underflows, inf where it overflows."""
   guard = q & 1
   q = q >> 1
-  round_up = (guard == 1) & ((r != 0) | ((q & 1) == 1))
+  round_up = (guard == 1) & (sticky | ((q & 1) == 1))
   q = q + round_up.astype(jnp.int32)
   carry = q >> (_MANT_BITS + 1)
   q = jnp.where(carry == 1, q >> 1, q)
@@ -98,37 +109,23 @@ def ieee_div_short(a: jax.Array, b: jax.Array, divisor_bits: int) -> jax.Array:
   division instead of 25 long-division steps.
 
   The divisor's significand is then a (divisor_bits + 1)-bit integer, so a's 24-bit
-  significand shifted left by 7 (< 2**31) divided by it gives 25 - 26 + divisor_bits quotient
-  bits and a remainder: at least the 24 significant bits, a guard bit and a sticky bit that
-  rounding to nearest even needs. Integer division is exact on every backend. A divisor with
-  more significand bits than `divisor_bits` is the caller's error (the low bits are dropped).
+  significand shifted left by 7 (< 2**31) divided by it gives 30 - divisor_bits or
+  31 - divisor_bits quotient bits and a remainder: at least the 24 significant bits, a guard
+  bit and a sticky bit that rounding to nearest even needs. Integer division is exact on
+  every backend. A divisor with more significand bits than `divisor_bits` is the caller's
+  error (the low bits are dropped).
   """
   if not 0 <= divisor_bits <= 5:
     raise ValueError(f"ieee_div_short: divisor_bits must be in 0..5, got {divisor_bits}")
-  a = jnp.asarray(a, jnp.float32)
-  b = jnp.asarray(b, jnp.float32)
-  a, b = jnp.broadcast_arrays(a, b)
-  ai, bi = _bits(a), _bits(b)
-  ea, eb = ai >> _MANT_BITS, bi >> _MANT_BITS
-  ma = (ai & _MANT_MASK) | _IMPLICIT
-  mb = ((bi & _MANT_MASK) | _IMPLICIT) >> (_MANT_BITS - divisor_bits)   # [2**d, 2**(d+1))
+  ea, eb, ma, mb = _parts(a, b)
+  mb = mb >> (_MANT_BITS - divisor_bits)                               # [2**d, 2**(d+1))
   below = ma < (mb << (_MANT_BITS - divisor_bits))
   n = ma << 7
   q = jax.lax.div(n, mb)                     # 31 - d significant bits, one fewer when below
   r = n - q * mb
   shift = 6 - divisor_bits - below.astype(jnp.int32)   # down to 25 bits: 24 and a guard bit
   sticky = (r != 0) | ((q & ((1 << shift) - 1)) != 0)
-  q = q >> shift
-  guard = q & 1
-  q = q >> 1
-  round_up = (guard == 1) & (sticky | ((q & 1) == 1))
-  q = q + round_up.astype(jnp.int32)
-  carry = q >> (_MANT_BITS + 1)
-  q = jnp.where(carry == 1, q >> 1, q)
-  exp = ea - eb + 127 - below.astype(jnp.int32) + carry
-  out = _from_bits((exp << _MANT_BITS) | (q & _MANT_MASK))
-  out = jnp.where(exp >= 255, jnp.float32(np.inf), out)
-  return jnp.where((exp <= 0) | (ea == 0), jnp.float32(0.0), out)
+  return _round_quotient(q >> shift, sticky, ea - eb + 127 - below.astype(jnp.int32), ea)
 
 
 def _above(am: jax.Array, ea: jax.Array, bm: jax.Array, eb: jax.Array, mid: jax.Array
@@ -157,13 +154,10 @@ def e4m3_quotient(a: jax.Array, b: jax.Array, b_inv: jax.Array) -> jax.Array:
   quotient's float32 rounding is compared exactly (int32 products) with the two midpoints
   around c, ties of the float32 rounding and of the E4M3 one included.
   """
-  a = jnp.asarray(a, jnp.float32)
-  b = jnp.asarray(b, jnp.float32)
-  a, b, b_inv = jnp.broadcast_arrays(a, b, jnp.asarray(b_inv, jnp.float32))
+  a, b, b_inv = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
+                                     jnp.asarray(b_inv, jnp.float32))
   c = round_mantissa(jnp.clip(a * b_inv, E4M3_MIN_NORMAL, E4M3_MAX), 3)
-  ai, bi = _bits(a), _bits(b)
-  ea, eb = ai >> _MANT_BITS, bi >> _MANT_BITS
-  am, bm = (ai & _MANT_MASK) | _IMPLICIT, (bi & _MANT_MASK) | _IMPLICIT
+  ea, eb, am, bm = _parts(a, b)
   step = exp2i(exponent(c) - 3)                                     # c's E4M3 step
   pow2 = (_bits(c) & _MANT_MASK) == 0
   up = c + step
