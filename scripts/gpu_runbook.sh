@@ -37,7 +37,8 @@
 #   train_step  the training step at Qwen3 layer width, 4 and 12 layers: BF16, FP8 and FP4
 #               policies on the plan's grouped GEMMs (`moe_impl="mgpu"`) and layer loop,
 #               cuDNN's fused attention against XLA's, fp4_trace's fake quantizers on XLA
-#               (`fake_quant=xla`) against the plan's kernels, and the BF16 step scanned
+#               (`fake_quant=xla`) against the plan's kernels (and fp4_rtn's), and the BF16
+#               step scanned
 #   rl          the RL loop (`experiments.train_rl`, RL_CONFIG, default configs/small_h200.py)
 #               with the config's kernel plan, one process per policy (RL_POLICIES), sharing
 #               the GPU (RL_SEQUENTIAL=1: one after another, each policy's tokens/s its own);
@@ -186,7 +187,7 @@ step_excess_precision() {
 step_train_step() {
   local t=${T_TRAIN_STEP:-400}
   local common=(--preset=qwen3_layers --moe_impls=mgpu)
-  local fp4=fp4_trace,fp4_trace+fake_quant=xla
+  local fp4=fp4_trace,fp4_trace+fake_quant=xla,fp4_rtn
   TAIL=20 run train_step "$((2 * t / 3))" python3 -m experiments.bench.train_step "${common[@]}" \
     --steps=5 --seq_attentions=cudnn,xla \
     --policies="bf16,fp8_unified@kernel,fp8_unified@kernel+fp8bwd,$fp4,bf16+scan" \
