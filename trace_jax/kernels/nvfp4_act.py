@@ -40,7 +40,8 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
 - A block's scales take no long division (25 integer steps each): amax / 6 and the inverse
   scale's division by the E4M3 block scale have short divisors (`exact.ieee_div_short`, one
   integer division), and the E4M3 rounding of (amax / 6) / ts is decided from ts's reciprocal
-  with exact int32 comparisons (`exact.e4m3_quotient`); only the row scales divide the long way.
+  with exact int32 comparisons (`exact.e4m3_quotient`); a row divides the long way once (1 / ts;
+  its own scale amax / 2688 is a short division too).
 
 Numerics are `formats`' (exact float32 scale arithmetic from `exact`), in-kernel. Reused as they
 are: `exact.flush_subnormal`, `exact.round_mantissa`, `exact.sign_bit` (through
@@ -141,19 +142,22 @@ def _scales(x: jax.Array, ts: jax.Array | None
   if ts is None:  # formats.nvfp4_row_scale
     row_bad = _any(block_bad, axis=1)                                    # [R]
     row_amax = jnp.max(amax, axis=1)                                     # [R]
-    ts = ieee_div(jnp.maximum(row_amax, formats.AMAX_FLOOR), formats.NVFP4_TENSOR_DIVISOR)
+    # 2688 = 1.0101b * 2**11: a short significand as well
+    ts = exact.ieee_div_short(jnp.maximum(row_amax, formats.AMAX_FLOOR),
+                              formats.NVFP4_TENSOR_DIVISOR, 4)
     ts = jnp.where(row_bad, np.float32(np.nan), ts)                      # [R]
   else:  # a given scale poisons its rows where it is not finite, as in formats
     row_bad = ~jnp.isfinite(ts)
 
   # formats.nvfp4_quantize with tensor_scale=ts (the row's non-finite flag is ts's): per block
   # no long division (6 and the E4M3 block scales have short significands; the division by
-  # ts is decided from its reciprocal, `exact.e4m3_quotient`), per row two
+  # ts is decided from its reciprocal, `exact.e4m3_quotient`), per row one: 1 / ts, taken
+  # where ts is finite (a poisoned row's inverse scales are never used: its blocks are bad)
   bad = block_bad | row_bad[:, None]
   ts_div = jnp.where(row_bad, np.float32(1.0), ts)[:, None]
-  bs = exact.e4m3_quotient(exact.ieee_div_short(amax, formats.E2M1_MAX, 1), ts_div,
-                           ieee_div(np.float32(1.0), ts_div))
-  inv = _div_by_e4m3(ieee_div(np.float32(1.0), ts)[:, None], bs)         # [R, NB]
+  inv_ts = ieee_div(np.float32(1.0), ts_div)                              # [R, 1]
+  bs = exact.e4m3_quotient(exact.ieee_div_short(amax, formats.E2M1_MAX, 1), ts_div, inv_ts)
+  inv = _div_by_e4m3(inv_ts, bs)                                         # [R, NB]
   return x, inv, bad, jnp.where(bad, np.float32(np.nan), bs), ts
 
 

@@ -138,10 +138,9 @@ class Precision:
     scales (expert_mid slots whose expert the rollout did not select).
     Without a tap this is the `qat` operator itself (or, by the plan's `fake_quant`, the
     kernels: `rtn_kernel_site`, or a compact record's rounding in `guided_kernel_site`; the
-    same bits). With a tap, one
-    quantization feeds both the output and the record (the quantizers are costly to compile);
-    its output equals the `qat` operator's bit for bit and has the same straight-through BF16
-    gradient.
+    same bits). With a tap, one quantization feeds both the output and the record (the
+    quantizers are costly to compile); its output equals the `qat` operator's bit for bit and
+    has the same straight-through BF16 gradient.
     """
     fmt = self.fmt
     if g is None and self.site_kernel:
@@ -379,14 +378,20 @@ def fake_quant_weights_kernel(ws: tuple[jax.Array, ...]) -> tuple[jax.Array, ...
   return tuple(out)
 
 
+def _kernel_rows(x: jax.Array, kernel: Any, *row_args: Any) -> jax.Array:
+  """kernel(rows, *row_args) over x's rows [..., K] (row_args: per-row operands, leading axis
+  the rows), one call per batch shard, with `qat.straight_through`'s gradient."""
+  rows = jax.lax.stop_gradient(x).reshape(-1, x.shape[-1])
+  args = (rows,) + row_args
+  y = batch_local.on_batch_shards(kernel, args, (0,) * len(args), rows.shape[0])
+  return qat.straight_through(x, y.reshape(x.shape))
+
+
 def rtn_kernel_site(x: jax.Array) -> jax.Array:
   """`qat.fake_quant_act(x, "nvfp4")` of rows x [..., K] (an unguided site) on one kernel per
   batch shard (`kernels.nvfp4_act.qdq_rows` under the rows' own scales): the same bits and
   straight-through gradient as XLA's quantizer."""
-  k = x.shape[-1]
-  rows = jax.lax.stop_gradient(x).reshape(-1, k)
-  y = batch_local.on_batch_shards(lambda r: nvfp4_act.qdq_rows(r), (rows,), (0,), rows.shape[0])
-  return qat.straight_through(x, y.reshape(x.shape))
+  return _kernel_rows(x, lambda r: nvfp4_act.qdq_rows(r))
 
 
 def guided_kernel_site(x: jax.Array, g: Guidance, guided_rows: jax.Array | None = None
@@ -395,14 +400,11 @@ def guided_kernel_site(x: jax.Array, g: Guidance, guided_rows: jax.Array | None 
   the rows outside `guided_rows` [...] where given, on one kernel per batch shard
   (`kernels.nvfp4_act.guided_qdq_rows`) with `qat.straight_through`'s gradient: the same bits
   and gradient as `Precision._quantize`'s XLA path."""
-  lead, k = x.shape[:-1], x.shape[-1]
-  rows = jax.lax.stop_gradient(x).reshape(-1, k)
-  n = rows.shape[0]
+  lead = x.shape[:-1]
+  n = int(np.prod(lead))
   g = jax.tree.map(lambda a: a.reshape((n,) + a.shape[len(lead):]), g)
-  args = (rows, g) if guided_rows is None else (rows, g, ~guided_rows.reshape(n))
-  y = batch_local.on_batch_shards(lambda r, gg, *t: nvfp4_act.guided_qdq_rows(r, gg, *t),
-                                  args, (0,) * len(args), n)
-  return qat.straight_through(x, y.reshape(x.shape))
+  rtn = () if guided_rows is None else (~guided_rows.reshape(n),)
+  return _kernel_rows(x, lambda r, gg, *t: nvfp4_act.guided_qdq_rows(r, gg, *t), g, *rtn)
 
 
 def quantize_rows(x: jax.Array, mantissa: bool = False) -> tuple[Any, ...]:
