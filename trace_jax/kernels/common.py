@@ -31,7 +31,10 @@ def default_interpret() -> bool:
 
 def masked_load(ref: Any, idx: tuple[Any, ...], mask: jax.Array | None = None,
                 other: Any = None) -> jax.Array:
-  """ref[idx] where `mask` holds; `other` (or undefined values, where None) elsewhere."""
+  """ref[idx] where `mask` holds; `other` (or undefined values, where None) elsewhere. A None
+  mask loads the whole window (`other` unused)."""
+  if mask is None:
+    other = None
   if plgpu is not None and hasattr(plgpu, "load"):  # jax >= 0.7: pallas.triton.load
     return plgpu.load(ref.at[idx], mask=mask, other=other)
   return pl.load(ref, idx, mask=mask, other=other)  # pragma: no cover - older jax

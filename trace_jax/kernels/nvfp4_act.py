@@ -19,9 +19,10 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
   amax before any block is scaled). The tile is [block_m, nbp, 16], nbp = K // 16 rounded up to
   a power of two (Triton tiles are powers of two): rows past M and blocks past K // 16 are
   masked, loaded as 0 (no amax changes) and never stored.
-- In registers: flush float32 subnormals, block amaxes and non-finite flags, the row amax
-  (a max of the block amaxes), row scale, block scales, inverse scales, E2M1 codes, E4M3 bytes,
-  and the dequantized values; stores: y and codes [block_m, nbp, 16], scale bytes
+- In registers: block amaxes and non-finite flags from one int32 max of |x|'s bits per block
+  (non-negative floats order as their bits; Inf and NaN above every finite value; subnormals
+  flushed on the max and on the element), the row amax (a max of the block amaxes), row scale,
+  block scales, inverse scales, E2M1 codes, E4M3 bytes, and the dequantized values; stores: y and codes [block_m, nbp, 16], scale bytes
   [block_m, nbp], row scales [block_m]. The E4M3 bytes leave as uint8 and are bitcast outside.
 - `mantissa=True` also stores each block's 16 code low bits as one uint16 (bit j: element j),
   whose two little-endian bytes are `guided.pack_bits(codes & 1)`'s: the compact guidance
@@ -33,15 +34,21 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
   (64 programs, 4 warps); [512, 768] -> 2 (256 programs of [2, 64, 16], 4 warps); [512, 128]
   -> 2 (256 programs of [2, 8, 16], 1 warp). Rows of K > 8192 hold > 32 elements per thread.
   Not tuned on the GPU yet: `experiments/bench/quant.py --sites` times them against XLA's.
-- The values-only kernels (`qdq_rows`, `guided_qdq_rows`) are ALU-bound, not byte-bound: they
-  round straight to E2M1 values (`formats.e2m1_round`, `guided.compact_values`: no codes made
-  or decoded), and their rows, which share only a given scale, are split in `row_parts(K)` so
-  no tile holds padded blocks (K = 768: three rows of 16 blocks, not one of 64 with 16 masked).
+- The values-only kernels (`qdq_rows`, `guided_qdq_rows`) are ALU-bound, not byte-bound, so
+  each element costs as few operations as the bits allow: they round |x| scaled straight to
+  E2M1 values (`formats.e2m1_rounder`, `guided.compact_values`: no codes made or decoded) and
+  put the sign back as a bit; a non-finite block's NaN comes from its block scale, with no
+  select per element; the rows' inverse scales 1 / ts come in from XLA (`inverse_row_scales`,
+  one per row: a program would divide the long way in every thread); rows, which share only
+  a given scale, are split in `row_parts(K)` so no tile holds padded blocks (K = 768: three
+  rows of 16 blocks, not one of 64 with 16 masked), and where block_m divides M no load or
+  store is masked.
 - A block's scales take no long division (25 integer steps each): amax / 6 and the inverse
   scale's division by the E4M3 block scale have short divisors (`exact.ieee_div_short`, one
   integer division), and the E4M3 rounding of (amax / 6) / ts is decided from ts's reciprocal
   with exact int32 comparisons (`exact.e4m3_quotient`); a row divides the long way once (1 / ts;
-  its own scale amax / 2688 is a short division too).
+  its own scale amax / 2688 is a short division too; the values-only kernels take 1 / ts
+  given).
 
 Numerics are `formats`' (exact float32 scale arithmetic from `exact`), in-kernel. Reused as they
 are: `exact.flush_subnormal`, `exact.round_mantissa`, `exact.sign_bit` (through
@@ -50,7 +57,7 @@ Three of them take a form a Triton kernel lowers, with the same bits everywhere:
 `exact.ieee_div(..., straight_line=True)` (its `fori_loop` is fully unrolled on the GPU, which
 Pallas' Triton lowering rejects: scans with unroll != 1), and `formats.e2m1_decode` signs with
 `* -1` (Triton lowers negation as 0 - x, which would turn code 8's -0 into +0);
-`exact.e4m3_to_bits` uses no rounding op. Kernel-local: `formats._amax`'s `jnp.all` as an int32
+`exact.e4m3_to_bits` uses no rounding op. Kernel-local: `formats._amax` as an int32
 max (Triton lowers max/min/sum reductions only), and the float32 block scale itself in place of
 `exact.e4m3_value(block_scale)` (an E4M3 value, exactly).
 Float division and float8/float4 `astype` never appear (see `exact`'s docstring).
@@ -129,16 +136,26 @@ def _per_block(a: jax.Array, ndim: int) -> jax.Array:
   return a[(slice(None), slice(None)) + (None,) * (ndim - 2)]
 
 
-def _scales(x: jax.Array, ts: jax.Array | None
+def _block_amax(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """float32 rows x [R, NB, *block]: (|x|'s bits int32 shaped as x, each block's amax of its
+  finite elements with subnormals flushed (`formats._amax` of `exact.flush_subnormal(x)`)
+  [R, NB], the blocks holding a NaN or Inf [R, NB]). One int32 max per block: non-negative
+  floats order as their bits, Inf and NaN above every finite value; a block's amax matters
+  only where it is finite."""
+  a = exact.f32_bits(x) & np.int32(0x7FFFFFFF)
+  amax = _block_max(a)
+  bad = amax >= np.int32(0x7F800000)
+  amax = jnp.where((amax < np.int32(0x00800000)) | bad, np.int32(0), amax)
+  return a, exact.f32_from_bits(amax), bad
+
+
+def _scales(x: jax.Array, ts: jax.Array | None, inv_ts: jax.Array | None = None
             ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-  """`formats.nvfp4_quantize`'s scales of float32 rows x [R, NB, *block] in a kernel: (x with
-  subnormals flushed, inverse block scales [R, NB], non-finite blocks [R, NB], block scales
-  [R, NB] (NaN where non-finite), row scales [R])."""
-  x = exact.flush_subnormal(x)
-  # formats._amax per block; the row's amax is the max of its blocks' (max is exact).
-  finite = jnp.isfinite(x)
-  amax = _block_max(jnp.where(finite, jnp.abs(x), np.float32(0.0)))     # [R, NB]
-  block_bad = _block_max((~finite).astype(jnp.int32)) > 0               # [R, NB]
+  """`formats.nvfp4_quantize`'s scales of float32 rows x [R, NB, *block] in a kernel: (|x|'s
+  bits (`_block_amax`), inverse block scales [R, NB], non-finite blocks [R, NB], block scales
+  [R, NB] (NaN where non-finite), row scales [R]). inv_ts: `ieee_div(1, ts)` [R] where ts is
+  finite (1 elsewhere), given with ts, or None to divide here."""
+  a, amax, block_bad = _block_amax(x)                                    # [R, NB]
   if ts is None:  # formats.nvfp4_row_scale
     row_bad = _any(block_bad, axis=1)                                    # [R]
     row_amax = jnp.max(amax, axis=1)                                     # [R]
@@ -155,10 +172,25 @@ def _scales(x: jax.Array, ts: jax.Array | None
   # where ts is finite (a poisoned row's inverse scales are never used: its blocks are bad)
   bad = block_bad | row_bad[:, None]
   ts_div = jnp.where(row_bad, np.float32(1.0), ts)[:, None]
-  inv_ts = ieee_div(np.float32(1.0), ts_div)                              # [R, 1]
+  if inv_ts is None:
+    inv_ts = ieee_div(np.float32(1.0), ts_div)                            # [R, 1]
+  else:
+    inv_ts = inv_ts[:, None]
   bs = exact.e4m3_quotient(exact.ieee_div_short(amax, formats.E2M1_MAX, 1), ts_div, inv_ts)
   inv = _div_by_e4m3(inv_ts, bs)                                         # [R, NB]
-  return x, inv, bad, jnp.where(bad, np.float32(np.nan), bs), ts
+  return a, inv, bad, jnp.where(bad, np.float32(np.nan), bs), ts
+
+
+def inverse_row_scales(ts: jax.Array) -> jax.Array:
+  """`ieee_div(1, ts)` of row scales [R] where finite (1 elsewhere), in XLA: what the
+  values-only kernels take so that no program divides the long way."""
+  ts = ts.astype(jnp.float32)
+  return exact.ieee_div(np.float32(1.0), jnp.where(jnp.isfinite(ts), ts, np.float32(1.0)))
+
+
+def _flushed(a: jax.Array) -> jax.Array:
+  """|x| from its bits a, subnormals flushed to 0 (`exact.flush_subnormal`)."""
+  return exact.f32_from_bits(jnp.where(a < np.int32(0x00800000), np.int32(0), a))
 
 
 def _div_by_e4m3(a: jax.Array, bs: jax.Array) -> jax.Array:
@@ -175,31 +207,40 @@ def quantize_tile(x: jax.Array, ts: jax.Array | None = None
   Returns (codes uint8 shaped as x, block scales float32 [R, NB] (E4M3 values; NaN in a
   non-finite block or row), row scales float32 [R] (NaN in a non-finite row)). Elements loaded
   as 0 past the data change no amax. Shared by the site kernel and `kv_append`."""
-  x, inv, bad, bs, ts = _scales(x, ts)
-  scaled = jnp.clip(x * _per_block(inv, x.ndim), -formats.E2M1_MAX, formats.E2M1_MAX)
-  codes = jnp.where(_per_block(bad, x.ndim), jnp.uint8(0), formats.e2m1_encode(scaled))
+  a, inv, bad, bs, ts = _scales(x, ts)
+  scaled = jnp.minimum(_flushed(a) * _per_block(inv, x.ndim), formats.E2M1_MAX)
+  codes = formats.e2m1_encode(formats.copysign_bits(scaled, exact.f32_bits(x)))
+  codes = jnp.where(_per_block(bad, x.ndim), jnp.uint8(0), codes)
   return codes, bs, ts
 
 
-def qdq_tile(x: jax.Array, ts: jax.Array | None = None) -> jax.Array:
+def qdq_tile(x: jax.Array, ts: jax.Array | None = None, inv_ts: jax.Array | None = None
+             ) -> jax.Array:
   """`quantize_tile`'s codes dequantized, float32 shaped as x, rounded straight to E2M1
-  values (`formats.e2m1_round`: no codes made or decoded): what the fake quantizers need."""
-  x, inv, bad, bs, ts = _scales(x, ts)
-  v = jnp.where(_per_block(bad, x.ndim), np.float32(0.0),
-                formats.e2m1_round(x * _per_block(inv, x.ndim)))
+  values (`formats.e2m1_round` on |x| scaled, the sign put back as a bit: no codes made or
+  decoded): what the fake quantizers need. inv_ts: as `_scales`'. A non-finite block's NaN
+  comes from its block scale (a value times NaN), so its values need no mask."""
+  a, inv, _, bs, ts = _scales(x, ts, inv_ts)
+  z = jnp.minimum(_flushed(a) * _per_block(inv, x.ndim), formats.E2M1_MAX)
+  c = formats.e2m1_rounder(z)
+  v = formats.copysign_bits((z + c) - c, exact.f32_bits(x))
   # formats.nvfp4_dequantize: (value * block scale) * row scale
   return (v * _per_block(bs, x.ndim)) * ts[(slice(None),) + (None,) * (x.ndim - 1)]
 
 
-def _tile_masks(m: int, nb: int, bm: int, nbp: int) -> tuple[jax.Array, ...]:
+def _tile_masks(m: int, nb: int, bm: int, nbp: int) -> tuple[jax.Array | None, ...]:
   """A program's rows [r0, r0 + bm) as a [bm, nbp, 16] tile: (index, 3-axis mask, [bm, nbp]
-  mask, row mask); rows past m and blocks past nb are masked."""
+  mask, row mask); rows past m and blocks past nb are masked. Masks are None where every
+  tile is whole (bm divides m, no padded blocks): no predicate per element."""
   r0 = pl.program_id(0) * bm
+  idx = (pl.ds(r0, bm), pl.ds(0, nbp), pl.ds(0, BLOCK))
+  if m % bm == 0 and nb == nbp:
+    return idx, None, None, None
   row_ok = (r0 + jnp.arange(bm, dtype=jnp.int32)) < m                    # [bm]
   blk_ok = jnp.arange(nbp, dtype=jnp.int32) < nb                         # [nbp]
   ok2 = row_ok[:, None] & blk_ok[None, :]                                # [bm, nbp]
   ok3 = jnp.broadcast_to(ok2[:, :, None], (bm, nbp, BLOCK))
-  return (pl.ds(r0, bm), pl.ds(0, nbp), pl.ds(0, BLOCK)), ok3, ok2, row_ok
+  return idx, ok3, ok2, row_ok
 
 
 def _kernel(x_ref, y_ref, codes_ref, scale_ref, ts_ref, *mant_ref, m: int, nb: int, bm: int,
@@ -224,38 +265,38 @@ def _kernel(x_ref, y_ref, codes_ref, scale_ref, ts_ref, *mant_ref, m: int, nb: i
 
 
 def _qdq_kernel(x_ref, *refs, m: int, nb: int, bm: int, nbp: int):
-  """One program of `qdq_rows`: `_kernel`'s rows under the given row scales (refs: (ts, y)) or
-  their own (refs: (y,)), values only."""
-  *ts_ref, y_ref = refs
+  """One program of `qdq_rows`: `_kernel`'s rows under the given row scales and their
+  inverses (refs: (ts, inv_ts, y)) or their own (refs: (y,)), values only."""
+  *ts_refs, y_ref = refs
   idx3, ok3, _, row_ok = _tile_masks(m, nb, bm, nbp)
   x = common.masked_load(x_ref, idx3, ok3, 0).astype(jnp.float32)
   # rows past m load a scale of 1 (never stored), so no NaN flag runs through their blocks
-  ts = common.masked_load(ts_ref[0], idx3[:1], row_ok, 1) if ts_ref else None
-  common.masked_store(y_ref, idx3, qdq_tile(x, ts).astype(y_ref.dtype), ok3)
+  ts, inv_ts = (common.masked_load(r, idx3[:1], row_ok, 1) for r in ts_refs) if ts_refs else (
+      None, None)
+  common.masked_store(y_ref, idx3, qdq_tile(x, ts, inv_ts).astype(y_ref.dtype), ok3)
 
 
-def _guided_kernel(x_ref, scale_ref, ts_ref, mant_ref, *refs, m: int, nb: int, bm: int,
-                   nbp: int):
+def _guided_kernel(x_ref, scale_ref, ts_ref, inv_ts_ref, mant_ref, *refs, m: int, nb: int,
+                   bm: int, nbp: int):
   """One program of `guided_qdq_rows`: refs are (rtn flags, rtn row scales, y) or (y)."""
   *rtn_refs, y_ref = refs
   idx3, ok3, ok2, row_ok = _tile_masks(m, nb, bm, nbp)
   x = common.masked_load(x_ref, idx3, ok3, 0).astype(jnp.float32)
   ts = common.masked_load(ts_ref, idx3[:1], row_ok, 1)                   # [bm]
+  inv_ts = common.masked_load(inv_ts_ref, idx3[:1], row_ok, 1)           # [bm]
   # past the data: scale byte 0x38 (1.0), no mantissa bits (never stored)
   bs = exact.e4m3_bits_value(common.masked_load(scale_ref, idx3[:2], ok2, 0x38))
   mant = common.masked_load(mant_ref, idx3[:2], ok2, 0).astype(jnp.int32)
   # guided.guided_codes under a compact record: the rollout's scales, its mantissa bits
-  xf = exact.flush_subnormal(x)
-  x_bad = _block_max((~jnp.isfinite(xf)).astype(jnp.int32)) > 0          # [bm, nbp]
-  inv = _div_by_e4m3(ieee_div(np.float32(1.0), ts)[:, None], bs)        # [bm, nbp]
-  bad = ~jnp.isfinite(bs) | ~jnp.isfinite(ts)[:, None] | x_bad
-  z = jnp.clip(xf * inv[:, :, None], -formats.E2M1_MAX, formats.E2M1_MAX)
+  a, _, x_bad = _block_amax(x)                                           # [bm, nbp]
+  inv = _div_by_e4m3(inv_ts[:, None], bs)                                # [bm, nbp]
+  z = jnp.minimum(_flushed(a) * inv[:, :, None], formats.E2M1_MAX)
   bit = (mant[:, :, None] >> jnp.arange(BLOCK, dtype=jnp.int32)[None, None, :]) & 1
-  v = jnp.where(bad[:, :, None], np.float32(0.0),
-                guided.compact_values(z, bit.astype(jnp.uint8)))
-  # guided.guided_quantize's NaN scale where x is not finite, then nvfp4_dequantize
-  bs = jnp.where(x_bad, np.float32(np.nan), bs)
-  y = (v * bs[:, :, None]) * ts[:, None, None]
+  v = guided.compact_values(formats.copysign_bits(z, exact.f32_bits(x)), bit)
+  # guided.guided_quantize's NaN scale where x, the record's scale or its row scale is not
+  # finite (then a value times NaN), then nvfp4_dequantize
+  bs = jnp.where(x_bad | ~jnp.isfinite(bs), np.float32(np.nan), bs)
+  y = (v * bs[:, :, None]) * jnp.where(jnp.isfinite(ts), ts, np.float32(np.nan))[:, None, None]
   if rtn_refs:  # rows that round RTN with their own scales (whole rows' scales, given): few
     # (slots whose expert the rollout did not select), so a tile without any skips them
     rtn = common.masked_load(rtn_refs[0], idx3[:1], row_ok, 0) != 0
@@ -378,7 +419,7 @@ def _qdq_rows(x: jax.Array, ts: jax.Array | None, *, interpret: bool, block_m: i
   p = row_parts(k)
   if ts is None and p > 1:  # the rows' own scales, of whole rows (the kernel sees parts)
     ts = formats.nvfp4_row_scale(x).reshape(m)
-  args = () if ts is None else (jnp.repeat(ts, p),)
+  args = () if ts is None else (jnp.repeat(ts, p), jnp.repeat(inverse_row_scales(ts), p))
   y = _values_call(_qdq_kernel, "nvfp4_qdq_rows", x.reshape(m * p, k // p), *args,
                    interpret=interpret, block_m=block_m, num_warps=num_warps)
   return y.reshape(m, k)
@@ -421,7 +462,7 @@ def _guided_qdq_rows(x: jax.Array, scale: jax.Array, ts: jax.Array, mant: jax.Ar
   # element j), as XLA bitcasts on CPU and GPU alike
   words = jax.lax.bitcast_convert_type(mant.reshape(mp, nbp, 2), jnp.uint16)
   args = (jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(mp, nbp), jnp.repeat(ts, p),
-          words)
+          jnp.repeat(inverse_row_scales(ts), p), words)
   if rtn is not None:  # the RTN rows' own scales, of whole rows (the kernel sees parts)
     rtn_ts = formats.nvfp4_row_scale(x).reshape(m)
     args += (jnp.repeat(rtn.astype(jnp.int32), p), jnp.repeat(rtn_ts, p))

@@ -21,11 +21,13 @@ _IMPLICIT = 1 << _MANT_BITS
 _MANT_MASK = _IMPLICIT - 1
 
 
-def _bits(x: jax.Array) -> jax.Array:
+def f32_bits(x: jax.Array) -> jax.Array:
+  """x's float32 bit pattern as int32 (the sign in the int's sign)."""
   return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
 
 
-def _from_bits(b: jax.Array) -> jax.Array:
+def f32_from_bits(b: jax.Array) -> jax.Array:
+  """The float32 whose bit pattern is int32 b."""
   return jax.lax.bitcast_convert_type(b.astype(jnp.int32), jnp.float32)
 
 
@@ -34,14 +36,14 @@ def flush_subnormal(x: jax.Array) -> jax.Array:
 
   Both twins flush explicitly so that CPU, GPU and torch see the same input.
   """
-  b = _bits(x)
+  b = f32_bits(x)
   is_sub = (b & 0x7F800000) == 0
-  return _from_bits(jnp.where(is_sub, b & jnp.int32(-0x80000000), b))
+  return f32_from_bits(jnp.where(is_sub, b & jnp.int32(-0x80000000), b))
 
 
 def sign_bit(x: jax.Array) -> jax.Array:
   """True where the float32 sign bit is set (also for -0.0)."""
-  return _bits(x) < 0
+  return f32_bits(x) < 0
 
 
 def _unroll() -> bool | int:
@@ -52,7 +54,7 @@ def _parts(a: jax.Array, b: jax.Array) -> tuple[jax.Array, ...]:
   """Biased exponents (ea, eb) and significands with the implicit bit (ma, mb) of float32 a
   and b broadcast together (non-negative a, b)."""
   a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-  ai, bi = _bits(a), _bits(b)
+  ai, bi = f32_bits(a), f32_bits(b)
   return (ai >> _MANT_BITS, bi >> _MANT_BITS, (ai & _MANT_MASK) | _IMPLICIT,
           (bi & _MANT_MASK) | _IMPLICIT)
 
@@ -98,7 +100,7 @@ def _round_quotient(q: jax.Array, sticky: jax.Array, exp: jax.Array, ea: jax.Arr
   carry = q >> (_MANT_BITS + 1)
   q = jnp.where(carry == 1, q >> 1, q)
   exp = exp + carry
-  out = _from_bits((exp << _MANT_BITS) | (q & _MANT_MASK))
+  out = f32_from_bits((exp << _MANT_BITS) | (q & _MANT_MASK))
   out = jnp.where(exp >= 255, jnp.float32(np.inf), out)
   return jnp.where((exp <= 0) | (ea == 0), jnp.float32(0.0), out)
 
@@ -133,7 +135,7 @@ def _above(am: jax.Array, ea: jax.Array, bm: jax.Array, eb: jax.Array, mid: jax.
   """(a / b > mid + h, a / b < mid - h) exactly, h half of mid's float32 ulp, for a midpoint
   `mid` of the E4M3 grid (5 significant bits, the last set) and significands am, bm (24-bit
   integers) with biased exponents ea, eb: int32 arithmetic only."""
-  mb = _bits(mid)
+  mb = f32_bits(mid)
   mi = ((mb & _MANT_MASK) | _IMPLICIT) >> 19                        # 5-bit odd integer
   em = (mb >> _MANT_BITS) - 4                                       # mid = mi * 2**(em - 127)
   d = jnp.clip(ea - eb - em + 127, 0, 7)  # a / b ~ mid: 3..6 where it matters (clamps keep signs)
@@ -159,12 +161,12 @@ def e4m3_quotient(a: jax.Array, b: jax.Array, b_inv: jax.Array) -> jax.Array:
   c = round_mantissa(jnp.clip(a * b_inv, E4M3_MIN_NORMAL, E4M3_MAX), 3)
   ea, eb, am, bm = _parts(a, b)
   step = exp2i(exponent(c) - 3)                                     # c's E4M3 step
-  pow2 = (_bits(c) & _MANT_MASK) == 0
+  pow2 = (f32_bits(c) & _MANT_MASK) == 0
   up = c + step
   down = c - jnp.where(pow2, step * np.float32(0.5), step)
   up_gt, up_lt = _above(am, ea, bm, eb, c + step * np.float32(0.5))
   dn_gt, dn_lt = _above(am, ea, bm, eb, (c + down) * np.float32(0.5))
-  even = lambda v: ((_bits(v) >> 20) & 1) == 0  # noqa: E731
+  even = lambda v: ((f32_bits(v) >> 20) & 1) == 0  # noqa: E731
   r = jnp.where(up_gt | (~up_lt & even(up)), up, c)
   r = jnp.where(dn_lt | (~dn_gt & even(down)), down, r)
   r = jnp.clip(r, E4M3_MIN_NORMAL, E4M3_MAX)
@@ -173,21 +175,21 @@ def e4m3_quotient(a: jax.Array, b: jax.Array, b_inv: jax.Array) -> jax.Array:
 
 def exponent(x: jax.Array) -> jax.Array:
   """floor(log2(|x|)) of a normal float32, read from its exponent bits."""
-  return ((_bits(x) >> _MANT_BITS) & 0xFF) - 127
+  return ((f32_bits(x) >> _MANT_BITS) & 0xFF) - 127
 
 
 def exp2i(e: jax.Array) -> jax.Array:
   """2**e as an exact float32 for integer e in [-126, 127]."""
-  return _from_bits((e.astype(jnp.int32) + 127) << _MANT_BITS)
+  return f32_from_bits((e.astype(jnp.int32) + 127) << _MANT_BITS)
 
 
 def round_mantissa(x: jax.Array, keep_bits: int) -> jax.Array:
   """Rounds normal float32 values to `keep_bits` mantissa bits, RNE, by integer arithmetic."""
   drop = _MANT_BITS - keep_bits
-  b = _bits(x)
+  b = f32_bits(x)
   lsb = (b >> drop) & 1
   b = (b + ((1 << (drop - 1)) - 1) + lsb) & ~((1 << drop) - 1)
-  return _from_bits(b)
+  return f32_from_bits(b)
 
 
 E4M3_MAX = np.float32(448.0)
@@ -212,7 +214,7 @@ def round_to_e4m3(x: jax.Array) -> jax.Array:
 
 def e4m3_to_bits(v: jax.Array) -> jax.Array:
   """uint8 E4M3 encoding of float32 values that are already exact E4M3 values (or NaN)."""
-  b = _bits(v)
+  b = f32_bits(v)
   sign = ((b >> 24) & 0x80).astype(jnp.uint8)
   a = jnp.abs(v)
   e = ((b >> _MANT_BITS) & 0xFF) - 127 + 7

@@ -125,27 +125,40 @@ def e2m1_decode(codes: jax.Array) -> jax.Array:
   return jnp.where((codes & 8) != 0, mag * np.float32(-1.0), mag)
 
 
-# Per E2M1 step (0.5 below 2, 1 below 4, 2 up to 6): 1.5 * 2**(23 + log2(step)), a float32
-# whose ulp is the step and whose binade holds every |y| + it.
-_E2M1_ROUNDERS = (np.float32(1.5 * 2.0**22), np.float32(1.5 * 2.0**23), np.float32(1.5 * 2.0**24))
+# 1.5 * 2**22, the rounder of |y| < 2 (step 0.5): float32 bits 0x4AC00000, i.e. the exponent
+# field of 1.0 plus 22 and the significand's top bit.
+_E2M1_ROUNDER_OFFSET = (22 << 23) | 0x400000
+_ONE_EXPONENT = 0x3F800000
+
+
+def e2m1_rounder(a: jax.Array) -> jax.Array:
+  """For float32 0 <= a <= 6: 1.5 * 2**(23 + log2(step)), step a's E2M1 grid step (0.5 below
+  2, 1 below 4, 2 up to 6): a float32 whose ulp is the step and whose binade holds a + it, so
+  that `a + rounder` rounds a to the grid (RNE) and its low bits count grid steps. Three
+  integer operations on a's exponent bits."""
+  e = exact.f32_bits(a) & 0x7F800000
+  return exact.f32_from_bits(jnp.maximum(e, _ONE_EXPONENT) + _E2M1_ROUNDER_OFFSET)
+
+
+def copysign_bits(v: jax.Array, sign: jax.Array) -> jax.Array:
+  """v (>= 0, or +0) with the sign bit of the int32 bits `sign` (only its sign bit is read)."""
+  return exact.f32_from_bits(exact.f32_bits(v) | (sign & np.int32(-0x80000000)))
 
 
 def e2m1_round(y: jax.Array) -> jax.Array:
   """The E2M1 grid value of y as float32, without codes: `e2m1_decode(e2m1_encode(y))` for
   every non-NaN y (RNE, ties to even, saturating at +-6, the sign of zero kept); NaN stays NaN.
 
-  |y| plus, then minus, a constant whose float32 ulp is the grid's step at |y|: float
-  addition's round to nearest even is E2M1's, since the grid's even codes are the even
-  multiples of each step. About a third of the operations of encode + decode (a kernel's
-  fake quantizer needs the value only). Never under fast-math reassociation.
+  |y| plus, then minus, a constant whose float32 ulp is the grid's step at |y|
+  (`e2m1_rounder`): float addition's round to nearest even is E2M1's, since the grid's even
+  codes are the even multiples of each step. About a third of the operations of encode +
+  decode (a kernel's fake quantizer needs the value only). Never under fast-math
+  reassociation.
   """
   y = jnp.asarray(y).astype(jnp.float32)
   a = jnp.minimum(jnp.abs(y), E2M1_MAX)
-  c = jnp.where(a < 2.0, _E2M1_ROUNDERS[0], jnp.where(a < 4.0, _E2M1_ROUNDERS[1],
-                                                      _E2M1_ROUNDERS[2]))
-  v = (a + c) - c
-  # `* -1`, not `-v`: see e2m1_decode
-  return jnp.where(exact.sign_bit(y), v * np.float32(-1.0), v)
+  c = e2m1_rounder(a)
+  return copysign_bits((a + c) - c, exact.f32_bits(y))
 
 
 def e2m1_values_equal(a: Any, b: Any) -> Any:

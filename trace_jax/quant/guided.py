@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.guidance.record import Guidance, check_mode, field_dtype, field_shapes
-from trace_jax.quant import exact
+from trace_jax.quant import exact, formats
 from trace_jax.quant.formats import (
   E2M1_GRID,
   E2M1_MAX,
@@ -156,20 +156,22 @@ def compact_codes(z: jax.Array, bit: jax.Array) -> jax.Array:
 
 def compact_values(z: jax.Array, bit: jax.Array) -> jax.Array:
   """`e2m1_decode(compact_codes(z, bit))` as float32, without codes (the guided kernel's fake
-  quantizer needs the value only): the grid point at or below |z| clears the significand below
-  its top bit (0.5 and 0 below 1), the one above adds the grid's step, and the odd codes are
-  the values 0.5, 1.5, 3 and 6."""
-  a = jnp.abs(z)
-  top = jax.lax.bitcast_convert_type(
-      jax.lax.bitcast_convert_type(a, jnp.int32) & np.int32(-0x400000), jnp.float32)
-  lo = jnp.where(a >= 1.0, top, jnp.where(a >= 0.5, np.float32(0.5), np.float32(0.0)))
-  step = jnp.where(lo < 2.0, np.float32(0.5), jnp.where(lo < 4.0, np.float32(1.0),
-                                                       np.float32(2.0)))
-  hi = jnp.where(lo == a, lo, jnp.minimum(lo + step, E2M1_MAX))
-  odd = (lo == 0.5) | ((jax.lax.bitcast_convert_type(lo, jnp.int32) & 0x400000) != 0)
-  v = jnp.where(odd.astype(jnp.uint8) == bit, lo, hi)
-  # `* -1`, not `-v`: see formats.e2m1_decode
-  return jnp.where(exact.sign_bit(z), v * np.float32(-1.0), v)
+  quantizer needs the value only), for |z| <= 6.
+
+  |z| + `formats.e2m1_rounder(|z|)` holds |z|'s nearest grid point (RNE) as a count of grid
+  steps in its low bits, whose parity is the E2M1 code's low bit in every binade (codes 0-4
+  are 0..2 in steps of 0.5, 4-6 are 2..4 in steps of 1, 6-7 are 4 and 6). Where the parity is
+  not the record's bit and |z| is not on the grid, the other neighbour is one step (one ulp
+  of the sum) towards |z|: the value the compact record's rule (the neighbour below or above
+  |z| whose low bit is `bit`) picks.
+  """
+  a = jnp.abs(z).astype(jnp.float32)
+  c = formats.e2m1_rounder(a)
+  s = exact.f32_bits(a + c)
+  r = exact.f32_from_bits(s) - c
+  keep = ((s & 1) == bit.astype(jnp.int32)) | (r == a)
+  s = jnp.where(keep, s, s + jnp.where(r < a, np.int32(1), np.int32(-1)))
+  return formats.copysign_bits(exact.f32_from_bits(s) - c, exact.f32_bits(z))
 
 
 def guided_codes(x: jax.Array, g: Guidance) -> jax.Array:
