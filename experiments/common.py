@@ -83,11 +83,13 @@ def device_memory(devices: Sequence[Any]) -> dict[str, float] | None:
 
 
 def median_seconds(fn: Callable[[], Any], sync: Callable[[Any], Any], warmup: int,
-                   reps: int) -> tuple[float, float]:
-  """Median and minimum wall time of fn() over reps calls after warmup calls.
+                   reps: int, calls: int = 1) -> tuple[float, float]:
+  """Median and minimum wall time of one fn() call over reps samples after warmup calls.
 
   `sync(out)` must block until the device work behind out is done (`jax.block_until_ready`,
   or a `torch.cuda.synchronize` wrapper), so that asynchronous dispatch is timed fully.
+  calls: fn() calls per sample, dispatched back to back and synced once (a sample's time over
+  calls): for ops not much longer than a sync's round trip, which a sample of one call adds.
   """
   for _ in range(warmup):
     out = fn()
@@ -96,9 +98,10 @@ def median_seconds(fn: Callable[[], Any], sync: Callable[[Any], Any], warmup: in
   times = []
   for _ in range(max(reps, 1)):
     t0 = time.perf_counter()
-    out = fn()
+    for _ in range(max(calls, 1)):
+      out = fn()
     sync(out)
-    times.append(time.perf_counter() - t0)
+    times.append((time.perf_counter() - t0) / max(calls, 1))
     del out
   return statistics.median(times), min(times)
 

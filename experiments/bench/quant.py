@@ -1,15 +1,16 @@
 """Quantize / dequantize throughput of `trace_jax.quant`, against the measured copy bandwidth.
 
-Every op is jitted and timed on one large [rows, K] array (median of `--reps` calls after
-`--warmup`, each call ended by `block_until_ready`). For each op the table gives the time, the
-throughput in GB/s of input bytes read, the GB/s of bytes moved (inputs read + outputs written,
-as the arrays are held: JAX keeps one byte per FP4 code), and that bandwidth as a fraction of a
-plain copy (`jnp.copy`, bytes read + written) measured in the same run
-(docs/design.md §9: ratios side
-by side, and the fraction of the limit reached). Where torch is importable, the torch twin
-(`rollout_bridge.torch_quant`, eager) is timed on the same device for the same ops, and the
-table gives JAX's throughput over torch's. On CPU the twin is slow, so by default it runs on
-the first `--torch_max_elements` elements only (throughput is per element, so the ratio holds).
+Every op is jitted and timed on one large [rows, K] array (median of `--reps` samples after
+`--warmup` calls; on GPU a sample is 10 calls dispatched back to back and ended by one
+`block_until_ready`, so a sync's round trip does not count in sub-millisecond ops). For each op
+the table gives the time, the throughput in GB/s of input bytes read, the GB/s of bytes moved
+(inputs read + outputs written, as the arrays are held: JAX keeps one byte per FP4 code), and
+that bandwidth as a fraction of a plain copy (`jnp.copy`, bytes read + written) measured in the
+same run (docs/design.md §9: ratios side by side, and the fraction of the limit reached). Where
+torch is importable, the torch twin (`rollout_bridge.torch_quant`, eager) is timed on the same
+device for the same ops, and the table gives JAX's throughput over torch's. On CPU the twin is
+slow, so by default it runs on the first `--torch_max_elements` elements only (throughput is per
+element, so the ratio holds).
 
 Default size: 2**28 (256M) elements on GPU, 2**24 (16M) elsewhere. The GPU figures are recorded
 by the lead in docs/benchmarks.md; this script records nothing itself except `--json_out`.
@@ -245,6 +246,7 @@ def run_bench(size: int, k: int, dtype: str, reps: int, warmup: int, use_torch: 
   on_gpu = backend == "gpu"
   size = size or (GPU_SIZE if on_gpu else CPU_SIZE)
   reps = reps or (20 if on_gpu else 5)
+  calls = 10 if on_gpu else 1
   torch_reps = torch_reps or (10 if on_gpu else 3)
   if torch_max_elements < 0:
     torch_max_elements = 0 if on_gpu else 2**18
@@ -261,7 +263,7 @@ def run_bench(size: int, k: int, dtype: str, reps: int, warmup: int, use_torch: 
   dev = common.device_description()
   res: dict[str, Any] = {
       **dev, "size": rows * k, "rows": rows, "k": k, "dtype": dtype, "reps": reps,
-      "warmup": warmup, "python": platform.python_version(), "ops": {},
+      "calls_per_sample": calls, "warmup": warmup, "python": platform.python_version(), "ops": {},
   }
   print(f"bench_quant: backend {backend}, device {dev['device_kind']} (x{dev['device_count']}), "
         f"jax {jax.__version__}; input [{rows}, {k}] {dtype} = {rows * k / 2**20:.0f} Mi elements",
@@ -277,7 +279,7 @@ def run_bench(size: int, k: int, dtype: str, reps: int, warmup: int, use_torch: 
       entry["bytes_in"] = _nbytes(args)
       entry["bytes_out"] = _nbytes(out_shape)
       med, best = common.median_seconds(lambda fn=fn, args=args: fn(*args),
-                                        jax.block_until_ready, warmup, reps)
+                                        jax.block_until_ready, warmup, reps, calls)
       entry.update(median_ms=1e3 * med, min_ms=1e3 * best,
                    gbps_in=entry["bytes_in"] / med / 1e9,
                    gbps_moved=(entry["bytes_in"] + entry["bytes_out"]) / med / 1e9)
@@ -367,7 +369,8 @@ def format_bench(res: dict[str, Any]) -> str:
                 f"{res.get('torch_rows')} of {res['rows']} rows; jax/torch = throughput ratio")
   lines = [
       f"bench_quant on {res['backend']} ({res['device_kind']}): [{res['rows']}, {res['k']}] "
-      f"{res['dtype']}, median of {res['reps']} after {res['warmup']} warm-up",
+      f"{res['dtype']}, median of {res['reps']} samples of {res['calls_per_sample']} calls "
+      f"after {res['warmup']} warm-up",
       f"copy bandwidth (read + write): "
       f"{res['copy_gbps'] or float('nan'):.1f} GB/s; {torch_note}",
       common.format_table(head, rows),

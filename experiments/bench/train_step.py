@@ -31,11 +31,12 @@ _PRESET = flags.DEFINE_enum("preset", "tiny", ["tiny", "small_h200", "bench_gpu"
                             "model size (small_h200: configs/small_h200.py's model and batch; "
                             "qwen3_layers: 4 Qwen3-30B-A3B-wide layers, 64 experts, 8k tokens)")
 _POLICIES = flags.DEFINE_list(
-    "policies", ["bf16", "fp8_unified", "fp8_unified@kernel", "fp8_unified@kernel+fp8bwd",
-                 "fp4_rtn", "fp4_trace"],
-    "forwards to time; `name@impl` sets fp8_gemm (xla, kernel), `+fp8bwd` the FP8 backward, "
-    "`+scan` / `+unrolled` the plan's layer_loop (default: the plan's; unrolled on Hopper up "
-    "to 16 layers), `+FIELD=VALUE` any other plan field (e.g. `fp4_trace+fake_quant=kernel`)")
+    "policies", ["bf16", "fp8_unified@kernel", "fp8_unified@kernel+fp8bwd", "fp4_rtn",
+                 "fp4_trace"],
+    "forwards to time; `name@impl` sets fp8_gemm (xla, kernel; default: the plan's), "
+    "`+fp8bwd` the FP8 backward, `+scan` / `+unrolled` the plan's layer_loop (default: the "
+    "plan's; unrolled on Hopper up to 16 layers), `+FIELD=VALUE` any other plan field "
+    "(e.g. `fp4_trace+fake_quant=kernel`)")
 _BATCH = flags.DEFINE_integer("batch", None, "batch size (default per preset)")
 _SEQ = flags.DEFINE_integer("seq", None, "sequence length (default per preset)")
 _EXPERTS = flags.DEFINE_integer("experts", None, "number of experts (default per preset; the "

@@ -26,6 +26,6 @@ def train_variant(base: M.ModelConfig, impl: str, attention: str, policy: str) -
                          "(moe_impl and seq_attention have their own flags)")
   name, _, fp8_gemm = name.partition("@")
   layers = "scan" if "scan" in flags_ else "unrolled" if "unrolled" in flags_ else "auto"
-  return base.replace(policy=name, moe_impl=impl, fp8_gemm=fp8_gemm or "xla",
+  return base.replace(policy=name, moe_impl=impl, fp8_gemm=fp8_gemm or "auto",
                       fp8_backward="fp8bwd" in flags_, layer_loop=layers,
                       seq_attention=attention, **fields)

@@ -13,8 +13,9 @@ BASE = M.tiny(moe_intermediate_size=128, head_dim=64)  # FP8 blocks of 128 fit
 
 
 @pytest.mark.parametrize("policy,want", [
-    pytest.param("bf16", dict(policy="bf16", fp8_gemm="xla", fp8_backward=False,
+    pytest.param("bf16", dict(policy="bf16", fp8_gemm="auto", fp8_backward=False,
                               layer_loop="auto"), id="plain"),
+    pytest.param("fp8_unified@xla", dict(policy="fp8_unified", fp8_gemm="xla"), id="fp8_xla"),
     pytest.param("fp8_unified@kernel+fp8bwd", dict(policy="fp8_unified", fp8_gemm="kernel",
                                                    fp8_backward=True), id="fp8_full"),
     pytest.param("bf16+scan", dict(layer_loop="scan"), id="scan"),
