@@ -122,7 +122,9 @@ def _run_one(config: M.ModelConfig, params, tokens, label: str) -> dict[str, flo
   t0 = time.perf_counter()
   compiled = step.lower(params, tokens=tokens, guidance=guidance, routing=routing).compile()
   row = {"compile_s": time.perf_counter() - t0,
-         "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30}
+         "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30,
+         "policy": config.policy, "fp8_backward": config.fp8_backward,
+         "fp8_gemm": M.resolve_plan(config).fp8_gemm}
   if _STEPS.value == 0:
     return row
   run = lambda: compiled(params, tokens=tokens, guidance=guidance, routing=routing)
@@ -136,21 +138,6 @@ def _run_one(config: M.ModelConfig, params, tokens, label: str) -> dict[str, flo
     print(profiling.format_summary(summary, label), flush=True)
     row["profile"] = {k: summary[k] for k in ("kernels", "wall_ms", "busy_ms", "categories")}
   return row
-
-
-def _ratios(rows: dict[str, dict[str, float]], first: str, flop: float, rate: float
-            ) -> dict[str, float]:
-  """The headline figures against `first` (the first impl and attention)'s bf16 step."""
-  ms = lambda policy: rows.get(f"{first} {policy}", {}).get("ms_per_step")
-  out = {}
-  if ms("bf16"):
-    out["bf16_mfu"] = flop / (ms("bf16") * 1e-3) / rate
-    for key, policy in (("fp8_unified_over_bf16", "fp8_unified@kernel"),
-                        ("fp8_full_over_bf16", "fp8_unified@kernel+fp8bwd"),
-                        ("fp4_trace_over_bf16", "fp4_trace")):
-      if ms(policy):
-        out[key] = ms(policy) / ms("bf16")
-  return out
 
 
 def main(argv):
@@ -194,9 +181,10 @@ def main(argv):
         print(f"  {label:44s} {t or float('nan'):9.2f} ms/step  {rel:24s} temp "
               f"{row['temp_gib']:7.2f} GiB  compile {row['compile_s']:.1f} s  (matmul FLOPs at "
               f"{100 * row.get('mfu', float('nan')):.0f}% of the BF16 rate)", flush=True)
-        common.write_json(flags.FLAGS.json_out, {**res, **_ratios(rows, first, total, rate),
-                                                 "flags": common.flag_dict(flags.FLAGS)})
-  res.update(_ratios(rows, first, total, rate))
+        ratios = variants.headline_ratios(rows, first, total, rate)
+        common.write_json(flags.FLAGS.json_out,
+                          {**res, **ratios, "flags": common.flag_dict(flags.FLAGS)})
+  res.update(variants.headline_ratios(rows, first, total, rate))
   common.finish(res, flags.FLAGS, "  ".join(f"{k} {v:.3f}" for k, v in res.items()
                                             if k.endswith(("_mfu", "_over_bf16"))))
 
