@@ -22,8 +22,9 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
 - In registers: block amaxes and non-finite flags from one int32 max of |x|'s bits per block
   (non-negative floats order as their bits; Inf and NaN above every finite value; subnormals
   flushed on the max and on the element), the row amax (a max of the block amaxes), row scale,
-  block scales, inverse scales, E2M1 codes, E4M3 bytes, and the dequantized values; stores: y and codes [block_m, nbp, 16], scale bytes
-  [block_m, nbp], row scales [block_m]. The E4M3 bytes leave as uint8 and are bitcast outside.
+  block scales, inverse scales, E2M1 codes, E4M3 bytes, and the dequantized values; stores: y
+  and codes [block_m, nbp, 16], scale bytes [block_m, nbp], row scales [block_m]. The E4M3
+  bytes leave as uint8 and are bitcast outside.
 - `mantissa=True` also stores each block's 16 code low bits as one uint16 (bit j: element j),
   whose two little-endian bytes are `guided.pack_bits(codes & 1)`'s: the compact guidance
   record's payload, so a recording site needs no XLA fusion to pack it.
@@ -50,8 +51,9 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
   its own scale amax / 2688 is a short division too; the values-only kernels take 1 / ts
   given).
 
-Numerics are `formats`' (exact float32 scale arithmetic from `exact`), in-kernel. Reused as they
-are: `exact.flush_subnormal`, `exact.round_mantissa`, `exact.sign_bit` (through
+Numerics are `formats`' (exact float32 scale arithmetic from `exact`), in-kernel; the subnormal
+flush (`exact.flush_subnormal`) is taken on |x|'s bits (`_flushed`). Reused as they are:
+`exact.round_mantissa`, `exact.sign_bit` (through
 `formats.e2m1_encode`), `formats.e2m1_encode`, `formats.e2m1_magnitude` and the constants.
 Three of them take a form a Triton kernel lowers, with the same bits everywhere:
 `exact.ieee_div(..., straight_line=True)` (its `fori_loop` is fully unrolled on the GPU, which
