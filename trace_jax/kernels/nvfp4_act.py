@@ -35,15 +35,15 @@ Kernel design (`pl.pallas_call`, Triton lowering on GPU, `interpret=True` elsewh
   (64 programs, 4 warps); [512, 768] -> 2 (256 programs of [2, 64, 16], 4 warps); [512, 128]
   -> 2 (256 programs of [2, 8, 16], 1 warp). Rows of K > 8192 hold > 32 elements per thread.
   Not tuned on the GPU yet: `experiments/bench/quant.py --sites` times them against XLA's.
-- The values-only kernels (`qdq_rows`, `guided_qdq_rows`) are ALU-bound, not byte-bound, so
-  each element costs as few operations as the bits allow: they round |x| scaled straight to
-  E2M1 values (`formats.e2m1_rounder`, `guided.compact_values`: no codes made or decoded) and
-  put the sign back as a bit; a non-finite block's NaN comes from its block scale, with no
-  select per element; the rows' inverse scales 1 / ts come in from XLA (`inverse_row_scales`,
-  one per row: a program would divide the long way in every thread); rows, which share only
-  a given scale, are split in `row_parts(K)` so no tile holds padded blocks (K = 768: three
-  rows of 16 blocks, not one of 64 with 16 masked), and where block_m divides M no load or
-  store is masked.
+- The values-only kernels (`qdq_rows`, `guided_qdq_rows`) are ALU-bound, not byte-bound, so each
+  element costs as few operations as the bits allow: they round |x| scaled straight to E2M1
+  values (`formats.e2m1_round_magnitude`, `guided.compact_magnitude`: no codes made or
+  decoded) and put the sign back as a bit; a non-finite block's NaN comes from its block
+  scale, with no select per element; the rows' inverse scales 1 / ts come in from XLA
+  (`inverse_row_scales`, one per row: a program would divide the long way in every thread);
+  rows, which share only a given scale, are split in `row_parts(K)` so no tile holds padded
+  blocks (K = 768: three rows of 16 blocks, not one of 64 with 16 masked), and where block_m
+  divides M no load or store is masked.
 - A block's scales take no long division (25 integer steps each): amax / 6 and the inverse
   scale's division by the E4M3 block scale have short divisors (`exact.ieee_div_short`, one
   integer division), and the E4M3 rounding of (amax / 6) / ts is decided from ts's reciprocal
@@ -219,13 +219,12 @@ def quantize_tile(x: jax.Array, ts: jax.Array | None = None
 def qdq_tile(x: jax.Array, ts: jax.Array | None = None, inv_ts: jax.Array | None = None
              ) -> jax.Array:
   """`quantize_tile`'s codes dequantized, float32 shaped as x, rounded straight to E2M1
-  values (`formats.e2m1_round` on |x| scaled, the sign put back as a bit: no codes made or
+  values (`formats.e2m1_round_magnitude` of |x| scaled, the sign put back as a bit: no codes made or
   decoded): what the fake quantizers need. inv_ts: as `_scales`'. A non-finite block's NaN
   comes from its block scale (a value times NaN), so its values need no mask."""
   a, inv, _, bs, ts = _scales(x, ts, inv_ts)
-  z = jnp.minimum(_flushed(a) * _per_block(inv, x.ndim), formats.E2M1_MAX)
-  c = formats.e2m1_rounder(z)
-  v = formats.copysign_bits((z + c) - c, exact.f32_bits(x))
+  v = formats.copysign_bits(formats.e2m1_round_magnitude(_flushed(a) * _per_block(inv, x.ndim)),
+                            exact.f32_bits(x))
   # formats.nvfp4_dequantize: (value * block scale) * row scale
   return (v * _per_block(bs, x.ndim)) * ts[(slice(None),) + (None,) * (x.ndim - 1)]
 
@@ -273,8 +272,9 @@ def _qdq_kernel(x_ref, *refs, m: int, nb: int, bm: int, nbp: int):
   idx3, ok3, _, row_ok = _tile_masks(m, nb, bm, nbp)
   x = common.masked_load(x_ref, idx3, ok3, 0).astype(jnp.float32)
   # rows past m load a scale of 1 (never stored), so no NaN flag runs through their blocks
-  ts, inv_ts = (common.masked_load(r, idx3[:1], row_ok, 1) for r in ts_refs) if ts_refs else (
-      None, None)
+  ts = inv_ts = None
+  if ts_refs:
+    ts, inv_ts = (common.masked_load(r, idx3[:1], row_ok, 1) for r in ts_refs)
   common.masked_store(y_ref, idx3, qdq_tile(x, ts, inv_ts).astype(y_ref.dtype), ok3)
 
 
@@ -294,7 +294,7 @@ def _guided_kernel(x_ref, scale_ref, ts_ref, inv_ts_ref, mant_ref, *refs, m: int
   inv = _div_by_e4m3(inv_ts[:, None], bs)                                # [bm, nbp]
   z = jnp.minimum(_flushed(a) * inv[:, :, None], formats.E2M1_MAX)
   bit = (mant[:, :, None] >> jnp.arange(BLOCK, dtype=jnp.int32)[None, None, :]) & 1
-  v = guided.compact_values(formats.copysign_bits(z, exact.f32_bits(x)), bit)
+  v = formats.copysign_bits(guided.compact_magnitude(z, bit), exact.f32_bits(x))
   # guided.guided_quantize's NaN scale where x, the record's scale or its row scale is not
   # finite (then a value times NaN), then nvfp4_dequantize
   bs = jnp.where(x_bad | ~jnp.isfinite(bs), np.float32(np.nan), bs)

@@ -156,9 +156,15 @@ def e2m1_round(y: jax.Array) -> jax.Array:
   reassociation.
   """
   y = jnp.asarray(y).astype(jnp.float32)
-  a = jnp.minimum(jnp.abs(y), E2M1_MAX)
+  return copysign_bits(e2m1_round_magnitude(jnp.abs(y)), exact.f32_bits(y))
+
+
+def e2m1_round_magnitude(a: jax.Array) -> jax.Array:
+  """`e2m1_round` of float32 a >= 0 (saturating at 6), with no sign handling: what a kernel
+  that carries the sign apart rounds."""
+  a = jnp.minimum(a, E2M1_MAX)
   c = e2m1_rounder(a)
-  return copysign_bits((a + c) - c, exact.f32_bits(y))
+  return (a + c) - c
 
 
 def e2m1_values_equal(a: Any, b: Any) -> Any:

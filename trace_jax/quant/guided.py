@@ -156,22 +156,27 @@ def compact_codes(z: jax.Array, bit: jax.Array) -> jax.Array:
 
 def compact_values(z: jax.Array, bit: jax.Array) -> jax.Array:
   """`e2m1_decode(compact_codes(z, bit))` as float32, without codes (the guided kernel's fake
-  quantizer needs the value only), for |z| <= 6.
+  quantizer needs the value only), for |z| <= 6: `compact_magnitude(|z|)` with z's sign."""
+  return formats.copysign_bits(compact_magnitude(jnp.abs(z).astype(jnp.float32), bit),
+                               exact.f32_bits(z))
 
-  |z| + `formats.e2m1_rounder(|z|)` holds |z|'s nearest grid point (RNE) as a count of grid
-  steps in its low bits, whose parity is the E2M1 code's low bit in every binade (codes 0-4
-  are 0..2 in steps of 0.5, 4-6 are 2..4 in steps of 1, 6-7 are 4 and 6). Where the parity is
-  not the record's bit and |z| is not on the grid, the other neighbour is one step (one ulp
-  of the sum) towards |z|: the value the compact record's rule (the neighbour below or above
-  |z| whose low bit is `bit`) picks.
+
+def compact_magnitude(a: jax.Array, bit: jax.Array) -> jax.Array:
+  """`compact_values` of float32 0 <= a <= 6, with no sign handling.
+
+  a + `formats.e2m1_rounder(a)` holds a's nearest grid point (RNE) as a count of grid steps in
+  its low bits, whose parity is the E2M1 code's low bit in every binade (codes 0-4 are 0..2 in
+  steps of 0.5, 4-6 are 2..4 in steps of 1, 6-7 are 4 and 6). Where the parity is not the
+  record's bit and a is not on the grid, the other neighbour is one step (one ulp of the sum)
+  towards a: the value the compact record's rule (the neighbour below or above a whose low
+  bit is `bit`) picks.
   """
-  a = jnp.abs(z).astype(jnp.float32)
   c = formats.e2m1_rounder(a)
   s = exact.f32_bits(a + c)
   r = exact.f32_from_bits(s) - c
   keep = ((s & 1) == bit.astype(jnp.int32)) | (r == a)
   s = jnp.where(keep, s, s + jnp.where(r < a, np.int32(1), np.int32(-1)))
-  return formats.copysign_bits(exact.f32_from_bits(s) - c, exact.f32_bits(z))
+  return exact.f32_from_bits(s) - c
 
 
 def guided_codes(x: jax.Array, g: Guidance) -> jax.Array:
