@@ -12,10 +12,10 @@
 #               128 + 128), the 60 GB fixed-memory cases at 8k and 32k contexts (36 GB on a
 #               GPU of less than 100 GB), and batch 64 at 32k context
 #               (`experiments.bench.rollout`'s GPU preset)
-#   attention   the decode attention without scores in memory (`decode_attention="fused"`, one
-#               pass, online softmax) against the exact pair (Triton, wgmma): the kernels at 8k
-#               (batch 64 and 256) and 32k (batch 64) contexts (and the fused kernel with
-#               128-key blocks)
+#   attention   the decode attention without scores in memory (one pass, online softmax:
+#               `decode_attention="fused"`, and `kernels.wgmma_flash` over the packed cache,
+#               impl "wgmma_fused") against the exact pair (Triton, wgmma): the kernels at 8k (batch 64 and 256) and 32k (batch
+#               64) contexts (and the fused kernels with 128-key blocks)
 #   attention_budget  the 8k fixed-memory decode (bf16, fp4_rtn) with the plan's decode
 #               attention (bf16: fused, FP4: wgmma), the Triton pair and the fused kernel,
 #               one process per impl
@@ -123,6 +123,7 @@ step_rollout() {
 step_attention() {
   local t=${T_ATTENTION:-420}
   local impls=kernel_bf16,kernel_packed,kernel_packed_wgmma,kernel_bf16_fused,kernel_packed_fused
+  impls+=,kernel_packed_wgmma_fused
   TAIL=30 run attention_kernels "$((t * 4 / 9))" python3 -m experiments.bench.decode_attention \
     --contexts=8192 --batches=64,256 --decoder_check=false --impls="$impls" \
     --json_out="$OUT/attention_kernels.json"
@@ -131,7 +132,7 @@ step_attention() {
     --json_out="$OUT/attention_kernels_32k.json"
   TAIL=12 run attention_kernels_bt128 "$((t * 2 / 9))" python3 -m \
     experiments.bench.decode_attention --contexts=8192 --batches=256 --decoder_check=false \
-    --block_t=128 --impls=kernel_bf16_fused,kernel_packed_fused \
+    --block_t=128 --impls=kernel_bf16_fused,kernel_packed_fused,kernel_packed_wgmma_fused \
     --json_out="$OUT/attention_kernels_bt128.json"
 }
 

@@ -20,6 +20,8 @@ Per case (context T, batch B; every sequence at full length T, one query token e
   kernel_bf16_fused / kernel_packed_fused  `flash_decode`'s single kernel (scores, online
                       softmax and PV in one pass: no scores in memory;
                       `AttentionConfig(impl="fused")`, the plan's `decode_attention="fused"`)
+  kernel_packed_wgmma_fused  the single pass over the packed cache with the wgmma kernels'
+                      decoders (`wgmma_flash`, `AttentionConfig(impl="wgmma_fused")`; GPU only)
   kernel_packed_bits  the same cache with the codes as bytes (the bit-arithmetic decoder), for
                       the ratio in one process
   copy                `jnp.copy` of the BF16 K cache: the bandwidth reference (read + write)
@@ -89,14 +91,16 @@ PRESETS = {
 }
 IMPLS = ("xla_bf16", "xla_fq_bf16", "xla_packed_dequant", "kernel_bf16", "kernel_packed",
          "kernel_packed_bits", "kernel_packed_wgmma", "kernel_packed_wgmma_scores",
-         "kernel_bf16_fused", "kernel_packed_fused")
-GPU_ONLY = ("kernel_packed_wgmma", "kernel_packed_wgmma_scores")  # Mosaic GPU + inline PTX
+         "kernel_bf16_fused", "kernel_packed_fused", "kernel_packed_wgmma_fused")
+GPU_ONLY = ("kernel_packed_wgmma", "kernel_packed_wgmma_scores",
+            "kernel_packed_wgmma_fused")  # Mosaic GPU + inline PTX
 COPY = "copy"
 # The cache each path reads, and the contract its output is checked against.
 CACHE_OF = {"xla_bf16": "bf16", "xla_fq_bf16": "fq_bf16", "xla_packed_dequant": "packed",
             "kernel_bf16": "bf16", "kernel_packed": "packed", "kernel_packed_bits": "packed_bytes",
             "kernel_packed_wgmma": "packed", "kernel_packed_wgmma_scores": "packed",
-            "kernel_bf16_fused": "bf16", "kernel_packed_fused": "packed"}
+            "kernel_bf16_fused": "bf16", "kernel_packed_fused": "packed",
+            "kernel_packed_wgmma_fused": "packed"}
 
 
 def _nbytes(tree: Any) -> int:
@@ -183,7 +187,8 @@ def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int,
           "kernel_bf16": kernel("triton"), "kernel_packed": kernel("triton"),
           "kernel_packed_bits": kernel("triton"), "kernel_packed_wgmma": kernel("wgmma"),
           "kernel_packed_wgmma_scores": kernel("wgmma_scores"),
-          "kernel_bf16_fused": kernel("fused"), "kernel_packed_fused": kernel("fused")}
+          "kernel_bf16_fused": kernel("fused"), "kernel_packed_fused": kernel("fused"),
+          "kernel_packed_wgmma_fused": kernel("wgmma_fused")}
 
 
 def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps: int,
@@ -260,6 +265,10 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
       "time_kernel_packed_fused_over_kernel_packed": ratio("kernel_packed_fused",
                                                            "kernel_packed"),
       "time_kernel_bf16_fused_over_kernel_bf16": ratio("kernel_bf16_fused", "kernel_bf16"),
+      "time_kernel_packed_wgmma_fused_over_kernel_packed_wgmma": ratio(
+          "kernel_packed_wgmma_fused", "kernel_packed_wgmma"),
+      "time_kernel_packed_wgmma_fused_over_kernel_bf16_fused": ratio(
+          "kernel_packed_wgmma_fused", "kernel_bf16_fused"),
       "time_kernel_packed_fused_over_kernel_bf16_fused": ratio("kernel_packed_fused",
                                                                "kernel_bf16_fused"),
       "time_kernel_packed_bits_over_kernel_bf16": ratio("kernel_packed_bits", "kernel_bf16"),

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from trace_jax.kernels import wgmma_attention, wgmma_decode, wgmma_moe
+from trace_jax.kernels import wgmma_attention, wgmma_decode, wgmma_flash, wgmma_moe
 
 SDS = jax.ShapeDtypeStruct
 
@@ -78,6 +78,15 @@ def test_scores_and_pv_lower(lowering):
   assert "decode_attention_scores_wgmma" in text
   probs = SDS((B, G, R, T), jnp.bfloat16)
   assert "decode_attention_pv_wgmma" in lowering(wgmma_attention.pv, probs, *KV, LENGTHS, LAYER)
+
+
+@pytest.mark.parametrize("splits,block_t", [(1, 64), (2, 64), (2, 128)],
+                         ids=["one_split", "two_splits", "two_tiles_a_step"])
+def test_wgmma_flash_lowers(lowering, splits, block_t):
+  q = SDS((B, G, 64, H), jnp.bfloat16)
+  fn = lambda q, kc, kb, kr, vc, vb, vr, n, lyr: wgmma_flash.partials(
+      q, (kc, kb, kr), (vc, vb, vr), n, lyr, r=R, scale=0.088, splits=splits, block_t=block_t)
+  assert "decode_attention_wgmma_flash" in lowering(fn, q, *KV, *KV, LENGTHS, LAYER)
 
 
 def test_wgmma_moe_lowers(lowering):

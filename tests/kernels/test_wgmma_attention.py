@@ -9,6 +9,7 @@ layout puts them (lane // 4 + 16 warp + 8 half, columns 8 ct + 2 (lane % 4)); th
 equal the dequantized K in `column_order`.
 """
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -149,6 +150,9 @@ def test_decode_attention_refuses_wgmma_where_it_cannot_run():
   # where the kernels do not run, the model's choice for a call is the Triton pair
   assert da.wgmma_impl(q, cache, interpret=True) == "triton"
   assert da.wgmma_impl(q, cache.as_bytes()) == "triton"
+  with pytest.raises(ValueError, match="needs a packed cache of code words on the GPU"):
+    da.decode_attention(q, cache, lengths,
+                        config=da.AttentionConfig(interpret=True, impl="wgmma_fused"))
 
 
 @pytest.mark.parametrize("half", [0, 1], ids=["low_scale_byte", "high_scale_byte"])
@@ -181,3 +185,73 @@ def test_block_ptx_text_runs_as_the_emulated_program(half):
       nan = ((wh & 0x7F80) == 0x7F80) & ((wh & 0x7F) != 0)
       assert np.array_equal(((gh & 0x7F80) == 0x7F80) & ((gh & 0x7F) != 0), nan)
       assert np.array_equal(gh[~nan], wh[~nan]), f"result {i}, half {s}"
+
+
+def _partials_stand_in(q, k, v, lengths, layer, *, r, scale, splits, block_t):
+  """`wgmma_flash.partials`' contract in numpy (the kernel runs on a GPU only): each split's
+  float32 (acc, m, l) over its keys below the length, K and V decoded from the arguments in
+  `column_order` as the kernel decodes them, unnormalized probabilities rounded to bf16."""
+  from trace_jax.kernels import wgmma_flash
+
+  lyr = int(np.asarray(layer)[0])
+  h = q.shape[-1]
+  order = wgmma_decode.column_order(h)
+
+  def values(words, bits, rows):
+    codes = words[lyr].reshape(words.shape[1:4] + (h // 16, 2))
+    block = jax.lax.bitcast_convert_type(bits[lyr], jnp.float8_e4m3fn)
+    one = kv_cache.PackedKVCache(k_codes=codes, v_codes=codes, k_block=block, v_block=block,
+                                 k_row=rows[lyr], v_row=rows[lyr])
+    vals = np.asarray(kv_cache.dequantize(one, jnp.float32)[0])
+    return vals[..., order]  # [B, T, G, H] in the decode's column order
+
+  kv, vv = values(*k), values(*v)
+  per, n_splits = wgmma_flash.split_steps(kv.shape[1], block_t, splits)
+  b, g = q.shape[:2]
+  acc = np.zeros((b, g, n_splits, r, h), np.float32)
+  m = np.full((b, g, n_splits, r), -np.inf, np.float32)
+  l = np.zeros((b, g, n_splits, r), np.float32)
+  qf = np.asarray(q, np.float32)[:, :, :r]
+  for bi, n in enumerate(np.asarray(lengths)):
+    for si in range(n_splits):
+      lo, hi = si * per * block_t, min((si + 1) * per * block_t, int(n))
+      if lo >= hi:
+        continue
+      for gi in range(g):
+        s = qf[bi, gi] @ kv[bi, lo:hi, gi].T * np.float32(scale)
+        m[bi, gi, si] = s.max(axis=1)
+        p = np.exp(s - m[bi, gi, si][:, None])
+        l[bi, gi, si] = p.sum(axis=1)
+        p16 = np.asarray(jnp.asarray(p, jnp.bfloat16), np.float32)
+        acc[bi, gi, si] = p16 @ vv[bi, lo:hi, gi]
+  return jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l)
+
+
+@pytest.mark.parametrize("splits,block_t", [(1, 64), (3, 64), (2, 128)],
+                         ids=["one_split", "three_splits", "two_tiles_a_step"])
+def test_single_pass_glue_around_the_kernel(monkeypatch, splits, block_t):
+  """impl "wgmma_fused" around its kernel (replaced by a numpy stand-in of its contract): q's
+  columns permuted and padded to 64 rows, the cache's words handed over per layer, the splits
+  combined and the columns put back give `attend`'s output within `output_tolerance`; a split
+  without keys (sequence 1's last) adds nothing."""
+  from tests.kernels.attention_cases import (
+    attn_inputs,
+    check_within_tolerance,
+    make_cache,
+    reference,
+    values_of,
+  )
+  from trace_jax.kernels import decode_attention as da
+  from trace_jax.kernels import kv_tiles, wgmma_flash
+
+  monkeypatch.setattr(wgmma_flash, "partials", _partials_stand_in)
+  b, t, g, n, h = 2, 256, 2, 16, 128
+  q, kv, pos = attn_inputs(b, t, g, n, h, seed=3)
+  cache = make_cache("packed", kv, pos, words=True)
+  lengths = jnp.asarray([256, 70], jnp.int32)
+  stack = jax.tree.map(lambda a: jnp.stack([jnp.zeros_like(a), a]), cache)
+  ks, vs = kv_tiles.cache_arrays(stack, True)
+  out = da._wgmma_fused(q, ks, vs, lengths, jnp.asarray([1], jnp.int32), num_splits=splits,
+                        block_t=block_t)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  check_within_tolerance(out, reference(q, cache, lengths), values_of(cache), lengths, n)

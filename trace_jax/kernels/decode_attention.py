@@ -37,7 +37,9 @@ decoded straight into wgmma's A registers and V into its shared-memory B tile (0
 Triton pair's time at batch 256, 8k).
 
 `AttentionConfig(impl="fused")` runs `flash_decode`'s single kernel instead (scores, online
-softmax and PV in one pass: no scores in memory, not `attend`'s bits; its module docstring).
+softmax and PV in one pass: no scores in memory, not `attend`'s bits; its module docstring);
+`impl="wgmma_fused"` the same arithmetic over the packed cache on Hopper with the wgmma
+kernels' decoders (`wgmma_flash`; asked for by name: no kernel plan picks it yet).
 
 Numerics against `attention_math.attend` (the model's decode path, `decode_attention_reference`):
 the same float32 scores up to the dot's float32 accumulation order, the same probabilities
@@ -68,13 +70,14 @@ from trace_jax.kernels import (
   kv_tiles,
   wgmma_attention,
   wgmma_decode,
+  wgmma_flash,
 )
 from trace_jax.kernels.kv_cache import PackedKVCache, dequantize
 from trace_jax.quant import formats
 
 BF16Cache = tuple[jax.Array, jax.Array]
-IMPLS = ("triton", "wgmma", "wgmma_scores", "fused")  # `AttentionConfig.impl`
-WGMMA_IMPLS = ("wgmma", "wgmma_scores")
+IMPLS = ("triton", "wgmma", "wgmma_scores", "fused", "wgmma_fused")  # `AttentionConfig.impl`
+WGMMA_IMPLS = ("wgmma", "wgmma_scores", "wgmma_fused")
 MIN_ROWS = kv_tiles.MIN_ROWS
 DEFAULT_BLOCK_T = 64
 SM_COUNT = 132  # an H100/H200's; the caller passes its device's (the kernel plan's sm_count)
@@ -91,7 +94,9 @@ class AttentionConfig:
     key splits, for fewer PV programs than SMs); `wgmma_impl` picks between them for a call;
     "fused": `flash_decode`'s single kernel (online softmax, no scores in memory; not
     `attend`'s bits: its module docstring), with `block_t`, `num_splits` and the launch
-    parameters as the Triton pair's.
+    parameters as the Triton pair's; "wgmma_fused": the same arithmetic over a packed cache
+    of code words on a Hopper GPU with `wgmma_attention`'s decoders (`wgmma_flash`; its
+    splits `num_splits` or `wgmma_flash.default_splits`).
   table: codes as words: None picks the bf16 fast table per key block where its row scales
     allow it, "exact" always takes the exact one (for tests), "fast" always the fast one (only
     exact for row scales in `fp4_decode.tensor_scale_factors`' fast range).
@@ -246,6 +251,9 @@ def _decode_attention(q, cache, lengths, layer, *, config: AttentionConfig, num_
   t = ks[0].shape[2]
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
+  if config.impl == "wgmma_fused":
+    return _wgmma_fused(q, ks, vs, lengths, lyr, num_splits=num_splits,
+                        block_t=config.block_t)
   if config.impl == "fused":
     return flash_decode.attention(q, ks, vs, lengths, lyr, packed=packed, block_t=config.block_t,
                                   num_splits=num_splits, table=config.table,
@@ -260,6 +268,22 @@ def _decode_attention(q, cache, lengths, layer, *, config: AttentionConfig, num_
   out = _pv(probs, vs, lengths, lyr, h, packed=packed, config=config, num_splits=num_splits,
             interpret=interpret)
   return out.reshape(b, n, h)
+
+
+def _wgmma_fused(q, ks, vs, lengths, lyr, *, num_splits: int, block_t: int) -> jax.Array:
+  """[B, N, H]: `wgmma_flash`'s splits over the packed cache, combined as `flash_decode`'s."""
+  b, n, h = q.shape
+  g = ks[0].shape[3]
+  r = n // g
+  order = wgmma_decode.column_order(h)
+  qw = jnp.take(q.reshape(b, g, r, h), order, axis=-1)
+  qw = jnp.pad(qw, ((0, 0), (0, 0), (0, wgmma_decode.TILE - r), (0, 0)))
+  words = lambda c: c.reshape(c.shape[:4] + (h // 8,))
+  acc, m, l = wgmma_flash.partials(
+      qw, (words(ks[0]),) + tuple(ks[1:]), (words(vs[0]),) + tuple(vs[1:]), lengths, lyr, r=r,
+      scale=float(attention_math.score_scale(h)), splits=num_splits, block_t=block_t)
+  out = flash_decode.combine(acc, m, l, q.dtype)
+  return jnp.take(out, np.argsort(order), axis=-1).reshape(b, n, h)
 
 
 def wgmma_impl(q: jax.Array, cache: PackedKVCache | BF16Cache, *,
@@ -335,7 +359,9 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   if packed:
     kv_tiles.check_words(cache.words, q.dtype, bool(interpret))
   num_splits = config.num_splits
-  if num_splits is None:
+  if num_splits is None and config.impl == "wgmma_fused":
+    num_splits = wgmma_flash.default_splits(b, g, t // config.block_t, config.sm_count)
+  elif num_splits is None:
     num_splits = default_num_splits(b, g, -(-t // config.block_t), config.sm_count)
   if config.impl in WGMMA_IMPLS:
     if config.table == "exact":
@@ -348,6 +374,10 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
                        f"bf16, {wgmma_attention.ROWS} query heads per kv head, head_dim a "
                        f"multiple of {wgmma_decode.SPAN} and a context a multiple of "
                        f"{wgmma_decode.TILE}; got q {q.shape} {q.dtype}, T={t}")
+    if config.impl == "wgmma_fused" and not wgmma_flash.supported(
+        q.shape[-1], q.shape[1] // g, t, q.dtype, config.block_t):
+      raise ValueError(f"impl='wgmma_fused' takes block_t 64 or 128 dividing the context; got "
+                       f"block_t={config.block_t}, T={t}")
   return _decode_attention(q, cache, lengths, layer, config=config, num_splits=int(num_splits),
                            interpret=bool(interpret))
 

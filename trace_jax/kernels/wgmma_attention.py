@@ -114,8 +114,9 @@ def _decode_tile(h: int, g: int, masked: bool = False):
   return fn
 
 
-def _inline_decode(h: int, g: int, masked: bool):
-  """`_decode_tile` as a Pallas function of (codes, scale bytes, row scales refs[, valid])."""
+def tile_decoder(h: int, g: int, masked: bool):
+  """`_decode_tile` as a Pallas function of (codes, scale bytes, row scales refs[, valid]) ->
+  the tile [64, h] bf16 in the WGMMA layout (also `wgmma_flash`'s decoder)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   refs = (plgpu.RefType(),) * 3
@@ -242,7 +243,7 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   h = 16 * scale_bits.shape[-1]
   if not supported(h, r, t, probs.dtype):
     raise ValueError(f"wgmma PV: unsupported shape/dtype {probs.shape} {probs.dtype}, H={h}")
-  decode = _inline_decode(h, g, masked=True)
+  decode = tile_decoder(h, g, masked=True)
   load_probs = plgpu.inline_mgpu(
       arg_types=(plgpu.RefType(),),
       return_type=plgpu.ShapeDtypeStruct((TILE, TILE), jnp.bfloat16,
@@ -308,7 +309,7 @@ def scores(q: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   per = max(1, min(TILES_PER_PROGRAM, n_tiles))
   while n_tiles % per:
     per -= 1
-  decode = _inline_decode(h, g, masked=False)
+  decode = tile_decoder(h, g, masked=False)
   swz = 128
   q_transforms = (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
 
