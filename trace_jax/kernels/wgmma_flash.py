@@ -1,8 +1,8 @@
 """Single-pass decode attention over a packed NVFP4 KV cache on Hopper's wgmma (flash decoding).
 
 Why: `wgmma_attention`'s exact pair writes float32 scores [B, G, R, T] and reads back bf16
-probabilities, R x (4 + 4 + 4 + 2 + 2) bytes per key and kv head around XLA's softmax: about as
-many bytes as the packed cache's K and V themselves (152 per key and kv head at head_dim 128).
+probabilities around XLA's softmax, R x (4 + 4 + 2 + 2) = 96 bytes per key and kv head at R = 8,
+next to the packed cache's 152 bytes of K and V at head_dim 128.
 `flash_decode` keeps them on chip, but its Triton tiles reach the MMA through shared memory
 twice. This kernel is `flash_decode`'s arithmetic with `wgmma_attention`'s decoders:
 
