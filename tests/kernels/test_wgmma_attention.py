@@ -150,6 +150,7 @@ def test_decode_attention_refuses_wgmma_where_it_cannot_run():
   # where the kernels do not run, the model's choice for a call is the Triton pair
   assert da.wgmma_impl(q, cache, interpret=True) == "triton"
   assert da.wgmma_impl(q, cache.as_bytes()) == "triton"
+  assert da.wgmma_impl(q, cache, interpret=True, fused=True) == "fused"
   with pytest.raises(ValueError, match="needs a packed cache of code words on the GPU"):
     da.decode_attention(q, cache, lengths,
                         config=da.AttentionConfig(interpret=True, impl="wgmma_fused"))

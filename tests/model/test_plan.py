@@ -324,8 +324,10 @@ def test_fp4_codes_reach_the_weights_and_the_cache(codes):
 _MOE_DEFAULT, _ATTENTION_DEFAULT = fp4_moe.DecodeConfig(), decode_attention.AttentionConfig()
 
 
-@pytest.mark.parametrize("moe,attention", [("wgmma", "wgmma"), ("triton", "triton")])
-def test_decode_kernel_choices_reach_their_kernels(moe, attention, monkeypatch):
+@pytest.mark.parametrize("moe,attention,impl", [("wgmma", "wgmma", "wgmma"),
+                                               ("triton", "triton", "triton"),
+                                               ("triton", "fused", "wgmma_fused")])
+def test_decode_kernel_choices_reach_their_kernels(moe, attention, impl, monkeypatch):
   """The plan's experts' and attention kernels are the ones the decode step asks for (the
   wgmma kernels run on a Hopper GPU only: here the calls are recorded and run on Triton),
   with the plan's SM count for the attention's launch shape."""
@@ -342,11 +344,12 @@ def test_decode_kernel_choices_reach_their_kernels(moe, attention, monkeypatch):
     return real_attn(*a, config=dataclasses.replace(config, impl="triton"), **k)
 
   monkeypatch.setattr(fp4_moe, "wgmma_supported", lambda dtype, w: True)
-  monkeypatch.setattr(decode_attention, "wgmma_impl", lambda q, c, **k: "wgmma")
+  monkeypatch.setattr(decode_attention, "wgmma_impl",
+                      lambda q, c, fused=False, **k: "wgmma_fused" if fused else "wgmma")
   monkeypatch.setattr(fp4_moe, "grouped_matmul_decode", mm)
   monkeypatch.setattr(decode_attention, "decode_attention", attn)
   _decode_kernels(decode_impl="kernel", decode_moe_kernel=moe, decode_attention=attention)
-  assert set(seen) == {("moe", moe), ("attention", attention, plan_lib.DEFAULT_SM_COUNT)}, seen
+  assert set(seen) == {("moe", moe), ("attention", impl, plan_lib.DEFAULT_SM_COUNT)}, seen
 
 
 def test_seq_attention_fuses_only_forwards_over_index_positions(monkeypatch):

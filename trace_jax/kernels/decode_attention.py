@@ -39,7 +39,7 @@ Triton pair's time at batch 256, 8k).
 `AttentionConfig(impl="fused")` runs `flash_decode`'s single kernel instead (scores, online
 softmax and PV in one pass: no scores in memory, not `attend`'s bits; its module docstring);
 `impl="wgmma_fused"` the same arithmetic over the packed cache on Hopper with the wgmma
-kernels' decoders (`wgmma_flash`; asked for by name: no kernel plan picks it yet).
+kernels' decoders (`wgmma_flash`), which `wgmma_impl(..., fused=True)` picks where they run.
 
 Numerics against `attention_math.attend` (the model's decode path, `decode_attention_reference`):
 the same float32 scores up to the dot's float32 accumulation order, the same probabilities
@@ -288,20 +288,26 @@ def _wgmma_fused(q, ks, vs, lengths, lyr, *, num_splits: int, block_t: int) -> j
 
 def wgmma_impl(q: jax.Array, cache: PackedKVCache | BF16Cache, *,
                layer: jax.Array | None = None, interpret: bool | None = None,
-               sm_count: int = SM_COUNT) -> str:
-  """The wgmma kernels' impl for this call where they run (a packed cache of code words on a
-  GPU with the Mosaic GPU API, `wgmma_attention.supported`'s shapes): "wgmma" where B x G
-  gives at least one PV program per SM (`sm_count`), "wgmma_scores" (the wgmma scores with the
-  Triton PV kernel's key splits) where it gives fewer; else "triton". On the H200 the pair
-  took 0.66x the Triton pair's time at batch 256 x 8k (docs/benchmarks.md)."""
+               sm_count: int = SM_COUNT, fused: bool = False) -> str:
+  """The impl for this call of the exact pair (fused=False) or the single pass (fused=True),
+  with the wgmma kernels where they run (a packed cache of code words on a GPU with the Mosaic
+  GPU API, `wgmma_attention.supported`'s shapes). The pair: "wgmma" where B x G gives at least
+  one PV program per SM (`sm_count`), "wgmma_scores" (the wgmma scores with the Triton PV
+  kernel's key splits) where it gives fewer, else "triton"; on the H200 it took 0.66x the
+  Triton pair's time at batch 256 x 8k. The single pass: "wgmma_fused" where they run (on the
+  H200 0.83-0.92x the Triton single pass's time at 64 x 32k and 256 x 8k), else "fused"
+  (docs/benchmarks.md)."""
+  portable = "fused" if fused else "triton"
   if not isinstance(cache, PackedKVCache) or not cache.words:
-    return "triton"
+    return portable
   interpret = common.default_interpret() if interpret is None else interpret
   if interpret or not wgmma_decode.available():
-    return "triton"
+    return portable
   b, t, g = cache.k_codes.shape[(0 if layer is None else 1):][:3]
   if not wgmma_attention.supported(q.shape[-1], q.shape[1] // g, t, q.dtype):
-    return "triton"
+    return portable
+  if fused:
+    return "wgmma_fused"
   return "wgmma" if b * g >= sm_count else "wgmma_scores"
 
 

@@ -39,11 +39,13 @@ kernel decode's. (=) "wgmma" over the packed NVFP4 cache (the exact pair on a GP
 GPU API, else "triton"); "fused" over a dense (BF16) cache: on the H100 the single-pass kernel
 took 0.78-0.98x the Triton pair's time at 8k-32k contexts and decoded the 8k fixed-memory
 case 1.20x faster, while over the packed cache it is the slower one (1.27-1.42x wgmma's time;
-docs/benchmarks.md). (-) where the plan has the packed cache and the site kernel, on Hopper:
-`kernels.kv_append` writes the same bits as the site kernel and XLA's scatters, in 40 fewer
-kernels per 8-layer step (+0.2-0.5% tokens/s on the H100). (+) for bf16 compute with head_dim
-a multiple of 8 up to 128 (cuDNN's fused attention). "fp4_codes" is "words" on any GPU with
-Triton's inline assembly.
+docs/benchmarks.md). A forced "fused" over the packed cache runs `kernels.wgmma_flash` on a GPU
+with the Mosaic GPU API (0.83-0.92x the Triton single pass's time, 1.15-1.35x the pair's on the
+H200), else `kernels.flash_decode`. (-) where the plan has the packed cache and the site
+kernel, on Hopper: `kernels.kv_append` writes the same bits as the site kernel and XLA's
+scatters, in 40 fewer kernels per 8-layer step (+0.2-0.5% tokens/s on the H100). (+) for
+bf16 compute with head_dim a multiple of 8 up to 128 (cuDNN's fused attention). "fp4_codes"
+is "words" on any GPU with Triton's inline assembly.
 (%) JAX's own Mosaic GPU grouped GEMM (`model.grouped`) for the forward and DGrad, with bf16
 or f16 compute and widths that are multiples of its 64-column tiles (else "kernel", the Pallas
 grouped GEMMs, for widths that are multiples of 16): on the H100 at Qwen3-30B-A3B width it took
