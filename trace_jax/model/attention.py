@@ -157,7 +157,7 @@ def _decode_kernel_attention(plan: KernelPlan, q: jax.Array, cache: Any, positio
   b = q.shape[0]
 
   def attn(q1, c, lens, j):
-    impl = "fused" if plan.decode_attention == "fused" else "triton"
+    impl = "triton"
     if plan.decode_attention in ("wgmma", "fused"):  # the wgmma kernels where they run
       impl = decode_attention.wgmma_impl(q1, c, layer=j, sm_count=plan.sm_count,
                                          fused=plan.decode_attention == "fused")
