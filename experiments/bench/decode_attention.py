@@ -22,6 +22,8 @@ Per case (context T, batch B; every sequence at full length T, one query token e
                       `AttentionConfig(impl="fused")`, the plan's `decode_attention="fused"`)
   kernel_packed_wgmma_fused  the single pass over the packed cache with the wgmma kernels'
                       decoders (`wgmma_flash`, `AttentionConfig(impl="wgmma_fused")`; GPU only)
+  <wgmma path>_prefetch<d>  the same with L2 prefetches d tiles ahead of the decode
+                      (`--prefetch`; `AttentionConfig.prefetch`)
   kernel_packed_bits  the same cache with the codes as bytes (the bit-arithmetic decoder), for
                       the ratio in one process
   copy                `jnp.copy` of the BF16 K cache: the bandwidth reference (read + write)
@@ -71,6 +73,9 @@ flags.DEFINE_integer("num_splits", 0, "Kernel key splits (0: the kernel's defaul
                      flag_values=FLAGS)
 flags.DEFINE_integer("num_warps", 4, "Kernel warps per program.", flag_values=FLAGS)
 flags.DEFINE_integer("num_stages", 2, "Kernel pipeline stages.", flag_values=FLAGS)
+flags.DEFINE_list("prefetch", ["0"], "L2 prefetch distances of the wgmma kernels "
+                  "(AttentionConfig.prefetch, in 64-key tiles): the first runs the wgmma paths, "
+                  "each other adds `<wgmma path>_prefetch<d>` beside them.", flag_values=FLAGS)
 flags.DEFINE_integer("reps", 0, "Timed calls per path (0: 30 on GPU, 3 otherwise).",
                      flag_values=FLAGS)
 flags.DEFINE_integer("warmup", 2, "Untimed calls first (compilation).", flag_values=FLAGS)
@@ -174,16 +179,24 @@ def _cpu_reference(q: Any, cache: Any, lengths: Any, c: int) -> tuple[Any, Any]:
   return np.asarray(ref), np.asarray(tol)
 
 
-def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int,
-           num_stages: int) -> dict[str, Callable[..., Any]]:
+def base_impl(name: str) -> str:
+  """The path a prefetch variant `<wgmma path>_prefetch<d>` varies (else the name itself)."""
+  return name.split("_prefetch")[0]
+
+
+def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stages: int,
+           prefetch: Sequence[int] = (0,)) -> dict[str, Callable[..., Any]]:
   """path -> fn(q, cache, lengths); the kernels' `AttentionConfig`s from the flags."""
   from trace_jax.kernels import decode_attention as da
 
   config = functools.partial(da.AttentionConfig, block_t=block_t, num_splits=num_splits or None,
                              num_warps=num_warps, num_stages=num_stages)
-  kernel = lambda impl: functools.partial(da.decode_attention, config=config(impl=impl))
+  kernel = lambda impl, d=prefetch[0]: functools.partial(
+      da.decode_attention, config=config(impl=impl, prefetch=d))
   ref = da.decode_attention_reference
-  return {"xla_bf16": ref, "xla_fq_bf16": ref, "xla_packed_dequant": ref,
+  variants = {f"{path}_prefetch{d}": kernel(path[len("kernel_packed_"):], d)
+              for path in GPU_ONLY for d in prefetch[1:]}
+  return {**variants, "xla_bf16": ref, "xla_fq_bf16": ref, "xla_packed_dequant": ref,
           "kernel_bf16": kernel("triton"), "kernel_packed": kernel("triton"),
           "kernel_packed_bits": kernel("triton"), "kernel_packed_wgmma": kernel("wgmma"),
           "kernel_packed_wgmma_scores": kernel("wgmma_scores"),
@@ -211,11 +224,11 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
     case["kernel_num_splits"] = da.default_num_splits(b, g, -(-t // kernel_args["block_t"]))
   c = min(check_seqs, b)
   refs = {kind: _cpu_reference(inp["q"], inp[kind], inp["lengths"], c)
-          for kind in sorted({CACHE_OF[i] for i in impls})}
+          for kind in sorted({CACHE_OF[base_impl(i)] for i in impls})}
   copy_fn = _repeated(jnp.copy, inner)
   timed = [(COPY, copy_fn, (inp["bf16"][0],), 2 * _nbytes(inp["bf16"][0]))]
   for name in impls:
-    kind = CACHE_OF[name]
+    kind = CACHE_OF[base_impl(name)]
     entry: dict[str, Any] = {"cache": kind, "kv_bytes": kv_bytes[kind]}
     case["impls"][name] = entry
     try:
@@ -278,6 +291,9 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
       "time_kernel_bf16_over_xla_bf16": ratio("kernel_bf16", "xla_bf16"),
       "time_xla_packed_dequant_over_xla_fq_bf16": ratio("xla_packed_dequant", "xla_fq_bf16"),
   }
+  for name in impls:
+    if base_impl(name) != name:
+      case["ratios"][f"time_{name}_over_{base_impl(name)}"] = ratio(name, base_impl(name))
   return case
 
 
@@ -361,6 +377,8 @@ def run_bench(preset: str, contexts: Sequence[int], batches: Sequence[int], n: i
     raise ValueError(f"unknown impls {unknown}; known: {list(IMPLS)}")
   on_gpu = jax.default_backend() == "gpu"
   impls = [i for i in IMPLS if i in impls or not impls and (on_gpu or i not in GPU_ONLY)]
+  impls += [f"{i}_prefetch{d}" for i in impls if i in GPU_ONLY
+            for d in kernel_args.get("prefetch", (0,))[1:]]
   reps = reps or (30 if on_gpu else 3)
   inner = inner or (8 if on_gpu else 1)
   dev = common.device_description()
@@ -412,7 +430,10 @@ def main(argv: Sequence[str]) -> dict[str, Any] | None:
   common.set_gpu_memory_env()
   p = PRESETS[FLAGS.preset]
   kernel_args = dict(block_t=FLAGS.block_t, num_splits=FLAGS.num_splits,
-                     num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages)
+                     num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages,
+                     prefetch=tuple(int(d) for d in FLAGS.prefetch))
+  if any(d < 0 for d in kernel_args["prefetch"]):
+    raise ValueError(f"--prefetch: distances must be >= 0, got {FLAGS.prefetch}")
   res = run_bench(FLAGS.preset, [int(x) for x in FLAGS.contexts] or p["contexts"],
                   [int(x) for x in FLAGS.batches] or p["batches"], FLAGS.heads or p["heads"],
                   FLAGS.kv_heads or p["kv_heads"], FLAGS.head_dim or p["head_dim"], FLAGS.impls,

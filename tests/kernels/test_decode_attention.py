@@ -282,6 +282,26 @@ def test_stacked_layer_is_read_in_place(kind):
     da.decode_attention(q, one, lengths, layer=jnp.int32(0))
 
 
+@pytest.mark.parametrize("kind,case", [(k, c) for k in WGMMA_KINDS
+                                       for c in ("mixed_r8", "long_r8_split3")])
+def test_prefetch_changes_no_bit(kind, case):
+  """L2 prefetches ahead of the decode (1 and 5 tiles; 5 runs past every split and length,
+  clamped) give the kernels' outputs bit for bit."""
+  if common.default_interpret():
+    pytest.skip("wgmma_attention runs on a Hopper GPU only: Mosaic GPU with inline PTX, no "
+                "interpret mode (its CPU coverage: tests/kernels/test_mosaic_lowering.py)")
+  b, t, g, n, h, lengths, block_t, splits = ATTN_CASES_GPU[case]
+  q, kv, pos = _attn_inputs(b, t, g, n, h, seed=8)
+  words, opts = PACKED_VARIANTS[kind]
+  cache = _cache("packed", kv, pos, words=words)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  run = lambda d: np.asarray(da.decode_attention(q, cache, lengths, config=AttentionConfig(
+      block_t=block_t, num_splits=splits, prefetch=d, **opts)))
+  want = run(0)
+  for d in (1, 5):
+    np.testing.assert_array_equal(_bits(run(d)), _bits(want))
+
+
 def test_tolerance_rejects_plausible_bugs():
   """The stated tolerance is tight enough to fail: one key too many, the wrong kv head per
   query head, and unquantized K/V all exceed it."""
@@ -334,14 +354,15 @@ def test_masked_keys_are_ignored_and_length_zero():
     _check_within_tolerance(out[1:], ref[1:], _on_cpu(_values, clean)[1:], lengths[1:], n)
 
 
-@pytest.mark.parametrize("what", ["q_rank", "heads", "lengths", "block_t", "head_dim"])
+@pytest.mark.parametrize("what", ["q_rank", "heads", "lengths", "block_t", "prefetch",
+                                  "head_dim"])
 def test_bad_input(what):
   q = jnp.zeros((2, 4, 64), jnp.bfloat16)
   cache = (jnp.zeros((2, 16, 2, 64), jnp.bfloat16),) * 2
   lengths = jnp.ones((2,), jnp.int32)
-  if what == "block_t":
-    with pytest.raises(ValueError, match="block_t"):
-      AttentionConfig(block_t=24)
+  if what in ("block_t", "prefetch"):
+    with pytest.raises(ValueError, match=what):
+      AttentionConfig(**{what: {"block_t": 24, "prefetch": -1}[what]})
   elif what == "q_rank":
     q = q[:, None]
   elif what == "heads":
@@ -350,7 +371,7 @@ def test_bad_input(what):
     lengths = jnp.ones((3,), jnp.int32)
   else:
     q, cache = q[..., :24], tuple(a[..., :24] for a in cache)
-  if what != "block_t":
+  if what not in ("block_t", "prefetch"):
     with pytest.raises(ValueError):
       da.decode_attention(q, cache, lengths)
   with pytest.raises(ValueError):

@@ -72,20 +72,23 @@ KV = (SDS((L, B, T, G, H // 8), jnp.uint32), SDS((L, B, T, G, H // 16), jnp.uint
 LENGTHS, LAYER = SDS((B,), jnp.int32), SDS((1,), jnp.int32)
 
 
-def test_scores_and_pv_lower(lowering):
-  text = lowering(lambda q, *a: wgmma_attention.scores(q, *a, scale=0.088), Q, *KV, LENGTHS,
-                  LAYER)
+@pytest.mark.parametrize("prefetch", [0, 3], ids=["no_prefetch", "three_tiles_ahead"])
+def test_scores_and_pv_lower(lowering, prefetch):
+  text = lowering(lambda q, *a: wgmma_attention.scores(q, *a, scale=0.088, prefetch=prefetch),
+                  Q, *KV, LENGTHS, LAYER)
   assert "decode_attention_scores_wgmma" in text
   probs = SDS((B, G, R, T), jnp.bfloat16)
-  assert "decode_attention_pv_wgmma" in lowering(wgmma_attention.pv, probs, *KV, LENGTHS, LAYER)
+  pv = lambda *a: wgmma_attention.pv(*a, prefetch=prefetch)
+  assert "decode_attention_pv_wgmma" in lowering(pv, probs, *KV, LENGTHS, LAYER)
 
 
-@pytest.mark.parametrize("splits,block_t", [(1, 64), (2, 64), (2, 128)],
-                         ids=["one_split", "two_splits", "two_tiles_a_step"])
-def test_wgmma_flash_lowers(lowering, splits, block_t):
+@pytest.mark.parametrize("splits,block_t,prefetch", [(1, 64, 0), (2, 64, 2), (2, 128, 1)],
+                         ids=["one_split", "two_splits_prefetch_2", "two_tiles_a_step_prefetch_1"])
+def test_wgmma_flash_lowers(lowering, splits, block_t, prefetch):
   q = SDS((B, G, 64, H), jnp.bfloat16)
   fn = lambda q, kc, kb, kr, vc, vb, vr, n, lyr: wgmma_flash.partials(
-      q, (kc, kb, kr), (vc, vb, vr), n, lyr, r=R, scale=0.088, splits=splits, block_t=block_t)
+      q, (kc, kb, kr), (vc, vb, vr), n, lyr, r=R, scale=0.088, splits=splits, block_t=block_t,
+      prefetch=prefetch)
   assert "decode_attention_wgmma_flash" in lowering(fn, q, *KV, *KV, LENGTHS, LAYER)
 
 

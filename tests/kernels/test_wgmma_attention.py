@@ -188,12 +188,13 @@ def test_block_ptx_text_runs_as_the_emulated_program(half):
       assert np.array_equal(gh[~nan], wh[~nan]), f"result {i}, half {s}"
 
 
-def _partials_stand_in(q, k, v, lengths, layer, *, r, scale, splits, block_t):
+def _partials_stand_in(q, k, v, lengths, layer, *, r, scale, splits, block_t, prefetch):
   """`wgmma_flash.partials`' contract in numpy (the kernel runs on a GPU only): each split's
   float32 (acc, m, l) over its keys below the length, K and V decoded from the arguments in
   `column_order` as the kernel decodes them, unnormalized probabilities rounded to bf16."""
   from trace_jax.kernels import wgmma_flash
 
+  del prefetch  # L2 requests only: no value of the contract depends on them
   lyr = int(np.asarray(layer)[0])
   h = q.shape[-1]
   order = wgmma_decode.column_order(h)
@@ -253,6 +254,6 @@ def test_single_pass_glue_around_the_kernel(monkeypatch, splits, block_t):
   stack = jax.tree.map(lambda a: jnp.stack([jnp.zeros_like(a), a]), cache)
   ks, vs = kv_tiles.cache_arrays(stack, True)
   out = da._wgmma_fused(q, ks, vs, lengths, jnp.asarray([1], jnp.int32), num_splits=splits,
-                        block_t=block_t)
+                        block_t=block_t, prefetch=2)
   assert out.shape == q.shape and out.dtype == q.dtype
   check_within_tolerance(out, reference(q, cache, lengths), values_of(cache), lengths, n)

@@ -105,6 +105,8 @@ class AttentionConfig:
     `default_num_splits`).
   num_warps / num_stages: Triton launch parameters.
   sm_count: the device's SMs (the kernel plan's): the PV kernel's default key splits.
+  prefetch: 64-key tiles (steps of the single pass) the wgmma kernels ask L2 for ahead of
+    the one they decode (`wgmma_attention.tile_prefetcher`; 0: none).
   interpret: None runs the kernels on the GPU and the Pallas interpreter elsewhere.
   """
   impl: str = "triton"
@@ -114,6 +116,7 @@ class AttentionConfig:
   num_warps: int = 4
   num_stages: int = 2
   sm_count: int = SM_COUNT
+  prefetch: int = 0
   interpret: bool | None = None
 
   def __post_init__(self):
@@ -124,6 +127,8 @@ class AttentionConfig:
                        f"got {self.table!r}")
     if self.block_t < MIN_ROWS or self.block_t & (self.block_t - 1):
       raise ValueError(f"block_t must be a power of two >= {MIN_ROWS}, got {self.block_t}")
+    if self.prefetch < 0:
+      raise ValueError(f"AttentionConfig: prefetch must be >= 0, got {self.prefetch}")
 
 
 def _scores_kernel(layer_ref, len_ref, q_ref, *refs, packed: bool, asm: bool,
@@ -197,7 +202,7 @@ def _scores(q, ks, lengths, lyr, *, packed: bool, config: AttentionConfig,
     kc, kbits, krow = ks
     qw = jnp.take(q.reshape(b, g, r, h), wgmma_decode.column_order(h), axis=-1)
     return wgmma_attention.scores(qw, kc.reshape(kc.shape[:4] + (h // 8,)), kbits, krow,
-                                  lengths, lyr, scale=float(scale))
+                                  lengths, lyr, scale=float(scale), prefetch=config.prefetch)
   qg, order = kv_tiles.grouped_queries(q, ks, packed)
   return pl.pallas_call(
       functools.partial(_scores_kernel, packed=packed, asm=not interpret, table=config.table,
@@ -218,7 +223,7 @@ def _pv(probs, vs, lengths, lyr, h: int, *, packed: bool, config: AttentionConfi
   if config.impl == "wgmma":  # V decoded into shared memory, probabilities in wgmma's A registers
     vc, vbits, vrow = vs
     out = wgmma_attention.pv(probs, vc.reshape(vc.shape[:4] + (h // 8,)), vbits, vrow,
-                             lengths, lyr)
+                             lengths, lyr, prefetch=config.prefetch)
     return jnp.take(out, np.argsort(wgmma_decode.column_order(h)), axis=-1)
   rp = kv_tiles.padded_rows(r)
   bps, splits = kv_tiles.key_splits(t, config.block_t, num_splits)
@@ -253,7 +258,7 @@ def _decode_attention(q, cache, lengths, layer, *, config: AttentionConfig, num_
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
   if config.impl == "wgmma_fused":
     return _wgmma_fused(q, ks, vs, lengths, lyr, num_splits=num_splits,
-                        block_t=config.block_t)
+                        block_t=config.block_t, prefetch=config.prefetch)
   if config.impl == "fused":
     return flash_decode.attention(q, ks, vs, lengths, lyr, packed=packed, block_t=config.block_t,
                                   num_splits=num_splits, table=config.table,
@@ -270,7 +275,8 @@ def _decode_attention(q, cache, lengths, layer, *, config: AttentionConfig, num_
   return out.reshape(b, n, h)
 
 
-def _wgmma_fused(q, ks, vs, lengths, lyr, *, num_splits: int, block_t: int) -> jax.Array:
+def _wgmma_fused(q, ks, vs, lengths, lyr, *, num_splits: int, block_t: int,
+                 prefetch: int) -> jax.Array:
   """[B, N, H]: `wgmma_flash`'s splits over the packed cache, combined as `flash_decode`'s."""
   b, n, h = q.shape
   g = ks[0].shape[3]
@@ -281,7 +287,8 @@ def _wgmma_fused(q, ks, vs, lengths, lyr, *, num_splits: int, block_t: int) -> j
   words = lambda c: c.reshape(c.shape[:4] + (h // 8,))
   acc, m, l = wgmma_flash.partials(
       qw, (words(ks[0]),) + tuple(ks[1:]), (words(vs[0]),) + tuple(vs[1:]), lengths, lyr, r=r,
-      scale=float(attention_math.score_scale(h)), splits=num_splits, block_t=block_t)
+      scale=float(attention_math.score_scale(h)), splits=num_splits, block_t=block_t,
+      prefetch=prefetch)
   out = flash_decode.combine(acc, m, l, q.dtype)
   return jnp.take(out, np.argsort(order), axis=-1).reshape(b, n, h)
 

@@ -114,6 +114,45 @@ def _decode_tile(h: int, g: int, masked: bool = False):
   return fn
 
 
+def _prefetch_tile(h: int, g: int):
+  """inline_mgpu function: (codes, scale bytes, row scales refs as `_decode_tile` takes them)
+  -> () after asking L2 for the lines this thread's rows of the tile will load
+  (`prefetch.global.L2`: no registers, no wait; a later `ld.global.nc` of them finds them in
+  L2). The warp's requests to one line are one request."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  nb = 2 * h // SPAN
+
+  def fn(ctx, codes, scales, rows):
+    del ctx
+    i64 = ir.IntegerType.get_signless(64)
+    c64 = lambda v: mu.c(v, i64)
+    row0, quad = thread_coords()
+    addr = lambda ref: llvm.ptrtoint(i64, mu.memref_ptr(ref))
+    base_c, base_s, base_r = addr(codes), addr(scales), addr(rows)
+    q64 = arith.extui(i64, quad)
+    for half in range(2):
+      row = arith.extui(i64, arith.addi(row0, mu.c(8 * half, row0.type)))
+      for a in (arith.addi(base_c, arith.addi(arith.muli(row, c64(g * h // 2)),
+                                              arith.muli(q64, c64(8 * nb)))),
+                arith.addi(base_s, arith.addi(arith.muli(row, c64(g * h // 16)),
+                                              arith.muli(q64, c64(nb)))),
+                arith.addi(base_r, arith.muli(row, c64(4 * g)))):
+        mu.inline_ptx("prefetch.global.L2 [$0];", a)
+    return ()
+
+  return fn
+
+
+def tile_prefetcher(h: int, g: int):
+  """`_prefetch_tile` as a Pallas function of (codes, scale bytes, row scales refs) -> ()."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  return plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)(_prefetch_tile(h, g))
+
+
 def tile_decoder(h: int, g: int, masked: bool):
   """`_decode_tile` as a Pallas function of (codes, scale bytes, row scales refs[, valid]) ->
   the tile [64, h] bf16 in the WGMMA layout (also `wgmma_flash`'s decoder)."""
@@ -226,16 +265,17 @@ def _store_rows(h: int, r: int):
   return fn
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("prefetch",))
 def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Array,
-       lengths: jax.Array, layer: jax.Array) -> jax.Array:
+       lengths: jax.Array, layer: jax.Array, *, prefetch: int = 0) -> jax.Array:
   """bf16 [B, G, R, H] (columns in `column_order(H)`): probabilities x V summed in float32 over
   each sequence's keys below its length (wgmma's order), rounded once.
 
   probs: bf16 [B, G, R, T] (zero beyond each length, as the softmax makes them); codes,
   scale_bits, rows: V's, as `scores` takes K's. V rows at or beyond the length are decoded as
   zeros; tiles beyond it are not read. One program per (sequence, kv head): the PV kernel
-  for batches of at least one program per SM (`decode_attention` picks it)."""
+  for batches of at least one program per SM (`decode_attention` picks it). prefetch: tiles
+  asked of L2 ahead of the decode (0: none)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -244,6 +284,7 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   if not supported(h, r, t, probs.dtype):
     raise ValueError(f"wgmma PV: unsupported shape/dtype {probs.shape} {probs.dtype}, H={h}")
   decode = tile_decoder(h, g, masked=True)
+  ask = tile_prefetcher(h, g)
   load_probs = plgpu.inline_mgpu(
       arg_types=(plgpu.RefType(),),
       return_type=plgpu.ShapeDtypeStruct((TILE, TILE), jnp.bfloat16,
@@ -257,8 +298,20 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
     lyr = layer_ref[0]
     length = len_ref[bi]
 
+    n_tiles = (length + TILE - 1) // TILE
+    at = lambda ref, i: ref.at[lyr, bi, pl.ds(i * TILE, TILE), gi]
+
+    def ahead(i):  # tile i's lines into L2 (clamped to the last tile: a repeat is harmless)
+      i = jnp.maximum(jnp.minimum(i, n_tiles - 1), 0)
+      ask(at(c_ref, i), at(s_ref, i), at(r_ref, i))
+
     def run(acc_ref):
+      for i in range(1, prefetch):
+        ahead(i)
+
       def step(i, carry):
+        if prefetch:
+          ahead(i + prefetch)
         # The previous tile's wgmma is done in every warp before this tile's registers are
         # made (wgmma reads its A registers while in flight: new values must not reuse them)
         # and before its V buffer is overwritten (the barrier: the other warps' reads too).
@@ -274,7 +327,7 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
         plgpu.wgmma(acc_ref, p, v_smem)
         return carry
 
-      jax.lax.fori_loop(0, (length + TILE - 1) // TILE, step, 0)
+      jax.lax.fori_loop(0, n_tiles, step, 0)
       return acc_ref[...]
 
     acc = pl.run_scoped(run, plgpu.ACC((TILE, h), jnp.float32))
@@ -289,15 +342,17 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
                 rows)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
+@functools.partial(jax.jit, static_argnames=("scale", "prefetch"))
 def scores(q: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Array,
-             lengths: jax.Array, layer: jax.Array, *, scale: float) -> jax.Array:
+           lengths: jax.Array, layer: jax.Array, *, scale: float, prefetch: int = 0
+           ) -> jax.Array:
   """float32 scores [B, G, R, T]: (q . K) * scale for every key of every sequence.
 
   q: bf16 [B, G, R, H] with its columns in `column_order(H)`; codes: uint32 [L, B, T, G, H/8]
   (the cache's words, `PackedKVCache.as_words` reshaped); scale_bits: uint8 [L, B, T, G, H/16];
   rows: float32 [L, B, T, G]; layer: int32 [1]. Tiles at or beyond a sequence's length are
-  skipped (their scores are left unwritten, as the Triton kernel leaves them)."""
+  skipped (their scores are left unwritten, as the Triton kernel leaves them). prefetch: a
+  program's tiles asked of L2 ahead of the one it decodes (0: none)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -310,6 +365,7 @@ def scores(q: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   while n_tiles % per:
     per -= 1
   decode = tile_decoder(h, g, masked=False)
+  ask = tile_prefetcher(h, g)
   swz = 128
   q_transforms = (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
 
@@ -335,7 +391,16 @@ def scores(q: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
       acc = pl.run_scoped(mma, plgpu.ACC((TILE, r), jnp.float32))
       store(acc * np.float32(scale), o_ref.at[bi, gi, :, keys])
 
+    def ahead(t0):
+      keys = pl.ds(t0, TILE)
+      ask(c_ref.at[lyr, bi, keys, gi], s_ref.at[lyr, bi, keys, gi], r_ref.at[lyr, bi, keys, gi])
+
+    asked = 1
     for i in range(per):
+      for j in range(asked, min(per, i + prefetch + 1)):
+        t_j = (ji * per + j) * TILE
+        pl.when(t_j < length)(functools.partial(ahead, t_j))
+      asked = max(asked, min(per, i + prefetch + 1))
       t0 = (ji * per + i) * TILE
       pl.when(t0 < length)(functools.partial(tile, t0))
 

@@ -66,17 +66,18 @@ def supported(h: int, r: int, t: int, dtype, block_t: int = TILE) -> bool:
           and wgmma_attention.supported(h, r, t, dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("r", "scale", "splits", "block_t"))
+@functools.partial(jax.jit, static_argnames=("r", "scale", "splits", "block_t", "prefetch"))
 def partials(q: jax.Array, k: tuple[jax.Array, jax.Array, jax.Array],
              v: tuple[jax.Array, jax.Array, jax.Array], lengths: jax.Array, layer: jax.Array,
-             *, r: int, scale: float, splits: int, block_t: int = TILE):
+             *, r: int, scale: float, splits: int, block_t: int = TILE, prefetch: int = 0):
   """float32 (acc [B, G, S, r, H], m [B, G, S, r], l [B, G, S, r]) of each key split.
 
   q: bf16 [B, G, 64, H], rows >= r zero, columns in `column_order(H)`; k, v: (code words
   uint32 [L, B, T, G, H/8], scale bytes uint8 [L, B, T, G, H/16], row scales float32
   [L, B, T, G]); lengths int32 [B] in [0, T]; layer int32 [1]; block_t: keys a step (64 or
-  128: one or two tiles decoded before each pair of wgmmas). A split with no key below the
-  length gives acc 0, m -inf, l 0."""
+  128: one or two tiles decoded before each pair of wgmmas); prefetch: steps whose K and V
+  lines are asked of L2 ahead of the decode (0: none). A split with no key below the length
+  gives acc 0, m -inf, l 0."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -89,6 +90,7 @@ def partials(q: jax.Array, k: tuple[jax.Array, jax.Array, jax.Array],
   n_tiles = block_t // TILE
   decode_k = wgmma_attention.tile_decoder(h, g, masked=False)
   decode_v = wgmma_attention.tile_decoder(h, g, masked=True)
+  ask = wgmma_attention.tile_prefetcher(h, g)
   swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -102,8 +104,20 @@ def partials(q: jax.Array, k: tuple[jax.Array, jax.Array, jax.Array],
     first = si * per
     last = jnp.minimum(first + per, (length + block_t - 1) // block_t)
 
+    def ahead(i):  # step i's K and V lines into L2 (clamped to the split's last step)
+      t0 = jnp.maximum(jnp.minimum(i, last - 1), 0) * block_t
+      for j in range(n_tiles):
+        keys = pl.ds(t0 + j * TILE, TILE)
+        for c, sc, rs in ((kc, ks, kr), (vc, vs, vr)):
+          ask(c.at[lyr, bi, keys, gi], sc.at[lyr, bi, keys, gi], rs.at[lyr, bi, keys, gi])
+
+    for d in range(1, prefetch):
+      ahead(first + d)
+
     def step(i, carry):
       acc, m, l = carry
+      if prefetch:
+        ahead(i + prefetch)
       # Every warp's wgmmas of the previous tile are done before its K and V are overwritten.
       plgpu.wgmma_wait(0)
       plgpu.commit_smem()

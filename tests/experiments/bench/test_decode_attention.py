@@ -36,3 +36,17 @@ def test_decoder_check_passes_and_can_fail(monkeypatch, words):
   monkeypatch.setattr(da, "dequantize_pallas", off_by_one)
   res = bda.decoder_check(32, [16], words)
   assert all(not v["bits_equal"] and v["mismatches"] == 1 for v in res.values()), res
+
+
+def test_prefetch_variants_run_the_wgmma_kernels_with_their_distance():
+  """`--prefetch=0,2,5` keeps the wgmma paths at distance 0 and adds one path per other
+  distance beside each, with its own AttentionConfig; a variant's name maps back to its path."""
+  paths = bda._paths(32, 64, 0, 4, 2, prefetch=(0, 2, 5))
+  for base in bda.GPU_ONLY:
+    assert paths[base].keywords["config"].prefetch == 0
+    for d in (2, 5):
+      config = paths[f"{base}_prefetch{d}"].keywords["config"]
+      assert (config.impl, config.prefetch) == (base[len("kernel_packed_"):], d)
+      assert bda.base_impl(f"{base}_prefetch{d}") == base
+  assert not any("prefetch" in k for k in bda._paths(32, 64, 0, 4, 2))
+  assert bda.base_impl("kernel_packed") == "kernel_packed"
