@@ -73,9 +73,10 @@ flags.DEFINE_integer("num_splits", 0, "Kernel key splits (0: the kernel's defaul
                      flag_values=FLAGS)
 flags.DEFINE_integer("num_warps", 4, "Kernel warps per program.", flag_values=FLAGS)
 flags.DEFINE_integer("num_stages", 2, "Kernel pipeline stages.", flag_values=FLAGS)
-flags.DEFINE_list("prefetch", ["0"], "L2 prefetch distances of the wgmma kernels "
-                  "(AttentionConfig.prefetch, in 64-key tiles): the first runs the wgmma paths, "
-                  "each other adds `<wgmma path>_prefetch<d>` beside them.", flag_values=FLAGS)
+flags.DEFINE_list("prefetch", ["1"], "L2 prefetch distances of the wgmma kernels "
+                  "(AttentionConfig.prefetch, in 64-key tiles; its default 1): the first runs "
+                  "the wgmma paths, each other adds `<wgmma path>_prefetch<d>` beside them.",
+                  flag_values=FLAGS)
 flags.DEFINE_integer("reps", 0, "Timed calls per path (0: 30 on GPU, 3 otherwise).",
                      flag_values=FLAGS)
 flags.DEFINE_integer("warmup", 2, "Untimed calls first (compilation).", flag_values=FLAGS)
@@ -185,12 +186,13 @@ def base_impl(name: str) -> str:
 
 
 def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stages: int,
-           prefetch: Sequence[int] = (0,)) -> dict[str, Callable[..., Any]]:
+           prefetch: Sequence[int] = ()) -> dict[str, Callable[..., Any]]:
   """path -> fn(q, cache, lengths); the kernels' `AttentionConfig`s from the flags."""
   from trace_jax.kernels import decode_attention as da
 
   config = functools.partial(da.AttentionConfig, block_t=block_t, num_splits=num_splits or None,
                              num_warps=num_warps, num_stages=num_stages)
+  prefetch = tuple(prefetch) or (da.AttentionConfig().prefetch,)
   kernel = lambda impl, d=prefetch[0]: functools.partial(
       da.decode_attention, config=config(impl=impl, prefetch=d))
   ref = da.decode_attention_reference

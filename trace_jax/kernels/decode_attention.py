@@ -106,7 +106,9 @@ class AttentionConfig:
   num_warps / num_stages: Triton launch parameters.
   sm_count: the device's SMs (the kernel plan's): the PV kernel's default key splits.
   prefetch: 64-key tiles (steps of the single pass) the wgmma kernels ask L2 for ahead of
-    the one they decode (`wgmma_attention.tile_prefetcher`; 0: none).
+    the one they decode (`wgmma_attention.tile_prefetcher`; 0: none). On the H100 one tile
+    ahead took the exact pair to 0.92x its time at 64 x 32k and 256 x 8k (2 and 4 tiles:
+    0.96-0.97x; the single pass: 0.98-1.01x at any distance; docs/benchmarks.md).
   interpret: None runs the kernels on the GPU and the Pallas interpreter elsewhere.
   """
   impl: str = "triton"
@@ -116,7 +118,7 @@ class AttentionConfig:
   num_warps: int = 4
   num_stages: int = 2
   sm_count: int = SM_COUNT
-  prefetch: int = 0
+  prefetch: int = 1
   interpret: bool | None = None
 
   def __post_init__(self):
