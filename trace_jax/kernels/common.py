@@ -29,6 +29,11 @@ def default_interpret() -> bool:
   return jax.default_backend() != "gpu"
 
 
+def dot_precision(dtype: Any) -> Any:
+  """float32 operands multiply in full precision (Triton would pick TF32 by default)."""
+  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def masked_load(ref: Any, idx: tuple[Any, ...], mask: jax.Array | None = None,
                 other: Any = None) -> jax.Array:
   """ref[idx] where `mask` holds; `other` (or undefined values, where None) elsewhere. A None

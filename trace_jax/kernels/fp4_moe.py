@@ -374,6 +374,7 @@ def _row_blocks(x_ref, o_ref, tiles, ts, table, *, start, size, end, n0, bm: int
       xt = common.masked_load(x_ref, (pl.ds(row0, bm), pl.ds(k0, bk)), x_mask, 0).astype(dt)
       a, b = (wt, xt) if swap_ab else (xt, wt)
       return acc + jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                       precision=common.dot_precision(dt),
                                        preferred_element_type=jnp.float32)
 
     zeros = jnp.zeros((bn, bm) if swap_ab else (bm, bn), jnp.float32)

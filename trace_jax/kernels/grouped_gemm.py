@@ -47,11 +47,6 @@ from trace_jax.kernels import common
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
-def _precision(dtype: Any) -> Any:
-  """float32 operands multiply in full precision (Triton would pick TF32 by default)."""
-  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
 # ----------------------------------------------------------------------------- JAX's kernel
 
 # JAX's own Mosaic GPU grouped GEMM's tiles (`ragged_dot_mgpu.ragged_dot`, its sweep's names):
@@ -177,7 +172,7 @@ def _mm_call(x, w, group_sizes, *, transpose_w, interpret, block_m, block_n, blo
   gs = group_sizes.astype(jnp.int32)
   kernel = functools.partial(_mm_kernel, transpose_w=transpose_w, m=m, k=k, num_experts=e,
                              bm=block_m, bn=block_n, bk=block_k, reps=reps,
-                             precision=_precision(x.dtype))
+                             precision=common.dot_precision(x.dtype))
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(e, n // block_n, reps),
       interpret=interpret, name="grouped_dgrad" if transpose_w else "grouped_fprop",
@@ -282,7 +277,7 @@ def _wgrad_call(dy, x, group_sizes, *, out_dtype, interpret, block_m, block_n, b
     return jnp.zeros((e, n, k), out_dtype)
   gs = group_sizes.astype(jnp.int32)
   kernel = functools.partial(_wgrad_kernel, m=m, bm=block_m, bn=block_n, bk=block_k,
-                             precision=_precision(dy.dtype))
+                             precision=common.dot_precision(dy.dtype))
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((e, n, k), out_dtype),
       grid=(e, n // block_n, k // block_k), interpret=interpret, name="grouped_wgrad",
