@@ -10,6 +10,12 @@ rate measured in the same process (MFU), and XLA's temporary-buffer plan for the
 batch. Attention FLOPs count the whole S x S product (the causal half is not subtracted).
 
   python -m experiments.bench.train_step --preset=bench_gpu --moe_impls=ragged_dot,tiled
+
+With bf16 among the policies it prints the floors FP8 GEMMs could reach (Amdahl: FP8 speeds a
+GEMM at most by r8 / r16, the dense FP8 over BF16 matmul rate measured in the same process):
+fp8_unified's step over bf16's T is >= 1 - (t_fwd / T)(1 - r16 / r8), t_fwd the bf16 forward
+alone (it bounds the forward's GEMMs); +fp8bwd's >= 1 - (T_gemm / T)(1 - r16 / r8), T_gemm the
+GEMM + Pallas kernels of the --profile_dir profile, else T.
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ _ATTENTIONS = flags.DEFINE_list("seq_attentions", ["auto"],
 _LAYERS = flags.DEFINE_integer("layers", None, "decoder layers (default per preset)")
 flags.DEFINE_string("json_out", "", "JSON output path ('' = none): every variant's step time, "
                     "temporaries, compile time and MFU, and bf16_mfu, fp8_unified_over_bf16, "
-                    "fp8_full_over_bf16, fp4_trace_over_bf16")
+                    "fp8_full_over_bf16, fp4_trace_over_bf16, and with bf16 the FP8 floors "
+                    "(fp8_unified_floor, fp8_full_floor and their inputs)")
 
 
 def _config(preset: str) -> tuple[M.ModelConfig, int, int]:
@@ -95,6 +102,33 @@ def _time(fn, steps: int) -> float:
   return float(np.median(times))
 
 
+def _fp8_matmul_tflops(n: int, reps: int = 10) -> float:
+  """The dense FP8 (e4m3) matmul rate of this device, measured now as `common.matmul_tflops`
+  measures BF16's: n x n x n with float32 accumulation, both operands contraction-last (the
+  layout of cuBLASLt's FP8 GEMM on Hopper, so no transpose is timed)."""
+  a = jnp.ones((n, n), jnp.float8_e4m3fn)
+  dot = jax.jit(lambda x, y: jax.lax.dot_general(x, y, (((1,), (1,)), ((), ())),
+                                                 preferred_element_type=jnp.float32
+                                                 ).astype(jnp.bfloat16))
+  t, _ = common.median_seconds(lambda: dot(a, a), jax.block_until_ready, 2, reps)
+  return 2 * n**3 / t / 1e12
+
+
+def _forward_ms(config: M.ModelConfig, params, tokens) -> float:
+  """Median ms of the step's loss alone (jitted without grad): bounds the forward's GEMMs."""
+  loss = jax.jit(functools.partial(_loss, config=config, guidance=None, routing=None))
+  return 1e3 * _time(lambda: loss(params, tokens=tokens), steps=_STEPS.value)
+
+
+def _floors(row: dict, bf16_tflops: float, fp8_tflops: float) -> dict:
+  """The FP8 floors of a bf16 row (with its forward_ms), and their inputs."""
+  cats = row.get("profile", {}).get("categories")
+  gemm = cats.get("gemm", 0.0) + cats.get("pallas", 0.0) if cats else None
+  return {"fp8_matmul_tflops_same_process": fp8_tflops, "bf16_forward_ms": row["forward_ms"],
+          **variants.fp8_floors(row["ms_per_step"], row["forward_ms"], gemm, bf16_tflops,
+                                fp8_tflops)}
+
+
 def step_flops(c: M.ModelConfig, batch: int, seq: int) -> dict[str, float]:
   """Matmul FLOPs of one forward + backward step (3x the forward's): the decoder blocks'
   linear layers (q/k/v/o and the experts: the GEMMs FP8 linears quantize), the attention
@@ -110,8 +144,10 @@ def step_flops(c: M.ModelConfig, batch: int, seq: int) -> dict[str, float]:
           "other": 3.0 * other}
 
 
-def _run_one(config: M.ModelConfig, params, tokens, label: str) -> dict[str, float]:
-  """Compiles and times one variant's step; profiles it with --profile_dir."""
+def _run_one(config: M.ModelConfig, params, tokens, label: str, forward: bool = False
+             ) -> dict[str, float]:
+  """Compiles and times one variant's step (and with `forward` its loss alone); profiles the
+  step with --profile_dir."""
   guidance = routing = None
   if config.policy == "fp4_trace":
     taps = jax.jit(lambda p, t, c=config: M.forward(p, c, t, tap_layers=c.guided_layers,
@@ -129,6 +165,8 @@ def _run_one(config: M.ModelConfig, params, tokens, label: str) -> dict[str, flo
     return row
   run = lambda: compiled(params, tokens=tokens, guidance=guidance, routing=routing)
   row["ms_per_step"] = 1e3 * _time(lambda: run(), steps=_STEPS.value)
+  if forward:
+    row["forward_ms"] = _forward_ms(config, params, tokens)
   if _PROFILE_DIR.value:
     log_dir = os.path.join(_PROFILE_DIR.value, label.replace("@", "_").replace(" ", "_"))
     with profiling.trace(log_dir):
@@ -138,6 +176,15 @@ def _run_one(config: M.ModelConfig, params, tokens, label: str) -> dict[str, flo
     print(profiling.format_summary(summary, label), flush=True)
     row["profile"] = {k: summary[k] for k in ("kernels", "wall_ms", "busy_ms", "categories")}
   return row
+
+
+def _print_floors(res: dict) -> None:
+  profile = res["fp8_full_floor_gemm_bound"] == "profile"
+  r = res["fp8_matmul_tflops_same_process"] / res["bf16_matmul_tflops_same_process"]
+  print(f"  FP8 floors (FP8 matmul rate {r:.2f}x BF16's): fp8_unified >= "
+        f"{res['fp8_unified_floor']:.3f}x bf16 (GEMMs bounded by the forward alone, "
+        f"{res['bf16_forward_ms']:.2f} ms), +fp8bwd >= {res['fp8_full_floor']:.3f}x bf16 (GEMMs "
+        f"bounded by {'the profile' if profile else 'the whole step'})", flush=True)
 
 
 def main(argv):
@@ -154,11 +201,15 @@ def main(argv):
         f"layers {base.num_hidden_layers}  hidden {base.hidden_size}  experts {base.num_experts}",
         flush=True)
   flops = step_flops(base, batch, seq)
-  rate = common.matmul_tflops()["bf16_tflops"] * 1e12
+  matmul = common.matmul_tflops()
+  rate = matmul["bf16_tflops"] * 1e12
+  floors = "bf16" in _POLICIES.value and _STEPS.value > 0
+  fp8_tflops = _fp8_matmul_tflops(matmul["n"]) if floors else None
   bound = {k: v / rate * 1e3 for k, v in flops.items()}
   print(f"matmul FLOPs per step: linear layers {flops['linear'] / 1e12:.2f} T, attention "
         f"{flops['attention'] / 1e12:.2f} T, router + lm_head {flops['other'] / 1e12:.2f} T; at "
-        f"the BF16 matmul rate measured now ({rate / 1e12:.0f} TFLOP/s): "
+        f"the BF16 matmul rate measured now ({rate / 1e12:.0f} TFLOP/s"
+        + (f"; FP8 {fp8_tflops:.0f}" if floors else "") + "): "
         + ", ".join(f"{k} {v:.1f} ms" for k, v in bound.items()), flush=True)
   total = sum(flops.values())
   first = f"{_MOE_IMPLS.value[0]} {_ATTENTIONS.value[0]}"
@@ -172,7 +223,8 @@ def main(argv):
       for policy in _POLICIES.value:
         label = f"{impl} {attention} {policy}"
         config = variants.train_variant(base, impl, attention, policy)
-        row = rows[label] = _run_one(config, params, tokens, label)
+        row = rows[label] = _run_one(config, params, tokens, label,
+                                     forward=floors and label == f"{first} bf16")
         ref = rows.get(f"{first} bf16", {}).get("ms_per_step")
         t = row.get("ms_per_step")
         if t:
@@ -181,12 +233,15 @@ def main(argv):
         print(f"  {label:44s} {t or float('nan'):9.2f} ms/step  {rel:24s} temp "
               f"{row['temp_gib']:7.2f} GiB  compile {row['compile_s']:.1f} s  (matmul FLOPs at "
               f"{100 * row.get('mfu', float('nan')):.0f}% of the BF16 rate)", flush=True)
+        if "forward_ms" in row:
+          res.update(_floors(row, rate / 1e12, fp8_tflops))
+          _print_floors(res)
         ratios = variants.headline_ratios(rows, first, total, rate)
         common.write_json(flags.FLAGS.json_out,
                           {**res, **ratios, "flags": common.flag_dict(flags.FLAGS)})
   res.update(variants.headline_ratios(rows, first, total, rate))
   common.finish(res, flags.FLAGS, "  ".join(f"{k} {v:.3f}" for k, v in res.items()
-                                            if k.endswith(("_mfu", "_over_bf16"))))
+                                            if k.endswith(("_mfu", "_over_bf16", "_floor"))))
 
 
 if __name__ == "__main__":

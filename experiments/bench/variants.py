@@ -1,5 +1,5 @@
 """Policy strings of the training-step benchmark (`experiments.bench.train_step`): the model
-config each one times, and the headline ratios of its rows."""
+config each one times, the headline ratios of its rows, and the floors FP8 GEMMs could reach."""
 
 from __future__ import annotations
 
@@ -58,3 +58,27 @@ def headline_ratios(rows: dict[str, dict[str, Any]], first: str, flop: float, ra
     if ms:
       out[key] = ms / bf16
   return out
+
+
+def fp8_floors(step_ms: float, forward_ms: float, gemm_ms: float | None, bf16_tflops: float,
+               fp8_tflops: float) -> dict[str, float | str]:
+  """Amdahl's floors of the FP8 policies' step time over the bf16 step's (step_ms): FP8 speeds
+  a GEMM at most by fp8_tflops / bf16_tflops, and the rest of the step not at all.
+
+  fp8_unified quantizes the forward's GEMMs only, whose time the forward alone (forward_ms)
+  bounds; +fp8bwd quantizes every GEMM, whose time gemm_ms (a profile's GEMM kernels) or else
+  the whole step bounds. Each bound is capped at step_ms, and an FP8 rate below the BF16 one
+  counts as no speed-up (floor 1): with upper bounds on the GEMM time, that keeps both floors
+  lower bounds.
+  """
+  for name, v in (("step_ms", step_ms), ("forward_ms", forward_ms),
+                  ("bf16_tflops", bf16_tflops), ("fp8_tflops", fp8_tflops)):
+    if not v > 0:
+      raise ValueError(f"fp8_floors: {name} must be > 0, got {v}")
+  if gemm_ms is not None and not gemm_ms >= 0:
+    raise ValueError(f"fp8_floors: gemm_ms must be >= 0 or None, got {gemm_ms}")
+  saved = max(0.0, 1.0 - bf16_tflops / fp8_tflops)  # the fraction of a GEMM's time FP8 saves
+  floor = lambda ms: 1.0 - min(ms, step_ms) / step_ms * saved
+  return {"fp8_unified_floor": floor(forward_ms),
+          "fp8_full_floor": floor(step_ms if gemm_ms is None else gemm_ms),
+          "fp8_full_floor_gemm_bound": "step" if gemm_ms is None else "profile"}
