@@ -47,7 +47,8 @@
 #   profile     where the device time goes: the train step (bf16, fp8_unified) and the 8k
 #               fixed-memory decode (bf16, fp4_rtn), per kernel and category
 #   multi_gpu   expert parallelism on a multi-GPU kind: its tests, then 1 vs 2 GPUs
-#   tests       the test suite's GPU-marked and kernel files on the GPU (no `-x`)
+#   tests       the test suite's GPU-marked and kernel files on the GPU (no `-x`; more than one
+#               call's 10 minutes on an H100: TESTS_SHARD=i/n runs every n-th file from the i-th)
 #
 # Every step has a time limit in seconds (T_<STEP>, e.g. T_ROLLOUT=300; 0 or 1 skips it) and
 # takes extra arguments from <STEP>_ARGS (e.g. ROLLOUT_ARGS="--layers=24"). The kernel plan of
@@ -257,10 +258,30 @@ step_profile() {
 
 # -v: each test's name and outcome as it ends, so a step cut by its limit still names its
 # failures (its summary never prints).
+# The test files of TESTS_ARGS' paths (directories expanded, sorted), every n-th from the i-th
+# with TESTS_SHARD=i/n: the whole list takes more than one call's 10 minutes on an H100.
+test_files() {
+  local paths=(${TESTS_ARGS:-tests/kernels tests/quant tests/model/test_plan.py
+               tests/model/test_grouped.py}) shard=${TESTS_SHARD:-1/1} files i=0
+  if ! [[ $shard =~ ^[0-9]+/[0-9]+$ ]] || [ "${shard%/*}" -lt 1 ] ||
+      [ "${shard%/*}" -gt "${shard#*/}" ]; then
+    echo "TESTS_SHARD must be i/n with 1 <= i <= n, got '$shard'" >&2
+    return 2
+  fi
+  files=$(for p in "${paths[@]}"; do
+            if [ -d "$p" ]; then find "$p" -name 'test_*.py'; else echo "$p"; fi
+          done | sort)
+  for f in $files; do
+    [ $((i % ${shard#*/})) -eq $((${shard%/*} - 1)) ] && echo "$f"
+    i=$((i + 1))
+  done
+}
+
 step_tests() {
+  local files
+  files=$(test_files) || exit 2
   TAIL=30 run tests "${T_TESTS:-540}" python3 -m pytest -v -p no:cacheprovider -rf \
-    --durations=10 \
-    ${TESTS_ARGS:-tests/kernels tests/quant tests/model/test_plan.py tests/model/test_grouped.py}
+    --durations=10 ${files:-tests/kernels}
 }
 
 main() {

@@ -50,3 +50,27 @@ def test_step_runs_through_with_its_commands_stubbed(step, tmp_path):
   assert runs, p.stdout
   for ln in runs:
     assert re.match(r"RUN [a-z0-9_]+ \d+ python3 -m (experiments\.|pytest)", ln), ln
+
+
+def _test_files(tmp_path, shard: str | None) -> subprocess.CompletedProcess:
+  body = TEXT.replace('\nmain "$@"\n', "\n")
+  env = {"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"}
+  if shard is not None:
+    env["TESTS_SHARD"] = shard
+  return subprocess.run(["bash", "-c", body + "\ntest_files"], capture_output=True, text=True,
+                        env=env, cwd=SCRIPT.parents[1])
+
+
+def test_test_shards_partition_the_files(tmp_path):
+  """TESTS_SHARD=i/3 for i = 1..3 give disjoint lists whose union is the unsharded list (every
+  test file under tests/kernels and tests/quant among them)."""
+  whole = _test_files(tmp_path, None).stdout.split()
+  assert "tests/kernels/test_decode_attention.py" in whole and len(whole) == len(set(whole))
+  shards = [_test_files(tmp_path, f"{i}/3").stdout.split() for i in (1, 2, 3)]
+  assert all(shards) and sorted(sum(shards, [])) == sorted(whole)
+
+
+@pytest.mark.parametrize("shard", ["0/3", "4/3", "two"], ids=["zero", "past_n", "not_numbers"])
+def test_a_bad_shard_is_refused(tmp_path, shard):
+  p = _test_files(tmp_path, shard)
+  assert p.returncode == 2 and "TESTS_SHARD must be i/n" in p.stderr
