@@ -118,7 +118,7 @@ def _prefetch_tile(h: int, g: int):
   """inline_mgpu function: (codes, scale bytes, row scales refs as `_decode_tile` takes them)
   -> () after asking L2 for the lines this thread's rows of the tile will load
   (`prefetch.global.L2`: no registers, no wait; a later `ld.global.nc` of them finds them in
-  L2). The warp's requests to one line are one request."""
+  L2, unless evicted)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm
   from jax.experimental.mosaic.gpu import utils as mu
