@@ -112,6 +112,20 @@ def test_fp8_grouped_backward_kernel_matches_reference():
   assert _rel(dw1, dw0) < 1e-6, _rel(dw1, dw0)
 
 
+def test_fp8_grouped_backward_lays_out_the_wgrad_rows_by_gather():
+  """The experts' FP8 backward on the kernels (the GPU path) pads each expert's rows of dy and x
+  to whole 128-row tiles with gathers: no scatter of whole activations in its program, as in
+  the BF16 backward's."""
+  gs = jnp.asarray(GROUP_SIZES, jnp.int32)
+  x, w, dy = _inputs(e=E)
+  for bwd in fp8_linear.BACKWARDS:
+    def backward(a, b, d, k=bwd):
+      return jax.vjp(lambda u, v: fp8_linear.grouped(u, v, gs, "kernel", k, "kernel"), a, b)[1](d)
+
+    program = str(jax.make_jaxpr(backward)(x, w, dy))
+    assert "pallas_call" in program and "scatter" not in program, bwd
+
+
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices: run with "
                     "XLA_FLAGS=--xla_force_host_platform_device_count=8")
 def test_dense_kernel_on_a_mesh_runs_on_each_devices_rows():

@@ -188,6 +188,26 @@ def test_inverse_permutation_brings_sorted_rows_back(m):
   assert m == 1 or not np.array_equal(o[o], np.arange(m))  # the control ran
 
 
+@pytest.mark.parametrize("tile", [8, 128])
+@pytest.mark.parametrize("name,sizes", CASES, ids=[c[0] for c in CASES])
+def test_padded_sources_gather_each_group_into_whole_tiles(name, sizes, tile):
+  """padded_sources as a gather map lays rows out as numpy does: each group's rows at the start
+  of its own whole tiles, groups in order, zeros elsewhere; rows past sum(sizes) (NaN here)
+  land nowhere."""
+  x, _, gs = _inputs(sizes, jnp.float32)
+  extra = 5  # rows that belong to no group
+  x = jnp.concatenate([x, jnp.full((extra, x.shape[1]), jnp.nan, x.dtype)])
+  m, e = x.shape[0], gs.shape[0]
+  rows = (-(-m // tile) + e) * tile
+  got = jnp.take(x, grouped.padded_sources(gs, m, tile, rows), axis=0, mode="fill",
+                 fill_value=0)
+  want, src, dst = np.zeros((rows, x.shape[1]), np.float32), 0, 0
+  for n in np.asarray(gs):
+    want[dst:dst + n] = np.asarray(x)[src:src + n]
+    src, dst = src + n, dst + -(-n // tile) * tile
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def _routing(tokens: int, k: int, experts: int):
   ids = jax.random.randint(jax.random.key(1), (tokens * k,), 0, experts)
   order = jnp.argsort(ids, stable=True)

@@ -15,9 +15,9 @@ operators are BF16, docs/design.md §3.7):
   the forward's 128x128 weight blocks transposed; WGrad with dy and the saved input both
   re-quantized in 128x1 groups along the tokens. For the routed experts the 128-token groups
   lie within one expert: each expert's rows of dy and x are padded with zero rows to whole
-  128-row tiles (`grouped._layout`, tile 128) before the transpose and quantization, and the
-  WGrad GEMM (`fp8_gemm.grouped_wgrad`, or its reference for impl "xla") sums each expert's
-  own tiles only.
+  128-row tiles (`grouped._layout`, tile 128; a gather by `grouped.padded_sources`) before the
+  transpose and quantization, and the WGrad GEMM (`fp8_gemm.grouped_wgrad`, or its reference
+  for impl "xla") sums each expert's own tiles only.
 """
 
 from __future__ import annotations
@@ -126,13 +126,11 @@ def _wgrad_fp8_grouped(dy: jax.Array, xq: jax.Array, gs: jax.Array, impl: str) -
   Rows past sum(gs) are zeroed (ragged_dot's contract: they belong to no expert).
   """
   m, e = dy.shape[0], gs.shape[0]
-  dest, _ = grouped_mm._layout(gs, m, e, _G)
   rows = (-(-m // _G) + e) * _G  # the layout's tile bound (its rounding to chunks: empty tiles)
-  held = (jnp.arange(m) < jnp.sum(gs))[:, None]
+  src = grouped_mm.padded_sources(gs, m, _G, rows)  # a gather: no scatter of whole activations
 
   def padded_t(a):  # [M, C] -> [C, rows]: each expert's rows padded to whole 128-row tiles
-    a = jnp.where(held, a, jnp.zeros((), a.dtype))
-    return jnp.zeros((rows, a.shape[1]), a.dtype).at[dest].set(a, unique_indices=True).T
+    return jnp.take(a, src, axis=0, mode="fill", fill_value=0).T
 
   dyt, xt = formats.fp8_quantize_act(padded_t(dy)), formats.fp8_quantize_act(padded_t(xq))
   if impl == "kernel":

@@ -88,6 +88,25 @@ def _layout(group_sizes: jax.Array, m: int, groups: int, tile: int
   return dest, tile_group.astype(jnp.int32).reshape(-1, chunk)
 
 
+def padded_sources(group_sizes: jax.Array, m: int, tile: int, rows: int) -> jax.Array:
+  """The inverse of `_layout`'s dest as a gather map: for each of `rows` padded rows [rows]
+  (each group's rows padded to whole tiles, groups in order; rows a multiple of tile), the
+  input row it holds, or m for a padding row. `jnp.take(a, src, 0, mode="fill", fill_value=0)`
+  lays rows [m, ...] out as the scatter `zeros.at[dest].set(a)` does (rows past sum(group_sizes)
+  land nowhere), with no scatter of whole activations (as the dispatch's gathers,
+  `inverse_permutation`)."""
+  gs = group_sizes.astype(jnp.int32)
+  groups = gs.shape[0]
+  padded = (gs + tile - 1) // tile * tile
+  padded_end = jnp.cumsum(padded)
+  starts = jnp.arange(rows // tile, dtype=jnp.int32) * tile
+  g = jnp.searchsorted(padded_end, starts, side="right")  # each tile's group (groups: none)
+  gc = jnp.minimum(g, groups - 1)
+  offset = jnp.arange(tile, dtype=jnp.int32) + (starts - (padded_end - padded)[gc])[:, None]
+  held = (g < groups)[:, None] & (offset < gs[gc][:, None])
+  return jnp.where(held, (jnp.cumsum(gs) - gs)[gc][:, None] + offset, m).reshape(rows)
+
+
 def _to_chunks(a: jax.Array, dest: jax.Array, tile_group: jax.Array, tile: int) -> jax.Array:
   """Rows [M, ...] -> [chunks, tiles per chunk, tile, ...], zeros in the padding rows."""
   out = jnp.zeros((tile_group.size * tile,) + a.shape[1:], a.dtype)
