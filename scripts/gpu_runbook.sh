@@ -258,23 +258,26 @@ step_profile() {
 
 # -v: each test's name and outcome as it ends, so a step cut by its limit still names its
 # failures (its summary never prints).
-# The test files of TESTS_ARGS' paths (directories expanded, sorted), every n-th from the i-th
-# with TESTS_SHARD=i/n: the whole list takes more than one call's 10 minutes on an H100.
+# TESTS_ARGS' options (whatever is not a path, in order), then its test files (directories
+# expanded, sorted), every n-th from the i-th with TESTS_SHARD=i/n: the whole list takes more
+# than one call's 10 minutes on an H100.
 test_files() {
-  local paths=(${TESTS_ARGS:-tests/kernels tests/quant tests/model/test_plan.py
-               tests/model/test_grouped.py}) shard=${TESTS_SHARD:-1/1} files i=0
+  local args=(${TESTS_ARGS:-tests/kernels tests/quant tests/model/test_plan.py
+              tests/model/test_grouped.py}) shard=${TESTS_SHARD:-1/1} a files i=0
   if ! [[ $shard =~ ^[0-9]+/[0-9]+$ ]] || [ "${shard%/*}" -lt 1 ] ||
       [ "${shard%/*}" -gt "${shard#*/}" ]; then
     echo "TESTS_SHARD must be i/n with 1 <= i <= n, got '$shard'" >&2
     return 2
   fi
-  files=$(for p in "${paths[@]}"; do
-            if [ -d "$p" ]; then find "$p" -name 'test_*.py'; else echo "$p"; fi
+  for a in "${args[@]}"; do [ -e "$a" ] || echo "$a"; done
+  files=$(for a in "${args[@]}"; do
+            if [ -d "$a" ]; then find "$a" -name 'test_*.py'; elif [ -e "$a" ]; then echo "$a"; fi
           done | sort)
-  for f in $files; do
-    [ $((i % ${shard#*/})) -eq $((${shard%/*} - 1)) ] && echo "$f"
+  for a in $files; do
+    [ $((i % ${shard#*/})) -eq $((${shard%/*} - 1)) ] && echo "$a"
     i=$((i + 1))
   done
+  return 0
 }
 
 step_tests() {

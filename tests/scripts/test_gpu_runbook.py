@@ -74,3 +74,14 @@ def test_test_shards_partition_the_files(tmp_path):
 def test_a_bad_shard_is_refused(tmp_path, shard):
   p = _test_files(tmp_path, shard)
   assert p.returncode == 2 and "TESTS_SHARD must be i/n" in p.stderr
+
+
+def test_test_options_pass_through_every_shard(tmp_path):
+  """Options in TESTS_ARGS (not paths) stay in order ahead of each shard's files."""
+  body = TEXT.replace('\nmain "$@"\n', "\n")
+  env = {"OUT": str(tmp_path), "PATH": "/usr/bin:/bin", "TESTS_SHARD": "2/2",
+         "TESTS_ARGS": "-k wgmma tests/kernels/test_decode_attention.py tests/quant"}
+  got = subprocess.run(["bash", "-c", body + "\ntest_files"], capture_output=True, text=True,
+                       env=env, cwd=SCRIPT.parents[1]).stdout.split()
+  assert got[:2] == ["-k", "wgmma"] and len(got) > 2
+  assert all(f.startswith("tests/quant/test_") for f in got[2:]), got
