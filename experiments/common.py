@@ -138,6 +138,21 @@ def matmul_tflops(n: int | None = None, reps: int = 10) -> dict[str, float]:
   return {"bf16_tflops": 2 * n**3 / t / 1e12, "n": n}
 
 
+def fp8_matmul_tflops(n: int, reps: int = 10) -> float:
+  """The dense FP8 (e4m3) matmul rate of this device, measured now as `matmul_tflops` measures
+  BF16's: n x n x n with float32 accumulation, both operands contraction-last (the layout of
+  cuBLASLt's FP8 GEMM on Hopper, so no transpose is timed)."""
+  import jax
+  import jax.numpy as jnp
+
+  a = jnp.ones((n, n), jnp.float8_e4m3fn)
+  dot = jax.jit(lambda x, y: jax.lax.dot_general(x, y, (((1,), (1,)), ((), ())),
+                                                 preferred_element_type=jnp.float32
+                                                 ).astype(jnp.bfloat16))
+  t, _ = median_seconds(lambda: dot(a, a), jax.block_until_ready, 2, reps)
+  return 2 * n**3 / t / 1e12
+
+
 def _to_jsonable(obj: Any) -> Any:
   if isinstance(obj, dict):
     return {str(k): _to_jsonable(v) for k, v in obj.items()}

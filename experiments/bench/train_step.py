@@ -102,18 +102,6 @@ def _time(fn, steps: int) -> float:
   return float(np.median(times))
 
 
-def _fp8_matmul_tflops(n: int, reps: int = 10) -> float:
-  """The dense FP8 (e4m3) matmul rate of this device, measured now as `common.matmul_tflops`
-  measures BF16's: n x n x n with float32 accumulation, both operands contraction-last (the
-  layout of cuBLASLt's FP8 GEMM on Hopper, so no transpose is timed)."""
-  a = jnp.ones((n, n), jnp.float8_e4m3fn)
-  dot = jax.jit(lambda x, y: jax.lax.dot_general(x, y, (((1,), (1,)), ((), ())),
-                                                 preferred_element_type=jnp.float32
-                                                 ).astype(jnp.bfloat16))
-  t, _ = common.median_seconds(lambda: dot(a, a), jax.block_until_ready, 2, reps)
-  return 2 * n**3 / t / 1e12
-
-
 def _forward_ms(config: M.ModelConfig, params, tokens) -> float:
   """Median ms of the step's loss alone (jitted without grad): bounds the forward's GEMMs."""
   loss = jax.jit(functools.partial(_loss, config=config, guidance=None, routing=None))
@@ -204,7 +192,7 @@ def main(argv):
   matmul = common.matmul_tflops()
   rate = matmul["bf16_tflops"] * 1e12
   floors = "bf16" in _POLICIES.value and _STEPS.value > 0
-  fp8_tflops = _fp8_matmul_tflops(matmul["n"]) if floors else None
+  fp8_tflops = common.fp8_matmul_tflops(matmul["n"]) if floors else None
   bound = {k: v / rate * 1e3 for k, v in flops.items()}
   print(f"matmul FLOPs per step: linear layers {flops['linear'] / 1e12:.2f} T, attention "
         f"{flops['attention'] / 1e12:.2f} T, router + lm_head {flops['other'] / 1e12:.2f} T; at "
