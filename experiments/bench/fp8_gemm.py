@@ -10,10 +10,15 @@ training and decode row counts, top-8 routing drawn at random), median ms of:
 - xla_fp8_tensor (dense only): XLA's cuBLASLt FP8 GEMM of the same E4M3 operands with no block
   scales (what XLA offers; not the block-scaled sum);
 - kernel: the Pallas block-scaled FP8 GEMM on quantized operands;
-- kernel_q: the same plus quantizing the input (and the weight), as the training forward runs.
+- kernel_q: the same plus quantizing the input (and the weight), as the training forward runs;
+- wgmma (Hopper): the Mosaic GPU block-scaled FP8 GEMM (`trace_jax.kernels.wgmma_fp8`, the
+  plan's `fp8_gemm="wgmma"`) on the same operands, its error against the reference beside it;
+  and for the grouped shapes bf16_mgpu, JAX's Mosaic GPU grouped GEMM (the BF16 policy's
+  `moe_impl="mgpu"` on Hopper).
 Before timing, the kernel's output is compared with `fp8_gemm.reference` (float32, HIGHEST):
 max |diff| / max |ref| is printed. TFLOP/s and the fraction of the BF16 matmul rate measured
-in the same process; `--sweep` times the kernel's tile configs and keeps the best.
+in the same process (and of the dense FP8 rate on a GPU); `--sweep` times the kernel's tile
+configs and keeps the best.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ _CONFIGS = [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, group_k=gk
             for bm, bn, nw, ns, gk in
             ((128, 64, 4, 4, 2), (128, 128, 8, 3, 2), (128, 64, 4, 3, 4), (128, 128, 8, 3, 4),
              (64, 64, 4, 4, 2), (128, 64, 4, 4, 1))]
+
+# The wgmma kernel's (stages, group_k) timed on Hopper, the best reported.
+_WGMMA_CONFIGS = ((4, 1), (2, 1), (2, 2))
 
 
 def _operands(kind: str, m: int, kk: int, nn: int, e: int, rng):
@@ -111,6 +119,7 @@ def _shape(name: str, kind: str, m: int, kk: int, nn: int, e: int, rng, timer, p
              kernel_q_ms=timer(quant_x, x) * 1e3, best_config=cfg, kernel_rel_err=err)
   if xla8 is not None:
     row["xla_fp8_tensor_ms"] = timer(xla8, qa.values, qw.values) * 1e3
+  row.update(_hopper_kernels(kind, x, w, qa, qw, gs, ref, timer))
   row["kernel_tflops"] = 2 * m * kk * nn / t_kernel / 1e12
   row["kernel_fraction_of_bf16_peak"] = row["kernel_tflops"] / peak
   row["kernel_over_bf16"] = row["kernel_ms"] / row["bf16_ms"]
@@ -122,6 +131,48 @@ def _shape(name: str, kind: str, m: int, kk: int, nn: int, e: int, rng, timer, p
         f"{row['kernel_tflops']:.0f} TFLOP/s = {row['kernel_fraction_of_bf16_peak']:.2f} of "
         f"bf16 peak), +quant {row['kernel_q_ms']:.3f} ({row['kernel_q_over_bf16']:.2f}x); "
         f"rel err {err:.2e}; {cfg}", flush=True)
+  return row
+
+
+def _hopper_kernels(kind: str, x, w, qa, qw, gs, ref, timer) -> dict:
+  """On a Hopper GPU: the wgmma FP8 GEMM's time and error, and (grouped) JAX's BF16 Mosaic
+  GPU grouped GEMM's time; elsewhere nothing."""
+  import jax
+  import jax.numpy as jnp
+
+  from trace_jax.kernels import grouped_gemm, wgmma_fp8
+  from trace_jax.model import plan
+
+  if not (plan.Backend.current().hopper and wgmma_fp8.supported(qa, qw)):
+    return {}
+
+  def run(a, dtype=jnp.bfloat16, **cfg):
+    if kind == "dense":
+      return wgmma_fp8.matmul(a, qw, out_dtype=dtype, **cfg)
+    return wgmma_fp8.grouped_matmul(a, qw, gs, out_dtype=dtype, **cfg)
+
+  times, configs = {}, {}
+  for st, gk in _WGMMA_CONFIGS:
+    name = f"stages{st}_group_k{gk}"
+    configs[name] = (st, gk)
+    try:
+      times[name] = timer(jax.jit(lambda a, st=st, gk=gk: run(a, stages=st, group_k=gk)),
+                          qa) * 1e3
+    except Exception as ex:  # a config that does not compile: say so, keep going
+      print(f"  wgmma {name}: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+  if not times:
+    return {}
+  best = min(times, key=times.get)
+  st, gk = configs[best]
+  out = run(qa, jnp.float32, stages=st, group_k=gk)
+  row = dict(wgmma_ms=times[best], wgmma_config=best, wgmma_configs_ms=times,
+             wgmma_rel_err=float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref))))
+  if kind == "grouped":
+    row["bf16_mgpu_ms"] = timer(jax.jit(lambda a, b: grouped_gemm.mgpu_matmul(a, b, gs)),
+                                x, w) * 1e3
+  print(f"  wgmma {row['wgmma_ms']:.3f} ms ({best}; {times}; rel err {row['wgmma_rel_err']:.2e})"
+        + (f", bf16 mgpu {row['bf16_mgpu_ms']:.3f} ms" if "bf16_mgpu_ms" in row else ""),
+        flush=True)
   return row
 
 
@@ -150,6 +201,8 @@ def main(argv: Sequence[str]) -> dict:
   res = {"device": common.device_description(), "bandwidth": common.bandwidth_gbps(),
          "matmul": common.matmul_tflops(), "shapes": {}}
   peak = res["matmul"]["bf16_tflops"]
+  if gpu:
+    res["fp8_matmul_tflops"] = common.fp8_matmul_tflops(8192)
   print(f"device {res['device']['device_kind']}: BF16 matmul {peak:.0f} TFLOP/s, copy "
         f"{res['bandwidth']['copy_gbps']:.0f} GB/s", flush=True)
   timer = lambda fn, *a: common.median_seconds(lambda: fn(*a), jax.block_until_ready, 3,
@@ -158,6 +211,11 @@ def main(argv: Sequence[str]) -> dict:
   for name, kind, (m, kk, nn) in shapes:
     row = _shape(name, kind, m, kk, nn, e, rng, timer, peak, FLAGS.sweep and gpu)
     if row is not None:
+      if "wgmma_ms" in row:
+        flop = 2 * m * kk * nn
+        row["wgmma_fraction_of_fp8_rate"] = flop / (row["wgmma_ms"] * 1e-3) / 1e12 / res[
+            "fp8_matmul_tflops"]
+        row["wgmma_over_kernel"] = row["wgmma_ms"] / row["kernel_ms"]
       res["shapes"][name] = row
   return common.finish(res, FLAGS)
 

@@ -112,3 +112,29 @@ def test_mgpu_grouped_matmul_lowers(lowering):
       jnp.ones((m, n), jnp.bfloat16))[0]
   for fn in (fwd, dgrad):
     assert "mosaic" in lowering(fn, *shapes).lower()
+
+
+@pytest.mark.parametrize("m,k,layers,group_k", [(256, 512, None, 1), (200, 128, 2, 1),
+                                                (256, 512, None, 2)],
+                         ids=["whole_blocks_four_k_groups", "ragged_rows_one_k_group_stacked",
+                              "two_k_groups_a_step"])
+def test_wgmma_fp8_lowers(lowering, m, k, layers, group_k):
+  """The FP8 GEMM's e4m3 wgmma (K-major operands from 128-byte swizzled tiles) and its TMA
+  ring; one K group runs with one slot."""
+  from trace_jax.kernels import wgmma_fp8
+  from trace_jax.quant import formats
+
+  e, n = 4, 256
+  lead = () if layers is None else (layers,)
+
+  def fn(av, asc, bv, bsc, gs):
+    a = formats.FP8Tensor(values=av, scale=asc, block_rows=1)
+    b = formats.FP8Tensor(values=bv, scale=bsc, block_rows=128)
+    return wgmma_fp8.grouped_matmul(a, b, gs, layer=None if layers is None else jnp.int32(1),
+                                    group_k=group_k)
+
+  text = lowering(fn, SDS((m, k), jnp.float8_e4m3fn), SDS((m, k // 128), jnp.float32),
+                  SDS(lead + (e, n, k), jnp.float8_e4m3fn),
+                  SDS(lead + (e, n // 128, k // 128), jnp.float32), SDS((e,), jnp.int32))
+  assert "fp8_grouped_gemm_wgmma" in text
+  assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in text

@@ -67,7 +67,7 @@ def test_kernel_matches_reference_and_shares_the_backward(kind):
   gs = None if kind == "dense" else jnp.asarray(GROUP_SIZES, jnp.int32)
   x, w, dy = _inputs(jnp.float32, e=None if kind == "dense" else E)
   outs = {}
-  for impl in fp8_linear.IMPLS:
+  for impl in ("xla", "kernel"):  # "wgmma" runs on a Hopper GPU only
     op = ((lambda a, b, i=impl: fp8_linear.linear(a, b, i)) if gs is None
           else (lambda a, b, i=impl: fp8_linear.grouped(a, b, gs, i)))
     y, vjp = jax.vjp(op, x, w)
@@ -103,7 +103,7 @@ def test_fp8_grouped_backward_kernel_matches_reference():
   gs = jnp.asarray(GROUP_SIZES, jnp.int32)
   x, w, dy = _inputs(jnp.float32, e=E)
   grads = {}
-  for impl in fp8_linear.IMPLS:
+  for impl in ("xla", "kernel"):  # "wgmma" runs on a Hopper GPU only
     _, vjp = jax.vjp(lambda a, b, i=impl: fp8_linear.grouped(a, b, gs, i, "fp8"), x, w)
     grads[impl] = vjp(dy)
   (dx0, dw0), (dx1, dw1) = grads["xla"], grads["kernel"]

@@ -4,7 +4,8 @@ Forward: the input quantized in 1x128 groups and the weight in 128x128 blocks
 (`formats.fp8_quantize_act` / `fp8_quantize_weight`), then one block-scaled FP8 GEMM
 (`trace_jax.kernels.fp8_gemm`): float32 accumulation, output in the compute dtype. `impl`
 ("xla": the GEMM's plain-JAX reference, dequantized float32 operands; "kernel": the Pallas
-kernel on FP8 tensor cores) changes only the summation order.
+kernel on FP8 tensor cores; "wgmma": the Mosaic GPU kernel `kernels.wgmma_fp8` where it takes
+the operands, else "kernel") changes only the summation order.
 
 Backward (straight-through: the gradient of the quantizers is the identity; gradients between
 operators are BF16, docs/design.md §3.7):
@@ -28,13 +29,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from trace_jax.kernels import fp8_gemm
+from trace_jax.kernels import fp8_gemm, wgmma_fp8
 from trace_jax.model import batch_local
 from trace_jax.model import grouped as grouped_mm
 from trace_jax.model.layer_runs import at_layer
 from trace_jax.quant import formats
 
-IMPLS = ("xla", "kernel")
+IMPLS = ("xla", "kernel", "wgmma")
+KERNELS = ("kernel", "wgmma")  # the impls that run a kernel (the rest: the reference)
 BACKWARDS = ("bf16", "fp8")
 _G = formats.FP8_GROUP
 
@@ -51,7 +53,11 @@ def _gemm(a: formats.FP8Tensor, b: formats.FP8Tensor, impl: str, dtype: Any,
           layer: jax.Array | None = None) -> jax.Array:
   """layer: b is a stack of layers; the kernel reads that layer in place, the reference
   slices it out."""
-  if impl == "kernel":
+  if impl == "wgmma" and wgmma_fp8.supported(a, b):
+    if group_sizes is None:
+      return wgmma_fp8.matmul(a, b, out_dtype=dtype, layer=layer)
+    return wgmma_fp8.grouped_matmul(a, b, group_sizes, out_dtype=dtype, layer=layer)
+  if impl in KERNELS:
     if group_sizes is None:
       return fp8_gemm.matmul(a, b, out_dtype=dtype, layer=layer)
     return fp8_gemm.grouped_matmul(a, b, group_sizes, out_dtype=dtype, layer=layer)
@@ -77,7 +83,7 @@ def _wgrad_fp8(dy: jax.Array, xq: jax.Array, impl: str) -> jax.Array:
   dyt = formats.fp8_quantize_act(_pad_rows(dy).T)
   xt = formats.fp8_quantize_act(_pad_rows(xq).T)
   groups = dyt.values.shape[1] // _G
-  if impl != "kernel" or batch_local.batch_axes(groups) is None:
+  if impl not in KERNELS or batch_local.batch_axes(groups) is None:
     return _gemm(dyt, xt, impl, dy.dtype)
   return batch_local.summed_over_batch_shards(
       lambda a, b: _gemm(a, b, impl, jnp.float32), (dyt, xt), (1, 1), groups).astype(dy.dtype)
@@ -111,7 +117,7 @@ def _dense_forward(x: jax.Array, qw: formats.FP8Tensor, impl: str,
                    layer: jax.Array | None = None) -> tuple[jax.Array, formats.FP8Tensor]:
   """`_forward` of a dense layer; on a mesh the kernel runs on each device's own rows
   (`batch_local`: XLA cannot split a kernel call)."""
-  if impl != "kernel":
+  if impl not in KERNELS:
     return _forward(x, qw, impl, None, "tiled", layer)
   rows = x.reshape(-1, x.shape[-1])
   y, qx = batch_local.on_batch_shards(lambda r, w, i: _forward(r, w, impl, None, "tiled", i),
@@ -133,7 +139,7 @@ def _wgrad_fp8_grouped(dy: jax.Array, xq: jax.Array, gs: jax.Array, impl: str) -
     return jnp.take(a, src, axis=0, mode="fill", fill_value=0).T
 
   dyt, xt = formats.fp8_quantize_act(padded_t(dy)), formats.fp8_quantize_act(padded_t(xq))
-  if impl == "kernel":
+  if impl in KERNELS:
     return fp8_gemm.grouped_wgrad(dyt, xt, gs, out_dtype=dy.dtype)
   return fp8_gemm.wgrad_reference(dyt, xt, gs, out_dtype=dy.dtype)
 
@@ -168,7 +174,7 @@ def _linear_bwd(impl, backward, res, dy):
     dgrad = lambda d, wt: _gemm(formats.fp8_quantize_act(d), wt, impl, dtype)
     wt = fp8_gemm.transpose_weight(qw)
     dx = (batch_local.on_batch_shards(dgrad, (dy, wt), (0, None), dy.shape[0])
-          if impl == "kernel" else dgrad(dy, wt))
+          if impl in KERNELS else dgrad(dy, wt))
     dw = _wgrad_fp8(dy, xq, impl)
   return dx.reshape(shape), dw.astype(wdtype)
 

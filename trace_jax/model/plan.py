@@ -25,7 +25,8 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 | kv_write          | kernel (-)  | xla       | a kernel decode step's k/v sites (and records) |
 |                   |             |           | and packed-cache write: site kernel + XLA's    |
 |                   |             |           | scatters, or one kernel (`kernels.kv_append`)  |
-| fp8_gemm          | kernel      | xla       | FP8 linears' block-scaled GEMMs                |
+| fp8_gemm          | kernel      | xla       | FP8 linears' block-scaled GEMMs: Triton's, or  |
+|                   |             |           | wgmma (Mosaic GPU, `kernels.wgmma_fp8`)        |
 | seq_attention     | cudnn (+)   | xla       | full-sequence attention (training, scoring,    |
 |                   |             |           | prefill): fused flash attention or XLA's       |
 | layer_loop        | unrolled (!)| scan      | every forward's layer loop: each run of layers |
@@ -122,7 +123,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "kv_cache": ("dense", "packed"),
     "nvfp4_sites": ("xla", "kernel"),
     "kv_write": ("xla", "kernel"),
-    "fp8_gemm": ("xla", "kernel"),
+    "fp8_gemm": ("xla", "kernel", "wgmma"),
     "seq_attention": ("xla", "cudnn"),
     "layer_loop": ("scan", "unrolled"),
     "fake_quant": ("xla", "kernel"),

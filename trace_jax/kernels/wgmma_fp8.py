@@ -1,0 +1,217 @@
+"""Block-scaled FP8 GEMMs on Hopper's wgmma (Mosaic GPU): `fp8_gemm`'s contract, on TMA tiles.
+
+Why: `fp8_gemm`'s Triton kernel reached 0.27 of the BF16 matmul rate on the experts' GEMM
+(docs/benchmarks.md): every 128-wide K group's product leaves the tensor cores to be scaled
+before the next is added, and Triton keeps each program's loads and MMAs in one stream. Here
+the operand tiles arrive by TMA through a ring of `stages` shared-memory slots
+(`plgpu.emit_pipeline`: the loads of later K groups in flight while the current one is
+multiplied), and the row tiles are laid out as JAX's Mosaic GPU grouped GEMM lays them out.
+
+Contract (`fp8_gemm.grouped_matmul`'s): a [M, K] float8_e4m3fn in 1x128 groups (rows sorted by
+expert), b [L, E, N, K] in 128x128 blocks read at layer `layer` in place, group_sizes [E]:
+
+  out[m, n] = sum_kb (sum_{k in kb} a[m, k] b[e(m), n, k]) * sa[m, kb] * sb[e(m), n // 128, kb]
+
+Each K group's sum is one wgmma into a fresh float32 accumulator (the tensor cores' FP8 sum),
+scaled by the row's and the block's scales and added to the running float32 sum (the per-group
+promotion of `fp8_gemm`); the total is rounded once to bf16. Rows past sum(group_sizes) come
+out zero.
+
+Grid (T, N / 128): T row tiles of BLOCK_M rows, each within one group (`tile_table`: a block
+of rows that two experts share is two tiles, each storing its own expert's rows; the rows past
+the groups are tiles of group -1 that store zeros). Program (t, j): its tile's K loop, then the
+tile's rows [lo, hi) stored by TMA through shared memory (whole rows in power-of-two runs, as
+JAX's grouped GEMM stores them). GPU only: the CPU tests lower it
+(tests/kernels/test_mosaic_lowering.py) and check `tile_table` against a numpy reference;
+its values are tested on the GPU against `fp8_gemm.reference` (tests/kernels/test_fp8_gemm.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from trace_jax.quant import formats
+
+GROUP = formats.FP8_GROUP  # 128: the K group of every scale and the weight block's N side
+BLOCK_M = 64               # one warpgroup's wgmma rows
+BLOCK_N = GROUP            # one weight block row: one weight scale per K group
+STAGES = 4                 # ring slots: 4 x (8 + 16) KB of operand tiles
+
+
+def supported(a: formats.FP8Tensor, b: formats.FP8Tensor) -> bool:
+  """Whether the kernel takes these operands: E4M3 values, b in 128x128 blocks, K and N in
+  whole 128-wide groups, a 2-D."""
+  k = a.values.shape[-1]
+  n = b.values.shape[-2]
+  return (a.values.dtype == jnp.float8_e4m3fn and b.values.dtype == jnp.float8_e4m3fn
+          and a.values.ndim == 2 and b.block_rows == GROUP and a.block_rows == 1
+          and k % GROUP == 0 and n % BLOCK_N == 0 and k == b.values.shape[-1])
+
+
+def num_tiles(m: int, num_groups: int, block_m: int = BLOCK_M) -> int:
+  """Row tiles the table has room for: every block once, plus one per group boundary (a block
+  two groups share) and one for the rows past the groups."""
+  return -(-m // block_m) + num_groups
+
+
+def tile_table(group_sizes: jax.Array, m: int, block_m: int = BLOCK_M) -> jax.Array:
+  """int32 [num_tiles, 4]: each row tile's (group, block, lo, hi): rows block * block_m + [lo,
+  hi) belong to `group` (-1: rows past sum(group_sizes), stored as zeros); unused tiles have
+  lo == hi. Tiles come group by group, blocks in order within each."""
+  e = group_sizes.shape[0]
+  gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  ends = jnp.minimum(jnp.cumsum(gs), m)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  starts = jnp.concatenate([starts, ends[-1:]])          # the rows past the groups: group e
+  ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+  first_blk = starts // block_m
+  count = jnp.where(ends > starts, (ends + block_m - 1) // block_m - first_blk, 0)
+  cum = jnp.cumsum(count)
+  first_tile = cum - count
+  tid = jnp.arange(num_tiles(m, e, block_m), dtype=jnp.int32)
+  g = jnp.minimum(jnp.searchsorted(cum, tid, side="right").astype(jnp.int32), e)
+  blk = first_blk[g] + tid - first_tile[g]
+  lo = jnp.maximum(starts[g], blk * block_m) - blk * block_m
+  hi = jnp.minimum(ends[g], blk * block_m + block_m) - blk * block_m
+  used = tid < cum[-1]
+  return jnp.stack([jnp.where(g == e, -1, g), jnp.where(used, blk, 0),
+                    jnp.where(used, lo, 0), jnp.where(used, hi, 0)], axis=1)
+
+
+def _store_rows(acc: jax.Array, o_smem: Any, o_gmem: Any, row0: Any, lo: Any, hi: Any,
+                cols: Any) -> None:
+  """Rows [lo, hi) of the tile (bf16 in shared memory) to o_gmem rows row0 + [lo, hi): one TMA
+  store per set bit of hi - lo, largest first (TMA boxes have static shapes)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # Hopper only: loaded on use
+
+  o_smem[...] = acc.astype(o_smem.dtype)
+  plgpu.commit_smem()
+  size, start, run = hi - lo, lo, BLOCK_M
+  while run >= 1:
+    def store(run=run, start=start):
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, run)],
+                              o_gmem.at[pl.ds(row0 + start, run), cols])
+    pl.when(size & run != 0)(store)
+    start = start + (size & run)
+    run //= 2
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _step(idx, a_smem, b_smem, s_smem, acc, *, sb_ref, lyr, ge, j, group_k: int):
+  """One pipeline step: group_k K groups, each one wgmma into a fresh accumulator, all issued
+  before the first is read back (wait_n: the later ones run while it is scaled), each scaled
+  by its row scales times its block scale and added to acc."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # Hopper only: loaded on use
+
+  (kb,) = idx
+  row = plgpu.Layout.WGMMA.reduce(1)
+  # The scales first: their loads are in flight while the wgmmas run.
+  scales = [plgpu.layout_cast(s_smem[i], row) * sb_ref[lyr, ge, j, kb * group_k + i]
+            for i in range(group_k)]
+
+  def mma(*parts):
+    for i, part_ref in enumerate(parts):
+      cols = pl.ds(i * GROUP, GROUP)
+      plgpu.wgmma(part_ref, a_smem.at[:, cols], plgpu.transpose_ref(b_smem.at[:, cols], (1, 0)))
+    total = acc
+    for i, part_ref in enumerate(parts):
+      part = plgpu.wgmma_accumulator_load(part_ref, wait_n=group_k - 1 - i)
+      total = total + part * jax.lax.broadcast_in_dim(scales[i], part.shape, [0])
+    return total
+
+  return pl.run_scoped(mma, *[plgpu.ACC((BLOCK_M, BLOCK_N), jnp.float32)] * group_k)
+
+
+def _body(tab_ref, layer_ref, a_ref, sat_ref, b_ref, sb_ref, o_ref, o_smem, *, k: int,
+          stages: int, group_k: int):
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # Hopper only: loaded on use
+
+  t, j = jax.lax.axis_index("t"), jax.lax.axis_index("j")
+  g, blk, lo, hi = tab_ref[t, 0], tab_ref[t, 1], tab_ref[t, 2], tab_ref[t, 3]
+  ge = jnp.maximum(g, 0)  # group -1's tiles run expert 0's loop and store zeros
+  lyr = layer_ref[0]
+  fp8_tiles = (plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(128))
+  width = GROUP * group_k
+  step = functools.partial(_step, sb_ref=sb_ref, lyr=lyr, ge=ge, j=j, group_k=group_k)
+
+  @pl.when(hi > lo)
+  def _():
+    zero = plgpu.layout_cast(jnp.zeros((BLOCK_M, BLOCK_N), jnp.float32), plgpu.Layout.WGMMA)
+    acc = plgpu.emit_pipeline(
+        step, grid=(k // width,), max_concurrent_steps=stages, init_carry=zero,
+        in_specs=[
+            plgpu.BlockSpec((BLOCK_M, width), lambda kb: (blk, kb), transforms=fp8_tiles),
+            plgpu.BlockSpec((BLOCK_N, width), lambda kb: (j, kb), transforms=fp8_tiles),
+            # The scales' slot is refilled a step late: no wgmma wait orders their reads.
+            plgpu.BlockSpec((group_k, BLOCK_M), lambda kb: (kb, blk),
+                            delay_release=int(stages > 1)),
+        ])(a_ref, b_ref.at[lyr, ge], sat_ref)
+    acc = jnp.where(g >= 0, acc, jnp.zeros_like(acc))
+    _store_rows(acc, o_smem, o_ref, blk * BLOCK_M, lo, hi, pl.ds(j * BLOCK_N, BLOCK_N))
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "stages", "group_k"))
+def _call(a_values, a_scale, b_values, b_scale, group_sizes, layer, *, out_dtype, stages,
+          group_k):
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # Hopper only: loaded on use
+
+  m, k = a_values.shape
+  num_layers, e, n, _ = b_values.shape
+  if m == 0:
+    return jnp.zeros((0, n), out_dtype)
+  pad = -m % BLOCK_M  # whole row blocks for every TMA window (no copy when M is whole)
+  if pad:
+    a_values = jnp.pad(a_values, ((0, pad), (0, 0)))
+    a_scale = jnp.pad(a_scale, ((0, pad), (0, 0)))
+  table = tile_table(group_sizes, m)
+  kernel = plgpu.kernel(
+      functools.partial(_body, k=k, stages=stages, group_k=group_k),
+      out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+      grid=(table.shape[0], n // BLOCK_N), grid_names=("t", "j"),
+      kernel_name="fp8_grouped_gemm_wgmma",
+      scratch_types=[plgpu.SMEM((BLOCK_M, BLOCK_N), out_dtype)],
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
+  return kernel(table, jnp.reshape(layer, (1,)).astype(jnp.int32), a_values, a_scale.T,
+                b_values, b_scale)
+
+
+def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.Array, *,
+                   out_dtype: Any = jnp.bfloat16, layer: jax.Array | None = None,
+                   stages: int = STAGES, group_k: int = 1) -> jax.Array:
+  """FP8 rows a [M, K] (1x128 groups, sorted by expert) times b [E, N, K] (128x128 blocks; with
+  `layer`, a stack [L, E, N, K] read at that layer in place) -> [M, N] in out_dtype.
+
+  stages: ring slots of the K loop; group_k: K groups per slot (1 or 2; with 2 the second
+  group's wgmma runs while the first's sum is scaled, at 64 more registers a thread)."""
+  if not supported(a, b):
+    raise ValueError(f"wgmma FP8 GEMM: unsupported a {a.values.shape} {a.values.dtype} "
+                     f"(block_rows {a.block_rows}), b {b.values.shape} (block_rows "
+                     f"{b.block_rows}): E4M3, 128x128 weight blocks, K and N multiples of 128")
+  bv, bs = b.values, b.scale
+  if layer is None:
+    bv, bs, layer = bv[None], bs[None], jnp.zeros((), jnp.int32)
+  if bv.ndim != 4 or group_sizes.shape != (bv.shape[1],):
+    raise ValueError(f"wgmma FP8 GEMM: b {b.values.shape} and group_sizes {group_sizes.shape} "
+                     "disagree on the experts")
+  steps = a.values.shape[1] // GROUP // max(group_k, 1)
+  if stages < 1 or group_k not in (1, 2) or steps * group_k * GROUP != a.values.shape[1]:
+    raise ValueError(f"wgmma FP8 GEMM: stages must be >= 1 and group_k 1 or 2 dividing "
+                     f"K / 128, got stages={stages}, group_k={group_k}, K={a.values.shape[1]}")
+  return _call(a.values, a.scale, bv, bs, group_sizes, layer, out_dtype=jnp.dtype(out_dtype),
+               stages=min(stages, steps), group_k=group_k)
+
+
+def matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, *, out_dtype: Any = jnp.bfloat16,
+           layer: jax.Array | None = None, **kw) -> jax.Array:
+  """FP8 a [M, K] (1x128 groups) times b [N, K] (128x128 blocks; with `layer`, [L, N, K]) ->
+  [M, N]: the grouped GEMM with one group."""
+  axis = 0 if layer is None else 1
+  stacked = formats.FP8Tensor(values=jnp.expand_dims(b.values, axis),
+                              scale=jnp.expand_dims(b.scale, axis), block_rows=b.block_rows)
+  return grouped_matmul(a, stacked, jnp.full((1,), a.values.shape[0], jnp.int32),
+                        out_dtype=out_dtype, layer=layer, **kw)
