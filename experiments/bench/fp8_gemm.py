@@ -45,8 +45,8 @@ _CONFIGS = [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, group_k=gk
             ((128, 64, 4, 4, 2), (128, 128, 8, 3, 2), (128, 64, 4, 3, 4), (128, 128, 8, 3, 4),
              (64, 64, 4, 4, 2), (128, 64, 4, 4, 1))]
 
-# The wgmma kernel's (stages, group_k) timed on Hopper, the best reported.
-_WGMMA_CONFIGS = ((4, 1), (2, 1), (2, 2))
+# The wgmma kernel's (stages, group_k, warpgroups) timed on Hopper, the best reported.
+_WGMMA_CONFIGS = ((4, 1, 1), (2, 2, 1), (4, 1, 2), (2, 1, 2))
 
 
 def _operands(kind: str, m: int, kk: int, nn: int, e: int, rng):
@@ -152,19 +152,17 @@ def _hopper_kernels(kind: str, x, w, qa, qw, gs, ref, timer) -> dict:
     return wgmma_fp8.grouped_matmul(a, qw, gs, out_dtype=dtype, **cfg)
 
   times, configs = {}, {}
-  for st, gk in _WGMMA_CONFIGS:
-    name = f"stages{st}_group_k{gk}"
-    configs[name] = (st, gk)
+  for st, gk, wg in _WGMMA_CONFIGS:
+    name = f"stages{st}_group_k{gk}_warpgroups{wg}"
+    configs[name] = dict(stages=st, group_k=gk, warpgroups=wg)
     try:
-      times[name] = timer(jax.jit(lambda a, st=st, gk=gk: run(a, stages=st, group_k=gk)),
-                          qa) * 1e3
+      times[name] = timer(jax.jit(lambda a, c=configs[name]: run(a, **c)), qa) * 1e3
     except Exception as ex:  # a config that does not compile: say so, keep going
       print(f"  wgmma {name}: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
   if not times:
     return {}
   best = min(times, key=times.get)
-  st, gk = configs[best]
-  out = run(qa, jnp.float32, stages=st, group_k=gk)
+  out = run(qa, jnp.float32, **configs[best])
   row = dict(wgmma_ms=times[best], wgmma_config=best, wgmma_configs_ms=times,
              wgmma_rel_err=float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref))))
   if kind == "grouped":

@@ -114,11 +114,12 @@ def test_mgpu_grouped_matmul_lowers(lowering):
     assert "mosaic" in lowering(fn, *shapes).lower()
 
 
-@pytest.mark.parametrize("m,k,layers,group_k", [(256, 512, None, 1), (200, 128, 2, 1),
-                                                (256, 512, None, 2)],
-                         ids=["whole_blocks_four_k_groups", "ragged_rows_one_k_group_stacked",
-                              "two_k_groups_a_step"])
-def test_wgmma_fp8_lowers(lowering, m, k, layers, group_k):
+@pytest.mark.parametrize("m,k,layers,opts", [
+    (256, 512, None, {}), (200, 128, 2, {}), (256, 512, None, dict(group_k=2)),
+    (200, 512, 2, dict(warpgroups=2))],
+    ids=["whole_blocks_four_k_groups", "ragged_rows_one_k_group_stacked", "two_k_groups_a_step",
+         "two_compute_warpgroups_ragged_stacked"])
+def test_wgmma_fp8_lowers(lowering, m, k, layers, opts):
   """The FP8 GEMM's e4m3 wgmma (K-major operands from 128-byte swizzled tiles) and its TMA
   ring; one K group runs with one slot."""
   from trace_jax.kernels import wgmma_fp8
@@ -131,7 +132,7 @@ def test_wgmma_fp8_lowers(lowering, m, k, layers, group_k):
     a = formats.FP8Tensor(values=av, scale=asc, block_rows=1)
     b = formats.FP8Tensor(values=bv, scale=bsc, block_rows=128)
     return wgmma_fp8.grouped_matmul(a, b, gs, layer=None if layers is None else jnp.int32(1),
-                                    group_k=group_k)
+                                    **opts)
 
   text = lowering(fn, SDS((m, k), jnp.float8_e4m3fn), SDS((m, k // 128), jnp.float32),
                   SDS(lead + (e, n, k), jnp.float8_e4m3fn),

@@ -83,8 +83,10 @@ def test_unsupported_operands_are_refused(case):
     wgmma_fp8.grouped_matmul(qa, qb, jnp.asarray((25,) * 4, jnp.int32))
 
 
-@pytest.mark.parametrize("opts", [{}, dict(stages=2, group_k=2), dict(stages=1)],
-                         ids=["defaults", "two_k_groups_a_step", "one_slot"])
+@pytest.mark.parametrize("opts", [{}, dict(stages=2, group_k=2), dict(stages=1),
+                                  dict(warpgroups=2)],
+                         ids=["defaults", "two_k_groups_a_step", "one_slot",
+                              "two_compute_warpgroups"])
 @pytest.mark.parametrize("groups", [g for _, g in cases.GROUPS], ids=[n for n, _ in cases.GROUPS])
 def test_grouped_matches_float64(groups, opts):
   if not ON_GPU:
@@ -109,6 +111,8 @@ def test_dense_matches_float64_and_layer_in_place(dtype):
   cases._assert_close(y, exact, mag, jnp.dtype(dtype))
   stacked = wgmma_fp8.matmul(qa, qb, out_dtype=dtype, layer=jnp.int32(1))
   np.testing.assert_array_equal(np.asarray(stacked), np.asarray(y))
+  two = wgmma_fp8.matmul(qa, qb, out_dtype=dtype, layer=jnp.int32(1), warpgroups=2)
+  np.testing.assert_array_equal(np.asarray(two), np.asarray(y))  # the same sums per row
 
 
 def test_nan_code_propagates_to_its_rows_only():
@@ -122,3 +126,16 @@ def test_nan_code_propagates_to_its_rows_only():
   assert np.isnan(y[5]).all() and np.isfinite(np.delete(y, 5, axis=0)).all()
   ref = np.asarray(fp8_gemm.reference(qa, qb, gs), np.float32)
   assert np.isfinite(ref).all()
+
+
+@pytest.mark.parametrize("rows", [64, 8], ids=["warpgroup_rows", "eight_rows"])
+def test_store_runs_cover_exactly_the_tile_rows(rows):
+  """Every [lo, hi) within a tile is stored once, by runs inside the tile."""
+  for lo in range(rows + 1):
+    for hi in range(lo, rows + 1):
+      got = []
+      for start, run, taken in wgmma_fp8.store_runs(lo, hi, rows):
+        if taken:
+          assert 0 <= start and start + run <= rows
+          got.extend(range(start, start + run))
+      assert got == list(range(lo, hi)), (lo, hi)

@@ -38,7 +38,8 @@ from jax.experimental import pallas as pl
 from trace_jax.quant import formats
 
 GROUP = formats.FP8_GROUP  # 128: the K group of every scale and the weight block's N side
-BLOCK_M = 64               # one warpgroup's wgmma rows
+WG_ROWS = 64               # one warpgroup's wgmma rows
+BLOCK_M = WG_ROWS          # the row tile with one compute warpgroup
 BLOCK_N = GROUP            # one weight block row: one weight scale per K group
 STAGES = 4                 # ring slots: 4 x (8 + 16) KB of operand tiles
 
@@ -83,34 +84,47 @@ def tile_table(group_sizes: jax.Array, m: int, block_m: int = BLOCK_M) -> jax.Ar
                     jnp.where(used, lo, 0), jnp.where(used, hi, 0)], axis=1)
 
 
+def store_runs(lo: Any, hi: Any, rows: int) -> list[tuple[Any, int, Any]]:
+  """Rows [lo, hi) of a tile of `rows` (a power of two) as static-length runs: (start, length,
+  taken) per power of two from `rows` down to 1, taken where that bit of hi - lo is set, each
+  run starting where the taken ones before it end. Works on ints and traced scalars."""
+  size, start, runs, run = hi - lo, lo, [], rows
+  while run >= 1:
+    runs.append((start, run, size & run != 0))
+    start = start + (size & run)
+    run //= 2
+  return runs
+
+
 def _store_rows(acc: jax.Array, o_smem: Any, o_gmem: Any, row0: Any, lo: Any, hi: Any,
                 cols: Any) -> None:
-  """Rows [lo, hi) of the tile (bf16 in shared memory) to o_gmem rows row0 + [lo, hi): one TMA
-  store per set bit of hi - lo, largest first (TMA boxes have static shapes)."""
+  """Rows [lo, hi) of the tile (in shared memory) to o_gmem rows row0 + [lo, hi): one TMA
+  store per taken run of `store_runs` (TMA boxes have static shapes)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # Hopper only: loaded on use
 
   o_smem[...] = acc.astype(o_smem.dtype)
   plgpu.commit_smem()
-  size, start, run = hi - lo, lo, BLOCK_M
-  while run >= 1:
+  for start, run, taken in store_runs(lo, hi, acc.shape[0]):
     def store(run=run, start=start):
       plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, run)],
                               o_gmem.at[pl.ds(row0 + start, run), cols])
-    pl.when(size & run != 0)(store)
-    start = start + (size & run)
-    run //= 2
+    pl.when(taken)(store)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _step(idx, a_smem, b_smem, s_smem, acc, *, sb_ref, lyr, ge, j, group_k: int):
+def _step(idx, a_smem, b_smem, s_smem, acc, *, sb_ref, lyr, ge, j, group_k: int,
+          rows: Any = None):
   """One pipeline step: group_k K groups, each one wgmma into a fresh accumulator, all issued
   before the first is read back (wait_n: the later ones run while it is scaled), each scaled
-  by its row scales times its block scale and added to acc."""
+  by its row scales times its block scale and added to acc. rows: this warpgroup's 64 rows of
+  the tile (None: the tile is one warpgroup's)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # Hopper only: loaded on use
 
   (kb,) = idx
   row = plgpu.Layout.WGMMA.reduce(1)
   # The scales first: their loads are in flight while the wgmmas run.
+  if rows is not None:
+    a_smem, s_smem = a_smem.at[rows], s_smem.at[:, rows]
   scales = [plgpu.layout_cast(s_smem[i], row) * sb_ref[lyr, ge, j, kb * group_k + i]
             for i in range(group_k)]
 
@@ -124,57 +138,82 @@ def _step(idx, a_smem, b_smem, s_smem, acc, *, sb_ref, lyr, ge, j, group_k: int)
       total = total + part * jax.lax.broadcast_in_dim(scales[i], part.shape, [0])
     return total
 
-  return pl.run_scoped(mma, *[plgpu.ACC((BLOCK_M, BLOCK_N), jnp.float32)] * group_k)
+  return pl.run_scoped(mma, *[plgpu.ACC((WG_ROWS, BLOCK_N), jnp.float32)] * group_k)
 
 
 def _body(tab_ref, layer_ref, a_ref, sat_ref, b_ref, sb_ref, o_ref, o_smem, *, k: int,
-          stages: int, group_k: int):
+          stages: int, group_k: int, warpgroups: int):
+  """Program (t, j): one warpgroup running the K loop (`plgpu.emit_pipeline`), or with
+  warpgroups 2, two computing 64 rows each from the same B tiles while a third issues the
+  TMA loads (`plgpu.emit_pipeline_warp_specialized`)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # Hopper only: loaded on use
 
   t, j = jax.lax.axis_index("t"), jax.lax.axis_index("j")
   g, blk, lo, hi = tab_ref[t, 0], tab_ref[t, 1], tab_ref[t, 2], tab_ref[t, 3]
   ge = jnp.maximum(g, 0)  # group -1's tiles run expert 0's loop and store zeros
   lyr = layer_ref[0]
+  bm, width = WG_ROWS * warpgroups, GROUP * group_k
   fp8_tiles = (plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(128))
-  width = GROUP * group_k
-  step = functools.partial(_step, sb_ref=sb_ref, lyr=lyr, ge=ge, j=j, group_k=group_k)
+  in_specs = [plgpu.BlockSpec((bm, width), lambda kb: (blk, kb), transforms=fp8_tiles),
+              plgpu.BlockSpec((BLOCK_N, width), lambda kb: (j, kb), transforms=fp8_tiles),
+              # One warpgroup: the scales' slot is refilled a step late (no wgmma wait orders
+              # their reads); two: each slot is released when both compute warpgroups are done.
+              plgpu.BlockSpec((group_k, bm), lambda kb: (kb, blk),
+                              delay_release=int(stages > 1 and warpgroups == 1))]
+  zero = lambda: plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK_N), jnp.float32),
+                                   plgpu.Layout.WGMMA)
+  cols = pl.ds(j * BLOCK_N, BLOCK_N)
 
-  @pl.when(hi > lo)
-  def _():
-    zero = plgpu.layout_cast(jnp.zeros((BLOCK_M, BLOCK_N), jnp.float32), plgpu.Layout.WGMMA)
-    acc = plgpu.emit_pipeline(
-        step, grid=(k // width,), max_concurrent_steps=stages, init_carry=zero,
-        in_specs=[
-            plgpu.BlockSpec((BLOCK_M, width), lambda kb: (blk, kb), transforms=fp8_tiles),
-            plgpu.BlockSpec((BLOCK_N, width), lambda kb: (j, kb), transforms=fp8_tiles),
-            # The scales' slot is refilled a step late: no wgmma wait orders their reads.
-            plgpu.BlockSpec((group_k, BLOCK_M), lambda kb: (kb, blk),
-                            delay_release=int(stages > 1)),
-        ])(a_ref, b_ref.at[lyr, ge], sat_ref)
+  def finish(acc, base):
+    """Store the warpgroup's rows base + [0, 64) of the tile that lie in [lo, hi)."""
     acc = jnp.where(g >= 0, acc, jnp.zeros_like(acc))
-    _store_rows(acc, o_smem, o_ref, blk * BLOCK_M, lo, hi, pl.ds(j * BLOCK_N, BLOCK_N))
+    clip = lambda r: jnp.clip(r - base, 0, WG_ROWS)
+    _store_rows(acc, o_smem.at[pl.ds(base, WG_ROWS)], o_ref, blk * bm + base, clip(lo),
+                clip(hi), cols)
+
+  step = functools.partial(_step, sb_ref=sb_ref, lyr=lyr, ge=ge, j=j, group_k=group_k)
+  if warpgroups == 1:
+    def run():
+      finish(plgpu.emit_pipeline(step, grid=(k // width,), max_concurrent_steps=stages,
+                                 init_carry=zero(), in_specs=in_specs)(
+                                     a_ref, b_ref.at[lyr, ge], sat_ref), 0)
+  else:
+    wg = jax.lax.axis_index("wg")
+    base = wg * WG_ROWS
+
+    def compute(eval_pipeline):
+      finish(eval_pipeline(zero()), base)
+
+    pipe = plgpu.emit_pipeline_warp_specialized(
+        functools.partial(step, rows=pl.ds(base, WG_ROWS)), grid=(k // width,),
+        memory_registers=40, num_compute_wgs=warpgroups, wg_axis="wg",
+        max_concurrent_steps=stages, compute_context=compute, in_specs=in_specs)
+    run = lambda: pipe(a_ref, b_ref.at[lyr, ge], sat_ref)
+  pl.when(hi > lo)(run)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "stages", "group_k"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "stages", "group_k", "warpgroups"))
 def _call(a_values, a_scale, b_values, b_scale, group_sizes, layer, *, out_dtype, stages,
-          group_k):
+          group_k, warpgroups):
   from jax.experimental.pallas import mosaic_gpu as plgpu  # Hopper only: loaded on use
 
   m, k = a_values.shape
   num_layers, e, n, _ = b_values.shape
   if m == 0:
     return jnp.zeros((0, n), out_dtype)
-  pad = -m % BLOCK_M  # whole row blocks for every TMA window (no copy when M is whole)
+  bm = WG_ROWS * warpgroups
+  pad = -m % bm  # whole row blocks for every TMA window (no copy when M is whole)
   if pad:
     a_values = jnp.pad(a_values, ((0, pad), (0, 0)))
     a_scale = jnp.pad(a_scale, ((0, pad), (0, 0)))
-  table = tile_table(group_sizes, m)
+  table = tile_table(group_sizes, m, bm)
+  threads = dict(num_threads=warpgroups + 1, thread_name="wg") if warpgroups > 1 else {}
   kernel = plgpu.kernel(
-      functools.partial(_body, k=k, stages=stages, group_k=group_k),
+      functools.partial(_body, k=k, stages=stages, group_k=group_k, warpgroups=warpgroups),
       out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
       grid=(table.shape[0], n // BLOCK_N), grid_names=("t", "j"),
       kernel_name="fp8_grouped_gemm_wgmma",
-      scratch_types=[plgpu.SMEM((BLOCK_M, BLOCK_N), out_dtype)],
+      scratch_types=[plgpu.SMEM((bm, BLOCK_N), out_dtype)], **threads,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
   return kernel(table, jnp.reshape(layer, (1,)).astype(jnp.int32), a_values, a_scale.T,
                 b_values, b_scale)
@@ -182,12 +221,15 @@ def _call(a_values, a_scale, b_values, b_scale, group_sizes, layer, *, out_dtype
 
 def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.Array, *,
                    out_dtype: Any = jnp.bfloat16, layer: jax.Array | None = None,
-                   stages: int = STAGES, group_k: int = 1) -> jax.Array:
+                   stages: int = STAGES, group_k: int = 1, warpgroups: int = 1
+                   ) -> jax.Array:
   """FP8 rows a [M, K] (1x128 groups, sorted by expert) times b [E, N, K] (128x128 blocks; with
   `layer`, a stack [L, E, N, K] read at that layer in place) -> [M, N] in out_dtype.
 
   stages: ring slots of the K loop; group_k: K groups per slot (1 or 2; with 2 the second
-  group's wgmma runs while the first's sum is scaled, at 64 more registers a thread)."""
+  group's wgmma runs while the first's sum is scaled, at 64 more registers a thread);
+  warpgroups: compute warpgroups of 64 rows each sharing every B tile (1, or 2 with a third
+  warpgroup issuing the loads; 2 takes group_k 1)."""
   if not supported(a, b):
     raise ValueError(f"wgmma FP8 GEMM: unsupported a {a.values.shape} {a.values.dtype} "
                      f"(block_rows {a.block_rows}), b {b.values.shape} (block_rows "
@@ -202,8 +244,11 @@ def grouped_matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, group_sizes: jax.
   if stages < 1 or group_k not in (1, 2) or steps * group_k * GROUP != a.values.shape[1]:
     raise ValueError(f"wgmma FP8 GEMM: stages must be >= 1 and group_k 1 or 2 dividing "
                      f"K / 128, got stages={stages}, group_k={group_k}, K={a.values.shape[1]}")
+  if warpgroups not in (1, 2) or (warpgroups == 2 and group_k != 1):
+    raise ValueError(f"wgmma FP8 GEMM: warpgroups must be 1 or 2 (2 with group_k 1), got "
+                     f"warpgroups={warpgroups}, group_k={group_k}")
   return _call(a.values, a.scale, bv, bs, group_sizes, layer, out_dtype=jnp.dtype(out_dtype),
-               stages=min(stages, steps), group_k=group_k)
+               stages=min(stages, steps), group_k=group_k, warpgroups=warpgroups)
 
 
 def matmul(a: formats.FP8Tensor, b: formats.FP8Tensor, *, out_dtype: Any = jnp.bfloat16,
