@@ -362,7 +362,7 @@ def run_budget_case(params: Any, config: Any, budget_bytes: float, context: int,
   config = config.replace(max_position_embeddings=max(config.max_position_embeddings,
                                                       engine_lib.bucket(context)))
   engine, init_s = _engine(params, config, max_batch)
-  r = budget_plan(engine, budget_bytes, context)
+  r = budget_plan(engine, budget_bytes, context, new_tokens=new)
   r["engine_init_s"] = init_s
   r["plan"] = engine.plan.as_dict()  # what ran (the fields an impl entry leaves "auto")
   if not r["sequences"]:

@@ -102,23 +102,54 @@ def session_records(engine: Any, context: int) -> Any:
   return engine.open_session(1, context - 1).taps
 
 
-def record_bytes_per_token(engine: Any, context: int) -> float:
-  """Bytes per token of the records the engine keeps on the device for a sequence."""
+def record_row_bytes(engine: Any, context: int) -> float:
+  """Bytes of one token's records as the engine holds them (a row of its record buffers, the
+  width of the decode loop's byte rows; 0 when it records nothing)."""
   import jax
 
   leaves = jax.tree.leaves(session_records(engine, context))
   return float(sum(a.nbytes / a.shape[1] for a in leaves))
 
 
-def budget_plan(engine: Any, budget_bytes: float, context: int) -> dict[str, Any]:
+def decode_record_rows(engine: Any, new_tokens: int) -> int:
+  """Byte rows per sequence the decode loop of a turn of `new_tokens` tokens holds beside the
+  session's record buffers (`decode.step_rows` at the engine's bucket of new tokens; 0 for no
+  turn)."""
+  from trace_jax.rollout import decode
+  from trace_jax.rollout import engine as engine_lib
+
+  if new_tokens <= 0:
+    return 0
+  return decode.step_rows(engine.config, engine_lib.new_tokens_bucket(new_tokens))
+
+
+def record_bytes_per_seq(engine: Any, context: int, new_tokens: int = 0) -> tuple[float, float]:
+  """(Bytes of the records the engine holds on the device for a sequence while a session turn
+  decodes `new_tokens` tokens over caches of `context` tokens, the decode loop's share of
+  them): its record buffers (a row per position) and the loop's step rows
+  (`decode_record_rows`), both live until the turn ends."""
+  row = record_row_bytes(engine, context)
+  steps = row * decode_record_rows(engine, new_tokens)
+  return row * context + steps, steps
+
+
+def record_bytes_per_token(engine: Any, context: int, new_tokens: int = 0) -> float:
+  """`record_bytes_per_seq` per token of context."""
+  return record_bytes_per_seq(engine, context, new_tokens)[0] / context
+
+
+def budget_plan(engine: Any, budget_bytes: float, context: int,
+                new_tokens: int = 0) -> dict[str, Any]:
   """How many sequences of `context` tokens fit in `budget_bytes` next to the weights `engine`
-  holds: each costs its KV cache and the engine's records for it. `skipped` says why none."""
+  holds: each costs its KV cache and the engine's records for it while a session turn decodes
+  `new_tokens` tokens (`record_bytes_per_seq`; 0: the record buffers alone). `skipped` says
+  why none."""
   weights = weight_bytes(engine.config)
-  kv, rec = (context * kv_bytes_per_token(engine.config),
-             context * record_bytes_per_token(engine, context))
+  kv = context * kv_bytes_per_token(engine.config)
+  rec, decode_rec = record_bytes_per_seq(engine, context, new_tokens)
   fits, why = fit_sequences(budget_bytes, weights, kv + rec)
   r = {"weight_bytes": weights, "kv_bytes_per_seq": kv, "record_bytes_per_seq": rec,
-       "sequences": fits}
+       "decode_record_bytes_per_seq": decode_rec, "sequences": fits}
   if not fits:
     r["skipped"] = why
   return r

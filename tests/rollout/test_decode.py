@@ -108,3 +108,54 @@ def test_the_loop_condition_is_checked_once_per_block():
 
   assert PER_SYNC not in trip_counts(1)
   assert trip_counts(PER_SYNC) == [PER_SYNC]
+
+
+def test_ragged_records_are_the_rows_by_position():
+  """`decode.ragged_records` lays out a batch's prefill rows and decode step rows as the
+  engine's ragged rows: sequence i's prompt rows [:prompt_lens[i]], then its step rows
+  1..counts[i] - prompt_lens[i], bit for bit for every dtype a record holds (NaN payloads and
+  -0.0 included), the sequences one after another (numpy reference)."""
+  rng = np.random.default_rng(0)
+  b, p, max_new, spare = 4, 6, 8, 3
+  total = p + max_new
+  f32 = rng.integers(0, 2**32, (b, p, 3), dtype=np.uint32)
+  f32[0, 0, :2] = [0x7FC01234, 0x80000000]  # a NaN with a payload, -0.0
+  prompt = {"a": f32.view(np.float32), "b": rng.integers(0, 2, (b, p, 2)).astype(bool),
+            "c": rng.integers(0, 256, (b, p, 5), dtype=np.uint8),
+            "d": rng.integers(-2**31, 2**31, (b, p, 1, 2), dtype=np.int32)}
+  width = 3 * 4 + 2 + 5 + 2 * 4
+  steps = rng.integers(0, 256, (b, max_new + spare, width), dtype=np.uint8)
+  steps[..., 12:14] &= 1  # the bool columns hold 0 or 1
+  lens = np.array([6, 2, 4, 1], np.int32)
+  counts = np.array([6 + 7, 2 + 3, 0, 1 + 7], np.int32)  # the third row is padding
+  got = decode.ragged_records(prompt, steps, lens, counts, total=total)
+  stepped = {"a": steps[..., :12].copy().view(np.float32), "b": steps[..., 12:14] != 0,
+             "c": steps[..., 14:19], "d": steps[..., 19:].copy().view(np.int32).reshape(
+                 b, max_new + spare, 1, 2)}
+  for k in prompt:
+    want = np.concatenate([np.concatenate([prompt[k][i, :lens[i]],
+                                           stepped[k][i, 1:counts[i] - lens[i] + 1]])
+                           for i in range(b) if counts[i]])
+    g = np.asarray(got[k])
+    assert g.shape == (b * total,) + prompt[k].shape[2:] and g.dtype == prompt[k].dtype
+    np.testing.assert_array_equal(g[:counts.sum()].view(np.uint8), want.view(np.uint8))
+
+
+def test_generate_holds_one_copy_of_the_records():
+  """Over the generation program's buffers (its outputs and temporaries, as XLA assigns
+  them), recording adds one copy of each sequence's records: the prefill's rows and the decode
+  loop's step rows, not buffers of the whole sequence beside the step rows (which held ~2x)."""
+  config = model_lib.tiny(vocab_size=64, policy="bf16", decode_steps_per_sync=PER_SYNC,
+                          max_position_embeddings=1024)
+  params = model_lib.init_params(config, 0, param_dtype="float32")
+  prompts = [[3, 4, 5], [6, 7]]
+  sp = SamplingParams(max_new_tokens=500, temperature=0.0)
+  held = []
+  for routing in (False, True):
+    eng = InProcessEngine(params, config, record_routing=routing, max_batch=2)
+    m = eng.lower_generate(prompts, sp).compile().memory_analysis()
+    held.append(m.temp_size_in_bytes + m.output_size_in_bytes)
+  b, p, max_new = 2, 16, 512  # the engine's buckets
+  row = config.num_hidden_layers * config.num_experts_per_tok * 4  # int32 expert ids
+  one_copy = b * (p + decode.step_rows(config, max_new)) * row
+  assert one_copy <= held[1] - held[0] <= 1.05 * one_copy, (held, one_copy)

@@ -1,10 +1,14 @@
 """The rollout engine's jitted programs: prefill + decode loop, and multi-turn session turns.
 
 Each program runs entirely on the device (`lax.while_loop` over decode steps; nothing returns
-to the host per token) and writes the records the engine asked for (taps of the chosen layers
-and routing) into buffers indexed by absolute position, so row t of a sequence's record is what
-the rollout computed when it fed token t: prompt + completion[:-1] for one call, the whole
-transcript for a session.
+to the host per token) and keeps the records the engine asked for (taps of the chosen layers
+and routing): row t of a sequence's record is what the rollout computed when it fed token t,
+prompt + completion[:-1] for one call, the whole transcript for a session. Each decode step's
+records go to one byte row per sequence (`byte_rows`). A session keeps buffers indexed by
+absolute position, written from the step rows after the loop; `generate` returns the prefill's
+records and the step rows as they are (`ragged_records` lays them out for the engine), so it
+holds one copy of a sequence's records rather than buffers of its whole length beside the step
+rows.
 
 - `generate`: a padded batch of prompts -> completions (prefill, then decode).
 - `extend`: a session turn: feed each row's new tokens (the previous turn's last sampled token,
@@ -23,25 +27,33 @@ import jax.numpy as jnp
 
 from trace_jax import model as model_lib
 from trace_jax.guidance import byte_rows
+from trace_jax.guidance import layout as guidance_layout
 from trace_jax.model.config import ModelConfig
 from trace_jax.rollout import sampling as sampling_lib
 
 _STATIC = ("config", "max_new", "truncate", "tap_layers", "tap_mode", "tap_routing", "plan")
 
 
-def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, start,
+def step_rows(config: ModelConfig, max_new: int) -> int:
+  """Byte rows per sequence of the decode loop's step records for max_new tokens (steps past
+  max_new in the last block of `decode_steps_per_sync` land in the spare ones)."""
+  return max_new + config.decode_steps_per_sync - 1
+
+
+def _sample_and_decode(params, config: ModelConfig, cache, layout, last_logits, start,
                        max_new_each, temps, top_ps, top_ks, keys, stop_ids, live0, *,
                        max_new: int, truncate: bool, tap_layers: tuple[int, ...], tap_mode: str,
                        tap_routing: bool, experts=None, layers=None, plan=None):
   """Samples a first token from last_logits [B, V], then decodes up to max_new tokens.
 
   start [B]: the position the first sampled token will be fed at. live0 [B]: rows that sample
-  at all. truncate: some row has a top-k / top-p (`sampling.sample`). Returns (ids [B, N],
-  log-probs [B, N], number generated [B], cache, taps); the last generated token of a row is
-  not fed.
+  at all. truncate: some row has a top-k / top-p (`sampling.sample`). layout: the
+  `byte_rows.Layout` of one position's records (None: nothing recorded). Returns (ids [B, N],
+  log-probs [B, N], number generated [B], cache, steps): steps uint8 [B, step_rows, width],
+  column s the records of step s (1 <= s < number generated: the token fed at start + s - 1),
+  or None; the last generated token of a row is not fed.
   """
   b = last_logits.shape[0]
-  rows = jnp.arange(b)
   fixed = (model_lib.resolve_plan(config) if plan is None else plan).invariant
   tok, lp = sampling_lib.sample(last_logits.astype(jnp.float32),
                                 jax.vmap(jax.random.fold_in)(keys, jnp.zeros(b, jnp.int32)),
@@ -56,15 +68,13 @@ def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, st
     return (step < max_new) & ~jnp.all(done)
 
   # A step's records go to one byte row per sequence, at column `step` of `steps` (one
-  # update per step, whatever the number of tapped arrays); after the loop they are written
-  # to the taps buffers by position, once (`byte_rows`: one kernel per record and step cost
-  # the host more than the GPU's work).
+  # update per step, whatever the number of tapped arrays; `byte_rows`: one kernel per record
+  # and step cost the host more than the GPU's work).
   # The loop checks `cond` once per `per_sync` steps (`ModelConfig.decode_steps_per_sync`):
   # steps past max_new then run with no live row, their writes past the buffers' ends dropped
   # (scatters) or kept to the spare columns of `steps` (its dynamic_update_slice clamps).
   per_sync = config.decode_steps_per_sync
-  layout = byte_rows.layout_of(jax.tree.map(lambda a: a[:, :1], taps), lead=2) if taps else None
-  steps = None if layout is None else jnp.zeros((b, max_new + per_sync - 1, layout.width),
+  steps = None if layout is None else jnp.zeros((b, step_rows(config, max_new), layout.width),
                                                 jnp.uint8)
 
   def body(state):
@@ -99,15 +109,27 @@ def _sample_and_decode(params, config: ModelConfig, cache, taps, last_logits, st
   else:
     block = body
   _, cache, _, gen, logps, _, n_gen, steps = jax.lax.while_loop(cond, block, state)
-  if steps is not None:
-    # Step s (1 <= s < n_gen) fed the token at start + s - 1; the other columns (never
-    # written, or written by a finished row) go out of bounds and are dropped.
-    s = jnp.arange(max_new)[None, :]
-    fed = live0[:, None] & (s >= 1) & (s < n_gen[:, None])
-    pos = jnp.where(fed, start[:, None] + s - 1, jax.tree.leaves(taps)[0].shape[1])
-    taps = jax.tree.map(lambda buf, a: buf.at[rows[:, None], pos].set(a, mode="drop"),
-                        taps, byte_rows.unpack(steps[:, :max_new], layout))
-  return gen, logps, n_gen, cache, taps
+  return gen, logps, n_gen, cache, steps
+
+
+def _layout(taps) -> byte_rows.Layout | None:
+  """The byte-row layout of one position of record buffers [B, S, ...] (None: no records)."""
+  return byte_rows.layout_of(jax.tree.map(lambda a: a[:, :1], taps), lead=2) if taps else None
+
+
+def _write_steps(taps, steps, layout, live0, start, n_gen, max_new: int):
+  """The decode loop's step rows written into record buffers [B, total, ...] by position."""
+  if steps is None:
+    return taps
+  # Step s (1 <= s < n_gen) fed the token at start + s - 1; the other columns (never
+  # written, or written by a finished row) go out of bounds and are dropped.
+  b = steps.shape[0]
+  rows = jnp.arange(b)
+  s = jnp.arange(max_new)[None, :]
+  fed = live0[:, None] & (s >= 1) & (s < n_gen[:, None])
+  pos = jnp.where(fed, start[:, None] + s - 1, jax.tree.leaves(taps)[0].shape[1])
+  return jax.tree.map(lambda buf, a: buf.at[rows[:, None], pos].set(a, mode="drop"),
+                      taps, byte_rows.unpack(steps[:, :max_new], layout))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -123,23 +145,42 @@ def generate(params, config: ModelConfig, tokens, prompt_lens, max_new_each, tem
   `expert_weights.ExpertWeights`, or None (the params' experts); layers: the layers' params
   stacked per run (`model.stack_layers`), or None (params["layers"]); plan: the engine's
   `KernelPlan` (None: the config's, resolved as the program is traced). Returns generated ids
-  [B, N], their log-probs [B, N], the number generated per row [B], and the tap buffers with
-  rows [B, P + N, ...] indexed by absolute position.
+  [B, N], their log-probs [B, N], the number generated per row [B], and the records as
+  (prompt, steps): the prefill's taps [B, P, ...] by position and the decode loop's step rows
+  (`_sample_and_decode`; None when nothing is recorded), laid out by `ragged_records`.
   """
   b, p = tokens.shape
   total = p + max_new
   out = model_lib.prefill(params, config, tokens, total, tap_layers=tap_layers,
                           tap_mode=tap_mode, tap_routing=tap_routing, record=True,
                           experts=experts, layers=layers, plan=plan)
-  taps = jax.tree.map(lambda a: jnp.zeros((b, total) + a.shape[2:], a.dtype).at[:, :p].set(a),
-                      out.taps)
   last = out.logits[jnp.arange(b), prompt_lens - 1]
-  gen, logps, n_gen, _, taps = _sample_and_decode(
-      params, config, out.cache, taps, last, prompt_lens, max_new_each, temps, top_ps, top_ks,
-      keys, stop_ids, jnp.ones(b, bool), max_new=max_new, truncate=truncate,
+  gen, logps, n_gen, _, steps = _sample_and_decode(
+      params, config, out.cache, _layout(out.taps), last, prompt_lens, max_new_each, temps,
+      top_ps, top_ks, keys, stop_ids, jnp.ones(b, bool), max_new=max_new, truncate=truncate,
       tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing, experts=experts,
       layers=layers, plan=plan)
-  return gen, logps, n_gen, taps
+  return gen, logps, n_gen, (out.taps, steps)
+
+
+@functools.partial(jax.jit, static_argnames=("total",))
+def ragged_records(prompt, steps, prompt_lens, counts, *, total: int):
+  """`generate`'s records (prompt, steps) as `guidance_layout.ragged_rows` lays out records
+  by position [B, total, ...]: leaves [B * total, ...] whose first sum(counts) rows are
+  sequence 0's first counts[0] rows, then sequence 1's, ... (the rows after them: padding).
+  Row t of sequence i is its prefill's row t for t < prompt_lens[i], else the step row
+  t - prompt_lens[i] + 1, byte for byte. counts: int32 [B] (0 for unused rows)."""
+  b, p = jax.tree.leaves(prompt)[0].shape[:2]
+  # The sequence and position of each ragged row, in `ragged_rows`' own order.
+  seq, pos = guidance_layout.ragged_rows(
+      (jnp.broadcast_to(jnp.arange(b)[:, None], (b, total)),
+       jnp.broadcast_to(jnp.arange(total)[None, :], (b, total))), counts)
+  prompt_rows, layout = byte_rows.pack(prompt, 2)
+  plen = prompt_lens[seq]
+  col = jnp.clip(pos - plen + 1, 0, steps.shape[1] - 1)
+  rows = jnp.where((pos < plen)[:, None], prompt_rows[seq, jnp.minimum(pos, p - 1)],
+                   steps[seq, col])
+  return byte_rows.unpack(rows, layout)
 
 
 def _feed(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, *,
@@ -176,9 +217,12 @@ def extend(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, ma
   tap = dict(tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing,
              experts=experts, layers=layers, plan=plan)
   last, cache, taps = _feed(params, config, cache, taps, lens, chunk, chunk_lens, **tap)
-  return _sample_and_decode(params, config, cache, taps, last, lens + chunk_lens, max_new_each,
-                            temps, top_ps, top_ks, keys, stop_ids, chunk_lens > 0,
-                            max_new=max_new, truncate=truncate, **tap)
+  start, live0 = lens + chunk_lens, chunk_lens > 0
+  gen, logps, n_gen, cache, steps = _sample_and_decode(
+      params, config, cache, _layout(taps), last, start, max_new_each, temps, top_ps, top_ks,
+      keys, stop_ids, live0, max_new=max_new, truncate=truncate, **tap)
+  taps = _write_steps(taps, steps, _layout(taps), live0, start, n_gen, max_new)
+  return gen, logps, n_gen, cache, taps
 
 
 FEED_STATIC = ("config", "tap_layers", "tap_mode", "tap_routing", "plan")

@@ -3,9 +3,10 @@
 One jitted program (`decode.generate`) per (batch, prompt-length, new-token) bucket runs prefill
 and the whole decode loop on the device. Requests are padded into power-of-two buckets, so a
 stream of requests of varying sizes compiles only a few programs (one, for prompts under the
-engine's `min_prompt_len`). Under FP4 policies the program also records, into preallocated
-device buffers, what the engine was asked to record (guidance, routing, audit codes) for every
-position the trainer will later run through its forward (prompt + completion[:-1]).
+engine's `min_prompt_len`). Under FP4 policies the program also records what the engine was
+asked to record (guidance, routing, audit codes) for every position the trainer will later run
+through its forward (prompt + completion[:-1]): the prefill's rows and one byte row per decode
+step, a single copy on the device, gathered into ragged rows when the call returns.
 
 Sessions (`open_session` / `extend` / `close_session`) serve multi-turn episodes: the KV cache
 and the records stay on the device between turns, each turn feeds only its new tokens, and the
@@ -70,6 +71,12 @@ def prompt_bucket(n: int, min_prompt_len: int = 0) -> int:
   """
   floor = -(-int(min_prompt_len) // _MIN_LEN_BUCKET) * _MIN_LEN_BUCKET
   return floor if n <= floor else bucket(n, _MIN_LEN_BUCKET)
+
+
+def new_tokens_bucket(n: int) -> int:
+  """The decode loop's length (a program's max_new) for a call whose longest request asks for
+  n new tokens."""
+  return bucket(n, _MIN_LEN_BUCKET)
 
 
 class InProcessEngine:
@@ -231,7 +238,7 @@ class InProcessEngine:
     """The generation program's positional and keyword arguments for one padded batch."""
     b = bucket(len(prompts))
     p = prompt_bucket(max(map(len, prompts)), self.min_prompt_len)
-    max_new = bucket(max(s.max_new_tokens for s in sampling), _MIN_LEN_BUCKET)
+    max_new = new_tokens_bucket(max(s.max_new_tokens for s in sampling))
     tokens = np.zeros((b, p), np.int32)
     lens = np.ones(b, np.int32)
     for i, pr in enumerate(prompts):
@@ -248,10 +255,13 @@ class InProcessEngine:
                       sampling: list[SamplingParams]) -> list[Sample]:
     args, kw = self._generate_args(prompts, sampling)
     with self._programs.traced():
-      gen, logps, n_gen, taps = self._programs.generate(*args, **kw)
+      gen, logps, n_gen, (prompt, steps) = self._programs.generate(*args, **kw)
     samples = self._samples(prompts, sampling, gen, logps, n_gen)
     if kw["tap_layers"] or self.record_routing:
-      for s, h in zip(samples, self._emit([s.num_rows for s in samples], taps)):
+      tokens, lens = args[2], args[3]
+      gather = functools.partial(decode.ragged_records, prompt, steps, lens,
+                                 total=tokens.shape[1] + kw["max_new"])
+      for s, h in zip(samples, self._emit([s.num_rows for s in samples], gather)):
         s.guidance = h
     return samples
 
@@ -329,7 +339,7 @@ class InProcessEngine:
     else:
       c = prompt_bucket(longest, self.min_prompt_len if not session.lens.any() else 0)
     chunk, chunk_lens = self._pack(session, fed, c)
-    max_new = bucket(max(s.max_new_tokens for s in sampling), _MIN_LEN_BUCKET)
+    max_new = new_tokens_bucket(max(s.max_new_tokens for s in sampling))
     tap_layers, tap_mode = self._tap_plan()
     with self._lock, self._programs.traced():
       gen, logps, n_gen, session.cache, session.taps = self._programs.extend(
@@ -369,7 +379,8 @@ class InProcessEngine:
     for r in rows:
       session.lens[r] += len(fed[r])
       session.pending[r] = None
-    return self._emit([int(n) for n in session.lens[:session.n]], session.taps)
+    return self._emit([int(n) for n in session.lens[:session.n]],
+                      functools.partial(guidance_layout.ragged_rows, session.taps))
 
   def _chunks(self, session: Session, rows: Sequence[int], chunks: Sequence[Sequence[int]],
               max_new: Sequence[int]) -> dict[int, list[int]]:
@@ -408,16 +419,20 @@ class InProcessEngine:
       return tuple(self.config.guided_layers), self.config.guidance_mode
     return (), self.config.guidance_mode
 
-  def _emit(self, counts: list[int], taps: dict) -> list[GuidanceHandle]:
+  def _emit(self, counts: list[int], gather: Callable[[jax.Array], dict]
+            ) -> list[GuidanceHandle]:
     """Ragged records (the first counts[i] rows of sequence i) to the store or memory; returns
-    each sequence's guidance handle. Its wall time adds to `emit_seconds`."""
+    each sequence's guidance handle. gather: counts int32 [B] (0 past the batch's sequences) ->
+    the records in `guidance_layout.ragged_rows`' layout. Its wall time adds to
+    `emit_seconds`."""
     t0 = time.perf_counter()
     try:
-      return self._emit_records(counts, taps)
+      return self._emit_records(counts, gather)
     finally:
       self.emit_seconds += time.perf_counter() - t0
 
-  def _emit_records(self, counts: list[int], taps: dict) -> list[GuidanceHandle]:
+  def _emit_records(self, counts: list[int], gather: Callable[[jax.Array], dict]
+                    ) -> list[GuidanceHandle]:
     n_audit = math.ceil(self.audit_fraction * len(counts))
     # The rows of every sequence in order, gathered on the device by one program per batch
     # shape (padded to b * S rows), then moved to pinned host memory by the device's streams
@@ -426,9 +441,8 @@ class InProcessEngine:
     # sum(counts) are padding, cut where the records land. (Calling `start_host_copy` on the
     # records thread instead held the next generate call back further on the H200: fp4_trace /
     # fp4_rtn 0.783 against 0.938 at batch 64, in the git history of docs/benchmarks.md.)
-    b = jax.tree.leaves(taps)[0].shape[0]
-    ragged = guidance_layout.ragged_rows(
-        taps, jnp.asarray(list(counts) + [0] * (b - len(counts)), jnp.int32))
+    b = bucket(len(counts))  # the programs' batch
+    ragged = gather(jnp.asarray(list(counts) + [0] * (b - len(counts)), jnp.int32))
     # Audited rollouts tap full codes: the guided layers' compact training records are made
     # from them on the device, before the copy (a host compaction waited for the copy and held
     # the caller).
