@@ -19,11 +19,12 @@ out zero.
 
 Grid (T, N / 128): T row tiles of BLOCK_M rows, each within one group (`tile_table`: a block
 of rows that two experts share is two tiles, each storing its own expert's rows; the rows past
-the groups are tiles of group -1 that store zeros). Program (t, j): its tile's K loop, then the
-tile's rows [lo, hi) stored by TMA through shared memory (whole rows in power-of-two runs, as
-JAX's grouped GEMM stores them). GPU only: the CPU tests lower it
-(tests/kernels/test_mosaic_lowering.py) and check `tile_table` against a numpy reference;
-its values are tested on the GPU against `fp8_gemm.reference` (tests/kernels/test_fp8_gemm.py).
+the groups are tiles of group -1 that store zeros). Program (t, j): its tile's K loop (one
+warpgroup of 64 rows, or two sharing each B tile beside a third that issues the loads), then
+the tile's rows [lo, hi) stored by TMA through shared memory (whole rows in power-of-two runs,
+`store_runs`, as JAX's grouped GEMM stores them). GPU only: the CPU tests lower it
+(tests/kernels/test_mosaic_lowering.py) and check `tile_table` and `store_runs`; its values
+are tested on the GPU against a float64 product (tests/kernels/test_wgmma_fp8.py).
 """
 
 from __future__ import annotations
