@@ -133,11 +133,6 @@ def record_bytes_per_seq(engine: Any, context: int, new_tokens: int = 0) -> tupl
   return row * context + steps, steps
 
 
-def record_bytes_per_token(engine: Any, context: int, new_tokens: int = 0) -> float:
-  """`record_bytes_per_seq` per token of context."""
-  return record_bytes_per_seq(engine, context, new_tokens)[0] / context
-
-
 def budget_plan(engine: Any, budget_bytes: float, context: int,
                 new_tokens: int = 0) -> dict[str, Any]:
   """How many sequences of `context` tokens fit in `budget_bytes` next to the weights `engine`

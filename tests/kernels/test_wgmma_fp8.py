@@ -2,7 +2,8 @@
 
 CPU: `tile_table` against a numpy walk over the groups: every row of every group lies in
 exactly one used tile of that group, the rows past the groups in tiles of group -1, and no
-used tile holds rows of two groups. GPU (Hopper): the kernel against the float64 product and
+used tile holds rows of two groups; `store_runs` over every row range of a tile; unsupported
+operands refused. GPU (Hopper): the kernel against the float64 product and
 the bound of tests/kernels/test_fp8_gemm.py (the same operands), bit for bit against itself
 with the layer read in place, and NaN propagation. Its lowering: test_mosaic_lowering.py.
 """
@@ -19,7 +20,8 @@ from trace_jax.kernels import fp8_gemm, wgmma_fp8
 from trace_jax.quant import formats
 
 ON_GPU = jax.default_backend() == "gpu"
-_GPU_ONLY = "wgmma_fp8 runs on a Hopper GPU only (its CPU coverage: tile_table and lowering)"
+_GPU_ONLY = ("wgmma_fp8 runs on a Hopper GPU only: Mosaic GPU, no interpret mode (its CPU "
+             "coverage: tile_table, store_runs and lowering)")
 
 TABLES = [
     ("mixed_with_empty", 200, (30, 0, 90, 20), 64),
