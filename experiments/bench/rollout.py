@@ -37,7 +37,8 @@ sequences of `--budget_context` tokens fit in the budget next to the weights as 
 stores them (`rollout_bytes`: with decode_impl "kernel", packed NVFP4 experts under FP4, E4M3
 experts and attention projections under FP8, the rest BF16), each sequence costing its KV
 cache (packed NVFP4 under the FP4 policies with decode_impl "kernel"; else
-BF16) and the records the engine keeps for it (fp4_trace's guidance and routing); then the
+BF16) and the records its session turn holds on the device (fp4_trace's guidance and routing
+of the fed token and the decode steps; a session's earlier records are in host memory); then the
 decode of `--new_tokens` tokens in one engine session turn (`InProcessEngine.extend`) at that
 batch (capped at `--budget_max_batch`) over caches of `--budget_context` tokens. The caches
 hold zeros instead of a prefill's values: the XLA prefill materializes [batch, heads, S, S]
@@ -91,7 +92,6 @@ from experiments.bench import profiling, rollout_transformers
 from experiments.bench.rollout_bytes import (
   budget_plan,
   expected_touched,
-  session_records,
   step_bytes,
 )
 
@@ -347,10 +347,9 @@ def run_budget_case(params: Any, config: Any, budget_bytes: float, context: int,
                     reps: int) -> dict[str, Any]:
   """The fixed-memory case of one policy: sequences of `context` tokens fitting next to the
   engine's weights, and the decode tokens/s at that many (at most `max_batch`) of one engine
-  session turn per call (`InProcessEngine.extend`: the pending token fed, padded to 16, then
-  `--new_tokens` decoded) over caches of `context` tokens."""
+  session turn per call (`InProcessEngine.extend`: the pending token fed, then `--new_tokens`
+  decoded) over caches of `context` tokens; the turn's records go to the host as it ends."""
   import jax
-  import jax.numpy as jnp
 
   from trace_jax import model as model_lib
   from trace_jax.rollout import engine as engine_lib
@@ -369,19 +368,19 @@ def run_budget_case(params: Any, config: Any, budget_bytes: float, context: int,
     return r
   b = min(r["sequences"], max_batch)
   per_seq = r["kv_bytes_per_seq"] + r["record_bytes_per_seq"]
-  records = session_records(engine, context)
   pending = np.random.default_rng(0).integers(1, config.vocab_size, b).tolist()
   sp = [SamplingParams(max_new_tokens=new, temperature=0.0)] * b
   out: list[Any] = []
 
   def call() -> float:
     # A session of b rows whose caches hold `context - new - 2` tokens (zeros: the decode's
-    # work does not depend on them), its buffers as `open_session` makes them but unpadded.
+    # work does not depend on them), as `open_session` makes it but unpadded; its earlier
+    # turns' records would be on the host.
     session = engine_lib.Session(
         n=b, batch=b, total=context, cache=model_lib.init_cache(config, b, context),
-        taps=jax.tree.map(lambda a: jnp.zeros((b, context) + a.shape[2:], a.dtype), records),
-        lens=np.full(b, context - new - 2, np.int32), pending=list(pending))
-    jax.block_until_ready((session.cache, session.taps))
+        layout=engine.record_layout(), lens=np.full(b, context - new - 2, np.int32),
+        pending=list(pending))
+    jax.block_until_ready(session.cache)
     t0 = time.perf_counter()
     out[:] = engine.extend(session, list(range(b)), [[]] * b, sp)
     dt = time.perf_counter() - t0
@@ -532,7 +531,8 @@ def run_fixed_memory(params: Any, base: Any, res: dict[str, Any], budget_gb: flo
     _with_bandwidth(r, config, r.get("batch", 0), context - FLAGS.new_tokens / 2, res)
     head = (f"  budget:{policy:<15} weights {_gb(r['weight_bytes'])}, "
             f"{_gb(r['kv_bytes_per_seq'] + r['record_bytes_per_seq'])}/sequence "
-            f"(records {_gb(r['record_bytes_per_seq'])}): {r['sequences']} fit")
+            f"(records {_gb(r['record_bytes_per_seq'])} on the device, "
+            f"{_gb(r['host_record_bytes_per_seq'])} on the host): {r['sequences']} fit")
     if "skipped" in r:
       print(f"{head}; not timed: {r['skipped']}", flush=True)
     else:

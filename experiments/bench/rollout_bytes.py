@@ -96,25 +96,16 @@ def fit_sequences(budget_bytes: float, weights: float, per_sequence: float) -> t
   return n, ""
 
 
-def session_records(engine: Any, context: int) -> Any:
-  """The record buffers (guidance and routing under fp4_trace; {} when the engine records
-  nothing) the engine allocates for one session row, [1, total >= context, ...]."""
-  return engine.open_session(1, context - 1).taps
-
-
-def record_row_bytes(engine: Any, context: int) -> float:
-  """Bytes of one token's records as the engine holds them (a row of its record buffers, the
-  width of the decode loop's byte rows; 0 when it records nothing)."""
-  import jax
-
-  leaves = jax.tree.leaves(session_records(engine, context))
-  return float(sum(a.nbytes / a.shape[1] for a in leaves))
+def record_row_bytes(engine: Any) -> float:
+  """Bytes of one token's records as the engine holds them (a byte row of its programs'
+  records; 0 when it records nothing)."""
+  layout = engine.record_layout()
+  return 0.0 if layout is None else float(layout.width)
 
 
 def decode_record_rows(engine: Any, new_tokens: int) -> int:
-  """Byte rows per sequence the decode loop of a turn of `new_tokens` tokens holds beside the
-  session's record buffers (`decode.step_rows` at the engine's bucket of new tokens; 0 for no
-  turn)."""
+  """Byte rows per sequence the decode loop of a turn of `new_tokens` tokens holds
+  (`decode.step_rows` at the engine's bucket of new tokens; 0 for no turn)."""
   from trace_jax.rollout import decode
   from trace_jax.rollout import engine as engine_lib
 
@@ -123,28 +114,31 @@ def decode_record_rows(engine: Any, new_tokens: int) -> int:
   return decode.step_rows(engine.config, engine_lib.new_tokens_bucket(new_tokens))
 
 
-def record_bytes_per_seq(engine: Any, context: int, new_tokens: int = 0) -> tuple[float, float]:
+def record_bytes_per_seq(engine: Any, new_tokens: int, chunk: int = 1) -> tuple[float, float]:
   """(Bytes of the records the engine holds on the device for a sequence while a session turn
-  decodes `new_tokens` tokens over caches of `context` tokens, the decode loop's share of
-  them): its record buffers (a row per position) and the loop's step rows
-  (`decode_record_rows`), both live until the turn ends."""
-  row = record_row_bytes(engine, context)
+  feeds `chunk` tokens and decodes `new_tokens`, the decode loop's share of them): the chunk's
+  rows and the loop's step rows (`decode_record_rows`), live until the turn ends and its
+  records go to the host (`rollout.turn_records`). The session's earlier records are on the
+  host, so they do not depend on the context."""
+  row = record_row_bytes(engine)
   steps = row * decode_record_rows(engine, new_tokens)
-  return row * context + steps, steps
+  return row * chunk + steps, steps
 
 
 def budget_plan(engine: Any, budget_bytes: float, context: int,
                 new_tokens: int = 0) -> dict[str, Any]:
   """How many sequences of `context` tokens fit in `budget_bytes` next to the weights `engine`
-  holds: each costs its KV cache and the engine's records for it while a session turn decodes
-  `new_tokens` tokens (`record_bytes_per_seq`; 0: the record buffers alone). `skipped` says
-  why none."""
+  holds: each costs its KV cache and the records of a session turn that feeds its pending
+  token and decodes `new_tokens` tokens (`record_bytes_per_seq`; 0: the pending token's
+  alone). `host_record_bytes_per_seq`: the session's records of `context` tokens, kept in host
+  memory. `skipped` says why none."""
   weights = weight_bytes(engine.config)
   kv = context * kv_bytes_per_token(engine.config)
-  rec, decode_rec = record_bytes_per_seq(engine, context, new_tokens)
+  rec, decode_rec = record_bytes_per_seq(engine, new_tokens)
   fits, why = fit_sequences(budget_bytes, weights, kv + rec)
   r = {"weight_bytes": weights, "kv_bytes_per_seq": kv, "record_bytes_per_seq": rec,
-       "decode_record_bytes_per_seq": decode_rec, "sequences": fits}
+       "decode_record_bytes_per_seq": decode_rec,
+       "host_record_bytes_per_seq": context * record_row_bytes(engine), "sequences": fits}
   if not fits:
     r["skipped"] = why
   return r

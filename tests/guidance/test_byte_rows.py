@@ -34,16 +34,18 @@ def _bits(a):
 
 @pytest.mark.parametrize("lead", [(4,), (2, 3)], ids=["one_axis", "two_axes"])
 def test_round_trip_is_bit_exact(lead):
+  """pack, then unpack on the device and on the host (`unpack_host`): every bit back."""
   tree = _tree(np.random.default_rng(0), lead)
   layout = byte_rows.layout_of(tree, len(lead))
   rows = jax.jit(lambda t: byte_rows.pack(t, len(lead))[0])(tree)
   assert rows.dtype == jnp.uint8 and rows.shape == lead + (layout.width,)
   assert layout.width == 8 + 12 + 32 + 5 + 1 + 4
-  back = jax.jit(byte_rows.unpack, static_argnums=1)(rows, layout)
-  assert jax.tree.structure(back) == jax.tree.structure(tree)
-  for name in tree:
-    assert back[name].dtype == tree[name].dtype and back[name].shape == tree[name].shape, name
-    np.testing.assert_array_equal(_bits(back[name]), _bits(tree[name]), err_msg=name)
+  for unpack in (jax.jit(byte_rows.unpack, static_argnums=1), byte_rows.unpack_host):
+    back = unpack(np.asarray(rows) if unpack is byte_rows.unpack_host else rows, layout)
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+    for name in tree:
+      assert back[name].dtype == tree[name].dtype and back[name].shape == tree[name].shape, name
+      np.testing.assert_array_equal(_bits(back[name]), _bits(tree[name]), err_msg=name)
 
 
 def test_rows_move_together():
@@ -78,6 +80,8 @@ def test_bad_input_is_refused():
   _, layout = byte_rows.pack({"a": jnp.zeros((2, 3))}, 1)
   with pytest.raises(ValueError, match="width 12"):
     byte_rows.unpack(jnp.zeros((2, 11), jnp.uint8), layout)
+  with pytest.raises(ValueError, match="width 12"):
+    byte_rows.unpack_host(np.zeros((2, 11), np.uint8), layout)
 
 
 def test_forward_tap_rows_are_the_packed_taps():

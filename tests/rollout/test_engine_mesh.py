@@ -135,8 +135,12 @@ def test_session_matches_one_device_and_compiles_each_turn_shape_once():
     eng.close_session(s, [[1], [2]])
     results.append(([x.tokens for x in out], eng.last_guidance["routing"]))
   assert eng._programs.extend._cache_size() == 2 and eng._programs.feed._cache_size() == 1
-  for tree, dim in ((s.cache, 1), (s.taps, 0)):  # runs' stacks [L, B, ...]; records [B, ...]
-    for a in jax.tree.leaves(tree):
+  assert s.cache is None and not s.turns  # closed: the cache freed, the records emitted
+  s = eng.open_session(2, 40)
+  eng.extend(s, [0, 1], [[3, 4, 5], [7, 8]], sp)
+  (turn,) = s.turns
+  for tree, dim in ((s.cache, 1), ((turn.chunk, turn.steps), 0)):  # runs' stacks [L, B, ...];
+    for a in jax.tree.leaves(tree):                                # a turn's records [B, ...]
       assert a.sharding.spec == PartitionSpec(*([None] * dim), "data"), a.sharding
       assert a.addressable_shards[0].data.shape[dim] == 1, a.shape
   (want, ra), (got, rb) = results

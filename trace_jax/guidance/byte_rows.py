@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,3 +86,23 @@ def unpack(rows: jax.Array, layout: Layout) -> Any:
                                                  dt))
   return jax.tree.unflatten(layout.treedef, leaves)
 
+
+
+def unpack_host(rows: np.ndarray, layout: Layout) -> Any:
+  """`unpack` on the host: NumPy rows uint8 [..., width] -> the tree of NumPy arrays `pack`
+  made (views of rows' bytes, reinterpreted as each leaf's dtype; booleans copied)."""
+  rows = np.ascontiguousarray(rows)
+  if rows.dtype != np.uint8 or rows.shape[-1] != layout.width:
+    raise ValueError(f"byte_rows.unpack_host: expected uint8 rows of width {layout.width}, "
+                     f"got {rows.dtype} {rows.shape}")
+  lead = rows.shape[:-1]
+  leaves = []
+  for tail, name, lo, hi in zip(layout.tails, layout.dtypes, layout.offsets,
+                                layout.offsets[1:]):
+    dt = jnp.dtype(name)
+    part = np.ascontiguousarray(rows[..., lo:hi])
+    if dt == jnp.bool_:
+      leaves.append(part.reshape(lead + tail) != 0)
+    else:
+      leaves.append(part.view(dt).reshape(lead + tail))
+  return jax.tree.unflatten(layout.treedef, leaves)

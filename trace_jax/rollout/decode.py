@@ -4,11 +4,11 @@ Each program runs entirely on the device (`lax.while_loop` over decode steps; no
 to the host per token) and keeps the records the engine asked for (taps of the chosen layers
 and routing): row t of a sequence's record is what the rollout computed when it fed token t,
 prompt + completion[:-1] for one call, the whole transcript for a session. Each decode step's
-records go to one byte row per sequence (`byte_rows`). A session keeps buffers indexed by
-absolute position, written from the step rows after the loop; `generate` returns the prefill's
-records and the step rows as they are (`ragged_records` lays them out for the engine), so it
-holds one copy of a sequence's records rather than buffers of its whole length beside the step
-rows.
+records go to one byte row per sequence (`byte_rows`). No program keeps buffers of a
+sequence's whole length: `generate` returns the prefill's records and the step rows as they
+are (`ragged_records` lays them out for the engine); a session turn returns the rows of the
+chunk it fed and of its decode steps, which the engine moves to the host as the turn ends
+(`turn_records`), so a session holds its KV cache on the device and its records on the host.
 
 - `generate`: a padded batch of prompts -> completions (prefill, then decode).
 - `extend`: a session turn: feed each row's new tokens (the previous turn's last sampled token,
@@ -20,7 +20,6 @@ rows.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -117,21 +116,6 @@ def _layout(taps) -> byte_rows.Layout | None:
   return byte_rows.layout_of(jax.tree.map(lambda a: a[:, :1], taps), lead=2) if taps else None
 
 
-def _write_steps(taps, steps, layout, live0, start, n_gen, max_new: int):
-  """The decode loop's step rows written into record buffers [B, total, ...] by position."""
-  if steps is None:
-    return taps
-  # Step s (1 <= s < n_gen) fed the token at start + s - 1; the other columns (never
-  # written, or written by a finished row) go out of bounds and are dropped.
-  b = steps.shape[0]
-  rows = jnp.arange(b)
-  s = jnp.arange(max_new)[None, :]
-  fed = live0[:, None] & (s >= 1) & (s < n_gen[:, None])
-  pos = jnp.where(fed, start[:, None] + s - 1, jax.tree.leaves(taps)[0].shape[1])
-  return jax.tree.map(lambda buf, a: buf.at[rows[:, None], pos].set(a, mode="drop"),
-                      taps, byte_rows.unpack(steps[:, :max_new], layout))
-
-
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def generate(params, config: ModelConfig, tokens, prompt_lens, max_new_each, temps, top_ps,
              top_ks, keys, stop_ids, *, max_new: int, truncate: bool,
@@ -183,7 +167,7 @@ def ragged_records(prompt, steps, prompt_lens, counts, *, total: int):
   return byte_rows.unpack(rows, layout)
 
 
-def _feed(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, *,
+def _feed(params, config: ModelConfig, cache, lens, chunk, chunk_lens, *,
           tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool, experts=None, layers=None,
           plan=None):
   """Feeds chunk [B, C] (row r: its first chunk_lens[r] tokens) at positions lens[r]...
@@ -191,61 +175,68 @@ def _feed(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, *,
   Decode-mode attention over the cache: each new token sees the session's earlier tokens and
   the chunk's tokens before it. Padding entries write K/V past the row's end, where the next
   feed or decode step overwrites them before anything attends to them. Returns (logits of
-  each row's last fed token [B, V], cache, taps).
+  each row's last fed token [B, V], cache, the chunk's taps [B, C, ...]: row r's first
+  chunk_lens[r] are its records, the rest padding).
   """
   b, c = chunk.shape
   pos = lens[:, None] + jnp.arange(c)[None, :]
   out = model_lib.forward(params, config, chunk, pos, cache=cache, decode=True,
                           tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing,
                           record=True, experts=experts, layers=layers, plan=plan)
-  real = jnp.arange(c)[None, :] < chunk_lens[:, None]
-  rows = jnp.arange(b)[:, None]
-  taps = jax.tree.map(
-      lambda buf, a: buf.at[rows, pos].set(jnp.where(
-          real.reshape((b, c) + (1,) * (a.ndim - 2)), a, buf[rows, pos])), taps, out.taps)
   last = out.logits[jnp.arange(b), jnp.maximum(chunk_lens - 1, 0)]
-  return last, out.cache, taps
+  return last, out.cache, out.taps
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "taps"))
-def extend(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, max_new_each,
-           temps, top_ps, top_ks, keys, stop_ids, *, max_new: int, truncate: bool,
+def _chunk_rows(taps):
+  """A chunk's taps [B, C, ...] as byte rows uint8 [B, C, W] (None: nothing recorded)."""
+  return byte_rows.pack(taps, 2)[0] if taps else None
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def extend(params, config: ModelConfig, cache, lens, chunk, chunk_lens, max_new_each, temps,
+           top_ps, top_ks, keys, stop_ids, *, max_new: int, truncate: bool,
            tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool, experts=None,
            layers=None, plan=None):
   """One session turn: `_feed` the chunk, then sample and decode (rows with chunk_lens 0 sit
-  the turn out). Returns (ids [B, N], log-probs [B, N], number generated [B], cache, taps)."""
+  the turn out). Returns (ids [B, N], log-probs [B, N], number generated [B], cache, records):
+  records (chunk rows [B, C, W], step rows [B, step_rows, W]) in the layout of
+  `record_layout` (`turn_records.Turn`), or None when nothing is recorded."""
   tap = dict(tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing,
              experts=experts, layers=layers, plan=plan)
-  last, cache, taps = _feed(params, config, cache, taps, lens, chunk, chunk_lens, **tap)
+  last, cache, taps = _feed(params, config, cache, lens, chunk, chunk_lens, **tap)
   start, live0 = lens + chunk_lens, chunk_lens > 0
   gen, logps, n_gen, cache, steps = _sample_and_decode(
       params, config, cache, _layout(taps), last, start, max_new_each, temps, top_ps, top_ks,
       keys, stop_ids, live0, max_new=max_new, truncate=truncate, **tap)
-  taps = _write_steps(taps, steps, _layout(taps), live0, start, n_gen, max_new)
-  return gen, logps, n_gen, cache, taps
+  records = (_chunk_rows(taps), steps) if taps else None
+  return gen, logps, n_gen, cache, records
 
 
 FEED_STATIC = ("config", "tap_layers", "tap_mode", "tap_routing", "plan")
 
 
-@functools.partial(jax.jit, static_argnames=FEED_STATIC, donate_argnames=("cache", "taps"))
-def feed(params, config: ModelConfig, cache, taps, lens, chunk, chunk_lens, *,
+@functools.partial(jax.jit, static_argnames=FEED_STATIC, donate_argnames=("cache",))
+def feed(params, config: ModelConfig, cache, lens, chunk, chunk_lens, *,
          tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool, experts=None, layers=None,
          plan=None):
-  """A session's closing tokens, recorded without sampling. Returns (cache, taps)."""
-  _, cache, taps = _feed(params, config, cache, taps, lens, chunk, chunk_lens,
+  """A session's closing tokens, recorded without sampling. Returns (cache, the chunk's record
+  rows uint8 [B, C, W] or None)."""
+  _, cache, taps = _feed(params, config, cache, lens, chunk, chunk_lens,
                          tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing,
                          experts=experts, layers=layers, plan=plan)
-  return cache, taps
+  return cache, _chunk_rows(taps)
 
 
-def tap_buffers(params, config: ModelConfig, batch: int, total: int, *,
-                tap_layers: tuple[int, ...], tap_mode: str, tap_routing: bool,
-                experts=None, layers=None, plan=None) -> Any:
-  """Zero record buffers [batch, total, ...] of what one decode step taps (shapes only)."""
-  cache = model_lib.init_cache(config, batch, 1, plan=plan)
-  step = jax.eval_shape(lambda p, c, e, s: model_lib.decode_step(
-      p, config, c, jnp.zeros(batch, jnp.int32), jnp.zeros(batch, jnp.int32),
+def record_layout(params, config: ModelConfig, *, tap_layers: tuple[int, ...], tap_mode: str,
+                  tap_routing: bool, experts=None, layers=None,
+                  plan=None) -> byte_rows.Layout | None:
+  """The byte-row layout of one position's records, as a decode step taps them (shapes only;
+  None when nothing is recorded)."""
+  if not (tap_layers or tap_routing):
+    return None
+  cache = model_lib.init_cache(config, 1, 1, plan=plan)
+  taps = jax.eval_shape(lambda p, c, e, s: model_lib.decode_step(
+      p, config, c, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
       tap_layers=tap_layers, tap_mode=tap_mode, tap_routing=tap_routing, record=True,
       experts=e, layers=s, plan=plan).taps, params, cache, experts, layers)
-  return jax.tree.map(lambda a: jnp.zeros((batch, total) + a.shape[2:], a.dtype), step)
+  return byte_rows.layout_of(taps, lead=2)

@@ -9,8 +9,10 @@ through its forward (prompt + completion[:-1]): the prefill's rows and one byte 
 step, a single copy on the device, gathered into ragged rows when the call returns.
 
 Sessions (`open_session` / `extend` / `close_session`) serve multi-turn episodes: the KV cache
-and the records stay on the device between turns, each turn feeds only its new tokens, and the
-records hold exactly what the rollout computed for every token of the transcript.
+stays on the device between turns and each turn feeds only its new tokens; each turn's records
+move to pinned host memory as it ends (`turn_records`), so the device holds the cache and one
+turn's records, and the records hold exactly what the rollout computed for every token of the
+transcript.
 
 On a mesh (`InProcessEngine(mesh=)`) the routed experts are split over the mesh's `expert`
 axis and every program runs its MoE blocks expert-parallel (`model.expert_parallel`);
@@ -46,7 +48,7 @@ from trace_jax.guidance.record import Guidance
 from trace_jax.model import expert_parallel, expert_weights, mesh_context, sharding
 from trace_jax.model.config import SITES, ModelConfig
 from trace_jax.quant import guided
-from trace_jax.rollout import decode
+from trace_jax.rollout import decode, turn_records
 from trace_jax.rollout import sampling as sampling_lib
 from trace_jax.rollout.protocol import Sample, SamplingParams, normalize_request
 
@@ -124,6 +126,7 @@ class InProcessEngine:
                            else record_routing)
     self.max_batch = max_batch
     self.min_prompt_len = min_prompt_len
+    self._record_layout: tuple[Any] | None = None  # (`record_layout`,) once traced
     self._seed_counter = itertools.count((seed * 1_000_003) % _SEED_MOD)
     self._memory_batches = itertools.count()  # batch ids of records kept in memory
     self._lock = threading.Lock()
@@ -309,16 +312,22 @@ class InProcessEngine:
     if total > self.config.max_position_embeddings:
       raise ValueError(f"session length {max_len} exceeds max_position_embeddings "
                        f"{self.config.max_position_embeddings}")
-    tap_layers, tap_mode = self._tap_plan()
-    with self._programs.traced():
-      taps = (decode.tap_buffers(self.params, self.config, b, total, tap_layers=tap_layers,
-                                 tap_mode=tap_mode, tap_routing=self.record_routing,
-                                 experts=self.experts, layers=self.layers, plan=self.plan)
-              if tap_layers or self.record_routing else {})
-    cache, taps = self._programs.place_session(
-        model_lib.init_cache(self.config, b, total, plan=self.plan), taps)
-    return Session(n=n, batch=b, total=total, cache=cache, taps=taps,
+    cache = self._programs.place_cache(model_lib.init_cache(self.config, b, total,
+                                                             plan=self.plan))
+    return Session(n=n, batch=b, total=total, cache=cache, layout=self.record_layout(),
                    lens=np.zeros(b, np.int32), pending=[None] * b)
+
+  def record_layout(self) -> Any:
+    """The byte-row layout (`byte_rows.Layout`) of one token's records as this engine's
+    programs tap them, or None when it records nothing (traced once per engine)."""
+    if self._record_layout is None:
+      tap_layers, tap_mode = self._tap_plan()
+      with self._programs.traced():
+        self._record_layout = (decode.record_layout(
+            self.params, self.config, tap_layers=tap_layers, tap_mode=tap_mode,
+            tap_routing=self.record_routing, experts=self.experts, layers=self.layers,
+            plan=self.plan),)
+    return self._record_layout[0]
 
   def extend(self, session: Session, rows: Sequence[int], chunks: Sequence[Sequence[int]],
              sampling: Sequence[SamplingParams]) -> list[Sample]:
@@ -342,12 +351,13 @@ class InProcessEngine:
     max_new = new_tokens_bucket(max(s.max_new_tokens for s in sampling))
     tap_layers, tap_mode = self._tap_plan()
     with self._lock, self._programs.traced():
-      gen, logps, n_gen, session.cache, session.taps = self._programs.extend(
-          self.params, self.config, session.cache, session.taps, jnp.asarray(session.lens),
+      gen, logps, n_gen, session.cache, records = self._programs.extend(
+          self.params, self.config, session.cache, jnp.asarray(session.lens),
           chunk, chunk_lens, *self._sampling_arrays(sp, session.batch), max_new=max_new,
           truncate=self._truncates(sp), tap_layers=tap_layers, tap_mode=tap_mode,
           tap_routing=self.record_routing, experts=self.experts, layers=self.layers,
           plan=self.plan)
+    self._keep(session, records, chunk_lens, n_gen)
     n_gen = np.asarray(n_gen)
     gen_np = np.asarray(gen)
     for r in rows:
@@ -371,16 +381,32 @@ class InProcessEngine:
     chunk, chunk_lens = self._pack(session, fed, bucket(max(map(len, fed.values())),
                                                         _MIN_LEN_BUCKET))
     with self._lock, self._programs.traced():
-      session.cache, session.taps = self._programs.feed(
-          self.params, self.config, session.cache, session.taps, jnp.asarray(session.lens),
+      session.cache, records = self._programs.feed(
+          self.params, self.config, session.cache, jnp.asarray(session.lens),
           chunk, chunk_lens, tap_layers=tap_layers, tap_mode=tap_mode,
           tap_routing=self.record_routing, experts=self.experts, layers=self.layers,
           plan=self.plan)
+    self._keep(session, (records, None), chunk_lens, None)
+    session.cache = None  # closed: its records are on the host, the cache is no longer needed
     for r in rows:
       session.lens[r] += len(fed[r])
       session.pending[r] = None
-    return self._emit([int(n) for n in session.lens[:session.n]],
-                      functools.partial(guidance_layout.ragged_rows, session.taps))
+    counts = [int(n) for n in session.lens[:session.n]]
+    host = turn_records.ragged(session.turns, counts, session.layout)
+    session.turns = []
+    return self._emit(counts, lambda _: host)
+
+  def _keep(self, session: Session, records: Any, chunk_lens: jax.Array,
+            n_gen: jax.Array | None) -> None:
+    """A turn's records (chunk rows, step rows; None: nothing recorded) queued for the
+    session's host copies (`guidance_layout.start_host_copy`: the copy runs on the device's
+    streams; the device buffers go when it is done)."""
+    if records is None or records[0] is None:
+      return
+    chunk, steps = guidance_layout.start_host_copy(records)
+    session.turns.append(turn_records.Turn(
+        chunk=chunk, steps=steps, fed=np.asarray(chunk_lens),
+        n_gen=None if n_gen is None else np.asarray(n_gen)))
 
   def _chunks(self, session: Session, rows: Sequence[int], chunks: Sequence[Sequence[int]],
               max_new: Sequence[int]) -> dict[int, list[int]]:
@@ -423,8 +449,8 @@ class InProcessEngine:
             ) -> list[GuidanceHandle]:
     """Ragged records (the first counts[i] rows of sequence i) to the store or memory; returns
     each sequence's guidance handle. gather: counts int32 [B] (0 past the batch's sequences) ->
-    the records in `guidance_layout.ragged_rows`' layout. Its wall time adds to
-    `emit_seconds`."""
+    the records in `guidance_layout.ragged_rows`' layout (device arrays; a session's: host
+    arrays of exactly sum(counts) rows). Its wall time adds to `emit_seconds`."""
     t0 = time.perf_counter()
     try:
       return self._emit_records(counts, gather)
@@ -453,7 +479,9 @@ class InProcessEngine:
       compact = _compact_records(
           {layer: {site: ragged[layer][site] for site in SITES}
            for layer in self.config.guided_layers})
-    rows = guidance_layout.start_host_copy(ragged)
+    # A session's records come assembled on the host (`turn_records`); a call's, on the device.
+    on_host = all(isinstance(a, np.ndarray) for a in jax.tree.leaves(ragged))
+    rows = ragged if on_host else guidance_layout.start_host_copy(ragged)
     if compact is not None:
       compact = guidance_layout.start_host_copy(compact)
     self.emit_bytes += sum(a.nbytes for a in jax.tree.leaves((rows, compact)))
@@ -513,18 +541,21 @@ class InProcessEngine:
 
 @dataclasses.dataclass
 class Session:
-  """Episodes whose KV cache and records stay on the device between turns.
+  """Episodes whose KV cache stays on the device between turns, their records on the host.
 
   lens[r]: tokens of row r fed so far (its cache and record rows); pending[r]: the last token
-  sampled for row r, fed at the start of its next chunk.
+  sampled for row r, fed at the start of its next chunk; layout: the byte-row layout of a
+  token's records (None: nothing recorded); turns: each turn's records, copied to the host
+  (`turn_records.Turn`).
   """
   n: int
   batch: int
   total: int
   cache: Any
-  taps: Any
+  layout: Any
   lens: np.ndarray
   pending: list[int | None]
+  turns: list[turn_records.Turn] = dataclasses.field(default_factory=list)
 
 
 # Full-mode records -> compact (`guided.compact`), a tree at a time, on the device.
@@ -560,7 +591,7 @@ class _Programs:
                        f"{sharding.MESH_AXES}")
     with self.traced():
       expert_parallel.active_mesh(config.num_experts)  # raises if `expert` does not divide E
-    donated = ("cache", "taps")
+    donated = ("cache",)
     self.generate = jax.jit(functools.partial(decode.generate.__wrapped__),
                             static_argnames=decode._STATIC)
     self.extend = jax.jit(self._pinned(decode.extend), static_argnames=decode._STATIC,
@@ -571,35 +602,35 @@ class _Programs:
     self._stack: Any = None
 
   def _pinned(self, program: Any) -> Any:
-    """A session program's function (a new one: its own trace cache) with the cache and records
-    it carries (its last two outputs) laid out as `open_session` places them
+    """A session program's function (a new one: its own trace cache) with the cache and the
+    turn's records (its last two outputs) laid out as `open_session` places the cache
     (`session_shardings`): each turn's inputs then have the previous turn's shardings and the
     program compiles once."""
     fn = program.__wrapped__
 
     @functools.wraps(fn)
     def pinned(*args: Any, **kw: Any) -> Any:
-      *out, cache, taps = fn(*args, **kw)
+      *out, cache, records = fn(*args, **kw)
       return (*out, *jax.lax.with_sharding_constraint(
-          (cache, taps), self.session_shardings(cache, taps)))
+          (cache, records), self.session_shardings(cache, records)))
 
     return pinned
 
-  def session_shardings(self, cache: Any, taps: Any) -> Any:
-    """A session's (cache, taps) shardings on the mesh: each split along the batch as the rules
-    split the batch (the cache's stacked runs [L, B, ...], the records [B, ...]), so a device
-    holds its own sequences' cache between turns; replicated where the batch does not split."""
+  def session_shardings(self, cache: Any, records: Any = None) -> Any:
+    """A session's (cache, records) shardings on the mesh: each split along the batch as the
+    rules split the batch (the cache's stacked runs [L, B, ...], a turn's record rows
+    [B, ...]), so a device holds its own sequences' cache between turns; replicated where the
+    batch does not split."""
     b = jax.tree.leaves(cache)[0].shape[1]
     axes = sharding.batch_axes(b, self.mesh, sharding.ENGINE_RULES)
     along = lambda dim: NamedSharding(self.mesh, PartitionSpec(*([None] * dim), axes))
-    return jax.tree.map(lambda _: along(1), cache), jax.tree.map(lambda _: along(0), taps)
+    return jax.tree.map(lambda _: along(1), cache), jax.tree.map(lambda _: along(0), records)
 
-  def place_session(self, cache: Any, taps: Any) -> tuple[Any, Any]:
-    """A new session's cache and records placed by `session_shardings` (as they are without a
-    mesh)."""
+  def place_cache(self, cache: Any) -> Any:
+    """A new session's KV cache placed by `session_shardings` (as it is without a mesh)."""
     if self.mesh is None:
-      return cache, taps
-    return jax.device_put((cache, taps), self.session_shardings(cache, taps))
+      return cache
+    return jax.device_put(cache, self.session_shardings(cache)[0])
 
   def traced(self) -> contextlib.AbstractContextManager[None]:
     """The context the programs are called (and traced) in."""

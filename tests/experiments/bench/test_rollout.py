@@ -114,8 +114,9 @@ def test_budget_plan_counts_fp4_trace_records():
 def test_budget_plan_counts_what_a_session_turn_holds():
   """The fixed-memory case's records per sequence are what its decode turn holds on the
   device: over the compiled `decode.extend` program's buffers (arguments, temporaries and
-  outputs, less the donated ones), recording adds the session's record buffers and the decode
-  loop's step rows, both counted by `budget_plan`; without a turn, the buffers alone."""
+  outputs, less the donated ones), recording adds the fed chunk's rows and the decode loop's
+  step rows, both counted by `budget_plan`, and nothing that grows with the context (the
+  session's earlier records are on the host)."""
   import jax.numpy as jnp
 
   from trace_jax.rollout import decode
@@ -124,28 +125,35 @@ def test_budget_plan_counts_what_a_session_turn_holds():
 
   config = model_lib.tiny(vocab_size=64, policy="bf16", decode_steps_per_sync=4)
   params = model_lib.init_params(config, 0, param_dtype="float32")
-  b, context, new = 4, 128, 16
-  held, plans = [], []
+  b, new = 4, 16
+  held, plans = {}, {}
   for routing in (False, True):
     eng = engine_lib.InProcessEngine(params, config, record_routing=routing, max_batch=b)
-    session = eng.open_session(b, context - 1)
-    tap_layers, tap_mode = eng._tap_plan()
-    sp = [SamplingParams(max_new_tokens=new, temperature=0.0)] * b
-    m = decode.extend.lower(
-        eng.params, config, session.cache, session.taps, jnp.full(b, context - new - 2),
-        jnp.ones((b, 1), jnp.int32), jnp.ones(b, jnp.int32), *eng._sampling_arrays(sp, b),
-        max_new=engine_lib.new_tokens_bucket(new), truncate=False, tap_layers=tap_layers,
-        tap_mode=tap_mode, tap_routing=routing, experts=eng.experts, layers=eng.layers,
-        plan=eng.plan).compile().memory_analysis()
-    held.append(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-                - m.alias_size_in_bytes)
-    plans.append(rb.budget_plan(eng, 1e9, context, new_tokens=new))
-  assert plans[0]["record_bytes_per_seq"] == 0
-  rec, steps = plans[1]["record_bytes_per_seq"], plans[1]["decode_record_bytes_per_seq"]
+    for context in (128, 256):
+      session = eng.open_session(b, context - 1)
+      tap_layers, tap_mode = eng._tap_plan()
+      sp = [SamplingParams(max_new_tokens=new, temperature=0.0)] * b
+      m = decode.extend.lower(
+          eng.params, config, session.cache, jnp.full(b, context - new - 2),
+          jnp.ones((b, 1), jnp.int32), jnp.ones(b, jnp.int32), *eng._sampling_arrays(sp, b),
+          max_new=engine_lib.new_tokens_bucket(new), truncate=False, tap_layers=tap_layers,
+          tap_mode=tap_mode, tap_routing=routing, experts=eng.experts, layers=eng.layers,
+          plan=eng.plan).compile().memory_analysis()
+      held[routing, context] = (m.argument_size_in_bytes + m.temp_size_in_bytes
+                                + m.output_size_in_bytes - m.alias_size_in_bytes)
+      plans[routing, context] = rb.budget_plan(eng, 1e9, context, new_tokens=new)
+  assert plans[False, 128]["record_bytes_per_seq"] == 0
   row = config.num_hidden_layers * config.num_experts_per_tok * 4  # int32 expert ids
-  assert (rec, steps) == (row * (context + 16 + 3), row * (16 + 3))
-  assert b * rec <= held[1] - held[0] <= 1.05 * b * rec, (held, rec)
-  assert rb.budget_plan(eng, 1e9, context)["record_bytes_per_seq"] == row * context
+  for context in (128, 256):
+    rec = plans[True, context]["record_bytes_per_seq"]
+    steps = plans[True, context]["decode_record_bytes_per_seq"]
+    assert (rec, steps) == (row * (1 + 16 + 3), row * (16 + 3))
+    assert plans[True, context]["host_record_bytes_per_seq"] == row * context
+    extra = held[True, context] - held[False, context]
+    # Beyond the rows: a chunk's taps before they are packed (tens of bytes a row here).
+    assert b * rec <= extra <= 1.1 * b * rec, (held, rec)
+  assert held[True, 256] - held[False, 256] == held[True, 128] - held[False, 128], held
+  assert rb.budget_plan(eng, 1e9, 128)["record_bytes_per_seq"] == row
 
 
 def test_summary_keys():
