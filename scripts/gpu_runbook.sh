@@ -37,14 +37,15 @@
 #   train_step  the training step at Qwen3 layer width, 4 and 12 layers: BF16, FP8 and FP4
 #               policies on the plan's grouped GEMMs (`moe_impl="mgpu"`) and layer loop,
 #               cuDNN's fused attention against XLA's, fp4_trace's fake quantizers on XLA
-#               (`fake_quant=xla`) against the plan's kernels (and fp4_rtn's), and the BF16
-#               step scanned
+#               (`fake_quant=xla`) against the plan's kernels (and fp4_rtn's), the FP8 step
+#               on the plan's wgmma GEMMs and on Triton's (`@kernel`), and the BF16 step
+#               scanned
 #   rl          the RL loop (`experiments.train_rl`, RL_CONFIG, default configs/small_h200.py)
 #               with the config's kernel plan, one process per policy (RL_POLICIES), sharing
 #               the GPU (RL_SEQUENTIAL=1: one after another, each policy's tokens/s its own);
 #               its summary, CSVs and plot in rl.tar.gz (RL_ARGS: every process's extra
 #               arguments; RL_SFT_ARGS, where set, the SFT warm start's instead)
-#   profile     where the device time goes: the train step (bf16, fp8_unified) and the 8k
+#   profile     where the device time goes: the train step (bf16, fp8_unified, +fp8bwd) and the 8k
 #               fixed-memory decode (bf16, fp4_rtn), per kernel and category
 #   multi_gpu   expert parallelism on a multi-GPU kind: its tests, then 1 vs 2 GPUs
 #   tests       the test suite's GPU-marked and kernel files on the GPU (no `-x`; more than one
@@ -192,11 +193,11 @@ step_train_step() {
   local fp4=fp4_trace,fp4_trace+fake_quant=xla,fp4_rtn
   TAIL=20 run train_step "$((2 * t / 3))" python3 -m experiments.bench.train_step "${common[@]}" \
     --steps=5 --seq_attentions=cudnn,xla \
-    --policies="bf16,fp8_unified@kernel,fp8_unified@kernel+fp8bwd,$fp4,bf16+scan" \
+    --policies="bf16,fp8_unified,fp8_unified+fp8bwd,fp8_unified@kernel,$fp4,bf16+scan" \
     --json_out="$OUT/train_step.json" ${TRAIN_STEP_ARGS:-}
   TAIL=12 run train_step_12 "$((t / 3))" python3 -m experiments.bench.train_step "${common[@]}" \
     --layers=12 --steps=3 --seq_attentions=cudnn \
-    --policies=bf16,fp8_unified@kernel,fp8_unified@kernel+fp8bwd,fp4_trace \
+    --policies=bf16,fp8_unified,fp8_unified+fp8bwd,fp4_trace \
     --json_out="$OUT/train_step_12.json"
 }
 
@@ -248,7 +249,8 @@ step_profile() {
   small_gpu && budget=(--budget_gb=36)
   TAIL=70 run profile_train_step "$((t / 2))" python3 -m experiments.bench.train_step \
     --preset=qwen3_layers --moe_impls=mgpu --seq_attentions=cudnn \
-    --policies=bf16,fp8_unified@kernel --steps=2 --profile_dir=/tmp/profile_train_step \
+    --policies=bf16,fp8_unified,fp8_unified+fp8bwd --steps=2 \
+    --profile_dir=/tmp/profile_train_step \
     --json_out="$OUT/profile_train_step.json" ${PROFILE_ARGS:-}
   TAIL=70 run profile_rollout "$((t / 2))" python3 -m experiments.bench.rollout \
     --impls=kernel+unroll4 --budget_impl=kernel+unroll4 --cases=none --budget_context=8192 \

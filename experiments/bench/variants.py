@@ -38,8 +38,9 @@ def headline_ratios(rows: dict[str, dict[str, Any]], first: str, flop: float, ra
   """The benchmark's headline figures from its rows ("IMPL ATTENTION POLICY" -> ms_per_step,
   policy, fp8_gemm as the plan resolved it, fp8_backward), against `first` ("IMPL ATTENTION",
   the first of each)'s bf16 step (flop: its matmul FLOPs; rate: the BF16 matmul rate); the FP8
-  ones from the first `first` row of fp8_unified whose plan ran the FP8 GEMM kernels
-  (`name@kernel`, or a plain name where the plan's "auto" takes them)."""
+  ones from the first `first` row of fp8_unified whose plan ran the wgmma FP8 GEMMs (the
+  plan's on Hopper), else Triton's (`name@wgmma` / `name@kernel`, or a plain name where the
+  plan's "auto" takes them)."""
   mine = {label[len(first) + 1:]: row for label, row in rows.items()
           if label.startswith(first + " ") and row.get("ms_per_step")}
   out = {}
@@ -49,8 +50,8 @@ def headline_ratios(rows: dict[str, dict[str, Any]], first: str, flop: float, ra
   out["bf16_mfu"] = flop / (bf16 * 1e-3) / rate
 
   def fp8(backward: bool) -> float | None:
-    return next((r["ms_per_step"] for r in mine.values()
-                 if r.get("policy") == "fp8_unified" and r.get("fp8_gemm") == "kernel"
+    return next((r["ms_per_step"] for gemm in ("wgmma", "kernel") for r in mine.values()
+                 if r.get("policy") == "fp8_unified" and r.get("fp8_gemm") == gemm
                  and r.get("fp8_backward") == backward), None)
 
   for key, ms in (("fp8_unified_over_bf16", fp8(False)), ("fp8_full_over_bf16", fp8(True)),

@@ -28,7 +28,7 @@ REFERENCE = dict(moe_impl="tiled", decode_impl="xla", decode_moe_kernel="triton"
                  kv_write="xla", fake_quant="xla")
 KERNELS = dict(moe_impl="mgpu", decode_impl="kernel", decode_moe_kernel="wgmma",
                fp4_codes="words", decode_attention="wgmma", kv_cache="packed",
-               nvfp4_sites="kernel", fp8_gemm="kernel", seq_attention="cudnn",
+               nvfp4_sites="kernel", fp8_gemm="wgmma", seq_attention="cudnn",
                layer_loop="unrolled", kv_write="kernel", fake_quant="kernel")
 
 
@@ -119,12 +119,15 @@ def test_moe_impl_is_jax_s_mosaic_kernel_where_it_runs(config, backend, want):
       config.replace(moe_impl="mgpu")
 
 
-def test_decode_attention_without_mosaic_gpu():
+def test_kernels_without_mosaic_gpu():
   """A Hopper GPU without the Mosaic GPU API: the packed cache's attention is the Triton pair,
-  a dense cache's still the single-pass kernel."""
+  a dense cache's still the single-pass kernel; the FP8 GEMMs Triton's."""
   no_mosaic = dataclasses.replace(HOPPER, mosaic_gpu=False)
   assert plan_lib.resolve(M.tiny(policy="fp4_rtn"), no_mosaic).decode_attention == "triton"
   assert plan_lib.resolve(M.tiny(policy="bf16"), no_mosaic).decode_attention == "fused"
+  fp8 = M.tiny(policy="fp8_unified", moe_intermediate_size=128, head_dim=64)
+  assert plan_lib.resolve(fp8, no_mosaic).fp8_gemm == "kernel"
+  assert plan_lib.resolve(fp8, HOPPER).fp8_gemm == "wgmma"
 
 
 def test_auto_falls_back_where_shapes_rule_the_kernels_out():

@@ -12,9 +12,11 @@ expert), b [L, E, N, K] in 128x128 blocks read at layer `layer` in place, group_
 
   out[m, n] = sum_kb (sum_{k in kb} a[m, k] b[e(m), n, k]) * sa[m, kb] * sb[e(m), n // 128, kb]
 
-Each K group's sum is one wgmma into a fresh float32 accumulator (the tensor cores' FP8 sum),
-scaled by the row's and the block's scales and added to the running float32 sum (the per-group
-promotion of `fp8_gemm`); the total is rounded once to bf16. Rows past sum(group_sizes) come
+Each K group's sum is one wgmma into a fresh float32 accumulator (the tensor cores' FP8 sum,
+which keeps fewer bits than float32 while adding: on the H100 the float32 outputs were within
+1.8-2.7e-4 of the reference's largest magnitude, Triton's kernel's within 2e-6), scaled by the
+row's and the block's scales and added to the running float32 sum (the per-group promotion of
+`fp8_gemm`); the total is rounded once to the output dtype. Rows past sum(group_sizes) come
 out zero.
 
 Grid (T, N / 128): T row tiles of BLOCK_M rows, each within one group (`tile_table`: a block

@@ -5,7 +5,8 @@ Forward: the input quantized in 1x128 groups and the weight in 128x128 blocks
 (`trace_jax.kernels.fp8_gemm`): float32 accumulation, output in the compute dtype. `impl`
 ("xla": the GEMM's plain-JAX reference, dequantized float32 operands; "kernel": the Pallas
 kernel on FP8 tensor cores; "wgmma": the Mosaic GPU kernel `kernels.wgmma_fp8` where it takes
-the operands, else "kernel") changes only the summation order.
+the operands, else "kernel") changes the summation order and the bits the tensor cores keep
+inside a 128-wide group (docs/design.md §3.4).
 
 Backward (straight-through: the gradient of the quantizers is the identity; gradients between
 operators are BF16, docs/design.md §3.7):

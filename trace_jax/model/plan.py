@@ -25,7 +25,7 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 | kv_write          | kernel (-)  | xla       | a kernel decode step's k/v sites (and records) |
 |                   |             |           | and packed-cache write: site kernel + XLA's    |
 |                   |             |           | scatters, or one kernel (`kernels.kv_append`)  |
-| fp8_gemm          | kernel      | xla       | FP8 linears' block-scaled GEMMs: Triton's, or  |
+| fp8_gemm          | wgmma (~)   | xla       | FP8 linears' block-scaled GEMMs: Triton's, or  |
 |                   |             |           | wgmma (Mosaic GPU, `kernels.wgmma_fp8`)        |
 | seq_attention     | cudnn (+)   | xla       | full-sequence attention (training, scoring,    |
 |                   |             |           | prefill): fused flash attention or XLA's       |
@@ -47,6 +47,10 @@ kernel, on Hopper: `kernels.kv_append` writes the same bits as the site kernel a
 scatters, in 40 fewer kernels per 8-layer step (+0.2-0.5% tokens/s on the H100). (+) for
 bf16 compute with head_dim a multiple of 8 up to 128 (cuDNN's fused attention). "fp4_codes"
 is "words" on any GPU with Triton's inline assembly.
+(~) on a GPU with the Mosaic GPU API, else "kernel" (Triton's); operands `wgmma_fp8` does not
+take (WGrad's 128x1 groups) go to Triton's kernel either way. On the H100 at Qwen3-30B-A3B
+width the wgmma kernel took the experts' FP8 GEMMs 1.1-2.2x faster than Triton's and the
+fp8_unified training step from 1.34x to 1.21x the BF16 step's time (docs/benchmarks.md).
 (%) JAX's own Mosaic GPU grouped GEMM (`model.grouped`) for the forward and DGrad, with bf16
 or f16 compute and widths that are multiples of its 64-column tiles (else "kernel", the Pallas
 grouped GEMMs, for widths that are multiples of 16): on the H100 at Qwen3-30B-A3B width it took
@@ -351,7 +355,7 @@ def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:
       kv_cache=kv, nvfp4_sites=sites,
       kv_write=(pick("kv_write", "kernel" if kernels else "xla")
                 if kv == "packed" and sites == "kernel" else "xla"),
-      fp8_gemm=pick("fp8_gemm", "kernel" if kernels else "xla"),
+      fp8_gemm=pick("fp8_gemm", ("wgmma" if b.mosaic_gpu else "kernel") if kernels else "xla"),
       seq_attention=pick("seq_attention", "cudnn" if kernels and _cudnn_attention_shapes(config)
                          else "xla"),
       layer_loop=pick("layer_loop", "unrolled" if kernels

@@ -55,14 +55,19 @@ def _row(ms, policy, fp8_gemm="xla", fp8_backward=False):
                   "t x fp8_unified@xla": _row(400.0, "fp8_unified", "xla"),
                   "t x fp8_unified@kernel+fp8bwd": _row(7.0, "fp8_unified", "kernel", True)},
                  {"fp8_full_over_bf16": 0.7}, id="reference_gemm_is_no_headline"),
+    pytest.param({"t x bf16": _row(10.0, "bf16"),
+                  "t x fp8_unified@kernel": _row(13.0, "fp8_unified", "kernel"),
+                  "t x fp8_unified@wgmma": _row(12.0, "fp8_unified", "wgmma")},
+                 {"fp8_unified_over_bf16": 1.2}, id="wgmma_before_triton"),
     pytest.param({"u x bf16": _row(5.0, "bf16"), "t x bf16": _row(10.0, "bf16"),
                   "u x fp4_trace": _row(5.5, "fp4_trace"),
                   "t x fp4_trace": _row(20.0, "fp4_trace")},
                  {"fp4_trace_over_bf16": 2.0}, id="first_impl_only"),
 ])
 def test_headline_ratios(rows, want):
-  """The issue's keys come from the first impl's rows, the FP8 ones only from rows whose plan
-  ran the FP8 GEMM kernels (a plain name counts where the plan resolved to them)."""
+  """The headline keys come from the first impl's rows, the FP8 ones only from rows whose plan
+  ran the FP8 GEMM kernels, wgmma's first (a plain name counts where the plan resolved to
+  them)."""
   got = variants.headline_ratios(rows, "t x", flop=5e12, rate=1e15)
   assert got.pop("bf16_mfu") == pytest.approx(5e12 / 10e-3 / 1e15)
   assert got == pytest.approx(want)
