@@ -104,3 +104,13 @@ def test_forward_tap_rows_are_the_packed_taps():
   np.testing.assert_array_equal(np.asarray(joined), np.asarray(packed))
   swapped = M.rows_of_layers(out.tap_rows[::-1])
   assert not np.array_equal(np.asarray(swapped), np.asarray(packed))
+
+
+def test_unpack_host_views_the_rows_bytes():
+  """`unpack_host` copies nothing but booleans: every other leaf is a view of the rows."""
+  tree = _tree(np.random.default_rng(2), (5,))
+  rows, layout = byte_rows.pack(tree, 1)
+  host = np.asarray(rows).copy()
+  back = byte_rows.unpack_host(host, layout)
+  for name, leaf in back.items():
+    assert np.shares_memory(leaf, host) == (name != "mask"), name

@@ -90,7 +90,8 @@ def unpack(rows: jax.Array, layout: Layout) -> Any:
 
 def unpack_host(rows: np.ndarray, layout: Layout) -> Any:
   """`unpack` on the host: NumPy rows uint8 [..., width] -> the tree of NumPy arrays `pack`
-  made (views of rows' bytes, reinterpreted as each leaf's dtype; booleans copied)."""
+  made: views of rows' bytes (strided, no copy: a session's records can be tens of GB),
+  reinterpreted as each leaf's dtype; booleans copied."""
   rows = np.ascontiguousarray(rows)
   if rows.dtype != np.uint8 or rows.shape[-1] != layout.width:
     raise ValueError(f"byte_rows.unpack_host: expected uint8 rows of width {layout.width}, "
@@ -100,7 +101,7 @@ def unpack_host(rows: np.ndarray, layout: Layout) -> Any:
   for tail, name, lo, hi in zip(layout.tails, layout.dtypes, layout.offsets,
                                 layout.offsets[1:]):
     dt = jnp.dtype(name)
-    part = np.ascontiguousarray(rows[..., lo:hi])
+    part = rows[..., lo:hi]  # its last axis contiguous: NumPy views it as another dtype
     if dt == jnp.bool_:
       leaves.append(part.reshape(lead + tail) != 0)
     else:
