@@ -46,7 +46,8 @@
 #               its summary, CSVs and plot in rl.tar.gz (RL_ARGS: every process's extra
 #               arguments; RL_SFT_ARGS, where set, the SFT warm start's instead)
 #   profile     where the device time goes: the train step (bf16, fp8_unified, +fp8bwd) and the 8k
-#               fixed-memory decode (bf16, fp4_rtn), per kernel and category
+#               fixed-memory decode (bf16, fp4_rtn), per kernel and category; the train step's
+#               kernels traced to our source lines (`experiments.bench.hlo_sources`)
 #   multi_gpu   expert parallelism on a multi-GPU kind: its tests, then 1 vs 2 GPUs
 #   tests       the test suite's GPU-marked and kernel files on the GPU (no `-x`; more than one
 #               call's 10 minutes on an H100: TESTS_SHARD=i/n runs every n-th file from the i-th)
@@ -245,13 +246,19 @@ step_multi_gpu() {
 # Where the device time goes: the bf16 and FP8 train steps (cuDNN attention) and the fixed-memory
 # decode at 8k (bf16, fp4_rtn), each summed per kernel and category (`--profile_dir`).
 step_profile() {
-  local t=${T_PROFILE:-300} budget=(--budget_gb=60)
+  local t=${T_PROFILE:-300} budget=(--budget_gb=60) hlo=/tmp/hlo_train_step xla=${XLA_FLAGS:-}
   small_gpu && budget=(--budget_gb=36)
-  TAIL=70 run profile_train_step "$((t / 2))" python3 -m experiments.bench.train_step \
+  # The train step's optimized HLO, so that the profile's kernels can be traced to our lines.
+  rm -rf "$hlo"
+  export XLA_FLAGS="$xla --xla_dump_to=$hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*loss.*"
+  TAIL=70 run profile_train_step "$((t / 2 - 20))" python3 -m experiments.bench.train_step \
     --preset=qwen3_layers --moe_impls=mgpu --seq_attentions=cudnn \
     --policies=bf16,fp8_unified,fp8_unified+fp8bwd --steps=2 \
     --profile_dir=/tmp/profile_train_step \
     --json_out="$OUT/profile_train_step.json" ${PROFILE_ARGS:-}
+  export XLA_FLAGS="$xla"
+  TAIL=30 run profile_train_step_sources 20 python3 -m experiments.bench.hlo_sources \
+    --hlo_dir="$hlo" --log="$OUT/profile_train_step.log"
   TAIL=70 run profile_rollout "$((t / 2))" python3 -m experiments.bench.rollout \
     --impls=kernel+unroll4 --budget_impl=kernel+unroll4 --cases=none --budget_context=8192 \
     --budget_policies=bf16,fp4_rtn --long_context=0 --reps=1 --transformers=false \

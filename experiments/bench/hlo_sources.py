@@ -1,0 +1,184 @@
+"""Which lines of our code a profiled XLA kernel runs: fusion names -> source locations.
+
+A profile (`experiments.bench.profiling`) names XLA's kernels as the optimized HLO names its
+fusions (`input_or_reduce_fusion`, `loop_transpose_fusion_15`); which JAX operations went into
+one is in the HLO XLA dumps (`XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text"`): each
+instruction's `metadata={op_name=... stack_frame_id=N}`, and the module's tables of stack frames
+(file, line, function). This reads the `*after_optimizations.txt` dumps and, for each fusion
+name asked for, says in which module it is, its output shape, the JAX operations fused into it
+and the source lines they were traced from (the innermost frames under this repository).
+
+`python -m experiments.bench.hlo_sources --hlo_dir=DIR --log=PROFILE_LOG` takes the names from
+a profile summary's kernel lines (`profiling.format_summary`); `--names=a,b` names them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import os
+import re
+import sys
+from collections.abc import Iterable, Sequence
+
+from absl import app, flags
+
+from experiments import common
+
+_TABLE = re.compile(r"^(\d+) (.*)$")
+_FIELD = re.compile(r"(\w+)=(\"[^\"]*\"|[-\w.]+)")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+) (\S+)\((.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) \(.*\{$")
+_KERNEL_LINE = re.compile(r"^\s+[\d.]+ ms\s+x\s+[\d.]+\s+\S+\s+(\S+)\s*$")
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclasses.dataclass
+class Fusion:
+  """A fusion instruction of one dumped module."""
+  module: str
+  shape: str
+  kind: str
+  ops: collections.Counter  # JAX op_name (its last path element) -> instructions
+  sources: collections.Counter  # "file:line (function)" -> instructions
+
+
+def _fields(text: str) -> dict[str, str]:
+  return {k: v.strip('"') for k, v in _FIELD.findall(text)}
+
+
+class _Module:
+  """One optimized HLO text dump: its stack frame tables and computations."""
+
+  def __init__(self, path: str):
+    self.name = os.path.basename(path).split(".")[1] if "." in os.path.basename(path) else path
+    tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
+    self.computations: dict[str, list[str]] = {}
+    table, body = None, None
+    with open(path) as f:
+      for line in f:
+        line = line.rstrip("\n")
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+          table = line
+          continue
+        if table and (m := _TABLE.match(line)):
+          tables[table][int(m.group(1))] = m.group(2)
+          continue
+        table = None
+        if m := _COMPUTATION.match(line):
+          body = self.computations.setdefault(m.group(1), [])
+        elif line.startswith("}"):
+          body = None
+        elif body is not None:
+          body.append(line)
+    self._tables = tables
+
+  def location(self, frame_id: int, depth: int = 3) -> str | None:
+    """`frame_id`'s chain as its innermost `depth` frames in this repository, callee first:
+    "file:line (function) < caller ..." (paths relative to the repository); the innermost
+    frame of all where none is in it."""
+    frames, locs = self._tables["StackFrames"], self._tables["FileLocations"]
+    files, funcs = self._tables["FileNames"], self._tables["FunctionNames"]
+    first, ours, seen = None, [], set()
+    while frame_id in frames and frame_id not in seen and len(ours) < depth:
+      seen.add(frame_id)
+      frame = _fields(frames[frame_id])
+      loc = _fields(locs.get(int(frame.get("file_location_id", -1)), ""))
+      path = files.get(int(loc.get("file_name_id", -1)), "?").strip('"')
+      func = funcs.get(int(loc.get("function_name_id", -1)), "?").strip('"')
+      mine = path.startswith(_REPO) and "site-packages" not in path
+      where = f"{os.path.relpath(path, _REPO) if mine else path}:{loc.get('line', '?')} ({func})"
+      first = first or where
+      if mine and not (ours and ours[-1][1] == (path, func)):  # a function's frames: once
+        ours.append((where, (path, func)))
+      frame_id = int(frame.get("parent_frame_id", -1))
+    return " < ".join(w for w, _ in ours) if ours else first
+
+  def fusions(self, names: set[str]) -> Iterable[tuple[str, Fusion]]:
+    for body in self.computations.values():
+      for line in body:
+        m = _INSTR.match(line)
+        if not m or m.group(1) not in names or m.group(3) != "fusion":
+          continue
+        attrs = m.group(4)
+        kind = re.search(r"kind=(\w+)", attrs)
+        calls = re.search(r"calls=%(\S+?)[,\s]", attrs + " ")
+        fusion = Fusion(self.name, m.group(2), kind.group(1) if kind else "?",
+                        collections.Counter(), collections.Counter())
+        for inner in self.computations.get(calls.group(1), []) if calls else []:
+          self._count(fusion, inner)
+        if not fusion.ops:
+          self._count(fusion, line)
+        yield m.group(1), fusion
+
+  def _count(self, fusion: Fusion, line: str) -> None:
+    meta = re.search(r"metadata=\{([^}]*)\}", line)
+    if not meta:
+      return
+    fields = _fields(meta.group(1))
+    if "op_name" in fields:
+      fusion.ops[fields["op_name"].rsplit("/", 1)[-1]] += 1
+    if "stack_frame_id" in fields:
+      where = self.location(int(fields["stack_frame_id"]))
+      if where:
+        fusion.sources[where] += 1
+
+
+def find(hlo_dir: str, names: Sequence[str]) -> dict[str, list[Fusion]]:
+  """Each name's fusions over the optimized HLO dumps in hlo_dir ([] where none is named so)."""
+  out: dict[str, list[Fusion]] = {n: [] for n in names}
+  paths = sorted(glob.glob(os.path.join(hlo_dir, "*after_optimizations.txt")))
+  if not paths:
+    raise FileNotFoundError(f"no *after_optimizations.txt HLO dumps in {hlo_dir} (dump with "
+                            "XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text)")
+  for path in paths:
+    for name, fusion in _Module(path).fusions(set(names)):
+      out[name].append(fusion)
+  return out
+
+
+def kernel_names(summary: str) -> list[str]:
+  """The kernel names of a profile summary's lines (`profiling.format_summary`), in order,
+  each once."""
+  return list(dict.fromkeys(m.group(1) for line in summary.splitlines()
+                            if (m := _KERNEL_LINE.match(line))))
+
+
+def format_found(found: dict[str, list[Fusion]], top: int = 4) -> str:
+  lines = []
+  for name, fusions in found.items():
+    if not fusions:
+      lines.append(f"{name}: not a fusion of the dumped modules")
+      continue
+    for f in fusions:
+      ops = ", ".join(f"{op} x{n}" for op, n in f.ops.most_common(top))
+      src = "; ".join(f"{s} x{n}" for s, n in f.sources.most_common(top))
+      lines.append(f"{name} [{f.module}] {f.kind} -> {f.shape}\n  ops: {ops}\n  from: {src}")
+  return "\n".join(lines)
+
+
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("hlo_dir", None, "XLA's HLO text dumps (--xla_dump_to).", flag_values=FLAGS)
+flags.DEFINE_string("log", "", "A profile summary whose kernel lines name the fusions.",
+                    flag_values=FLAGS)
+flags.DEFINE_list("names", [], "Fusion names (beside or instead of --log's).",
+                  flag_values=FLAGS)
+
+
+def main(argv: Sequence[str]) -> None:
+  if not common.parse_flags(FLAGS, argv):
+    return
+  if not FLAGS.hlo_dir:
+    raise app.UsageError("--hlo_dir is required")
+  names = list(FLAGS.names)
+  if FLAGS.log:
+    with open(FLAGS.log) as f:
+      names += [n for n in kernel_names(f.read()) if n not in names]
+  if not names:
+    raise app.UsageError("no fusion names: give --names or a --log with kernel lines")
+  print(format_found(find(FLAGS.hlo_dir, names)))
+
+
+if __name__ == "__main__":
+  main(sys.argv)
