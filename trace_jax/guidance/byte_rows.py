@@ -65,27 +65,38 @@ def pack(tree: Any, lead: int) -> tuple[jax.Array, Layout]:
   return jnp.concatenate([_as_bytes(a, rows) for a in leaves], axis=-1), layout
 
 
-def unpack(rows: jax.Array, layout: Layout) -> Any:
-  """The tree `pack` made, from rows uint8 [..., width] (any leading shape)."""
-  if rows.dtype != jnp.uint8 or rows.shape[-1] != layout.width:
-    raise ValueError(f"byte_rows.unpack: expected uint8 rows of width {layout.width}, got "
+def _check_rows(rows: Any, layout: Layout, name: str) -> None:
+  if rows.dtype != np.uint8 or rows.shape[-1] != layout.width:
+    raise ValueError(f"byte_rows.{name}: expected uint8 rows of width {layout.width}, got "
                      f"{rows.dtype} {rows.shape}")
+
+
+def _unpack_with(rows: Any, layout: Layout, as_dtype: Any) -> Any:
+  """The tree of `layout` from rows [..., width]: each leaf's bytes rows[..., lo:hi] through
+  as_dtype(part, dtype, lead + tail) (booleans: != 0)."""
   lead = rows.shape[:-1]
   leaves = []
   for tail, name, lo, hi in zip(layout.tails, layout.dtypes, layout.offsets,
                                 layout.offsets[1:]):
     dt = jnp.dtype(name)
     part = rows[..., lo:hi]
-    if dt == jnp.bool_:
-      leaves.append(part.reshape(lead + tail) != 0)
-    elif dt.itemsize == 1:
-      leaves.append(part.reshape(lead + tail) if dt == jnp.uint8
-                    else jax.lax.bitcast_convert_type(part.reshape(lead + tail), dt))
-    else:
-      leaves.append(jax.lax.bitcast_convert_type(part.reshape(lead + tail + (dt.itemsize,)),
-                                                 dt))
+    leaves.append(part.reshape(lead + tail) != 0 if dt == jnp.bool_
+                  else as_dtype(part, dt, lead + tail))
   return jax.tree.unflatten(layout.treedef, leaves)
 
+
+def _bitcast(part: jax.Array, dt: Any, shape: tuple[int, ...]) -> jax.Array:
+  if dt == jnp.uint8:
+    return part.reshape(shape)
+  if dt.itemsize == 1:
+    return jax.lax.bitcast_convert_type(part.reshape(shape), dt)
+  return jax.lax.bitcast_convert_type(part.reshape(shape + (dt.itemsize,)), dt)
+
+
+def unpack(rows: jax.Array, layout: Layout) -> Any:
+  """The tree `pack` made, from rows uint8 [..., width] (any leading shape)."""
+  _check_rows(rows, layout, "unpack")
+  return _unpack_with(rows, layout, _bitcast)
 
 
 def unpack_host(rows: np.ndarray, layout: Layout) -> Any:
@@ -93,17 +104,6 @@ def unpack_host(rows: np.ndarray, layout: Layout) -> Any:
   made: views of rows' bytes (strided, no copy: a session's records can be tens of GB),
   reinterpreted as each leaf's dtype; booleans copied."""
   rows = np.ascontiguousarray(rows)
-  if rows.dtype != np.uint8 or rows.shape[-1] != layout.width:
-    raise ValueError(f"byte_rows.unpack_host: expected uint8 rows of width {layout.width}, "
-                     f"got {rows.dtype} {rows.shape}")
-  lead = rows.shape[:-1]
-  leaves = []
-  for tail, name, lo, hi in zip(layout.tails, layout.dtypes, layout.offsets,
-                                layout.offsets[1:]):
-    dt = jnp.dtype(name)
-    part = rows[..., lo:hi]  # its last axis contiguous: NumPy views it as another dtype
-    if dt == jnp.bool_:
-      leaves.append(part.reshape(lead + tail) != 0)
-    else:
-      leaves.append(part.view(dt).reshape(lead + tail))
-  return jax.tree.unflatten(layout.treedef, leaves)
+  _check_rows(rows, layout, "unpack_host")
+  # Each leaf's bytes have a contiguous last axis, which NumPy views as another dtype.
+  return _unpack_with(rows, layout, lambda part, dt, shape: part.view(dt).reshape(shape))
