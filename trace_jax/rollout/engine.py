@@ -403,6 +403,9 @@ class InProcessEngine:
     streams; the device buffers go when it is done)."""
     if records is None or records[0] is None:
       return
+    if records[0].shape[-1] != session.layout.width:
+      raise AssertionError(f"session turn: record rows of {records[0].shape[-1]} bytes, the "
+                           f"session's layout has {session.layout.width}")
     chunk, steps = guidance_layout.start_host_copy(records)
     session.turns.append(turn_records.Turn(
         chunk=chunk, steps=steps, fed=np.asarray(chunk_lens),
