@@ -443,3 +443,26 @@ def test_dequantize_error_bounds() -> None:
   sc = np.repeat(fp["scale"].astype(np.float64), 128, axis=-1)
   err = np.abs(fp["dequant"] - x)
   assert np.all(err <= np.maximum(np.abs(x) * 2.0**-4, sc * 2.0**-10) * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("axis", [-1, (-3, -1)], ids=["row_blocks", "weight_blocks"])
+def test_block_amax_and_nonfinite_flags(axis) -> None:
+  """The quantizers' block amax (one integer max over the magnitudes' bits) against NumPy: the
+  largest |x| of a finite block, bit for bit, and 0 with the flag set for a block holding NaN
+  or +-Inf; -0, subnormals (flushed first, as the quantizers do) and huge values included."""
+  rng = np.random.default_rng(7)
+  x = (rng.standard_normal((8, 4, 6, 16)) * np.exp(rng.uniform(-80, 80, (8, 4, 1, 1)))
+       ).astype(F32)
+  x[0] = 0.0
+  x[1, 0, 0, 0], x[2, 1, 3, 7], x[3, 2, 5, 15] = np.nan, np.inf, -np.inf
+  x[4, :, :, ::2] = -0.0
+  x[5, 0, 0, :] = F32(3.4e38)
+  x[6, 1, :, :] = F32(1e-40)
+  xf = np.where(np.abs(x) < np.finfo(F32).tiny, F32(0), x)  # flush_subnormal's result
+  amax, bad = jax.jit(lambda a: formats._amax(a, axis))(jnp.asarray(xf))
+  with np.errstate(invalid="ignore"):
+    want_bad = ~np.all(np.isfinite(xf), axis=axis)
+    want = np.where(want_bad, F32(0), np.max(np.abs(np.where(np.isfinite(xf), xf, 0)), axis=axis))
+  np.testing.assert_array_equal(np.asarray(bad), want_bad)
+  cases.assert_bits_equal(np.asarray(amax), want.astype(F32), f"amax over {axis}")
+  assert want_bad.sum() == 3 and np.asarray(amax)[0].max() == 0

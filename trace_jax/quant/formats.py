@@ -82,12 +82,17 @@ def _unblock(x: jax.Array) -> jax.Array:
   return x.reshape(x.shape[:-2] + (x.shape[-2] * x.shape[-1],))
 
 
-def _amax(xb: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Per-block amax of the finite values over the last axis, and whether the block holds a
-  non-finite value."""
-  finite = jnp.isfinite(xb)
-  return (jnp.max(jnp.where(finite, jnp.abs(xb), 0.0), axis=-1),
-          ~jnp.all(finite, axis=-1))
+def _amax(xb: jax.Array, axis: int | tuple[int, ...] = -1) -> tuple[jax.Array, jax.Array]:
+  """Per-block amax over `axis` (the last: a block of a row), and whether the block holds a
+  non-finite value (its amax is then 0: every caller masks such blocks).
+
+  One integer max reduction of the magnitudes' bit patterns: for float32 values >= 0 the bit
+  patterns order as the values, and a non-finite magnitude's (exponent all ones) is above
+  every finite one's. (A float max of the finite values beside an all-finite flag is two
+  reductions over the block; and XLA's float max does not promise to propagate NaN.)"""
+  m = jnp.max(exact.f32_bits(xb) & np.int32(0x7FFFFFFF), axis=axis)
+  bad = m >= np.int32(0x7F800000)
+  return jnp.where(bad, np.float32(0.0), exact.f32_from_bits(m)), bad
 
 
 # ----------------------------------------------------------------------------- E2M1 element
@@ -407,8 +412,7 @@ def fp8_quantize_weight(w: jax.Array) -> FP8Tensor:
                      f"{FP8_GROUP}, got shape {w.shape}")
   n, k = w.shape[-2:]
   wb = wf.reshape(w.shape[:-2] + (n // FP8_GROUP, FP8_GROUP, k // FP8_GROUP, FP8_GROUP))
-  amax = jnp.max(jnp.abs(wb), axis=(-3, -1))
-  bad = ~jnp.all(jnp.isfinite(wb), axis=(-3, -1))
+  amax, bad = _amax(wb, axis=(-3, -1))
   s, inv = _fp8_scale(amax, bad)
   values = _fp8_encode(wb, inv[..., :, None, :, None], bad[..., :, None, :, None])
   return FP8Tensor(values=values.reshape(w.shape), scale=s, block_rows=FP8_GROUP)
