@@ -34,10 +34,6 @@ class Turn:
   fed: np.ndarray
   n_gen: np.ndarray | None = None
 
-  def rows_of(self, r: int) -> int:
-    """Record rows this turn adds to row r."""
-    return int(self.fed[r]) + (0 if self.n_gen is None else max(int(self.n_gen[r]) - 1, 0))
-
 
 def ragged(turns: Sequence[Turn], counts: Sequence[int], layout: byte_rows.Layout) -> Any:
   """The records of rows 0..len(counts)-1 over `turns`, sequence after sequence, each in
@@ -47,12 +43,13 @@ def ragged(turns: Sequence[Turn], counts: Sequence[int], layout: byte_rows.Layou
           for t in turns]
   parts = []
   for r, want in enumerate(counts):
-    got = 0
+    mine = []
     for t, (chunk, steps) in zip(turns, host):
-      parts.append(chunk[r, :int(t.fed[r])])
-      if steps is not None and t.n_gen is not None and t.n_gen[r] > 1:
-        parts.append(steps[r, 1:int(t.n_gen[r])])
-      got += t.rows_of(r)
+      mine.append(chunk[r, :int(t.fed[r])])
+      if steps is not None and t.n_gen is not None:
+        mine.append(steps[r, 1:int(t.n_gen[r])])
+    parts += mine
+    got = sum(len(p) for p in mine)  # the rows the arrays hold, not what the counts claim
     if got != want:
       raise AssertionError(f"session records: row {r} holds {got} rows, its length is {want}")
   rows = (np.concatenate(parts, axis=0) if parts
