@@ -28,7 +28,9 @@ from experiments import common
 
 _TABLE = re.compile(r"^(\d+) (.*)$")
 _FIELD = re.compile(r"(\w+)=(\"[^\"]*\"|[-\w.]+)")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+) (\S+)\((.*)$")
+# An instruction: its name, its shape (one array, or a tuple of them: a multi-output fusion's
+# "(f32[8]{0}, u8[8,128]{1,0})", possibly with /*index=5*/ comments), its opcode, its operands.
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\((?:[^()]|\([^()]*\))*\)|\S+) (\S+)\((.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) \(.*\{$")
 _KERNEL_LINE = re.compile(r"^\s+[\d.]+ ms\s+x\s+[\d.]+\s+\S+\s+(\S+)\s*$")
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -35,7 +35,7 @@ def _fusion_names(out: str) -> list[str]:
   (path,) = [p for p in glob.glob(os.path.join(out, "*after_optimizations.txt"))
              if "fp8_quantize_act" in p]
   with open(path) as f:
-    return re.findall(r"%(\S+) = \S+ fusion\(", f.read())
+    return re.findall(r"%(\S+) = (?:\(.*?\)|\S+) fusion\(", f.read())  # tuple shapes too
 
 
 def test_fusions_name_the_quantizer_s_lines(dump):
@@ -75,3 +75,44 @@ def test_kernel_names_of_a_profile_summary():
 def test_a_directory_without_dumps_fails_loudly(tmp_path):
   with pytest.raises(FileNotFoundError, match="no .*after_optimizations"):
     hlo_sources.find(str(tmp_path), ["x"])
+
+
+_TUPLE_MODULE = """HloModule jit_f
+
+FileNames
+1 "{repo}/trace_jax/quant/formats.py"
+
+FunctionNames
+1 "_amax"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=93 end_line=93 column=6 end_column=67}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+
+%fc (param_0: f32[8,2]) -> (f32[8], u8[8,2]) {
+  %param_0 = f32[8,2]{1,0} parameter(0)
+  %abs = f32[8,2]{1,0} abs(%param_0), metadata={op_name="jit(f)/abs" stack_frame_id=1}
+  %or = u8[8,2]{1,0} or(%abs, %abs), metadata={op_name="jit(f)/or" stack_frame_id=1}
+  %reduce = f32[8]{0} reduce(%abs), metadata={op_name="jit(f)/reduce_max" stack_frame_id=1}
+  ROOT %tuple = (f32[8]{0}, u8[8,2]{1,0}) tuple(%reduce, %or)
+}
+
+ENTRY %main (x: f32[8,2]) -> (f32[8], u8[8,2]) {
+  %x = f32[8,2]{1,0} parameter(0)
+  ROOT %input_or_reduce_fusion = (f32[8]{0}, /*index=1*/u8[8,2]{1,0}) fusion(%x), kind=kInput,\
+ calls=%fc
+}
+"""
+
+
+def test_a_multi_output_fusion_is_found(tmp_path):
+  """A fusion of several outputs (its shape a tuple, as XLA prints it with index comments) is
+  found with its operations and lines, as a single-output one is."""
+  path = tmp_path / "module_0001.jit_f.sm_90_gpu_after_optimizations.txt"
+  path.write_text(_TUPLE_MODULE.replace("{repo}", REPO))
+  (fusion,) = hlo_sources.find(str(tmp_path), ["input_or_reduce_fusion"])["input_or_reduce_fusion"]
+  assert fusion.kind == "kInput" and fusion.shape.startswith("(f32[8]{0}, ")
+  assert set(fusion.ops) == {"abs", "or", "reduce_max"}, fusion.ops
+  assert list(fusion.sources) == ["trace_jax/quant/formats.py:93 (_amax)"], fusion.sources
