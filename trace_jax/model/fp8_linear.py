@@ -76,13 +76,23 @@ def _pad_rows(a: jax.Array) -> jax.Array:
   return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
 
 
+def _materialized_t(a: jax.Array) -> jax.Array:
+  """a [R, C] -> a^T [C, R], a and its transpose each written out before the WGrad's 128x1
+  quantization reads them. Left to itself XLA fuses the row gather, the dequantization and
+  the transpose into the quantizer's amax reduction and code fusion, which then read the rows
+  across their stride: on the H100 the experts' x operand alone took 3.4 ms a layer that way,
+  the step's largest fusion (docs/benchmarks.md; values unchanged: the barriers only bound the
+  fusions)."""
+  return jax.lax.optimization_barrier(jax.lax.optimization_barrier(a).T)
+
+
 def _wgrad_fp8(dy: jax.Array, xq: jax.Array, impl: str) -> jax.Array:
   """dy [M, N]^T @ xq [M, K] on FP8 operands quantized in 128x1 groups along M -> [N, K].
 
   On a mesh whose batch axes split the 128-row groups evenly the kernel runs per device on its
   own groups (float32 partials, summed over the devices: `batch_local`); otherwise whole."""
-  dyt = formats.fp8_quantize_act(_pad_rows(dy).T)
-  xt = formats.fp8_quantize_act(_pad_rows(xq).T)
+  dyt = formats.fp8_quantize_act(_materialized_t(_pad_rows(dy)))
+  xt = formats.fp8_quantize_act(_materialized_t(_pad_rows(xq)))
   groups = dyt.values.shape[1] // _G
   if impl not in KERNELS or batch_local.batch_axes(groups) is None:
     return _gemm(dyt, xt, impl, dy.dtype)
@@ -137,7 +147,7 @@ def _wgrad_fp8_grouped(dy: jax.Array, xq: jax.Array, gs: jax.Array, impl: str) -
   src = grouped_mm.padded_sources(gs, m, _G, rows)  # a gather: no scatter of whole activations
 
   def padded_t(a):  # [M, C] -> [C, rows]: each expert's rows padded to whole 128-row tiles
-    return jnp.take(a, src, axis=0, mode="fill", fill_value=0).T
+    return _materialized_t(jnp.take(a, src, axis=0, mode="fill", fill_value=0))
 
   dyt, xt = formats.fp8_quantize_act(padded_t(dy)), formats.fp8_quantize_act(padded_t(xq))
   if impl in KERNELS:
