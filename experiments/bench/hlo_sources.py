@@ -98,10 +98,11 @@ class _Module:
     return " < ".join(w for w, _ in ours) if ours else first
 
   def fusions(self, names: set[str]) -> Iterable[tuple[str, Fusion]]:
+    """The fusions of these kernel names (`kernel_name` of their HLO names)."""
     for body in self.computations.values():
       for line in body:
         m = _INSTR.match(line)
-        if not m or m.group(1) not in names or m.group(3) != "fusion":
+        if not m or kernel_name(m.group(1)) not in names or m.group(3) != "fusion":
           continue
         attrs = m.group(4)
         kind = re.search(r"kind=(\w+)", attrs)
@@ -112,7 +113,7 @@ class _Module:
           self._count(fusion, inner)
         if not fusion.ops:
           self._count(fusion, line)
-        yield m.group(1), fusion
+        yield kernel_name(m.group(1)), fusion
 
   def _count(self, fusion: Fusion, line: str) -> None:
     meta = re.search(r"metadata=\{([^}]*)\}", line)
@@ -127,16 +128,27 @@ class _Module:
         fusion.sources[where] += 1
 
 
+def kernel_name(hlo_name: str) -> str:
+  """The name a profile gives the kernel of an HLO instruction: XLA names a fusion's kernel
+  after the instruction with its '.' made '_' (`%loop_or_fusion.8` runs as `loop_or_fusion_8`)."""
+  return hlo_name.replace(".", "_")
+
+
 def find(hlo_dir: str, names: Sequence[str]) -> dict[str, list[Fusion]]:
-  """Each name's fusions over the optimized HLO dumps in hlo_dir ([] where none is named so)."""
+  """Each name's fusions over the optimized HLO dumps in hlo_dir ([] where none is named so);
+  a name is a profile's kernel name or the HLO instruction's."""
   out: dict[str, list[Fusion]] = {n: [] for n in names}
+  asked = collections.defaultdict(list)
+  for n in names:
+    asked[kernel_name(n)].append(n)
   paths = sorted(glob.glob(os.path.join(hlo_dir, "*after_optimizations.txt")))
   if not paths:
     raise FileNotFoundError(f"no *after_optimizations.txt HLO dumps in {hlo_dir} (dump with "
                             "XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text)")
   for path in paths:
-    for name, fusion in _Module(path).fusions(set(names)):
-      out[name].append(fusion)
+    for key, fusion in _Module(path).fusions(set(asked)):
+      for name in asked[key]:
+        out[name].append(fusion)
   return out
 
 
