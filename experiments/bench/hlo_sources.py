@@ -130,8 +130,10 @@ class _Module:
 
 def kernel_name(hlo_name: str) -> str:
   """The name a profile gives the kernel of an HLO instruction: XLA names a fusion's kernel
-  after the instruction with its '.' made '_' (`%loop_or_fusion.8` runs as `loop_or_fusion_8`)."""
-  return hlo_name.replace(".", "_")
+  after the instruction, every character but letters, digits and '_' made '_'
+  (`%loop_or_fusion.8` runs as `loop_or_fusion_8`, `%select_shift-left_fusion` as
+  `select_shift_left_fusion`)."""
+  return re.sub(r"[^A-Za-z0-9_]", "_", hlo_name)
 
 
 def find(hlo_dir: str, names: Sequence[str]) -> dict[str, list[Fusion]]:

@@ -107,6 +107,7 @@ StackFrames
 ENTRY %main (x: f32[8,2]) -> (f32[8], u8[8,2]) {
   %x = f32[8,2]{1,0} parameter(0)
   %loop_negate_fusion.8 = f32[8,2]{1,0} fusion(%x), kind=kLoop, calls=%fc.1
+  %wrapped_shift-left = f32[8,2]{1,0} fusion(%x), kind=kLoop, calls=%fc.1
   ROOT %input_or_reduce_fusion = (f32[8]{0}, /*index=1*/u8[8,2]{1,0}) fusion(%x), kind=kInput,\
  calls=%fc
 }
@@ -125,13 +126,16 @@ def test_a_multi_output_fusion_is_found(tmp_path):
 
 
 def test_a_kernel_name_finds_its_numbered_fusion(tmp_path):
-  """A profile names the kernel of HLO's `%loop_negate_fusion.8` `loop_negate_fusion_8`: either
-  name finds it, with the operations of its own computation (`%fc.1`, not `%fc`)."""
+  """A profile names the kernel of HLO's `%loop_negate_fusion.8` `loop_negate_fusion_8` (and of
+  `%wrapped_shift-left` `wrapped_shift_left`): either name finds it, with the operations of its
+  own computation (`%fc.1`, not `%fc`)."""
   path = tmp_path / "module_0001.jit_f.sm_90_gpu_after_optimizations.txt"
   path.write_text(_TUPLE_MODULE.replace("{repo}", REPO))
   found = hlo_sources.find(str(tmp_path), ["loop_negate_fusion_8", "loop_negate_fusion.8",
                                            "loop_negate_fusion"])
   assert found["loop_negate_fusion"] == []
+  (shift,) = hlo_sources.find(str(tmp_path), ["wrapped_shift_left"])["wrapped_shift_left"]
+  assert set(shift.ops) == {"neg"}, shift
   for name in ("loop_negate_fusion_8", "loop_negate_fusion.8"):
     (fusion,) = found[name]
     assert fusion.kind == "kLoop" and set(fusion.ops) == {"neg"}, fusion
