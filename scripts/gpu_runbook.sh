@@ -34,12 +34,14 @@
 #               (with and without the flag) and unrolled (with it; on CPU the flag halved
 #               fp4_rtn's |dlogp|), then the BF16 train step scanned and unrolled under it
 #               (what it costs in speed)
-#   train_step  the training step at Qwen3 layer width, 4 and 12 layers: BF16, FP8 and FP4
-#               policies on the plan's grouped GEMMs (`moe_impl="mgpu"`) and layer loop,
-#               cuDNN's fused attention against XLA's, fp4_trace's fake quantizers on XLA
-#               (`fake_quant=xla`) against the plan's kernels (and fp4_rtn's), the FP8 step
-#               on the plan's wgmma GEMMs and on Triton's (`@kernel`), and the BF16 step
-#               scanned
+#   train_step  the training step at Qwen3 layer width, 4 layers, on the plan's kernels (grouped
+#               GEMMs `moe_impl="mgpu"`, cuDNN's attention, wgmma FP8 GEMMs, the layer loop):
+#               bf16, fp8_unified, fp8_unified+fp8bwd, fp4_trace, fp4_rtn (the keys)
+#   train_step_12  the same at 12 layers (bf16, the FP8 policies, fp4_trace; the FP8
+#               backward's compile alone takes minutes)
+#   train_step_variants  4 layers, what the plan chooses against its alternatives: cuDNN's
+#               attention against XLA's, the FP8 step on Triton's GEMMs (`@kernel`), fp4_trace's
+#               fake quantizers on XLA (`fake_quant=xla`), the BF16 step scanned
 #   rl          the RL loop (`experiments.train_rl`, RL_CONFIG, default configs/small_h200.py)
 #               with the config's kernel plan, one process per policy (RL_POLICIES), sharing
 #               the GPU (RL_SEQUENTIAL=1: one after another, each policy's tokens/s its own);
@@ -189,17 +191,26 @@ step_excess_precision() {
 }
 
 step_train_step() {
-  local t=${T_TRAIN_STEP:-400}
-  local common=(--preset=qwen3_layers --moe_impls=mgpu)
-  local fp4=fp4_trace,fp4_trace+fake_quant=xla,fp4_rtn
-  TAIL=20 run train_step "$((2 * t / 3))" python3 -m experiments.bench.train_step "${common[@]}" \
-    --steps=5 --seq_attentions=cudnn,xla \
-    --policies="bf16,fp8_unified,fp8_unified+fp8bwd,fp8_unified@kernel,$fp4,bf16+scan" \
+  local t=${T_TRAIN_STEP:-330}
+  TAIL=20 run train_step "$t" python3 -m experiments.bench.train_step --preset=qwen3_layers \
+    --moe_impls=mgpu --steps=5 --seq_attentions=cudnn \
+    --policies=bf16,fp8_unified,fp8_unified+fp8bwd,fp4_trace,fp4_rtn \
     --json_out="$OUT/train_step.json" ${TRAIN_STEP_ARGS:-}
-  TAIL=12 run train_step_12 "$((t / 3))" python3 -m experiments.bench.train_step "${common[@]}" \
-    --layers=12 --steps=3 --seq_attentions=cudnn \
+}
+
+step_train_step_12() {
+  TAIL=12 run train_step_12 "${T_TRAIN_STEP_12:-540}" python3 -m experiments.bench.train_step \
+    --preset=qwen3_layers --moe_impls=mgpu --layers=12 --steps=3 --seq_attentions=cudnn \
     --policies=bf16,fp8_unified,fp8_unified+fp8bwd,fp4_trace \
-    --json_out="$OUT/train_step_12.json"
+    --json_out="$OUT/train_step_12.json" ${TRAIN_STEP_12_ARGS:-}
+}
+
+step_train_step_variants() {
+  local fp4=fp4_trace,fp4_trace+fake_quant=xla,fp4_rtn
+  TAIL=20 run train_step_variants "${T_TRAIN_STEP_VARIANTS:-540}" python3 -m \
+    experiments.bench.train_step --preset=qwen3_layers --moe_impls=mgpu --steps=5 \
+    --seq_attentions=cudnn,xla --policies="bf16,fp8_unified,fp8_unified@kernel,$fp4,bf16+scan" \
+    --json_out="$OUT/train_step_variants.json" ${TRAIN_STEP_VARIANTS_ARGS:-}
 }
 
 # The RL loop on the GPU with the config's kernel plan: the SFT warm start once, then one
@@ -246,7 +257,7 @@ step_multi_gpu() {
 # Where the device time goes: the bf16 and FP8 train steps (cuDNN attention) and the fixed-memory
 # decode at 8k (bf16, fp4_rtn), each summed per kernel and category (`--profile_dir`).
 step_profile() {
-  local t=${T_PROFILE:-300} budget=(--budget_gb=60) hlo=/tmp/hlo_train_step xla=${XLA_FLAGS:-}
+  local t=${T_PROFILE:-400} budget=(--budget_gb=60) hlo=/tmp/hlo_train_step xla=${XLA_FLAGS:-}
   small_gpu && budget=(--budget_gb=36)
   # The train step's optimized HLO, so that the profile's kernels can be traced to our lines.
   rm -rf "$hlo"
@@ -305,27 +316,35 @@ main() {
     if ! declare -F "step_$s" > /dev/null; then
       echo "unknown step '$s'; steps: check kernels rollout attention attention_budget" \
         "kv_write mismatch" \
-        "excess_precision train_step rl profile multi_gpu tests" >&2
+        "excess_precision train_step train_step_12 train_step_variants rl profile multi_gpu" \
+        "tests" >&2
       exit 2
     fi
   done
   setup
+  rm -rf "$PACKED"  # a machine keeps /tmp between calls
   stamp "steps: ${steps[*]}"
   for s in "${steps[@]}"; do
     "step_$s"
+    pack
   done
   stamp done
-  pack
 }
 
-# The device tool returns at most 8 files: with more under $OUT, everything but the runbook's
-# log goes into $OUT/out.tar.gz (extract it into a fresh folder).
+# The device tool returns at most 8 files from $OUT, and what is there when the call ends (a call
+# cut by its limit ends mid-step): after every step, once more than 7 files besides the
+# runbook's log are there, every one of them moves to $PACKED and $OUT/out.tar.gz is made anew
+# from all that moved so far (extract it into a fresh folder).
+PACKED=${PACKED:-/tmp/runbook_packed}
 pack() {
   local files
-  files=$(cd "$OUT" && find . -maxdepth 1 -type f ! -name runbook.log | wc -l)
-  [ "$files" -le 7 ] && return 0
-  (cd "$OUT" && find . -maxdepth 1 -type f ! -name runbook.log ! -name out.tar.gz -printf '%P\0' \
-    | tar -czf out.tar.gz --null -T - --remove-files)
+  files=$(cd "$OUT" && find . -maxdepth 1 -type f ! -name runbook.log ! -name 'out.tar.gz*' \
+    | wc -l)
+  [ "$files" -gt 0 ] && { [ "$files" -gt 7 ] || [ -f "$OUT/out.tar.gz" ]; } || return 0
+  mkdir -p "$PACKED"
+  (cd "$OUT" && find . -maxdepth 1 -type f ! -name runbook.log ! -name 'out.tar.gz*' \
+    -exec mv -t "$PACKED" {} +)
+  tar -czf "$OUT/out.tar.gz.part" -C "$PACKED" . && mv "$OUT/out.tar.gz.part" "$OUT/out.tar.gz"
 }
 
 main "$@"

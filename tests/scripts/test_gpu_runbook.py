@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,36 @@ def test_test_options_pass_through_every_shard(tmp_path):
                        env=env, cwd=SCRIPT.parents[1]).stdout.split()
   assert got[:2] == ["-k", "wgmma"] and len(got) > 2
   assert all(f.startswith("tests/quant/test_") for f in got[2:]), got
+
+
+def _pack(out: Path, packed: Path) -> None:
+  body = TEXT.replace('\nmain "$@"\n', "\n")
+  env = {"OUT": str(out), "PACKED": str(packed), "PATH": "/usr/bin:/bin"}
+  p = subprocess.run(["bash", "-c", body + "\npack"], capture_output=True, text=True, env=env)
+  assert p.returncode == 0, p.stderr
+
+
+def _tar_names(path: Path) -> set[str]:
+  with tarfile.open(path) as tar:
+    return {Path(n).name for n in tar.getnames() if n not in (".", "./")}
+
+
+def test_pack_keeps_every_file_within_the_eight_that_come_back(tmp_path):
+  """Packed after each step: loose files stay while 7 or fewer; past that they go into
+  out.tar.gz, and a later step's files join the same archive (not replace it)."""
+  out, packed = tmp_path / "out", tmp_path / "packed"
+  out.mkdir()
+  (out / "runbook.log").write_text("log")
+  for i in range(3):
+    (out / f"a{i}.json").write_text(str(i))
+  _pack(out, packed)
+  assert sorted(p.name for p in out.iterdir()) == ["a0.json", "a1.json", "a2.json", "runbook.log"]
+  for i in range(3, 9):
+    (out / f"a{i}.json").write_text(str(i))
+  _pack(out, packed)
+  assert sorted(p.name for p in out.iterdir()) == ["out.tar.gz", "runbook.log"]
+  assert _tar_names(out / "out.tar.gz") == {f"a{i}.json" for i in range(9)}
+  (out / "b.log").write_text("next step")
+  _pack(out, packed)
+  assert sorted(p.name for p in out.iterdir()) == ["out.tar.gz", "runbook.log"]
+  assert _tar_names(out / "out.tar.gz") == {f"a{i}.json" for i in range(9)} | {"b.log"}
