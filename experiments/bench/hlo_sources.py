@@ -32,7 +32,7 @@ _FIELD = re.compile(r"(\w+)=(\"[^\"]*\"|[-\w.]+)")
 # "(f32[8]{0}, u8[8,128]{1,0})", possibly with /*index=5*/ comments), its opcode, its operands.
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\((?:[^()]|\([^()]*\))*\)|\S+) (\S+)\((.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) \(.*\{$")
-_KERNEL_LINE = re.compile(r"^\s+[\d.]+ ms\s+x\s+[\d.]+\s+\S+\s+(\S+)\s*$")
+_KERNEL_LINE = re.compile(r"^\s+([\d.]+) ms\s+x\s+[\d.]+\s+\S+\s+(\S+)\s*$")
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -154,16 +154,29 @@ def find(hlo_dir: str, names: Sequence[str]) -> dict[str, list[Fusion]]:
   return out
 
 
+def kernel_times(summary: str) -> dict[str, list[float]]:
+  """The kernels of a profile summary's lines (`profiling.format_summary`), in order, each
+  with its ms per step in every profile of the summary that lists it."""
+  out: dict[str, list[float]] = {}
+  for line in summary.splitlines():
+    if m := _KERNEL_LINE.match(line):
+      out.setdefault(m.group(2), []).append(float(m.group(1)))
+  return out
+
+
 def kernel_names(summary: str) -> list[str]:
-  """The kernel names of a profile summary's lines (`profiling.format_summary`), in order,
-  each once."""
-  return list(dict.fromkeys(m.group(1) for line in summary.splitlines()
-                            if (m := _KERNEL_LINE.match(line))))
+  """The kernel names of a profile summary's lines, in order, each once."""
+  return list(kernel_times(summary))
 
 
-def format_found(found: dict[str, list[Fusion]], top: int = 4) -> str:
+def format_found(found: dict[str, list[Fusion]], top: int = 4,
+                 times: dict[str, list[float]] | None = None) -> str:
+  """Each name's fusions: module, kind, shape, its commonest ops and source lines; with
+  `times` (`kernel_times`), the name's ms per step in each profile first."""
   lines = []
   for name, fusions in found.items():
+    if times and times.get(name):
+      lines.append(f"{name}: " + ", ".join(f"{t:.3f}" for t in times[name]) + " ms/step")
     if not fusions:
       lines.append(f"{name}: not a fusion of the dumped modules")
       continue
@@ -187,13 +200,14 @@ def main(argv: Sequence[str]) -> None:
     return
   if not FLAGS.hlo_dir:
     raise app.UsageError("--hlo_dir is required")
-  names = list(FLAGS.names)
+  names, times = list(FLAGS.names), {}
   if FLAGS.log:
     with open(FLAGS.log) as f:
-      names += [n for n in kernel_names(f.read()) if n not in names]
+      times = kernel_times(f.read())
+    names += [n for n in times if n not in names]
   if not names:
     raise app.UsageError("no fusion names: give --names or a --log with kernel lines")
-  print(format_found(find(FLAGS.hlo_dir, names)))
+  print(format_found(find(FLAGS.hlo_dir, names), times=times))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,11 @@ def test_kernel_names_of_a_profile_summary():
 """
   assert hlo_sources.kernel_names(summary) == [
       "body_mosaic_gpu_kernel", "wrapped_convert_10", "input_or_reduce_fusion"]
+  times = hlo_sources.kernel_times(summary + summary.replace("14.882", "3.500"))
+  assert times["input_or_reduce_fusion"] == [14.882, 3.5]
+  assert times["wrapped_convert_10"] == [1.615] * 4  # listed twice in each profile
+  text = hlo_sources.format_found({"input_or_reduce_fusion": []}, times=times)
+  assert text.splitlines()[0] == "input_or_reduce_fusion: 14.882, 3.500 ms/step"
 
 
 def test_a_directory_without_dumps_fails_loudly(tmp_path):
