@@ -36,7 +36,8 @@
 #               (what it costs in speed)
 #   train_step  the training step at Qwen3 layer width, 4 layers, on the plan's kernels (grouped
 #               GEMMs `moe_impl="mgpu"`, cuDNN's attention, wgmma FP8 GEMMs, the layer loop):
-#               bf16, fp8_unified, fp8_unified+fp8bwd, fp4_trace, fp4_rtn (the JSON's headline keys)
+#               bf16, fp8_unified, fp8_unified+fp8bwd, fp4_trace, fp4_rtn (the JSON's headline
+#               keys)
 #   train_step_12  the same at 12 layers (bf16, the FP8 policies, fp4_trace; the FP8
 #               backward's compile alone takes minutes)
 #   train_step_variants  4 layers, what the plan chooses against its alternatives: cuDNN's
@@ -337,13 +338,12 @@ main() {
 # from all that moved so far (extract it into a fresh folder).
 PACKED=${PACKED:-/tmp/runbook_packed}
 pack() {
-  local files
-  files=$(cd "$OUT" && find . -maxdepth 1 -type f ! -name runbook.log ! -name 'out.tar.gz*' \
-    | wc -l)
-  [ "$files" -gt 0 ] && { [ "$files" -gt 7 ] || [ -f "$OUT/out.tar.gz" ]; } || return 0
+  local loose=()
+  mapfile -d '' loose < <(cd "$OUT" && find . -maxdepth 1 -type f ! -name runbook.log \
+    ! -name 'out.tar.gz*' -print0)
+  [ ${#loose[@]} -gt 0 ] && { [ ${#loose[@]} -gt 7 ] || [ -f "$OUT/out.tar.gz" ]; } || return 0
   mkdir -p "$PACKED"
-  (cd "$OUT" && find . -maxdepth 1 -type f ! -name runbook.log ! -name 'out.tar.gz*' \
-    -exec mv -t "$PACKED" {} +)
+  (cd "$OUT" && mv -t "$PACKED" "${loose[@]}")
   tar -czf "$OUT/out.tar.gz.part" -C "$PACKED" . && mv "$OUT/out.tar.gz.part" "$OUT/out.tar.gz"
 }
 

@@ -102,7 +102,7 @@ class _Module:
     for body in self.computations.values():
       for line in body:
         m = _INSTR.match(line)
-        if not m or kernel_name(m.group(1)) not in names or m.group(3) != "fusion":
+        if not m or m.group(3) != "fusion" or (key := kernel_name(m.group(1))) not in names:
           continue
         attrs = m.group(4)
         kind = re.search(r"kind=(\w+)", attrs)
@@ -113,7 +113,7 @@ class _Module:
           self._count(fusion, inner)
         if not fusion.ops:
           self._count(fusion, line)
-        yield kernel_name(m.group(1)), fusion
+        yield key, fusion
 
   def _count(self, fusion: Fusion, line: str) -> None:
     meta = re.search(r"metadata=\{([^}]*)\}", line)
