@@ -24,6 +24,8 @@ Per case (context T, batch B; every sequence at full length T, one query token e
                       decoders (`wgmma_flash`, `AttentionConfig(impl="wgmma_fused")`; GPU only)
   <wgmma path>_prefetch<d>  the same with L2 prefetches d tiles ahead of the decode
                       (`--prefetch`; `AttentionConfig.prefetch`)
+  kernel_packed_wgmma_splits<s>  the wgmma pair with its PV kernel's keys in s splits
+                      (`--pv_splits`; the default `wgmma_attention.default_splits`)
   kernel_packed_bits  the same cache with the codes as bytes (the bit-arithmetic decoder), for
                       the ratio in one process
   copy                `jnp.copy` of the BF16 K cache: the bandwidth reference (read + write)
@@ -76,6 +78,9 @@ flags.DEFINE_integer("num_stages", 2, "Kernel pipeline stages.", flag_values=FLA
 flags.DEFINE_list("prefetch", ["1"], "L2 prefetch distances of the wgmma kernels "
                   "(AttentionConfig.prefetch, in 64-key tiles; its default 1): the first runs "
                   "the wgmma paths, each other adds `<wgmma path>_prefetch<d>` beside them.",
+                  flag_values=FLAGS)
+flags.DEFINE_list("pv_splits", [], "Key splits of the wgmma PV kernel: each adds "
+                  "`kernel_packed_wgmma_splits<s>` beside the wgmma pair (GPU only).",
                   flag_values=FLAGS)
 flags.DEFINE_integer("reps", 0, "Timed calls per path (0: 30 on GPU, 3 otherwise).",
                      flag_values=FLAGS)
@@ -181,12 +186,14 @@ def _cpu_reference(q: Any, cache: Any, lengths: Any, c: int) -> tuple[Any, Any]:
 
 
 def base_impl(name: str) -> str:
-  """The path a prefetch variant `<wgmma path>_prefetch<d>` varies (else the name itself)."""
-  return name.split("_prefetch")[0]
+  """The path a variant `<wgmma path>_prefetch<d>` or `kernel_packed_wgmma_splits<s>` varies
+  (else the name itself)."""
+  return name.split("_prefetch")[0].split("_splits")[0]
 
 
 def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stages: int,
-           prefetch: Sequence[int] = ()) -> dict[str, Callable[..., Any]]:
+           prefetch: Sequence[int] = (), pv_splits: Sequence[int] = ()
+           ) -> dict[str, Callable[..., Any]]:
   """path -> fn(q, cache, lengths); the kernels' `AttentionConfig`s from the flags."""
   from trace_jax.kernels import decode_attention as da
 
@@ -198,6 +205,9 @@ def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stag
   ref = da.decode_attention_reference
   variants = {f"{path}_prefetch{d}": kernel(path[len("kernel_packed_"):], d)
               for path in GPU_ONLY for d in prefetch[1:]}
+  variants.update({f"kernel_packed_wgmma_splits{sp}": functools.partial(
+      da.decode_attention, config=config(impl="wgmma", prefetch=prefetch[0], num_splits=sp))
+      for sp in pv_splits})
   return {**variants, "xla_bf16": ref, "xla_fq_bf16": ref, "xla_packed_dequant": ref,
           "kernel_bf16": kernel("triton"), "kernel_packed": kernel("triton"),
           "kernel_packed_bits": kernel("triton"), "kernel_packed_wgmma": kernel("wgmma"),
@@ -215,6 +225,7 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
   import numpy as np
 
   from trace_jax.kernels import decode_attention as da
+  from trace_jax.kernels import wgmma_attention, wgmma_decode
 
   inp = _inputs(b, t, g, n, h, seed)
   paths = _paths(n, **kernel_args)
@@ -224,6 +235,8 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
                           "kv_bytes": kv_bytes, "impls": {}}
   if not kernel_args["num_splits"]:
     case["kernel_num_splits"] = da.default_num_splits(b, g, -(-t // kernel_args["block_t"]))
+    case["wgmma_num_splits"] = wgmma_attention.default_splits(b, g, t // wgmma_decode.TILE,
+                                                               da.SM_COUNT)
   c = min(check_seqs, b)
   refs = {kind: _cpu_reference(inp["q"], inp[kind], inp["lengths"], c)
           for kind in sorted({CACHE_OF[base_impl(i)] for i in impls})}
@@ -381,6 +394,8 @@ def run_bench(preset: str, contexts: Sequence[int], batches: Sequence[int], n: i
   impls = [i for i in IMPLS if i in impls or not impls and (on_gpu or i not in GPU_ONLY)]
   impls += [f"{i}_prefetch{d}" for i in impls if i in GPU_ONLY
             for d in kernel_args.get("prefetch", (0,))[1:]]
+  if "kernel_packed_wgmma" in impls:
+    impls += [f"kernel_packed_wgmma_splits{sp}" for sp in kernel_args.get("pv_splits", ())]
   reps = reps or (30 if on_gpu else 3)
   inner = inner or (8 if on_gpu else 1)
   dev = common.device_description()
@@ -433,9 +448,12 @@ def main(argv: Sequence[str]) -> dict[str, Any] | None:
   p = PRESETS[FLAGS.preset]
   kernel_args = dict(block_t=FLAGS.block_t, num_splits=FLAGS.num_splits,
                      num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages,
-                     prefetch=tuple(int(d) for d in FLAGS.prefetch))
+                     prefetch=tuple(int(d) for d in FLAGS.prefetch),
+                     pv_splits=tuple(int(sp) for sp in FLAGS.pv_splits))
   if any(d < 0 for d in kernel_args["prefetch"]):
     raise ValueError(f"--prefetch: distances must be >= 0, got {FLAGS.prefetch}")
+  if any(sp < 1 for sp in kernel_args["pv_splits"]):
+    raise ValueError(f"--pv_splits: splits must be >= 1, got {FLAGS.pv_splits}")
   res = run_bench(FLAGS.preset, [int(x) for x in FLAGS.contexts] or p["contexts"],
                   [int(x) for x in FLAGS.batches] or p["batches"], FLAGS.heads or p["heads"],
                   FLAGS.kv_heads or p["kv_heads"], FLAGS.head_dim or p["head_dim"], FLAGS.impls,

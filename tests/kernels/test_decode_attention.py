@@ -215,11 +215,12 @@ KERNEL_CASES = [(name, kind) for name in ATTN_CASES for kind in ("bf16", "packed
     ("len1_r4", "packed_words_exact"), ("mixed_lengths_r2_split3", "packed_words_exact")] + [
     (name, kind) for name in ("full_r8", "mixed_r8") for kind in WGMMA_KINDS] + [
     ("mixed_r8_split2", "packed_wgmma_fused"), ("long_r8_split3", "packed_wgmma_fused"),
-    ("long_r8_split2_block128", "packed_wgmma_fused")]
+    ("long_r8_split2_block128", "packed_wgmma_fused"), ("mixed_r8_split2", "packed_wgmma"),
+    ("long_r8_split3", "packed_wgmma")]
 # R = 8 and head_dim 128, the wgmma kernels' shape (GPU only): lengths 1 and mid-tile (rows
 # from the pool: B x T x G <= POOL).
-# Splits of the single-pass kernel: one without keys (sequence 0's second), and three of two
-# tiles each over a length ending mid-tile.
+# Splits of the single-pass kernel and of the wgmma PV kernel: one without keys (sequence 0's
+# second), and three of two tiles each over a length ending mid-tile.
 ATTN_CASES_GPU = {"mixed_r8": (2, 128, 4, 32, 128, [1, 70], 64, 1),
                   "mixed_r8_split2": (2, 128, 4, 32, 128, [1, 70], 64, 2),
                   "long_r8_split3": (1, 384, 2, 16, 128, [301], 64, 3),

@@ -72,14 +72,19 @@ KV = (SDS((L, B, T, G, H // 8), jnp.uint32), SDS((L, B, T, G, H // 16), jnp.uint
 LENGTHS, LAYER = SDS((B,), jnp.int32), SDS((1,), jnp.int32)
 
 
-@pytest.mark.parametrize("prefetch", [0, 3], ids=["no_prefetch", "three_tiles_ahead"])
-def test_scores_and_pv_lower(lowering, prefetch):
+@pytest.mark.parametrize("prefetch,splits", [(0, 1), (3, 1), (1, 2)],
+                         ids=["no_prefetch", "three_tiles_ahead", "pv_two_splits"])
+def test_scores_and_pv_lower(lowering, prefetch, splits):
   text = lowering(lambda q, *a: wgmma_attention.scores(q, *a, scale=0.088, prefetch=prefetch),
                   Q, *KV, LENGTHS, LAYER)
   assert "decode_attention_scores_wgmma" in text
   probs = SDS((B, G, R, T), jnp.bfloat16)
-  pv = lambda *a: wgmma_attention.pv(*a, prefetch=prefetch)
-  assert "decode_attention_pv_wgmma" in lowering(pv, probs, *KV, LENGTHS, LAYER)
+  pv = lambda *a: wgmma_attention.pv(*a, prefetch=prefetch, splits=splits)
+  text = lowering(pv, probs, *KV, LENGTHS, LAYER)
+  assert "decode_attention_pv_wgmma" in text
+  # one split: the bf16 output; two: each split's float32 partial sums
+  out = f"tensor<{B}x{G}x2x{R}x{H}xf32>" if splits > 1 else f"tensor<{B}x{G}x{R}x{H}xbf16>"
+  assert out in text
 
 
 @pytest.mark.parametrize("splits,block_t,prefetch", [(1, 64, 0), (2, 64, 2), (2, 128, 1)],

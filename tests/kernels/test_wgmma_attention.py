@@ -208,7 +208,7 @@ def _partials_stand_in(q, k, v, lengths, layer, *, r, scale, splits, block_t, pr
     return vals[..., order]  # [B, T, G, H] in the decode's column order
 
   kv, vv = values(*k), values(*v)
-  per, n_splits = wgmma_flash.split_steps(kv.shape[1], block_t, splits)
+  per, n_splits = wgmma_attention.split_steps(kv.shape[1], block_t, splits)
   b, g = q.shape[:2]
   acc = np.zeros((b, g, n_splits, r, h), np.float32)
   m = np.full((b, g, n_splits, r), -np.inf, np.float32)
@@ -257,3 +257,68 @@ def test_single_pass_glue_around_the_kernel(monkeypatch, splits, block_t):
                         block_t=block_t, prefetch=2)
   assert out.shape == q.shape and out.dtype == q.dtype
   check_within_tolerance(out, reference(q, cache, lengths), values_of(cache), lengths, n)
+
+
+def _pv_stand_in(probs, codes, scale_bits, rows, lengths, layer, *, prefetch, splits):
+  """`wgmma_attention.pv`'s contract in numpy (the kernel runs on a GPU only): probabilities x
+  V decoded in `column_order` over the keys below each length, one bf16 rounding, or with
+  several splits each split's float32 sum over its tiles."""
+  del prefetch  # L2 requests only
+  lyr = int(np.asarray(layer)[0])
+  b, g, r, t = probs.shape
+  h = 16 * scale_bits.shape[-1]
+  one = kv_cache.PackedKVCache(
+      k_codes=codes[lyr].reshape(codes.shape[1:4] + (h // 16, 2)), v_codes=codes[lyr].reshape(
+          codes.shape[1:4] + (h // 16, 2)),
+      k_block=jax.lax.bitcast_convert_type(scale_bits[lyr], jnp.float8_e4m3fn),
+      v_block=jax.lax.bitcast_convert_type(scale_bits[lyr], jnp.float8_e4m3fn),
+      k_row=rows[lyr], v_row=rows[lyr])
+  vv = np.asarray(kv_cache.dequantize(one, jnp.float32)[0])[..., wgmma_decode.column_order(h)]
+  per, n_splits = wgmma_attention.split_steps(t, wgmma_decode.TILE, splits)
+  p = np.asarray(probs, np.float32)
+  acc = np.zeros((b, g, n_splits, r, h), np.float32)
+  for bi, n in enumerate(np.asarray(lengths)):
+    for si in range(n_splits):
+      lo, hi = si * per * wgmma_decode.TILE, min((si + 1) * per * wgmma_decode.TILE, int(n))
+      for gi in range(g):
+        if lo < hi:
+          acc[bi, gi, si] = p[bi, gi, :, lo:hi] @ vv[bi, lo:hi, gi]
+  if n_splits == 1:
+    return jnp.asarray(acc[:, :, 0], jnp.bfloat16)
+  return jnp.asarray(acc)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["one_split", "three_splits"])
+def test_split_pv_glue_around_the_kernel(monkeypatch, splits):
+  """impl "wgmma"'s PV around its kernel (replaced by a numpy stand-in of its contract): the
+  splits' float32 partial sums added and rounded once, the columns put back, give `attend`'s
+  output within `output_tolerance` from `attend`'s probabilities (three splits of one tile:
+  sequence 0's last ends mid-tile, sequence 1's last holds no key)."""
+  from tests.kernels.attention_cases import (
+    attn_inputs,
+    check_within_tolerance,
+    make_cache,
+    reference,
+    values_of,
+  )
+  from trace_jax.kernels import attention_math, kv_tiles
+  from trace_jax.kernels import decode_attention as da
+
+  monkeypatch.setattr(wgmma_attention, "pv", _pv_stand_in)
+  b, t, g, n, h = 2, 192, 2, 16, 128
+  q, kv, pos = attn_inputs(b, t, g, n, h, seed=5)
+  cache = make_cache("packed", kv, pos, words=True)
+  lengths = jnp.asarray([150, 70], jnp.int32)
+  stack = jax.tree.map(lambda a: jnp.stack([jnp.zeros_like(a), a]), cache)
+  ks, vs = kv_tiles.cache_arrays(stack, True)
+  k, _ = kv_cache.dequantize(cache, jnp.float32)
+  qg = np.asarray(q, np.float32).reshape(b, g, n // g, h)
+  scores = np.einsum("bgrh,btgh->bgrt", qg, np.asarray(k)) * attention_math.score_scale(h)
+  mask = (jnp.arange(t)[None, :] < lengths[:, None])[:, None, None, None, :]
+  probs = attention_math.attention_probs(jnp.asarray(scores)[:, :, :, None, :], mask,
+                                         q.dtype)[:, :, :, 0, :]
+  out = da._pv(probs, vs, lengths, jnp.asarray([1], jnp.int32), h, packed=True,
+               config=da.AttentionConfig(impl="wgmma"), num_splits=splits, interpret=True)
+  assert out.shape == (b, g, n // g, h) and out.dtype == q.dtype
+  check_within_tolerance(out.reshape(b, n, h), reference(q, cache, lengths), values_of(cache),
+                         lengths, n)

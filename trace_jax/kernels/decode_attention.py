@@ -96,13 +96,13 @@ class AttentionConfig:
     `attend`'s bits: its module docstring), with `block_t`, `num_splits` and the launch
     parameters as the Triton pair's; "wgmma_fused": the same arithmetic over a packed cache
     of code words on a Hopper GPU with `wgmma_attention`'s decoders (`wgmma_flash`; its
-    splits `num_splits` or `wgmma_flash.default_splits`).
+    splits `num_splits` or `wgmma_attention.default_splits`).
   table: codes as words: None picks the bf16 fast table per key block where its row scales
     allow it, "exact" always takes the exact one (for tests), "fast" always the fast one (only
     exact for row scales in `fp4_decode.tensor_scale_factors`' fast range).
   block_t: keys per block of the Triton kernels (a power of two >= 16).
-  num_splits: key splits of the Triton PV kernel or the fused kernel (None:
-    `default_num_splits`).
+  num_splits: key splits of the PV kernel (Triton's or wgmma's) or the fused kernel (None:
+    `default_num_splits`; the wgmma kernels `wgmma_attention.default_splits`).
   num_warps / num_stages: Triton launch parameters.
   sm_count: the device's SMs (the kernel plan's): the PV kernel's default key splits.
   prefetch: 64-key tiles (steps of the single pass) the wgmma kernels ask L2 for ahead of
@@ -225,7 +225,9 @@ def _pv(probs, vs, lengths, lyr, h: int, *, packed: bool, config: AttentionConfi
   if config.impl == "wgmma":  # V decoded into shared memory, probabilities in wgmma's A registers
     vc, vbits, vrow = vs
     out = wgmma_attention.pv(probs, vc.reshape(vc.shape[:4] + (h // 8,)), vbits, vrow,
-                             lengths, lyr, prefetch=config.prefetch)
+                             lengths, lyr, prefetch=config.prefetch, splits=num_splits)
+    if out.ndim == 5:  # the splits' float32 partial sums
+      out = jnp.sum(out, axis=2).astype(probs.dtype)
     return jnp.take(out, np.argsort(wgmma_decode.column_order(h)), axis=-1)
   rp = kv_tiles.padded_rows(r)
   bps, splits = kv_tiles.key_splits(t, config.block_t, num_splits)
@@ -374,8 +376,8 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
   if packed:
     kv_tiles.check_words(cache.words, q.dtype, bool(interpret))
   num_splits = config.num_splits
-  if num_splits is None and config.impl == "wgmma_fused":
-    num_splits = wgmma_flash.default_splits(b, g, t // config.block_t, config.sm_count)
+  if num_splits is None and config.impl in ("wgmma", "wgmma_fused"):
+    num_splits = wgmma_attention.default_splits(b, g, t // config.block_t, config.sm_count)
   elif num_splits is None:
     num_splits = default_num_splits(b, g, -(-t // config.block_t), config.sm_count)
   if config.impl in WGMMA_IMPLS:

@@ -46,12 +46,29 @@ ROWS = 8  # query heads per kv head (the wgmma N)
 # 64-key tiles per scores program: on the H200 (batch 256 x 8k) 1, 2, 4, 8 and 16 tiles took
 # 1.289, 1.254, 1.239, 1.251 and 1.257 ms of attention (git history of docs/benchmarks.md).
 TILES_PER_PROGRAM = 4
+MIN_TILES_PER_SPLIT = 8  # key splits of the kernels that walk a sequence's tiles in turn
 
 
 def supported(h: int, r: int, t: int, dtype) -> bool:
   """Whether the kernel runs this shape: see the module docstring."""
   return (jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and h % SPAN == 0 and r == ROWS
           and t % TILE == 0)
+
+
+def default_splits(batch: int, num_kv_heads: int, num_tiles: int, sm_count: int) -> int:
+  """Key splits of a kernel that walks a (sequence, kv head)'s tiles one after another (PV,
+  the single pass): about 4 programs per SM (two resident per SM wait on memory while two
+  compute), with at least MIN_TILES_PER_SPLIT tiles in each."""
+  want = -(-4 * sm_count // max(batch * num_kv_heads, 1))
+  return int(max(1, min(want, num_tiles // MIN_TILES_PER_SPLIT)))
+
+
+def split_steps(t: int, block_t: int, splits: int) -> tuple[int, int]:
+  """(steps of block_t keys per split, splits) for a context of t keys: every split non-empty
+  at full length."""
+  n_steps = t // block_t
+  per = -(-n_steps // max(1, min(splits, n_steps)))
+  return per, -(-n_steps // per)
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -194,10 +211,11 @@ def _store_transposed(t: int):
   return fn
 
 
-def _live_row_address(ref, pitch: int, r: int):
+def _live_row_address(ref, pitch: int, r: int, itemsize: int = 2):
   """(address, flag) of this thread's first column pair (row row0, column 2 quad) in a
-  row-major 2-byte [R, pitch] window `ref`; flag (int32) is 1 for rows < r, the WGMMA-layout
-  rows that hold data there, and those of other threads point at row 0 (a valid address)."""
+  row-major [R, pitch] window `ref` of `itemsize`-byte elements; flag (int32) is 1 for rows
+  < r, the WGMMA-layout rows that hold data there, and those of other threads point at row 0
+  (a valid address)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm
   from jax.experimental.mosaic.gpu import utils as mu
@@ -208,7 +226,7 @@ def _live_row_address(ref, pitch: int, r: int):
   live = arith.cmpi(arith.CmpIPredicate.ult, row0, mu.c(r, i32))
   row = arith.select(live, row0, mu.c(0, i32))
   off = arith.addi(arith.muli(row, mu.c(pitch, i32)), arith.muli(quad, mu.c(2, i32)))
-  return arith.addi(base, arith.extui(i64, arith.muli(off, mu.c(2, i32)))), \
+  return arith.addi(base, arith.extui(i64, arith.muli(off, mu.c(itemsize, i32)))), \
       arith.extui(i32, live)
 
 
@@ -240,42 +258,54 @@ def _probs_tile(t: int, r: int):
   return fn
 
 
-def _store_rows(h: int, r: int):
+def _store_rows(h: int, r: int, partial: bool = False):
   """inline_mgpu function: (the PV accumulator [64, h] float32 in the WGMMA layout, the
-  output's [R, h] bf16 window) -> rows < R rounded to bf16 (nearest even) and stored, columns
-  in `column_order` (each thread's pairs: 4-byte stores, 16 contiguous bytes per quad)."""
+  output's [R, h] window) -> rows < R stored, columns in `column_order`: rounded to bf16
+  (nearest even; each thread's pairs: 4-byte stores, 16 contiguous bytes per quad), or with
+  `partial` as they are, float32 (8-byte stores, 32 contiguous bytes per quad)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm
   from jax.experimental.mosaic.gpu import utils as mu
 
+  itemsize = 4 if partial else 2
+
   def fn(ctx, acc, out):
     del ctx
     i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-    a0, flag = _live_row_address(out, h, r)
+    a0, flag = _live_row_address(out, h, r, itemsize)
     regs = acc.registers
     assert regs.shape == (1, h // 8, 1, 1, 2, 1, 1, 1, 1), regs.shape
     for ct in range(h // 8):
       pair = regs[0, ct, 0, 0, 0, 0, 0, 0, 0]
       lo, hi = (llvm.extractelement(pair, mu.c(j, i32)) for j in (0, 1))
+      at = arith.addi(a0, mu.c(8 * itemsize * ct, i64))
+      if partial:
+        mu.inline_ptx("{\n.reg .pred p;\nsetp.ne.u32 p, $3, 0;\n"
+                      "@p st.global.v2.f32 [$0], {$1, $2};\n}", at, lo, hi, flag)
+        continue
       bits = mu.inline_ptx("cvt.rn.bf16x2.f32 $0, $1, $2;", hi, lo, result_types=i32)
       mu.inline_ptx("{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\n@p st.global.b32 [$0], $1;\n}",
-                    arith.addi(a0, mu.c(16 * ct, i64)), bits, flag)
+                    at, bits, flag)
     return ()
 
   return fn
 
 
-@functools.partial(jax.jit, static_argnames=("prefetch",))
+@functools.partial(jax.jit, static_argnames=("prefetch", "splits"))
 def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Array,
-       lengths: jax.Array, layer: jax.Array, *, prefetch: int = 0) -> jax.Array:
+       lengths: jax.Array, layer: jax.Array, *, prefetch: int = 0, splits: int = 1
+       ) -> jax.Array:
   """bf16 [B, G, R, H] (columns in `column_order(H)`): probabilities x V summed in float32 over
-  each sequence's keys below its length (wgmma's order), rounded once.
+  each sequence's keys below its length (wgmma's order), rounded once. splits > 1: the float32
+  partial sums [B, G, S, R, H] of S contiguous runs of tiles (`split_steps`; the caller sums
+  them and rounds), S the splits that `split_steps` makes of `splits`.
 
   probs: bf16 [B, G, R, T] (zero beyond each length, as the softmax makes them); codes,
   scale_bits, rows: V's, as `scores` takes K's. V rows at or beyond the length are decoded as
-  zeros; tiles beyond it are not read. One program per (sequence, kv head): the PV kernel
-  for batches of at least one program per SM (`decode_attention` picks it). prefetch: tiles
-  asked of L2 ahead of the decode (0: none)."""
+  zeros; tiles beyond it are not read (a split wholly beyond it writes zeros). One program per
+  (sequence, kv head, split), walking its tiles one after another (`default_splits` gives a
+  batch of long sequences enough programs). prefetch: tiles asked of L2 ahead of the decode
+  (0: none)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -283,6 +313,8 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   h = 16 * scale_bits.shape[-1]
   if not supported(h, r, t, probs.dtype):
     raise ValueError(f"wgmma PV: unsupported shape/dtype {probs.shape} {probs.dtype}, H={h}")
+  per, s_count = split_steps(t, TILE, splits)
+  partial = s_count > 1
   decode = tile_decoder(h, g, masked=True)
   ask = tile_prefetcher(h, g)
   load_probs = plgpu.inline_mgpu(
@@ -290,24 +322,26 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
       return_type=plgpu.ShapeDtypeStruct((TILE, TILE), jnp.bfloat16,
                                          layout=plgpu.Layout.WGMMA),
   )(_probs_tile(t, r))
-  store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(_store_rows(h, r))
+  store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
+      _store_rows(h, r, partial=partial))
   v_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
   def body(layer_ref, len_ref, p_ref, c_ref, s_ref, r_ref, o_ref, v_smem):
-    bi, gi = jax.lax.axis_index("b"), jax.lax.axis_index("g")
+    bi, gi, si = (jax.lax.axis_index(n) for n in ("b", "g", "s"))
     lyr = layer_ref[0]
     length = len_ref[bi]
 
-    n_tiles = (length + TILE - 1) // TILE
+    first = si * per
+    last = jnp.minimum(first + per, (length + TILE - 1) // TILE)
     at = lambda ref, i: ref.at[lyr, bi, pl.ds(i * TILE, TILE), gi]
 
-    def ahead(i):  # tile i's lines into L2 (clamped to the last tile: a repeat is harmless)
-      i = jnp.maximum(jnp.minimum(i, n_tiles - 1), 0)
+    def ahead(i):  # tile i's lines into L2 (clamped to the split's last: a repeat is harmless)
+      i = jnp.maximum(jnp.minimum(i, last - 1), 0)
       ask(at(c_ref, i), at(s_ref, i), at(r_ref, i))
 
     def run(acc_ref):
       for i in range(1, prefetch):
-        ahead(i)
+        ahead(first + i)
 
       def step(i, carry):
         if prefetch:
@@ -327,15 +361,17 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
         plgpu.wgmma(acc_ref, p, v_smem)
         return carry
 
-      jax.lax.fori_loop(0, n_tiles, step, 0)
+      jax.lax.fori_loop(first, last, step, 0)
       return acc_ref[...]
 
     acc = pl.run_scoped(run, plgpu.ACC((TILE, h), jnp.float32))
-    store(acc, o_ref.at[bi, gi])
+    store(acc, o_ref.at[bi, gi, si] if partial else o_ref.at[bi, gi])
 
+  out_type = (jax.ShapeDtypeStruct((b, g, s_count, r, h), jnp.float32) if partial else
+              jax.ShapeDtypeStruct((b, g, r, h), jnp.bfloat16))
   kernel = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((b, g, r, h), jnp.bfloat16),
-      grid=(b, g), grid_names=("b", "g"), kernel_name="decode_attention_pv_wgmma",
+      body, out_type=out_type, grid=(b, g, s_count), grid_names=("b", "g", "s"),
+      kernel_name="decode_attention_pv_wgmma",
       scratch_types=[plgpu.SMEM((TILE, h), jnp.bfloat16, transforms=v_transforms)],
   )
   return kernel(layer.astype(jnp.int32), lengths.astype(jnp.int32), probs, codes, scale_bits,

@@ -41,22 +41,6 @@ from trace_jax.kernels import wgmma_attention
 from trace_jax.kernels.wgmma_decode import TILE
 
 ROWS = wgmma_attention.ROWS
-MIN_TILES_PER_SPLIT = 8
-
-
-def default_splits(batch: int, num_kv_heads: int, num_tiles: int, sm_count: int) -> int:
-  """Key splits so that about 4 programs per SM run (two resident per SM wait on memory while
-  two compute), with at least MIN_TILES_PER_SPLIT tiles in each."""
-  want = -(-4 * sm_count // max(batch * num_kv_heads, 1))
-  return int(max(1, min(want, num_tiles // MIN_TILES_PER_SPLIT)))
-
-
-def split_steps(t: int, block_t: int, splits: int) -> tuple[int, int]:
-  """(steps of block_t keys per split, splits) for a context of t keys: every split non-empty
-  at full length."""
-  n_steps = t // block_t
-  per = -(-n_steps // max(1, min(splits, n_steps)))
-  return per, -(-n_steps // per)
 
 
 def supported(h: int, r: int, t: int, dtype, block_t: int = TILE) -> bool:
@@ -86,7 +70,7 @@ def partials(q: jax.Array, k: tuple[jax.Array, jax.Array, jax.Array],
   if rows != TILE or not supported(h, r, t, q.dtype, block_t):
     raise ValueError(f"wgmma flash: unsupported q {q.shape} {q.dtype}, r={r}, T={t}, "
                      f"block_t={block_t}")
-  per, s_count = split_steps(t, block_t, splits)
+  per, s_count = wgmma_attention.split_steps(t, block_t, splits)
   n_tiles = block_t // TILE
   decode_k = wgmma_attention.tile_decoder(h, g, masked=False)
   decode_v = wgmma_attention.tile_decoder(h, g, masked=True)

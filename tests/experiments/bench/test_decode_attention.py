@@ -50,3 +50,15 @@ def test_prefetch_variants_run_the_wgmma_kernels_with_their_distance():
       assert bda.base_impl(f"{base}_prefetch{d}") == base
   assert not any("prefetch" in k for k in bda._paths(32, 64, 0, 4, 2))
   assert bda.base_impl("kernel_packed") == "kernel_packed"
+
+
+def test_pv_split_variants_run_the_wgmma_pair_with_their_splits():
+  """`--pv_splits=1,4` adds `kernel_packed_wgmma_splits<s>` beside the wgmma pair, its own
+  AttentionConfig with those splits, the name mapping back to the pair; none without it."""
+  paths = bda._paths(32, 64, 0, 4, 2, prefetch=(1,), pv_splits=(1, 4))
+  assert paths["kernel_packed_wgmma"].keywords["config"].num_splits is None
+  for sp in (1, 4):
+    config = paths[f"kernel_packed_wgmma_splits{sp}"].keywords["config"]
+    assert (config.impl, config.num_splits, config.prefetch) == ("wgmma", sp, 1)
+    assert bda.base_impl(f"kernel_packed_wgmma_splits{sp}") == "kernel_packed_wgmma"
+  assert not any("splits" in k for k in bda._paths(32, 64, 0, 4, 2))
