@@ -192,8 +192,6 @@ def _partials_stand_in(q, k, v, lengths, layer, *, r, scale, splits, block_t, pr
   """`wgmma_flash.partials`' contract in numpy (the kernel runs on a GPU only): each split's
   float32 (acc, m, l) over its keys below the length, K and V decoded from the arguments in
   `column_order` as the kernel decodes them, unnormalized probabilities rounded to bf16."""
-  from trace_jax.kernels import wgmma_flash
-
   del prefetch  # L2 requests only: no value of the contract depends on them
   lyr = int(np.asarray(layer)[0])
   h = q.shape[-1]
