@@ -352,7 +352,8 @@ class Precision:
     if not self.fp8:
       return grouped_matmul(rows, w, group_sizes, p.grouped)
     return fp8_linear.grouped(rows, w, group_sizes, p.fp8_gemm,
-                              "fp8" if self.config.fp8_backward else "bf16", p.moe_impl)
+                              "fp8" if self.config.fp8_backward else "bf16", p.moe_impl,
+                              p.fp8_wgrad_layout)
 
 
 def _weights_local() -> bool:
