@@ -70,9 +70,10 @@ decode_moe_kernel, fp4_codes), `kernels.decode_attention` and `kernels.kv_cache`
 (decode_attention, kv_cache), `kernels.kv_append` (kv_write), `kernels.nvfp4_act`
 (nvfp4_sites; fake_quant through `model.precision`), `model.fp8_linear` (fp8_gemm,
 fp8_wgrad_layout), `model.attention` (seq_attention, through `kernels.attention_math`),
-`model.transformer` (layer_loop). A resolved plan states what runs: `kv_cache`, `nvfp4_sites` and `fake_quant`
-are "dense", "xla" and "xla" under forwards without NVFP4 sites, and `kv_write` "xla" without
-both the packed cache and the site kernel, whatever was forced. The kernels and the reference
+`model.transformer` (layer_loop). A resolved plan states what runs: `kv_cache`,
+`nvfp4_sites` and `fake_quant` are "dense", "xla" and "xla" under forwards without NVFP4
+sites, and `kv_write` "xla" without both the packed cache and the site kernel, whatever was
+forced. The kernels and the reference
 compute the same values up to float32 summation order
 (docs/numerics.md); cuDNN's attention also rounds its probabilities per key block rather than
 once.
