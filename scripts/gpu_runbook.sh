@@ -37,8 +37,8 @@
 #   train_step  the training step at Qwen3 layer width, 4 layers, on the plan's kernels (grouped
 #               GEMMs `moe_impl="mgpu"`, cuDNN's attention, wgmma FP8 GEMMs, the layer loop):
 #               bf16, fp8_unified, fp8_unified+fp8bwd, fp4_trace, fp4_rtn (the JSON's headline
-#               keys), and +fp8bwd with its expert WGrad operands laid out by one kernel
-#               (`fp8_wgrad_layout=kernel`, opt-in until measured)
+#               keys), and +fp8bwd with its expert WGrad operands made by one kernel
+#               (`fp8_wgrad_operands=kernel`, opt-in until measured)
 #   train_step_12  the same at 12 layers (bf16, the FP8 policies, fp4_trace; the FP8
 #               backward's compile alone takes minutes)
 #   train_step_variants  4 layers, what the plan chooses against its alternatives: cuDNN's
@@ -192,13 +192,13 @@ step_excess_precision() {
     --json_out="$OUT/excess_train_step.json"
 }
 
-FP8BWD_KERNEL_LAYOUT=fp8_unified+fp8bwd+fp8_wgrad_layout=kernel
+FP8BWD_KERNEL_OPERANDS=fp8_unified+fp8bwd+fp8_wgrad_operands=kernel
 
 step_train_step() {
   local t=${T_TRAIN_STEP:-420}
   TAIL=20 run train_step "$t" python3 -m experiments.bench.train_step --preset=qwen3_layers \
     --moe_impls=mgpu --steps=5 --seq_attentions=cudnn \
-    --policies=bf16,fp8_unified,fp8_unified+fp8bwd,fp4_trace,fp4_rtn,$FP8BWD_KERNEL_LAYOUT \
+    --policies=bf16,fp8_unified,fp8_unified+fp8bwd,fp4_trace,fp4_rtn,$FP8BWD_KERNEL_OPERANDS \
     --json_out="$OUT/train_step.json" ${TRAIN_STEP_ARGS:-}
 }
 

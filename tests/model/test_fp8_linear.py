@@ -113,20 +113,20 @@ def test_fp8_grouped_backward_kernel_matches_reference():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-def test_fp8_grouped_wgrad_layout_kernel_changes_no_bit(dtype):
-  """The experts' FP8 WGrad operands laid out by `kernels.tile_transpose` (layout "kernel",
-  one pass) give the gradients of XLA's gather and transpose bit for bit (an expert with no
-  rows, rows past the groups); an unknown layout is refused."""
+def test_fp8_grouped_wgrad_operands_kernel_changes_no_bit(dtype):
+  """The experts' FP8 WGrad operands made by `kernels.fp8_tiles` (operands "kernel", one
+  pass) give the gradients of XLA's gather, transpose and quantizer bit for bit (an expert
+  with no rows, rows past the groups); an unknown value is refused."""
   gs = jnp.asarray(GROUP_SIZES, jnp.int32)
   x, w, dy = _inputs(dtype, e=E)
   grads = {}
-  for layout in fp8_linear.LAYOUTS:
-    f = lambda a, b, lo=layout: fp8_linear.grouped(a, b, gs, "xla", "fp8", "tiled", lo)
+  for ops in fp8_linear.OPERANDS:
+    f = lambda a, b, o=ops: fp8_linear.grouped(a, b, gs, "xla", "fp8", "tiled", o)
     _, vjp = jax.vjp(f, x, w)
-    grads[layout] = vjp(dy)
+    grads[ops] = vjp(dy)
   for want, got in zip(grads["xla"], grads["kernel"]):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-  with pytest.raises(ValueError, match="fp8_wgrad_layout"):
+  with pytest.raises(ValueError, match="fp8_wgrad_operands"):
     fp8_linear.grouped(x, w, gs, "xla", "fp8", "tiled", "transposed")
 
 

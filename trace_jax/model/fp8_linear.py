@@ -19,9 +19,9 @@ operators are BF16, docs/design.md §3.7):
   lie within one expert: each expert's rows of dy and x are padded with zero rows to whole
   128-row tiles (`grouped._layout`, tile 128; a gather by `grouped.padded_sources`) before the
   transpose and quantization, and the WGrad GEMM (`fp8_gemm.grouped_wgrad`, or its reference
-  for impl "xla") sums each expert's own tiles only. The padded, transposed operands are laid
-  out by XLA's gather and transpose or (layout "kernel", the plan's `fp8_wgrad_layout`) by
-  `kernels.tile_transpose` in one pass: the same bits.
+  for impl "xla") sums each expert's own tiles only. The operands are made by XLA (a gather, a
+  transpose, the quantizer) or (operands "kernel", the plan's `fp8_wgrad_operands`) by
+  `kernels.fp8_tiles` in one pass: the same bits.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from trace_jax.kernels import fp8_gemm, tile_transpose, wgmma_fp8
+from trace_jax.kernels import fp8_gemm, fp8_tiles, wgmma_fp8
 from trace_jax.model import batch_local
 from trace_jax.model import grouped as grouped_mm
 from trace_jax.model.layer_runs import at_layer
@@ -41,17 +41,17 @@ from trace_jax.quant import formats
 IMPLS = ("xla", "kernel", "wgmma")
 KERNELS = ("kernel", "wgmma")  # the impls that run a kernel (the rest: the reference)
 BACKWARDS = ("bf16", "fp8")
-LAYOUTS = ("xla", "kernel")  # the grouped FP8 WGrad's operand layout (`_wgrad_fp8_grouped`)
+OPERANDS = ("xla", "kernel")  # who makes the grouped FP8 WGrad's operands (`_wgrad_fp8_grouped`)
 _G = formats.FP8_GROUP
 
 
-def _check(impl: str, backward: str, layout: str = "xla") -> None:
+def _check(impl: str, backward: str, operands: str = "xla") -> None:
   if impl not in IMPLS:
     raise ValueError(f"fp8_gemm must be one of {IMPLS}, got {impl!r}")
   if backward not in BACKWARDS:
     raise ValueError(f"fp8 backward must be one of {BACKWARDS}, got {backward!r}")
-  if layout not in LAYOUTS:
-    raise ValueError(f"fp8_wgrad_layout must be one of {LAYOUTS}, got {layout!r}")
+  if operands not in OPERANDS:
+    raise ValueError(f"fp8_wgrad_operands must be one of {OPERANDS}, got {operands!r}")
 
 
 def _gemm(a: formats.FP8Tensor, b: formats.FP8Tensor, impl: str, dtype: Any,
@@ -142,24 +142,25 @@ def _dense_forward(x: jax.Array, qw: formats.FP8Tensor, impl: str,
 
 
 def _wgrad_fp8_grouped(dy: jax.Array, xq: jax.Array, gs: jax.Array, impl: str,
-                       layout: str = "xla") -> jax.Array:
+                       operands: str = "xla") -> jax.Array:
   """Per expert dy [M, N]^T @ xq [M, K] on FP8 operands quantized in 128x1 groups along the rows
-  within each expert -> [E, N, K] in dy.dtype. layout: the operands padded and transposed by
-  XLA ("xla") or by `kernels.tile_transpose` ("kernel").
+  within each expert -> [E, N, K] in dy.dtype. operands: padded, transposed and quantized by
+  XLA ("xla") or by `kernels.fp8_tiles` in one pass ("kernel"; the same bits).
 
   Rows past sum(gs) are zeroed (ragged_dot's contract: they belong to no expert).
   """
   m, e = dy.shape[0], gs.shape[0]
   rows = (-(-m // _G) + e) * _G  # the layout's tile bound (its rounding to chunks: empty tiles)
   src = grouped_mm.padded_sources(gs, m, _G, rows)  # a gather: no scatter of whole activations
-  runs = tile_transpose.tile_runs(src, m, _G) if layout == "kernel" else None
+  runs = fp8_tiles.tile_runs(src, m) if operands == "kernel" else None
 
-  def padded_t(a):  # [M, C] -> [C, rows]: each expert's rows padded to whole 128-row tiles
+  def operand(a):  # [M, C] -> [C, rows]: each expert's rows padded to whole 128-row tiles
     if runs is not None:
-      return tile_transpose.transpose_tiles(a, *runs, tile=_G)
-    return _materialized_t(jnp.take(a, src, axis=0, mode="fill", fill_value=0))
+      return fp8_tiles.quantize_tiles(a, *runs)
+    padded = jnp.take(a, src, axis=0, mode="fill", fill_value=0)
+    return formats.fp8_quantize_act(_materialized_t(padded))
 
-  dyt, xt = formats.fp8_quantize_act(padded_t(dy)), formats.fp8_quantize_act(padded_t(xq))
+  dyt, xt = operand(dy), operand(xq)
   if impl in KERNELS:
     return fp8_gemm.grouped_wgrad(dyt, xt, gs, out_dtype=dy.dtype)
   return fp8_gemm.wgrad_reference(dyt, xt, gs, out_dtype=dy.dtype)
@@ -207,23 +208,24 @@ linear.defvjp(_linear_fwd, _linear_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def grouped(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str = "xla",
-            backward: str = "bf16", moe_impl: str = "tiled", layout: str = "xla") -> jax.Array:
+            backward: str = "bf16", moe_impl: str = "tiled", operands: str = "xla"
+            ) -> jax.Array:
   """Rows [M, K] sorted by expert times w [E, N, K] on FP8 operands -> [M, N] in rows.dtype.
 
-  moe_impl: the grouped matmul of the "xla" forward and of the BF16 backward GEMMs. layout:
-  the FP8 WGrad's operand layout (`LAYOUTS`; backward "fp8" only).
+  moe_impl: the grouped matmul of the "xla" forward and of the BF16 backward GEMMs. operands:
+  who makes the FP8 WGrad's operands (`OPERANDS`; backward "fp8" only).
   """
-  return _grouped_fwd(rows, w, group_sizes, impl, backward, moe_impl, layout)[0]
+  return _grouped_fwd(rows, w, group_sizes, impl, backward, moe_impl, operands)[0]
 
 
-def _grouped_fwd(rows, w, group_sizes, impl, backward, moe_impl, layout):
-  _check(impl, backward, layout)
+def _grouped_fwd(rows, w, group_sizes, impl, backward, moe_impl, operands):
+  _check(impl, backward, operands)
   qw = formats.fp8_quantize_weight(w)
   y, qx = _forward(rows, qw, impl, group_sizes, moe_impl)
   return y, (qx, qw, group_sizes, jnp.zeros((0,), rows.dtype), jnp.zeros((0,), w.dtype))
 
 
-def _grouped_bwd(impl, backward, moe_impl, layout, res, dy):
+def _grouped_bwd(impl, backward, moe_impl, operands, res, dy):
   qx, qw, gs, xlike, wlike = res
   dtype, wdtype = xlike.dtype, wlike.dtype
   dy = dy.astype(dtype)
@@ -235,7 +237,7 @@ def _grouped_bwd(impl, backward, moe_impl, layout, res, dy):
   else:
     dx = _gemm(formats.fp8_quantize_act(dy), fp8_gemm.transpose_weight(qw), impl, dtype, gs,
                moe_impl)
-    dw = _wgrad_fp8_grouped(dy, xq, gs, impl, layout)
+    dw = _wgrad_fp8_grouped(dy, xq, gs, impl, operands)
   zero_gs = jnp.zeros(gs.shape, jax.dtypes.float0) if jnp.issubdtype(gs.dtype, jnp.integer) \
       else jnp.zeros_like(gs)
   return dx, dw.astype(wdtype), zero_gs

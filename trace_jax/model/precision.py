@@ -353,7 +353,7 @@ class Precision:
       return grouped_matmul(rows, w, group_sizes, p.grouped)
     return fp8_linear.grouped(rows, w, group_sizes, p.fp8_gemm,
                               "fp8" if self.config.fp8_backward else "bf16", p.moe_impl,
-                              p.fp8_wgrad_layout)
+                              p.fp8_wgrad_operands)
 
 
 def _weights_local() -> bool:

@@ -195,6 +195,7 @@ def round_mantissa(x: jax.Array, keep_bits: int) -> jax.Array:
 E4M3_MAX = np.float32(448.0)
 E4M3_MIN_NORMAL = np.float32(2.0**-6)
 _E4M3_SUB_STEP = np.float32(2.0**-9)
+_ROUNDER_BITS = np.int32(0x4B000000)  # 2**23: y + it - it rounds 0 <= y < 2**22 half to even
 
 
 def round_to_e4m3(x: jax.Array) -> jax.Array:
@@ -206,7 +207,13 @@ def round_to_e4m3(x: jax.Array) -> jax.Array:
   x = flush_subnormal(x)
   a = jnp.minimum(jnp.abs(x), E4M3_MAX)
   normal = round_mantissa(jnp.maximum(a, E4M3_MIN_NORMAL), 3)
-  sub = jnp.round(a * np.float32(2.0**9)) * _E4M3_SUB_STEP  # jnp.round is half-to-even
+  # Below 2**-6, a * 2**9 < 8 rounds to an integer (half to even) by adding and taking away
+  # 2**23, whose float32 ulp is 1: float addition's own rounding, where a Pallas kernel's
+  # Triton lowering has no rounding op (the product is exact, so a fused multiply-add gives
+  # the same sum). 2**23 is made from a's exponent bits (it is 2**23 wherever this branch is
+  # taken): XLA cancels `y + c - c` for a constant c. Never under fast-math.
+  rounder = f32_from_bits(jnp.maximum(f32_bits(a) & 0x7F800000, _ROUNDER_BITS))
+  sub = ((a * np.float32(2.0**9) + rounder) - rounder) * _E4M3_SUB_STEP
   mag = jnp.where(a >= E4M3_MIN_NORMAL, normal, sub)
   mag = jnp.where(jnp.isnan(x), x, mag)
   return jnp.where(sign_bit(x), -mag, mag)

@@ -20,6 +20,7 @@ Defined behaviour at the edges (the same in both twins):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -381,27 +382,41 @@ class FP8Tensor:
   block_rows: int = struct.field(pytree_node=False, default=1)
 
 
-def _fp8_scale(amax: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.Array]:
-  s = exact.ieee_div(jnp.maximum(jnp.where(bad, 0.0, amax), AMAX_FLOOR), FP8_MAX)
-  inv = exact.ieee_div(jnp.float32(1.0), s)
+def _fp8_scale(amax: jax.Array, bad: jax.Array, straight_line: bool = False
+               ) -> tuple[jax.Array, jax.Array]:
+  div = functools.partial(exact.ieee_div, straight_line=straight_line)
+  s = div(jnp.maximum(jnp.where(bad, 0.0, amax), AMAX_FLOOR), FP8_MAX)
+  inv = div(jnp.float32(1.0), s)
   return jnp.where(bad, jnp.float32(np.nan), s), inv
 
 
-def _fp8_encode(x: jax.Array, inv: jax.Array, bad: jax.Array) -> jax.Array:
+def _fp8_codes(x: jax.Array, inv: jax.Array, bad: jax.Array) -> jax.Array:
   v = exact.round_to_e4m3(jnp.clip(x * inv, -FP8_MAX, FP8_MAX))
   v = jnp.where(v == 0, jnp.float32(0.0), v)  # no negative zero
   v = jnp.where(bad, jnp.float32(0.0), v)
-  return exact.bits_to_e4m3(exact.e4m3_to_bits(v))
+  return exact.e4m3_to_bits(v)
+
+
+def _fp8_encode(x: jax.Array, inv: jax.Array, bad: jax.Array) -> jax.Array:
+  return exact.bits_to_e4m3(_fp8_codes(x, inv, bad))
+
+
+def fp8_group_codes(xb: jax.Array, *, straight_line: bool = False
+                    ) -> tuple[jax.Array, jax.Array]:
+  """The activations' quantizer on groups xb [..., 128] of float32 values (subnormals
+  flushed): (uint8 E4M3 codes [..., 128], float32 scales [...]), `fp8_quantize_act`'s bits.
+  Integer and float operations only, so a Pallas kernel can run it (straight_line: its
+  divisions without loop primitives, as Triton's lowering needs; the same bits)."""
+  amax, bad = _amax(xb)
+  s, inv = _fp8_scale(amax, bad, straight_line)
+  return _fp8_codes(xb, inv[..., None], bad[..., None]), s
 
 
 def fp8_quantize_act(x: jax.Array) -> FP8Tensor:
   """FP8 E4M3 for activations: one scale per 1 x 128 group along the last axis."""
   xf = _check_input(x, FP8_GROUP, "fp8_quantize_act")
-  xb = _blocks(xf, FP8_GROUP)
-  amax, bad = _amax(xb)
-  s, inv = _fp8_scale(amax, bad)
-  values = _unblock(_fp8_encode(xb, inv[..., None], bad[..., None]))
-  return FP8Tensor(values=values, scale=s)
+  codes, s = fp8_group_codes(_blocks(xf, FP8_GROUP))
+  return FP8Tensor(values=exact.bits_to_e4m3(_unblock(codes)), scale=s)
 
 
 def fp8_quantize_weight(w: jax.Array) -> FP8Tensor:
