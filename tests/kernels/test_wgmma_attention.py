@@ -188,6 +188,30 @@ def test_block_ptx_text_runs_as_the_emulated_program(half):
       assert np.array_equal(gh[~nan], wh[~nan]), f"result {i}, half {s}"
 
 
+def _decoded(words, bits, rows, lyr: int) -> np.ndarray:
+  """float32 [B, T, G, H] values of layer `lyr` of a cache's words, scale bytes and row
+  scales (as the kernels take them), columns in the decode's `column_order`."""
+  h = 16 * bits.shape[-1]
+  codes = words[lyr].reshape(words.shape[1:4] + (h // 16, 2))
+  block = jax.lax.bitcast_convert_type(bits[lyr], jnp.float8_e4m3fn)
+  one = kv_cache.PackedKVCache(k_codes=codes, v_codes=codes, k_block=block, v_block=block,
+                               k_row=rows[lyr], v_row=rows[lyr])
+  return np.asarray(kv_cache.dequantize(one, jnp.float32)[0])[..., wgmma_decode.column_order(h)]
+
+
+def _glue_case(t: int, lengths: list[int], seed: int):
+  """A two-sequence packed cache (words; 2 kv heads, 16 query heads of 128) stacked as layer 1
+  of 2: (q, cache, lengths, its K and V arrays as the kernels take them)."""
+  from tests.kernels.attention_cases import attn_inputs, make_cache
+  from trace_jax.kernels import kv_tiles
+
+  q, kv, pos = attn_inputs(2, t, 2, 16, 128, seed=seed)
+  cache = make_cache("packed", kv, pos, words=True)
+  stack = jax.tree.map(lambda a: jnp.stack([jnp.zeros_like(a), a]), cache)
+  ks, vs = kv_tiles.cache_arrays(stack, True)
+  return q, cache, jnp.asarray(lengths, jnp.int32), ks, vs
+
+
 def _partials_stand_in(q, k, v, lengths, layer, *, r, scale, splits, block_t, prefetch):
   """`wgmma_flash.partials`' contract in numpy (the kernel runs on a GPU only): each split's
   float32 (acc, m, l) over its keys below the length, K and V decoded from the arguments in
@@ -195,17 +219,7 @@ def _partials_stand_in(q, k, v, lengths, layer, *, r, scale, splits, block_t, pr
   del prefetch  # L2 requests only: no value of the contract depends on them
   lyr = int(np.asarray(layer)[0])
   h = q.shape[-1]
-  order = wgmma_decode.column_order(h)
-
-  def values(words, bits, rows):
-    codes = words[lyr].reshape(words.shape[1:4] + (h // 16, 2))
-    block = jax.lax.bitcast_convert_type(bits[lyr], jnp.float8_e4m3fn)
-    one = kv_cache.PackedKVCache(k_codes=codes, v_codes=codes, k_block=block, v_block=block,
-                                 k_row=rows[lyr], v_row=rows[lyr])
-    vals = np.asarray(kv_cache.dequantize(one, jnp.float32)[0])
-    return vals[..., order]  # [B, T, G, H] in the decode's column order
-
-  kv, vv = values(*k), values(*v)
+  kv, vv = _decoded(*k, lyr), _decoded(*v, lyr)
   per, n_splits = wgmma_attention.split_steps(kv.shape[1], block_t, splits)
   b, g = q.shape[:2]
   acc = np.zeros((b, g, n_splits, r, h), np.float32)
@@ -234,23 +248,13 @@ def test_single_pass_glue_around_the_kernel(monkeypatch, splits, block_t):
   columns permuted and padded to 64 rows, the cache's words handed over per layer, the splits
   combined and the columns put back give `attend`'s output within `output_tolerance`; a split
   without keys (sequence 1's last) adds nothing."""
-  from tests.kernels.attention_cases import (
-    attn_inputs,
-    check_within_tolerance,
-    make_cache,
-    reference,
-    values_of,
-  )
+  from tests.kernels.attention_cases import check_within_tolerance, reference, values_of
   from trace_jax.kernels import decode_attention as da
-  from trace_jax.kernels import kv_tiles, wgmma_flash
+  from trace_jax.kernels import wgmma_flash
 
   monkeypatch.setattr(wgmma_flash, "partials", _partials_stand_in)
-  b, t, g, n, h = 2, 256, 2, 16, 128
-  q, kv, pos = attn_inputs(b, t, g, n, h, seed=3)
-  cache = make_cache("packed", kv, pos, words=True)
-  lengths = jnp.asarray([256, 70], jnp.int32)
-  stack = jax.tree.map(lambda a: jnp.stack([jnp.zeros_like(a), a]), cache)
-  ks, vs = kv_tiles.cache_arrays(stack, True)
+  q, cache, lengths, ks, vs = _glue_case(256, [256, 70], seed=3)
+  n = q.shape[1]
   out = da._wgmma_fused(q, ks, vs, lengths, jnp.asarray([1], jnp.int32), num_splits=splits,
                         block_t=block_t, prefetch=2)
   assert out.shape == q.shape and out.dtype == q.dtype
@@ -262,16 +266,9 @@ def _pv_stand_in(probs, codes, scale_bits, rows, lengths, layer, *, prefetch, sp
   V decoded in `column_order` over the keys below each length, one bf16 rounding, or with
   several splits each split's float32 sum over its tiles."""
   del prefetch  # L2 requests only
-  lyr = int(np.asarray(layer)[0])
   b, g, r, t = probs.shape
   h = 16 * scale_bits.shape[-1]
-  one = kv_cache.PackedKVCache(
-      k_codes=codes[lyr].reshape(codes.shape[1:4] + (h // 16, 2)), v_codes=codes[lyr].reshape(
-          codes.shape[1:4] + (h // 16, 2)),
-      k_block=jax.lax.bitcast_convert_type(scale_bits[lyr], jnp.float8_e4m3fn),
-      v_block=jax.lax.bitcast_convert_type(scale_bits[lyr], jnp.float8_e4m3fn),
-      k_row=rows[lyr], v_row=rows[lyr])
-  vv = np.asarray(kv_cache.dequantize(one, jnp.float32)[0])[..., wgmma_decode.column_order(h)]
+  vv = _decoded(codes, scale_bits, rows, int(np.asarray(layer)[0]))
   per, n_splits = wgmma_attention.split_steps(t, wgmma_decode.TILE, splits)
   p = np.asarray(probs, np.float32)
   acc = np.zeros((b, g, n_splits, r, h), np.float32)
@@ -292,23 +289,15 @@ def test_split_pv_glue_around_the_kernel(monkeypatch, splits):
   splits' float32 partial sums added and rounded once, the columns put back, give `attend`'s
   output within `output_tolerance` from `attend`'s probabilities (three splits of one tile:
   sequence 0's last ends mid-tile, sequence 1's last holds no key)."""
-  from tests.kernels.attention_cases import (
-    attn_inputs,
-    check_within_tolerance,
-    make_cache,
-    reference,
-    values_of,
-  )
-  from trace_jax.kernels import attention_math, kv_tiles
+  from tests.kernels.attention_cases import check_within_tolerance, reference, values_of
+  from trace_jax.kernels import attention_math
   from trace_jax.kernels import decode_attention as da
 
   monkeypatch.setattr(wgmma_attention, "pv", _pv_stand_in)
-  b, t, g, n, h = 2, 192, 2, 16, 128
-  q, kv, pos = attn_inputs(b, t, g, n, h, seed=5)
-  cache = make_cache("packed", kv, pos, words=True)
-  lengths = jnp.asarray([150, 70], jnp.int32)
-  stack = jax.tree.map(lambda a: jnp.stack([jnp.zeros_like(a), a]), cache)
-  ks, vs = kv_tiles.cache_arrays(stack, True)
+  t = 192
+  q, cache, lengths, ks, vs = _glue_case(t, [150, 70], seed=5)
+  b, n, h = q.shape
+  g = ks[0].shape[3]
   k, _ = kv_cache.dequantize(cache, jnp.float32)
   qg = np.asarray(q, np.float32).reshape(b, g, n // g, h)
   scores = np.einsum("bgrh,btgh->bgrt", qg, np.asarray(k)) * attention_math.score_scale(h)
