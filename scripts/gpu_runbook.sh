@@ -14,8 +14,10 @@
 #               (`experiments.bench.rollout`'s GPU preset)
 #   attention   the decode attention without scores in memory (one pass, online softmax:
 #               `decode_attention="fused"`, and `kernels.wgmma_flash` over the packed cache,
-#               impl "wgmma_fused") against the exact pair (Triton, wgmma): the kernels at 8k (batch 64 and 256) and 32k (batch
-#               64) contexts (and the fused kernels with 128-key blocks)
+#               impl "wgmma_fused") against the exact pair (Triton, wgmma): the kernels at 8k
+#               (batch 64 and 256) and 32k (batch 16 and 64: the wgmma PV's key splits against
+#               one split and against the Triton PV of "wgmma_scores") contexts (and the fused
+#               kernels with 128-key blocks)
 #   attention_budget  the 8k fixed-memory decode (bf16, fp4_rtn) with the plan's decode
 #               attention (bf16: fused, FP4: wgmma), the Triton pair and the fused kernel,
 #               one process per impl
@@ -135,7 +137,8 @@ step_attention() {
     --contexts=8192 --batches=64,256 --decoder_check=false --impls="$impls" \
     --json_out="$OUT/attention_kernels.json"
   TAIL=20 run attention_kernels_32k "$((t / 3))" python3 -m experiments.bench.decode_attention \
-    --contexts=32768 --batches=64 --decoder_check=false --impls="$impls" \
+    --contexts=32768 --batches=16,64 --decoder_check=false \
+    --impls="$impls,kernel_packed_wgmma_scores" --pv_splits=1 \
     --json_out="$OUT/attention_kernels_32k.json"
   TAIL=12 run attention_kernels_bt128 "$((t * 2 / 9))" python3 -m \
     experiments.bench.decode_attention --contexts=8192 --batches=256 --decoder_check=false \
@@ -265,7 +268,8 @@ step_profile() {
   small_gpu && budget=(--budget_gb=36)
   # The train step's optimized HLO, so that the profile's kernels can be traced to our lines.
   rm -rf "$hlo"
-  export XLA_FLAGS="$xla --xla_dump_to=$hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*loss.*"
+  export XLA_FLAGS="$xla --xla_dump_to=$hlo --xla_dump_hlo_as_text \
+--xla_dump_hlo_module_re=.*loss.*"
   TAIL=70 run profile_train_step "$((t / 2 - 20))" python3 -m experiments.bench.train_step \
     --preset=qwen3_layers --moe_impls=mgpu --seq_attentions=cudnn \
     --policies=bf16,fp8_unified,fp8_unified+fp8bwd --steps=2 \
