@@ -74,8 +74,7 @@ fp8_wgrad_operands), `model.attention` (seq_attention, through `kernels.attentio
 `model.transformer` (layer_loop). A resolved plan states what runs: `kv_cache`,
 `nvfp4_sites` and `fake_quant` are "dense", "xla" and "xla" under forwards without NVFP4
 sites, and `kv_write` "xla" without both the packed cache and the site kernel, whatever was
-forced. The kernels and the reference
-compute the same values up to float32 summation order
+forced. The kernels and the reference compute the same values up to float32 summation order
 (docs/numerics.md); cuDNN's attention also rounds its probabilities per key block rather than
 once.
 
