@@ -42,7 +42,7 @@ from experiments import common
 from experiments.bench import bit_checks
 from experiments.bench.bit_checks import Checks
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("out", "", "Output folder ('': $OUT if set, else runs/gpu_check).",

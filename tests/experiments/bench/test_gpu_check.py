@@ -46,3 +46,12 @@ def test_an_excess_precision_override_fails_the_flag_check(tmp_path, monkeypatch
   assert gpu_check.main(["gpu_check", f"--out={tmp_path}", "--nopytest", "--nobench",
                          "--torch_device=cpu"]) == 1
   assert "GPU CHECK FAIL: 0 passed, 1 failed" in capsys.readouterr().out
+
+
+def test_the_default_test_paths_exist_under_the_repo_root():
+  """The check's pytest and bench subprocesses run from REPO: the repository root, where its
+  default test paths and `experiments` lie (a wrong root skips them on the GPU)."""
+  import os
+  assert os.path.isdir(os.path.join(gpu_check.REPO, "experiments", "bench"))
+  for path in gpu_check.FLAGS["pytest_paths"].default:
+    assert os.path.exists(os.path.join(gpu_check.REPO, path)), path
