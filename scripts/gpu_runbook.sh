@@ -16,8 +16,7 @@
 #               `decode_attention="fused"`, and `kernels.wgmma_flash` over the packed cache,
 #               impl "wgmma_fused") against the exact pair (Triton, wgmma): the kernels at 8k
 #               (batch 64 and 256) and 32k (batch 16 and 64: the wgmma PV's key splits against
-#               one split and against the Triton PV of "wgmma_scores") contexts (and the fused
-#               kernels with 128-key blocks)
+#               one split) contexts (and the fused kernels with 128-key blocks)
 #   attention_budget  the 8k fixed-memory decode (bf16, fp4_rtn) with the plan's decode
 #               attention (bf16: fused, FP4: wgmma), the Triton pair and the fused kernel,
 #               one process per impl
@@ -39,8 +38,8 @@
 #   train_step  the training step at Qwen3 layer width, 4 layers, on the plan's kernels (grouped
 #               GEMMs `moe_impl="mgpu"`, cuDNN's attention, wgmma FP8 GEMMs, the layer loop):
 #               bf16, fp8_unified, fp8_unified+fp8bwd, fp4_trace, fp4_rtn (the JSON's headline
-#               keys), and +fp8bwd with its expert WGrad operands made by one kernel
-#               (`fp8_wgrad_operands=kernel`, opt-in until measured)
+#               keys), and +fp8bwd with its backward's operands laid out by kernels
+#               (`fp8_bwd_operands=kernel`, opt-in until measured)
 #   train_step_12  the same at 12 layers (bf16, the FP8 policies, fp4_trace; the FP8
 #               backward's compile alone takes minutes)
 #   train_step_variants  4 layers, what the plan chooses against its alternatives: cuDNN's
@@ -138,7 +137,7 @@ step_attention() {
     --json_out="$OUT/attention_kernels.json"
   TAIL=20 run attention_kernels_32k "$((t / 3))" python3 -m experiments.bench.decode_attention \
     --contexts=32768 --batches=16,64 --decoder_check=false \
-    --impls="$impls,kernel_packed_wgmma_scores" --pv_splits=1 \
+    --impls="$impls" --pv_splits=1 \
     --json_out="$OUT/attention_kernels_32k.json"
   TAIL=12 run attention_kernels_bt128 "$((t * 2 / 9))" python3 -m \
     experiments.bench.decode_attention --contexts=8192 --batches=256 --decoder_check=false \
@@ -195,7 +194,7 @@ step_excess_precision() {
     --json_out="$OUT/excess_train_step.json"
 }
 
-FP8BWD_KERNEL_OPERANDS=fp8_unified+fp8bwd+fp8_wgrad_operands=kernel
+FP8BWD_KERNEL_OPERANDS=fp8_unified+fp8bwd+fp8_bwd_operands=kernel
 
 step_train_step() {
   local t=${T_TRAIN_STEP:-420}

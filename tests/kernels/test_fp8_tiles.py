@@ -95,3 +95,39 @@ def test_lowers_to_triton(traced_as_on_gpu):
   f = lambda x, s, c: fp8_tiles.quantize_tiles(x, s, c, interpret=False)
   text = jax.jit(f).trace(x, n, n).lower(lowering_platforms=("cuda",)).as_text()
   assert "triton" in text and "fp8_wgrad_tiles" in text
+
+
+# name -> shape of the codes [..., N, K]: blocks of 128 both ways, a stack of experts with
+# blocks narrower than 128 (N, K multiples of 16 only), a 2-d weight.
+TRANSPOSE_CASES = {
+    "experts_whole_blocks": (3, 256, 384),
+    "experts_narrow_blocks": (2, 48, 80),
+    "dense": (384, 128),
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSPOSE_CASES))
+def test_transpose_codes_moves_every_byte(name):
+  """Every one of the 256 byte values (NaN codes and -0 included) lands at its transposed
+  place: the result is numpy's swapaxes of the same bytes."""
+  shape = TRANSPOSE_CASES[name]
+  bits = np.arange(np.prod(shape), dtype=np.int64).reshape(shape) * 7919 % 256
+  codes = jax.lax.bitcast_convert_type(jnp.asarray(bits, jnp.uint8), jnp.float8_e4m3fn)
+  got = fp8_tiles.transpose_codes(codes)  # Triton on a GPU
+  assert got.dtype == jnp.float8_e4m3fn
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                np.swapaxes(bits, -1, -2).astype(np.uint8))
+
+
+def test_transpose_codes_refuses_bad_inputs():
+  with pytest.raises(TypeError, match="float8_e4m3fn"):
+    fp8_tiles.transpose_codes(jnp.zeros((16, 16), jnp.uint8), interpret=True)
+  with pytest.raises(ValueError, match="multiples of 16"):
+    fp8_tiles.transpose_codes(jnp.zeros((16, 24), jnp.float8_e4m3fn), interpret=True)
+
+
+def test_transpose_codes_lowers_to_triton(traced_as_on_gpu):
+  x = jax.ShapeDtypeStruct((2, 256, 384), jnp.float8_e4m3fn)
+  f = lambda x: fp8_tiles.transpose_codes(x, interpret=False)
+  text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triton" in text and "fp8_transpose_codes" in text

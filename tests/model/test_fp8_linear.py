@@ -112,22 +112,25 @@ def test_fp8_grouped_backward_kernel_matches_reference():
   assert _rel(dw1, dw0) < 1e-6, _rel(dw1, dw0)
 
 
+@pytest.mark.parametrize("kind", ["dense", "grouped"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-def test_fp8_grouped_wgrad_operands_kernel_changes_no_bit(dtype):
-  """The experts' FP8 WGrad operands made by `kernels.fp8_tiles` (operands "kernel", one
-  pass) give the gradients of XLA's gather, transpose and quantizer bit for bit (an expert
-  with no rows, rows past the groups); an unknown value is refused."""
-  gs = jnp.asarray(GROUP_SIZES, jnp.int32)
-  x, w, dy = _inputs(dtype, e=E)
+def test_fp8_backward_operands_kernel_changes_no_bit(dtype, kind):
+  """The FP8 backward's operands made by `kernels.fp8_tiles` (operands "kernel": the experts'
+  WGrad tiles in one pass, the DGrad's weight codes transposed by a kernel) give the gradients
+  of XLA's gathers, transposes and quantizer bit for bit (an expert with no rows, rows past the
+  groups); an unknown value is refused."""
+  gs = None if kind == "dense" else jnp.asarray(GROUP_SIZES, jnp.int32)
+  x, w, dy = _inputs(dtype, e=None if kind == "dense" else E)
+  op = ((lambda a, b, o: fp8_linear.linear(a, b, "xla", "fp8", o)) if gs is None
+        else (lambda a, b, o: fp8_linear.grouped(a, b, gs, "xla", "fp8", "tiled", o)))
   grads = {}
   for ops in fp8_linear.OPERANDS:
-    f = lambda a, b, o=ops: fp8_linear.grouped(a, b, gs, "xla", "fp8", "tiled", o)
-    _, vjp = jax.vjp(f, x, w)
+    _, vjp = jax.vjp(lambda a, b, o=ops: op(a, b, o), x, w)
     grads[ops] = vjp(dy)
   for want, got in zip(grads["xla"], grads["kernel"]):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-  with pytest.raises(ValueError, match="fp8_wgrad_operands"):
-    fp8_linear.grouped(x, w, gs, "xla", "fp8", "tiled", "transposed")
+  with pytest.raises(ValueError, match="fp8_bwd_operands"):
+    op(x, w, "transposed")
 
 
 def test_fp8_grouped_backward_lays_out_the_wgrad_rows_by_gather():

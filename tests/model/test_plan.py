@@ -25,12 +25,12 @@ AMPERE = Backend("gpu", (8, 0), sm_count=108, mosaic_gpu=False, triton_asm=True)
 REFERENCE = dict(moe_impl="tiled", decode_impl="xla", decode_moe_kernel="triton",
                  fp4_codes="bytes", decode_attention="triton", kv_cache="dense",
                  nvfp4_sites="xla", fp8_gemm="xla", seq_attention="xla", layer_loop="scan",
-                 kv_write="xla", fake_quant="xla", fp8_wgrad_operands="xla")
+                 kv_write="xla", fake_quant="xla", fp8_bwd_operands="xla")
 KERNELS = dict(moe_impl="mgpu", decode_impl="kernel", decode_moe_kernel="wgmma",
                fp4_codes="words", decode_attention="wgmma", kv_cache="packed",
                nvfp4_sites="kernel", fp8_gemm="wgmma", seq_attention="cudnn",
                layer_loop="unrolled", kv_write="kernel", fake_quant="kernel",
-               fp8_wgrad_operands="xla")  # opt-in until measured on the GPU
+               fp8_bwd_operands="kernel")
 
 
 def _fields(plan: KernelPlan) -> dict[str, str]:
@@ -155,10 +155,10 @@ def test_fused_sequence_attention_where_cudnn_takes_the_shapes(overrides, want):
 
 def test_forced_fields_win_over_the_backend_and_the_preset():
   config = M.tiny(policy="fp4_trace", plan="reference", decode_impl="kernel",
-                  decode_attention="wgmma", fp8_wgrad_operands="kernel")
+                  decode_attention="wgmma", fp8_bwd_operands="kernel")
   plan = plan_lib.resolve(config, HOPPER)
   assert _fields(plan) == dict(REFERENCE, decode_impl="kernel", decode_attention="wgmma",
-                               fp8_wgrad_operands="kernel")
+                               fp8_bwd_operands="kernel")
   # "auto" with forced fields: the rest by the backend (the cache and sites follow decode).
   plan = plan_lib.resolve(M.tiny(policy="fp4_trace", decode_impl="kernel",
                                  decode_moe_kernel="wgmma"), CPU)

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from trace_jax.kernels import common
+from trace_jax.kernels import common, fp8_tiles
 from trace_jax.quant import formats
 
 GROUP = formats.FP8_GROUP  # 128: the K group of every scale (and the weight block's N side)
@@ -67,12 +67,15 @@ def _check(name: str, q: formats.FP8Tensor, ndim: int, block_rows: tuple[int, ..
     raise ValueError(f"{name}: scale must be float32 {want}, got {s.dtype} {s.shape}")
 
 
-def transpose_weight(q: formats.FP8Tensor) -> formats.FP8Tensor:
-  """The 128x128-block quantization of w^T from that of w [..., N, K] (the same blocks)."""
+def transpose_weight(q: formats.FP8Tensor, kernel: bool = False) -> formats.FP8Tensor:
+  """The 128x128-block quantization of w^T from that of w [..., N, K] (the same blocks): the
+  codes transposed by XLA or (kernel) by `fp8_tiles.transpose_codes`, the same bytes."""
   if q.block_rows != GROUP:
     raise ValueError("transpose_weight needs 128x128 blocks (block_rows=128)")
-  return formats.FP8Tensor(values=jnp.swapaxes(q.values, -1, -2),
-                           scale=jnp.swapaxes(q.scale, -1, -2), block_rows=GROUP)
+  values = (fp8_tiles.transpose_codes(q.values) if kernel
+            else jnp.swapaxes(q.values, -1, -2))
+  return formats.FP8Tensor(values=values, scale=jnp.swapaxes(q.scale, -1, -2),
+                           block_rows=GROUP)
 
 
 # ----------------------------------------------------------------------------- reference

@@ -1,5 +1,6 @@
-"""The FP8 WGrad's operands in one pass: a grouped layout's tiles gathered, transposed and
-quantized in 128x1 groups.
+"""The FP8 backward's operand layouts in one pass each: a grouped layout's tiles gathered,
+transposed and quantized in 128x1 groups (the WGrad's), and E4M3 codes transposed (the DGrad's
+weight).
 
 The FP8 WGrad of the routed experts (Jet-RL's 128x1 groups along the tokens,
 `model.fp8_linear`) reads x and dy with each expert's rows padded to whole 128-row tiles,
@@ -13,6 +14,12 @@ Qwen3-30B-A3B width the operands' layouts took 20 ms of a 107 ms step and their 
 registers and stores each column's group: the codes [block_c, 128] (whole rows of the output)
 and its scale, with `formats.fp8_group_codes`, the bits of `formats.fp8_quantize_act` of the
 gathered, transposed operand.
+
+The DGrad of an FP8 linear multiplies dy by the forward's weight codes transposed, [..., K, N]
+from [..., N, K] (`fp8_gemm.transpose_weight`; the tensor cores read both FP8 operands with
+the contraction axis contiguous). XLA's transpose of the byte codes ran at about a quarter
+of the copy rate on the H100 (docs/benchmarks.md); `transpose_codes` moves one [128, 128]
+block per program, loaded and stored along whole rows.
 """
 
 from __future__ import annotations
@@ -88,3 +95,42 @@ def quantize_tiles(x: jax.Array, starts: jax.Array, counts: jax.Array, *,
   interpret = common.default_interpret() if interpret is None else interpret
   return _quantize_tiles(x, starts.astype(jnp.int32), counts.astype(jnp.int32),
                          interpret=bool(interpret))
+
+
+BLOCK_T = 128  # a transpose program's block: [128, 128] codes, 16 KB
+
+
+def _transpose_kernel(x_ref, o_ref):
+  o_ref[0] = x_ref[0].T
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _transpose_codes(bits, *, interpret: bool):
+  lead, n, k = bits.shape[:-2], bits.shape[-2], bits.shape[-1]
+  x = bits.reshape((-1, n, k))
+  bn, bk = common.pow2_divisor(n, BLOCK_T), common.pow2_divisor(k, BLOCK_T)
+  out = pl.pallas_call(
+      _transpose_kernel,
+      grid=(x.shape[0], n // bn, k // bk),
+      in_specs=[pl.BlockSpec((1, bn, bk), lambda e, i, j: (e, i, j))],
+      out_specs=pl.BlockSpec((1, bk, bn), lambda e, i, j: (e, j, i)),
+      out_shape=jax.ShapeDtypeStruct((x.shape[0], k, n), jnp.uint8),
+      interpret=interpret,
+      compiler_params=None if interpret else common.compiler_params(4, 1),
+      name="fp8_transpose_codes",
+  )(x)
+  return out.reshape(lead + (k, n))
+
+
+def transpose_codes(values: jax.Array, *, interpret: bool | None = None) -> jax.Array:
+  """E4M3 codes [..., N, K] -> [..., K, N] (a permutation: the same bytes), one [128, 128]
+  block per program (N and K multiples of 16). interpret: None runs Triton on a GPU and the
+  Pallas interpreter elsewhere."""
+  if values.dtype != jnp.float8_e4m3fn or values.ndim < 2:
+    raise TypeError(f"transpose_codes: expected float8_e4m3fn codes [..., N, K], got "
+                    f"{values.dtype} {values.shape}")
+  if values.shape[-1] % 16 or values.shape[-2] % 16:
+    raise ValueError(f"transpose_codes: N and K must be multiples of 16, got {values.shape}")
+  interpret = common.default_interpret() if interpret is None else interpret
+  bits = jax.lax.bitcast_convert_type(values, jnp.uint8)
+  return exact.bits_to_e4m3(_transpose_codes(bits, interpret=bool(interpret)))

@@ -76,9 +76,10 @@ class ModelConfig:
   fp8_gemm: how forwards with FP8 linears (`fp8_unified`) run their block-scaled FP8 GEMMs
     (`trace_jax.model.fp8_linear`): "xla" (the plain-JAX reference: dequantized float32
     operands) or "kernel" (Pallas on the FP8 tensor cores); the same sums up to order.
-  fp8_wgrad_operands: who makes `fp8_backward`'s expert WGrad operands (each expert's rows
-    padded to 128-row tiles, transposed, quantized in 128x1 groups): "xla" (a gather, a
-    transpose, the quantizer) or "kernel" (`kernels.fp8_tiles`, one pass); the same bits.
+  fp8_bwd_operands: who makes `fp8_backward`'s operands (the experts' WGrad rows padded to
+    128-row tiles, transposed, quantized in 128x1 groups; the DGrad's weight codes
+    transposed): "xla" (a gather, transposes, the quantizer) or "kernel" (`kernels.fp8_tiles`,
+    one pass each); the same bits.
   seq_attention: attention of full-sequence forwards over positions 0..S-1 (training,
     scoring, prefill): "xla" (`attention_math.attend`, the [S, S] float32 scores in memory) or
     "cudnn" (cuDNN's fused flash attention through `jax.nn.dot_product_attention`: float32
@@ -135,7 +136,7 @@ class ModelConfig:
   kv_write: str = "auto"
   fake_quant: str = "auto"
   fp8_gemm: str = "auto"
-  fp8_wgrad_operands: str = "auto"
+  fp8_bwd_operands: str = "auto"
   seq_attention: str = "auto"
   layer_loop: str = "auto"
   fp8_backward: bool = False

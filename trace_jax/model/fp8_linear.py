@@ -20,8 +20,9 @@ operators are BF16, docs/design.md §3.7):
   128-row tiles (`grouped._layout`, tile 128; a gather by `grouped.padded_sources`) before the
   transpose and quantization, and the WGrad GEMM (`fp8_gemm.grouped_wgrad`, or its reference
   for impl "xla") sums each expert's own tiles only. The operands are made by XLA (a gather, a
-  transpose, the quantizer) or (operands "kernel", the plan's `fp8_wgrad_operands`) by
-  `kernels.fp8_tiles` in one pass: the same bits.
+  transpose, the quantizer) or (operands "kernel", the plan's `fp8_bwd_operands`) by
+  `kernels.fp8_tiles` in one pass: the same bits. The same field picks who transposes the
+  weight's codes for the DGrad (XLA, or `fp8_tiles.transpose_codes`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from trace_jax.quant import formats
 IMPLS = ("xla", "kernel", "wgmma")
 KERNELS = ("kernel", "wgmma")  # the impls that run a kernel (the rest: the reference)
 BACKWARDS = ("bf16", "fp8")
-OPERANDS = ("xla", "kernel")  # who makes the grouped FP8 WGrad's operands (`_wgrad_fp8_grouped`)
+OPERANDS = ("xla", "kernel")  # who lays out the FP8 backward's WGrad and DGrad operands
 _G = formats.FP8_GROUP
 
 
@@ -51,7 +52,7 @@ def _check(impl: str, backward: str, operands: str = "xla") -> None:
   if backward not in BACKWARDS:
     raise ValueError(f"fp8 backward must be one of {BACKWARDS}, got {backward!r}")
   if operands not in OPERANDS:
-    raise ValueError(f"fp8_wgrad_operands must be one of {OPERANDS}, got {operands!r}")
+    raise ValueError(f"fp8_bwd_operands must be one of {OPERANDS}, got {operands!r}")
 
 
 def _gemm(a: formats.FP8Tensor, b: formats.FP8Tensor, impl: str, dtype: Any,
@@ -168,21 +169,23 @@ def _wgrad_fp8_grouped(dy: jax.Array, xq: jax.Array, gs: jax.Array, impl: str,
 
 # ----------------------------------------------------------------------------- dense
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def linear(x: jax.Array, w: jax.Array, impl: str = "xla", backward: str = "bf16") -> jax.Array:
-  """x [..., K] @ w [N, K]^T on FP8 operands -> [..., N] in x.dtype (w in x.dtype)."""
-  return _linear_fwd(x, w, impl, backward)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def linear(x: jax.Array, w: jax.Array, impl: str = "xla", backward: str = "bf16",
+           operands: str = "xla") -> jax.Array:
+  """x [..., K] @ w [N, K]^T on FP8 operands -> [..., N] in x.dtype (w in x.dtype). operands:
+  who transposes the weight's codes for the FP8 DGrad (`OPERANDS`)."""
+  return _linear_fwd(x, w, impl, backward, operands)[0]
 
 
-def _linear_fwd(x, w, impl, backward):
-  _check(impl, backward)
+def _linear_fwd(x, w, impl, backward, operands):
+  _check(impl, backward, operands)
   qw = formats.fp8_quantize_weight(w)
   y, qx = _dense_forward(x, qw, impl)
   # Dtypes ride along as empty arrays (residuals must be arrays).
   return y, (qx, qw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
-def _linear_bwd(impl, backward, res, dy):
+def _linear_bwd(impl, backward, operands, res, dy):
   qx, qw, xlike, wlike = res
   dtype, wdtype = xlike.dtype, wlike.dtype
   shape = dy.shape[:-1] + (qx.values.shape[-1],)
@@ -194,7 +197,7 @@ def _linear_bwd(impl, backward, res, dy):
     dx, dw = vjp(dy)
   else:
     dgrad = lambda d, wt: _gemm(formats.fp8_quantize_act(d), wt, impl, dtype)
-    wt = fp8_gemm.transpose_weight(qw)
+    wt = fp8_gemm.transpose_weight(qw, operands == "kernel")
     dx = (batch_local.on_batch_shards(dgrad, (dy, wt), (0, None), dy.shape[0])
           if impl in KERNELS else dgrad(dy, wt))
     dw = _wgrad_fp8(dy, xq, impl)
@@ -235,8 +238,8 @@ def _grouped_bwd(impl, backward, moe_impl, operands, res, dy):
     _, vjp = jax.vjp(lambda a, b: grouped_mm.grouped_matmul(a, b, gs, moe_impl), xq, wq)
     dx, dw = vjp(dy)
   else:
-    dx = _gemm(formats.fp8_quantize_act(dy), fp8_gemm.transpose_weight(qw), impl, dtype, gs,
-               moe_impl)
+    dx = _gemm(formats.fp8_quantize_act(dy), fp8_gemm.transpose_weight(qw, operands == "kernel"),
+               impl, dtype, gs, moe_impl)
     dw = _wgrad_fp8_grouped(dy, xq, gs, impl, operands)
   zero_gs = jnp.zeros(gs.shape, jax.dtypes.float0) if jnp.issubdtype(gs.dtype, jnp.integer) \
       else jnp.zeros_like(gs)

@@ -27,9 +27,10 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 |                   |             |           | scatters, or one kernel (`kernels.kv_append`)  |
 | fp8_gemm          | wgmma (~)   | xla       | FP8 linears' block-scaled GEMMs: Triton's, or  |
 |                   |             |           | wgmma (Mosaic GPU, `kernels.wgmma_fp8`)        |
-| fp8_wgrad_operands| xla (^)     | xla       | the FP8 backward's expert WGrad operands (rows |
-|                   |             |           | in 128-row tiles, transposed, 128x1 codes):    |
-|                   |             |           | XLA's, or one kernel (`kernels.fp8_tiles`)     |
+| fp8_bwd_operands  | kernel (^)  | xla       | the FP8 backward's operands (the experts'      |
+|                   |             |           | WGrad rows in 128-row tiles, transposed, 128x1 |
+|                   |             |           | codes; the DGrad's weight codes transposed):   |
+|                   |             |           | XLA's, or kernels (`kernels.fp8_tiles`)        |
 | seq_attention     | cudnn (+)   | xla       | full-sequence attention (training, scoring,    |
 |                   |             |           | prefill): fused flash attention or XLA's       |
 | layer_loop        | unrolled (!)| scan      | every forward's layer loop: each run of layers |
@@ -54,11 +55,12 @@ is "words" on any GPU with Triton's inline assembly.
 take (WGrad's 128x1 groups) go to Triton's kernel either way. On the H100 at Qwen3-30B-A3B
 width the wgmma kernel took the experts' FP8 GEMMs 1.1-2.2x faster than Triton's and the
 fp8_unified training step from 1.34x to 1.21x the BF16 step's time (docs/benchmarks.md).
-(^) "kernel" is opt-in until measured on the GPU: XLA fuses the gather and the transpose into
-loop fusions that read across the rows' stride and quantizes that copy again (about 6 ms a
-layer on the H100 at Qwen3-30B-A3B width, the FP8 backward's largest fusions;
-docs/benchmarks.md), where the kernel reads each tile's rows once and writes its codes; Triton
-has not compiled it yet.
+(^) on Hopper (Triton's kernels): XLA fuses the WGrad rows' gather and transpose into loop
+fusions that read across the rows' stride, quantizes that copy again, and transposes the
+weights' byte codes at a fraction of the copy rate; the kernels read each tile once and write
+its codes. On the H100 at Qwen3-30B-A3B width they took the fp8_unified+fp8bwd training step
+from 102.2 to 77.5 ms at 4 layers (2.05x to 1.55x the BF16 step) and from 288.7 to 217.5 ms
+at 12 (docs/benchmarks.md).
 (%) JAX's own Mosaic GPU grouped GEMM (`model.grouped`) for the forward and DGrad, with bf16
 or f16 compute and widths that are multiples of its 64-column tiles (else "kernel", the Pallas
 grouped GEMMs, for widths that are multiples of 16): on the H100 at Qwen3-30B-A3B width it took
@@ -70,7 +72,7 @@ Where the code runs each choice: `model.grouped` (moe_impl), `kernels.fp4_moe` (
 decode_moe_kernel, fp4_codes), `kernels.decode_attention` and `kernels.kv_cache`
 (decode_attention, kv_cache), `kernels.kv_append` (kv_write), `kernels.nvfp4_act`
 (nvfp4_sites; fake_quant through `model.precision`), `model.fp8_linear` (fp8_gemm,
-fp8_wgrad_operands), `model.attention` (seq_attention, through `kernels.attention_math`),
+fp8_bwd_operands), `model.attention` (seq_attention, through `kernels.attention_math`),
 `model.transformer` (layer_loop). A resolved plan states what runs: `kv_cache`,
 `nvfp4_sites` and `fake_quant` are "dense", "xla" and "xla" under forwards without NVFP4
 sites, and `kv_write` "xla" without both the packed cache and the site kernel, whatever was
@@ -136,7 +138,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "nvfp4_sites": ("xla", "kernel"),
     "kv_write": ("xla", "kernel"),
     "fp8_gemm": ("xla", "kernel", "wgmma"),
-    "fp8_wgrad_operands": ("xla", "kernel"),
+    "fp8_bwd_operands": ("xla", "kernel"),
     "seq_attention": ("xla", "cudnn"),
     "layer_loop": ("scan", "unrolled"),
     "fake_quant": ("xla", "kernel"),
@@ -214,7 +216,7 @@ class KernelPlan:
   layer_loop: str = "scan"
   kv_write: str = "xla"
   fake_quant: str = "xla"
-  fp8_wgrad_operands: str = "xla"
+  fp8_bwd_operands: str = "xla"
   sm_count: int = DEFAULT_SM_COUNT
   invariant: bool = False
 
@@ -366,7 +368,7 @@ def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:
       kv_write=(pick("kv_write", "kernel" if kernels else "xla")
                 if kv == "packed" and sites == "kernel" else "xla"),
       fp8_gemm=pick("fp8_gemm", ("wgmma" if b.mosaic_gpu else "kernel") if kernels else "xla"),
-      fp8_wgrad_operands=pick("fp8_wgrad_operands", "xla"),
+      fp8_bwd_operands=pick("fp8_bwd_operands", "kernel" if kernels else "xla"),
       seq_attention=pick("seq_attention", "cudnn" if kernels and _cudnn_attention_shapes(config)
                          else "xla"),
       layer_loop=pick("layer_loop", "unrolled" if kernels

@@ -319,7 +319,8 @@ class Precision:
       raise ValueError("Precision.linear: layer= is for the engine's FP8 weights")
     if not self.fp8:
       return self.matmul(x, w)
-    return fp8_linear.linear(x, w, p.fp8_gemm, "fp8" if self.config.fp8_backward else "bf16")
+    return fp8_linear.linear(x, w, p.fp8_gemm, "fp8" if self.config.fp8_backward else "bf16",
+                             p.fp8_bwd_operands)
 
   def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., in] @ w [out, in]^T in x's dtype, the compute dtype's matmul of the plan (the
@@ -353,7 +354,7 @@ class Precision:
       return grouped_matmul(rows, w, group_sizes, p.grouped)
     return fp8_linear.grouped(rows, w, group_sizes, p.fp8_gemm,
                               "fp8" if self.config.fp8_backward else "bf16", p.moe_impl,
-                              p.fp8_wgrad_operands)
+                              p.fp8_bwd_operands)
 
 
 def _weights_local() -> bool:
