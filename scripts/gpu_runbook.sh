@@ -38,13 +38,13 @@
 #   train_step  the training step at Qwen3 layer width, 4 layers, on the plan's kernels (grouped
 #               GEMMs `moe_impl="mgpu"`, cuDNN's attention, wgmma FP8 GEMMs, the layer loop):
 #               bf16, fp8_unified, fp8_unified+fp8bwd, fp4_trace, fp4_rtn (the JSON's headline
-#               keys), and +fp8bwd with its backward's operands laid out by kernels
-#               (`fp8_bwd_operands=kernel`, opt-in until measured)
+#               keys)
 #   train_step_12  the same at 12 layers (bf16, the FP8 policies, fp4_trace; the FP8
 #               backward's compile alone takes minutes)
 #   train_step_variants  4 layers, what the plan chooses against its alternatives: cuDNN's
 #               attention against XLA's, the FP8 step on Triton's GEMMs (`@kernel`), fp4_trace's
-#               fake quantizers on XLA (`fake_quant=xla`), the BF16 step scanned
+#               fake quantizers on XLA (`fake_quant=xla`), +fp8bwd with its backward's operands
+#               laid out by XLA (`fp8_bwd_operands=xla`), the BF16 step scanned
 #   rl          the RL loop (`experiments.train_rl`, RL_CONFIG, default configs/small_h200.py)
 #               with the config's kernel plan, one process per policy (RL_POLICIES), sharing
 #               the GPU (RL_SEQUENTIAL=1: one after another, each policy's tokens/s its own);
@@ -194,13 +194,11 @@ step_excess_precision() {
     --json_out="$OUT/excess_train_step.json"
 }
 
-FP8BWD_KERNEL_OPERANDS=fp8_unified+fp8bwd+fp8_bwd_operands=kernel
-
 step_train_step() {
   local t=${T_TRAIN_STEP:-420}
   TAIL=20 run train_step "$t" python3 -m experiments.bench.train_step --preset=qwen3_layers \
     --moe_impls=mgpu --steps=5 --seq_attentions=cudnn \
-    --policies=bf16,fp8_unified,fp8_unified+fp8bwd,fp4_trace,fp4_rtn,$FP8BWD_KERNEL_OPERANDS \
+    --policies=bf16,fp8_unified,fp8_unified+fp8bwd,fp4_trace,fp4_rtn \
     --json_out="$OUT/train_step.json" ${TRAIN_STEP_ARGS:-}
 }
 
@@ -213,9 +211,11 @@ step_train_step_12() {
 
 step_train_step_variants() {
   local fp4=fp4_trace,fp4_trace+fake_quant=xla,fp4_rtn
+  local fp8=fp8_unified,fp8_unified@kernel,fp8_unified+fp8bwd
+  fp8+=,fp8_unified+fp8bwd+fp8_bwd_operands=xla
   TAIL=20 run train_step_variants "${T_TRAIN_STEP_VARIANTS:-540}" python3 -m \
     experiments.bench.train_step --preset=qwen3_layers --moe_impls=mgpu --steps=5 \
-    --seq_attentions=cudnn,xla --policies="bf16,fp8_unified,fp8_unified@kernel,$fp4,bf16+scan" \
+    --seq_attentions=cudnn,xla --policies="bf16,$fp8,$fp4,bf16+scan" \
     --json_out="$OUT/train_step_variants.json" ${TRAIN_STEP_VARIANTS_ARGS:-}
 }
 
