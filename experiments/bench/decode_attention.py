@@ -14,9 +14,7 @@ Per case (context T, batch B; every sequence at full length T, one query token e
                       Pallas/Triton kernels (`AttentionConfig(impl="triton")`)
   kernel_packed_wgmma  the same with `wgmma_attention`'s kernels (K decoded into wgmma's A
                       registers for the scores, V into shared memory for PV; GPU only; the
-                      plan's `decode_attention="wgmma"` where B x G fills the SMs)
-  kernel_packed_wgmma_scores  the wgmma scores with the Triton PV kernel (the plan's choice
-                      where B x G gives fewer PV programs than SMs)
+                      plan's `decode_attention="wgmma"`)
   kernel_bf16_fused / kernel_packed_fused  `flash_decode`'s single kernel (scores, online
                       softmax and PV in one pass: no scores in memory;
                       `AttentionConfig(impl="fused")`, the plan's `decode_attention="fused"`)
@@ -101,15 +99,14 @@ PRESETS = {
     "cpu": dict(contexts=[64], batches=[2], heads=8, kv_heads=2, head_dim=64),
 }
 IMPLS = ("xla_bf16", "xla_fq_bf16", "xla_packed_dequant", "kernel_bf16", "kernel_packed",
-         "kernel_packed_bits", "kernel_packed_wgmma", "kernel_packed_wgmma_scores",
-         "kernel_bf16_fused", "kernel_packed_fused", "kernel_packed_wgmma_fused")
-GPU_ONLY = ("kernel_packed_wgmma", "kernel_packed_wgmma_scores",
-            "kernel_packed_wgmma_fused")  # Mosaic GPU + inline PTX
+         "kernel_packed_bits", "kernel_packed_wgmma", "kernel_bf16_fused", "kernel_packed_fused",
+         "kernel_packed_wgmma_fused")
+GPU_ONLY = ("kernel_packed_wgmma", "kernel_packed_wgmma_fused")  # Mosaic GPU + inline PTX
 COPY = "copy"
 # The cache each path reads, and the contract its output is checked against.
 CACHE_OF = {"xla_bf16": "bf16", "xla_fq_bf16": "fq_bf16", "xla_packed_dequant": "packed",
             "kernel_bf16": "bf16", "kernel_packed": "packed", "kernel_packed_bits": "packed_bytes",
-            "kernel_packed_wgmma": "packed", "kernel_packed_wgmma_scores": "packed",
+            "kernel_packed_wgmma": "packed",
             "kernel_bf16_fused": "bf16", "kernel_packed_fused": "packed",
             "kernel_packed_wgmma_fused": "packed"}
 
@@ -211,7 +208,6 @@ def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stag
   return {**variants, "xla_bf16": ref, "xla_fq_bf16": ref, "xla_packed_dequant": ref,
           "kernel_bf16": kernel("triton"), "kernel_packed": kernel("triton"),
           "kernel_packed_bits": kernel("triton"), "kernel_packed_wgmma": kernel("wgmma"),
-          "kernel_packed_wgmma_scores": kernel("wgmma_scores"),
           "kernel_bf16_fused": kernel("fused"), "kernel_packed_fused": kernel("fused"),
           "kernel_packed_wgmma_fused": kernel("wgmma_fused")}
 
@@ -286,8 +282,6 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
       "time_kernel_packed_wgmma_over_kernel_packed": ratio("kernel_packed_wgmma",
                                                            "kernel_packed"),
       "time_kernel_packed_wgmma_over_kernel_bf16": ratio("kernel_packed_wgmma", "kernel_bf16"),
-      "time_kernel_packed_wgmma_scores_over_kernel_packed": ratio("kernel_packed_wgmma_scores",
-                                                                  "kernel_packed"),
       "time_kernel_packed_fused_over_kernel_packed_wgmma": ratio("kernel_packed_fused",
                                                                  "kernel_packed_wgmma"),
       "time_kernel_packed_fused_over_kernel_packed": ratio("kernel_packed_fused",

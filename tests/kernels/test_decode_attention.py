@@ -205,10 +205,9 @@ PACKED_VARIANTS = {"packed": (None, {}), "packed_words": (True, {}),
                    "packed_words_exact": (True, {"table": "exact"}),
                    "packed_bits": (False, {}),
                    "packed_wgmma": (True, {"impl": "wgmma"}),
-                   "packed_wgmma_scores": (True, {"impl": "wgmma_scores"}),
                    "packed_wgmma_fused": (True, {"impl": "wgmma_fused"})}
 # GPU only (Mosaic GPU, inline PTX)
-WGMMA_KINDS = ("packed_wgmma", "packed_wgmma_scores", "packed_wgmma_fused")
+WGMMA_KINDS = ("packed_wgmma", "packed_wgmma_fused")
 KERNEL_CASES = [(name, kind) for name in ATTN_CASES for kind in ("bf16", "packed",
                                                                    "packed_words")] + [
     ("full_r8", "packed_bits"), ("full_r8", "packed_words_exact"),

@@ -76,8 +76,8 @@ from trace_jax.kernels.kv_cache import PackedKVCache, dequantize
 from trace_jax.quant import formats
 
 BF16Cache = tuple[jax.Array, jax.Array]
-IMPLS = ("triton", "wgmma", "wgmma_scores", "fused", "wgmma_fused")  # `AttentionConfig.impl`
-WGMMA_IMPLS = ("wgmma", "wgmma_scores", "wgmma_fused")
+IMPLS = ("triton", "wgmma", "fused", "wgmma_fused")  # `AttentionConfig.impl`
+WGMMA_IMPLS = ("wgmma", "wgmma_fused")
 MIN_ROWS = kv_tiles.MIN_ROWS
 DEFAULT_BLOCK_T = 64
 SM_COUNT = 132  # an H100/H200's; the caller passes its device's (the kernel plan's sm_count)
@@ -90,8 +90,8 @@ class AttentionConfig:
   impl: "triton" (the Pallas kernels of the module docstring), "wgmma" (a packed cache of code
     words on a Hopper GPU, `wgmma_attention`'s shapes: K decoded into wgmma's A registers for
     the scores, V into shared memory for the PV sum, with the fast table, exact for every row
-    scale the quantizer makes) or "wgmma_scores" (the wgmma scores with the Triton PV kernel's
-    key splits, for fewer PV programs than SMs); `wgmma_impl` picks between them for a call;
+    scale the quantizer makes; the PV kernel with key splits where B x G gives few programs);
+    `wgmma_impl` picks it for a call where it runs;
     "fused": `flash_decode`'s single kernel (online softmax, no scores in memory; not
     `attend`'s bits: its module docstring), with `block_t`, `num_splits` and the launch
     parameters as the Triton pair's; "wgmma_fused": the same arithmetic over a packed cache
@@ -200,7 +200,7 @@ def _scores(q, ks, lengths, lyr, *, packed: bool, config: AttentionConfig,
   t, g = ks[0].shape[2], ks[0].shape[3]
   r = n // g
   scale = attention_math.score_scale(h)
-  if config.impl in ("wgmma", "wgmma_scores"):  # K decoded into wgmma's A registers (Mosaic GPU)
+  if config.impl == "wgmma":  # K decoded into wgmma's A registers (Mosaic GPU)
     kc, kbits, krow = ks
     qw = jnp.take(q.reshape(b, g, r, h), wgmma_decode.column_order(h), axis=-1)
     return wgmma_attention.scores(qw, kc.reshape(kc.shape[:4] + (h // 8,)), kbits, krow,
@@ -299,15 +299,14 @@ def _wgmma_fused(q, ks, vs, lengths, lyr, *, num_splits: int, block_t: int,
 
 def wgmma_impl(q: jax.Array, cache: PackedKVCache | BF16Cache, *,
                layer: jax.Array | None = None, interpret: bool | None = None,
-               sm_count: int = SM_COUNT, fused: bool = False) -> str:
+               fused: bool = False) -> str:
   """The impl for this call of the exact pair (fused=False) or the single pass (fused=True),
   with the wgmma kernels where they run (a packed cache of code words on a GPU with the Mosaic
-  GPU API, `wgmma_attention.supported`'s shapes). The pair: "wgmma" where B x G gives at least
-  one PV program per SM (`sm_count`), "wgmma_scores" (the wgmma scores with the Triton PV
-  kernel's key splits) where it gives fewer, else "triton"; on the H200 it took 0.66x the
-  Triton pair's time at batch 256 x 8k. The single pass: "wgmma_fused" where they run (on the
-  H200 0.83-0.92x the Triton single pass's time at 64 x 32k and 256 x 8k), else "fused"
-  (docs/benchmarks.md)."""
+  GPU API, `wgmma_attention.supported`'s shapes). The pair: "wgmma" where they run, else
+  "triton" (on the H200 0.66x the Triton pair's time at batch 256 x 8k; on the H100 with its
+  PV kernel's key splits 0.78x the time of wgmma scores with the Triton PV's at 16 x 32k).
+  The single pass: "wgmma_fused" where they run (on the H200 0.83-0.92x the Triton single
+  pass's time at 64 x 32k and 256 x 8k), else "fused" (docs/benchmarks.md)."""
   portable = "fused" if fused else "triton"
   if not isinstance(cache, PackedKVCache) or not cache.words:
     return portable
@@ -319,7 +318,7 @@ def wgmma_impl(q: jax.Array, cache: PackedKVCache | BF16Cache, *,
     return portable
   if fused:
     return "wgmma_fused"
-  return "wgmma" if b * g >= sm_count else "wgmma_scores"
+  return "wgmma"
 
 
 def _check(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: jax.Array,

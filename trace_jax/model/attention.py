@@ -159,7 +159,7 @@ def _decode_kernel_attention(plan: KernelPlan, q: jax.Array, cache: Any, positio
   def attn(q1, c, lens, j):
     impl = "triton"
     if plan.decode_attention in ("wgmma", "fused"):  # the wgmma kernels where they run
-      impl = decode_attention.wgmma_impl(q1, c, layer=j, sm_count=plan.sm_count,
+      impl = decode_attention.wgmma_impl(q1, c, layer=j,
                                          fused=plan.decode_attention == "fused")
     config = decode_attention.AttentionConfig(impl=impl, sm_count=plan.sm_count)
     return decode_attention.decode_attention(q1, c, lens, layer=j, config=config)
