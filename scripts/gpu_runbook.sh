@@ -45,6 +45,9 @@
 #               attention against XLA's, the FP8 step on Triton's GEMMs (`@kernel`), fp4_trace's
 #               fake quantizers on XLA (`fake_quant=xla`), +fp8bwd with its backward's operands
 #               laid out by XLA (`fp8_bwd_operands=xla`), the BF16 step scanned
+#   fp8_layouts the FP8 backward's operand layouts (the experts' WGrad tiles, the DGrad's
+#               transposed weight codes) by XLA and by `kernels.fp8_tiles` at each launch config,
+#               bit-checked, with the fraction of the copy bandwidth
 #   rl          the RL loop (`experiments.train_rl`, RL_CONFIG, default configs/small_h200.py)
 #               with the config's kernel plan, one process per policy (RL_POLICIES), sharing
 #               the GPU (RL_SEQUENTIAL=1: one after another, each policy's tokens/s its own);
@@ -209,6 +212,11 @@ step_train_step_12() {
     --json_out="$OUT/train_step_12.json" ${TRAIN_STEP_12_ARGS:-}
 }
 
+step_fp8_layouts() {
+  TAIL=40 run fp8_layouts "${T_FP8_LAYOUTS:-240}" python3 -m experiments.bench.fp8_layouts \
+    --json_out="$OUT/fp8_layouts.json" ${FP8_LAYOUTS_ARGS:-}
+}
+
 step_train_step_variants() {
   local fp4=fp4_trace,fp4_trace+fake_quant=xla,fp4_rtn
   local fp8=fp8_unified,fp8_unified@kernel,fp8_unified+fp8bwd
@@ -323,8 +331,8 @@ main() {
     if ! declare -F "step_$s" > /dev/null; then
       echo "unknown step '$s'; steps: check kernels rollout attention attention_budget" \
         "kv_write mismatch" \
-        "excess_precision train_step train_step_12 train_step_variants rl profile multi_gpu" \
-        "tests" >&2
+        "excess_precision train_step fp8_layouts train_step_12 train_step_variants rl profile" \
+        "multi_gpu tests" >&2
       exit 2
     fi
   done

@@ -35,6 +35,7 @@ from trace_jax.quant import exact, formats
 
 TILE = formats.FP8_GROUP  # a tile's rows are one 128x1 group
 BLOCK_C = 64  # columns per program: a [128, 64] bf16 tile is 16 KB
+NUM_WARPS = 4
 
 
 def tile_runs(src: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
@@ -60,31 +61,33 @@ def _kernel(starts_ref, counts_ref, x_ref, codes_ref, scale_ref, *, block_c: int
   scale_ref[pl.ds(c0, block_c), t] = scale
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _quantize_tiles(x, starts, counts, *, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("interpret", "block_c", "num_warps"))
+def _quantize_tiles(x, starts, counts, *, interpret: bool, block_c: int, num_warps: int):
   c = x.shape[1]
   n_tiles = starts.shape[0]
-  block_c = common.pow2_divisor(c, BLOCK_C)
+  block_c = common.pow2_divisor(c, block_c)
   codes, scale = pl.pallas_call(
       functools.partial(_kernel, block_c=block_c, interpret=interpret),
       grid=(n_tiles, c // block_c),
       out_shape=(jax.ShapeDtypeStruct((c, n_tiles * TILE), jnp.uint8),
                  jax.ShapeDtypeStruct((c, n_tiles), jnp.float32)),
       interpret=interpret,
-      compiler_params=None if interpret else common.compiler_params(4, 1),
+      compiler_params=None if interpret else common.compiler_params(num_warps, 1),
       name="fp8_wgrad_tiles",
   )(starts, counts, x)
   return formats.FP8Tensor(values=exact.bits_to_e4m3(codes), scale=scale)
 
 
 def quantize_tiles(x: jax.Array, starts: jax.Array, counts: jax.Array, *,
-                   interpret: bool | None = None) -> formats.FP8Tensor:
+                   interpret: bool | None = None, block_c: int = BLOCK_C,
+                   num_warps: int = NUM_WARPS) -> formats.FP8Tensor:
   """x [M, C] -> E4M3 codes [C, T x 128] with one scale per 128 along the rows (scales
   [C, T]): column block i x 128 .. of the transposed operand holds rows starts[i] ..
   starts[i] + counts[i] - 1 of x, then zeros (counts[i] <= 128; a tile of count 0 is all
   zeros, scale AMAX_FLOOR / 448). Bit for bit `formats.fp8_quantize_act(jnp.take(x, src, 0,
   mode="fill", fill_value=0).T)` for the `src` that `tile_runs` read. interpret: None runs
-  Triton on a GPU and the Pallas interpreter elsewhere."""
+  Triton on a GPU and the Pallas interpreter elsewhere; block_c (a power of two: columns per
+  program) and num_warps are Triton's launch (the same bits for any)."""
   if x.ndim != 2 or starts.shape != counts.shape or starts.ndim != 1:
     raise ValueError(f"quantize_tiles: expected x [M, C] and starts, counts [T]; got "
                      f"{x.shape}, {starts.shape}, {counts.shape}")
@@ -94,7 +97,7 @@ def quantize_tiles(x: jax.Array, starts: jax.Array, counts: jax.Array, *,
     raise ValueError(f"quantize_tiles: C must be a multiple of 16, got {x.shape[1]}")
   interpret = common.default_interpret() if interpret is None else interpret
   return _quantize_tiles(x, starts.astype(jnp.int32), counts.astype(jnp.int32),
-                         interpret=bool(interpret))
+                         interpret=bool(interpret), block_c=block_c, num_warps=num_warps)
 
 
 BLOCK_T = 128  # a transpose program's block: [128, 128] codes, 16 KB
@@ -104,11 +107,11 @@ def _transpose_kernel(x_ref, o_ref):
   o_ref[0] = x_ref[0].T
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _transpose_codes(bits, *, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("interpret", "block", "num_warps"))
+def _transpose_codes(bits, *, interpret: bool, block: int, num_warps: int):
   lead, n, k = bits.shape[:-2], bits.shape[-2], bits.shape[-1]
   x = bits.reshape((-1, n, k))
-  bn, bk = common.pow2_divisor(n, BLOCK_T), common.pow2_divisor(k, BLOCK_T)
+  bn, bk = common.pow2_divisor(n, block), common.pow2_divisor(k, block)
   out = pl.pallas_call(
       _transpose_kernel,
       grid=(x.shape[0], n // bn, k // bk),
@@ -116,16 +119,18 @@ def _transpose_codes(bits, *, interpret: bool):
       out_specs=pl.BlockSpec((1, bk, bn), lambda e, i, j: (e, j, i)),
       out_shape=jax.ShapeDtypeStruct((x.shape[0], k, n), jnp.uint8),
       interpret=interpret,
-      compiler_params=None if interpret else common.compiler_params(4, 1),
+      compiler_params=None if interpret else common.compiler_params(num_warps, 1),
       name="fp8_transpose_codes",
   )(x)
   return out.reshape(lead + (k, n))
 
 
-def transpose_codes(values: jax.Array, *, interpret: bool | None = None) -> jax.Array:
-  """E4M3 codes [..., N, K] -> [..., K, N] (a permutation: the same bytes), one [128, 128]
-  block per program (N and K multiples of 16). interpret: None runs Triton on a GPU and the
-  Pallas interpreter elsewhere."""
+def transpose_codes(values: jax.Array, *, interpret: bool | None = None, block: int = BLOCK_T,
+                    num_warps: int = NUM_WARPS) -> jax.Array:
+  """E4M3 codes [..., N, K] -> [..., K, N] (a permutation: the same bytes), one [block, block]
+  block per program at most (N and K multiples of 16). interpret: None runs Triton on a GPU
+  and the Pallas interpreter elsewhere; block (a power of two) and num_warps are Triton's
+  launch."""
   if values.dtype != jnp.float8_e4m3fn or values.ndim < 2:
     raise TypeError(f"transpose_codes: expected float8_e4m3fn codes [..., N, K], got "
                     f"{values.dtype} {values.shape}")
@@ -133,4 +138,5 @@ def transpose_codes(values: jax.Array, *, interpret: bool | None = None) -> jax.
     raise ValueError(f"transpose_codes: N and K must be multiples of 16, got {values.shape}")
   interpret = common.default_interpret() if interpret is None else interpret
   bits = jax.lax.bitcast_convert_type(values, jnp.uint8)
-  return exact.bits_to_e4m3(_transpose_codes(bits, interpret=bool(interpret)))
+  return exact.bits_to_e4m3(_transpose_codes(bits, interpret=bool(interpret), block=block,
+                                             num_warps=num_warps))

@@ -142,6 +142,24 @@ def _dense_forward(x: jax.Array, qw: formats.FP8Tensor, impl: str,
   return y.reshape(x.shape[:-1] + (y.shape[-1],)), qx
 
 
+def wgrad_sources(gs: jax.Array, m: int) -> jax.Array:
+  """The grouped FP8 WGrad's gather map [rows] of m rows sorted into groups gs: each group's
+  rows padded to whole 128-row tiles (`grouped.padded_sources`; rows past sum(gs) in none)."""
+  rows = (-(-m // _G) + gs.shape[0]) * _G  # the layout's tile bound (rounded: empty tiles)
+  return grouped_mm.padded_sources(gs, m, _G, rows)  # a gather: no scatter of activations
+
+
+def wgrad_operand(a: jax.Array, src: jax.Array,
+                  runs: tuple[jax.Array, jax.Array] | None = None) -> formats.FP8Tensor:
+  """a [M, C] -> codes [C, rows] in 128x1 groups of the rows `src` gathers (`wgrad_sources`):
+  XLA's gather, transpose and quantizer, or (runs: `fp8_tiles.tile_runs(src, M)`) the
+  kernel's one pass; the same bits."""
+  if runs is not None:
+    return fp8_tiles.quantize_tiles(a, *runs)
+  padded = jnp.take(a, src, axis=0, mode="fill", fill_value=0)
+  return formats.fp8_quantize_act(_materialized_t(padded))
+
+
 def _wgrad_fp8_grouped(dy: jax.Array, xq: jax.Array, gs: jax.Array, impl: str,
                        operands: str = "xla") -> jax.Array:
   """Per expert dy [M, N]^T @ xq [M, K] on FP8 operands quantized in 128x1 groups along the rows
@@ -150,18 +168,9 @@ def _wgrad_fp8_grouped(dy: jax.Array, xq: jax.Array, gs: jax.Array, impl: str,
 
   Rows past sum(gs) are zeroed (ragged_dot's contract: they belong to no expert).
   """
-  m, e = dy.shape[0], gs.shape[0]
-  rows = (-(-m // _G) + e) * _G  # the layout's tile bound (its rounding to chunks: empty tiles)
-  src = grouped_mm.padded_sources(gs, m, _G, rows)  # a gather: no scatter of whole activations
-  runs = fp8_tiles.tile_runs(src, m) if operands == "kernel" else None
-
-  def operand(a):  # [M, C] -> [C, rows]: each expert's rows padded to whole 128-row tiles
-    if runs is not None:
-      return fp8_tiles.quantize_tiles(a, *runs)
-    padded = jnp.take(a, src, axis=0, mode="fill", fill_value=0)
-    return formats.fp8_quantize_act(_materialized_t(padded))
-
-  dyt, xt = operand(dy), operand(xq)
+  src = wgrad_sources(gs, dy.shape[0])
+  runs = fp8_tiles.tile_runs(src, dy.shape[0]) if operands == "kernel" else None
+  dyt, xt = wgrad_operand(dy, src, runs), wgrad_operand(xq, src, runs)
   if impl in KERNELS:
     return fp8_gemm.grouped_wgrad(dyt, xt, gs, out_dtype=dy.dtype)
   return fp8_gemm.wgrad_reference(dyt, xt, gs, out_dtype=dy.dtype)
