@@ -57,9 +57,10 @@ width the wgmma kernel took the experts' FP8 GEMMs 1.1-2.2x faster than Triton's
 fp8_unified training step from 1.34x to 1.21x the BF16 step's time (docs/benchmarks.md).
 (^) on Hopper (Triton's kernels): XLA fuses the WGrad rows' gather and transpose into loop
 fusions that read across the rows' stride, quantizes that copy again, and fuses the weights'
-byte transposes with their neighbours; the kernels read each tile once and write its codes. On the H100 at Qwen3-30B-A3B width they took the fp8_unified+fp8bwd training step
-from 102.2 to 77.5 ms at 4 layers (2.05x to 1.55x the BF16 step) and from 288.7 to 217.5 ms
-at 12 (docs/benchmarks.md).
+byte transposes with their neighbours; the kernels read each tile once and write its codes.
+On the H100 at Qwen3-30B-A3B width they took the fp8_unified+fp8bwd training step from 102.2
+to 77.5 ms at 4 layers (2.05x to 1.55x the BF16 step) and from 288.7 to 217.5 ms at 12
+(docs/benchmarks.md).
 (%) JAX's own Mosaic GPU grouped GEMM (`model.grouped`) for the forward and DGrad, with bf16
 or f16 compute and widths that are multiples of its 64-column tiles (else "kernel", the Pallas
 grouped GEMMs, for widths that are multiples of 16): on the H100 at Qwen3-30B-A3B width it took
