@@ -38,13 +38,13 @@
 #   train_step  the training step at Qwen3 layer width, 4 layers, on the plan's kernels (grouped
 #               GEMMs `moe_impl="mgpu"`, cuDNN's attention, wgmma FP8 GEMMs, the layer loop):
 #               bf16, fp8_unified, fp8_unified+fp8bwd, fp4_trace, fp4_rtn (the JSON's headline
-#               keys)
+#               keys), and +fp8bwd with its backward's operands laid out by XLA
+#               (`fp8_bwd_operands=xla`, the plan's alternative to the layout kernels)
 #   train_step_12  the same at 12 layers (bf16, the FP8 policies, fp4_trace; the FP8
 #               backward's compile alone takes minutes)
 #   train_step_variants  4 layers, what the plan chooses against its alternatives: cuDNN's
 #               attention against XLA's, the FP8 step on Triton's GEMMs (`@kernel`), fp4_trace's
-#               fake quantizers on XLA (`fake_quant=xla`), +fp8bwd with its backward's operands
-#               laid out by XLA (`fp8_bwd_operands=xla`), the BF16 step scanned
+#               fake quantizers on XLA (`fake_quant=xla`), the BF16 step scanned
 #   fp8_layouts the FP8 backward's operand layouts (the experts' WGrad tiles, the DGrad's
 #               transposed weight codes) by XLA and by `kernels.fp8_tiles` at each launch config,
 #               bit-checked, with the fraction of the copy bandwidth
@@ -197,11 +197,13 @@ step_excess_precision() {
     --json_out="$OUT/excess_train_step.json"
 }
 
+FP8BWD_XLA_OPERANDS=fp8_unified+fp8bwd+fp8_bwd_operands=xla
+
 step_train_step() {
   local t=${T_TRAIN_STEP:-420}
   TAIL=20 run train_step "$t" python3 -m experiments.bench.train_step --preset=qwen3_layers \
     --moe_impls=mgpu --steps=5 --seq_attentions=cudnn \
-    --policies=bf16,fp8_unified,fp8_unified+fp8bwd,fp4_trace,fp4_rtn \
+    --policies=bf16,fp8_unified,fp8_unified+fp8bwd,fp4_trace,fp4_rtn,$FP8BWD_XLA_OPERANDS \
     --json_out="$OUT/train_step.json" ${TRAIN_STEP_ARGS:-}
 }
 
@@ -219,11 +221,9 @@ step_fp8_layouts() {
 
 step_train_step_variants() {
   local fp4=fp4_trace,fp4_trace+fake_quant=xla,fp4_rtn
-  local fp8=fp8_unified,fp8_unified@kernel,fp8_unified+fp8bwd
-  fp8+=,fp8_unified+fp8bwd+fp8_bwd_operands=xla
   TAIL=20 run train_step_variants "${T_TRAIN_STEP_VARIANTS:-540}" python3 -m \
     experiments.bench.train_step --preset=qwen3_layers --moe_impls=mgpu --steps=5 \
-    --seq_attentions=cudnn,xla --policies="bf16,$fp8,$fp4,bf16+scan" \
+    --seq_attentions=cudnn,xla --policies="bf16,fp8_unified,fp8_unified@kernel,$fp4,bf16+scan" \
     --json_out="$OUT/train_step_variants.json" ${TRAIN_STEP_VARIANTS_ARGS:-}
 }
 
