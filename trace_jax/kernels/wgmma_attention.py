@@ -86,7 +86,9 @@ def _decode_tile(h: int, g: int, masked: bool = False, shared: bool = False):
   `column_order`. masked: rows at or beyond `valid` decode to +-0 (their scales taken as 0, so
   no NaN or inf of an unwritten or stale row reaches a product). shared: the three refs are
   a ring slot in shared memory (`pv`'s ring): the codes [64, H/8] of one head (rows H/2 bytes
-  apart), the scales and row scales windows of every head (rows as in the cache)."""
+  apart), the scale bytes [64, G H/16] and row scales [64, G] of every head, and an int32
+  scalar, the head, comes before `valid` (a sliced shared ref cannot be passed: Mosaic swizzles
+  contiguous ones only)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm
   from jax.experimental.mosaic import gpu as mgpu
@@ -94,9 +96,10 @@ def _decode_tile(h: int, g: int, masked: bool = False, shared: bool = False):
 
   nb = 2 * h // SPAN  # blocks per thread and row (even: 16-byte code loads)
 
-  def fn(ctx, codes, scales, rows, *valid):
+  def fn(ctx, codes, scales, rows, *scalars):
     del ctx
-    assert len(valid) == int(masked)
+    assert len(scalars) == int(masked) + int(shared)
+    head, valid = (scalars[0].registers.item(), scalars[1:]) if shared else (None, scalars)
     i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
     i16, f32 = ir.IntegerType.get_signless(16), ir.F32Type.get()
     c32 = lambda v: mu.c(v, i32)
@@ -107,6 +110,9 @@ def _decode_tile(h: int, g: int, masked: bool = False, shared: bool = False):
     row0, quad = thread_coords()
     addr = lambda ref: llvm.ptrtoint(at, mu.memref_ptr(ref))
     base_c, base_s, base_r = addr(codes), addr(scales), addr(rows)
+    if shared:  # the head's columns of the every-head windows
+      base_s = arith.addi(base_s, arith.muli(head, c32(h // 16)))
+      base_r = arith.addi(base_r, arith.muli(head, c32(4)))
     layout = mgpu.WGMMA_LAYOUT
     regs = np.empty(layout.registers_shape((TILE, h)), dtype=object)
     assert regs.shape[1] == h // 8 and regs.shape[4] == 2, regs.shape  # (1, ct, 1, 1, half..)
@@ -187,8 +193,9 @@ def tile_decoder(h: int, g: int, masked: bool, shared: bool = False):
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   refs = (plgpu.RefType(),) * 3
+  scalar = plgpu.Layout.WG_SPLAT(shape=())
   return plgpu.inline_mgpu(
-      arg_types=refs + ((plgpu.Layout.WG_SPLAT(shape=()),) if masked else ()),
+      arg_types=refs + (scalar,) * (int(shared) + int(masked)),
       return_type=plgpu.ShapeDtypeStruct((TILE, h), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
   )(_decode_tile(h, g, masked=masked, shared=shared))
 
@@ -450,8 +457,7 @@ def _pv_ring(probs, codes, scale_bits, rows, lengths, layer, *, per: int, s_coun
         for k in range(4):
           plgpu.barrier_wait(bars.at[k, slot])
         t0 = pl.multiple_of(i * TILE, TILE)
-        v = decode(c_smem.at[slot], s_smem.at[slot, :, pl.ds(gi * hs, hs)],
-                   r_smem.at[slot, :, gi], length - t0)
+        v = decode(c_smem.at[slot], s_smem.at[slot], r_smem.at[slot], gi, length - t0)
         p = load_probs(p_smem.at[slot])
         v_smem[...] = v
         plgpu.commit_smem()  # the stores visible to wgmma (async proxy), in every warp
