@@ -215,7 +215,7 @@ KERNEL_CASES = [(name, kind) for name in ATTN_CASES for kind in ("bf16", "packed
     (name, kind) for name in ("full_r8", "mixed_r8") for kind in WGMMA_KINDS] + [
     ("mixed_r8_split2", "packed_wgmma_fused"), ("long_r8_split3", "packed_wgmma_fused"),
     ("long_r8_split2_block128", "packed_wgmma_fused"), ("mixed_r8_split2", "packed_wgmma"),
-    ("long_r8_split3", "packed_wgmma"), ("long_r8_g4_split2", "packed_wgmma")]
+    ("long_r8_split3", "packed_wgmma")]
 # R = 8 and head_dim 128, the wgmma kernels' shape (GPU only): lengths 1 and mid-tile (rows
 # from the pool: B x T x G <= POOL).
 # Splits of the single-pass kernel and of the wgmma PV kernel: one without keys (sequence 0's
@@ -223,8 +223,7 @@ KERNEL_CASES = [(name, kind) for name in ATTN_CASES for kind in ("bf16", "packed
 ATTN_CASES_GPU = {"mixed_r8": (2, 128, 4, 32, 128, [1, 70], 64, 1),
                   "mixed_r8_split2": (2, 128, 4, 32, 128, [1, 70], 64, 2),
                   "long_r8_split3": (1, 384, 2, 16, 128, [301], 64, 3),
-                  "long_r8_split2_block128": (1, 512, 2, 16, 128, [301], 128, 2),
-                  "long_r8_g4_split2": (1, 256, 4, 32, 128, [181], 64, 2)}
+                  "long_r8_split2_block128": (1, 512, 2, 16, 128, [301], 128, 2)}
 
 
 @pytest.mark.parametrize("name,kind", KERNEL_CASES, ids=[f"{n}-{k}" for n, k in KERNEL_CASES])
@@ -303,24 +302,6 @@ def test_prefetch_changes_no_bit(kind, case):
     np.testing.assert_array_equal(_bits(run(d)), _bits(want))
 
 
-@pytest.mark.parametrize("case", ["mixed_r8", "mixed_r8_split2", "long_r8_g4_split2"])
-def test_pv_ring_changes_no_bit(case):
-  """The wgmma PV kernel's tiles through a shared-memory ring by TMA (2 tiles; 4, more than a
-  split holds) give the pair's outputs bit for bit: the same decode, the same wgmma order."""
-  if common.default_interpret():
-    pytest.skip("wgmma_attention runs on a Hopper GPU only: Mosaic GPU with inline PTX, no "
-                "interpret mode (its CPU coverage: tests/kernels/test_mosaic_lowering.py)")
-  b, t, g, n, h, lengths, block_t, splits = ATTN_CASES_GPU[case]
-  q, kv, pos = _attn_inputs(b, t, g, n, h, seed=9)
-  cache = _cache("packed", kv, pos, words=True)
-  lengths = jnp.asarray(lengths, jnp.int32)
-  run = lambda ring: np.asarray(da.decode_attention(q, cache, lengths, config=AttentionConfig(
-      impl="wgmma", block_t=block_t, num_splits=splits, pv_ring=ring)))
-  want = run(0)
-  for ring in (2, 4):
-    np.testing.assert_array_equal(_bits(run(ring)), _bits(want))
-
-
 def test_tolerance_rejects_plausible_bugs():
   """The stated tolerance is tight enough to fail: one key too many, the wrong kv head per
   query head, and unquantized K/V all exceed it."""
@@ -374,14 +355,14 @@ def test_masked_keys_are_ignored_and_length_zero():
 
 
 @pytest.mark.parametrize("what", ["q_rank", "heads", "lengths", "block_t", "prefetch",
-                                  "pv_ring", "head_dim"])
+                                  "head_dim"])
 def test_bad_input(what):
   q = jnp.zeros((2, 4, 64), jnp.bfloat16)
   cache = (jnp.zeros((2, 16, 2, 64), jnp.bfloat16),) * 2
   lengths = jnp.ones((2,), jnp.int32)
-  if what in ("block_t", "prefetch", "pv_ring"):
+  if what in ("block_t", "prefetch"):
     with pytest.raises(ValueError, match=what):
-      AttentionConfig(**{what: {"block_t": 24, "prefetch": -1, "pv_ring": 1}[what]})
+      AttentionConfig(**{what: {"block_t": 24, "prefetch": -1}[what]})
   elif what == "q_rank":
     q = q[:, None]
   elif what == "heads":
@@ -390,7 +371,7 @@ def test_bad_input(what):
     lengths = jnp.ones((3,), jnp.int32)
   else:
     q, cache = q[..., :24], tuple(a[..., :24] for a in cache)
-  if what not in ("block_t", "prefetch", "pv_ring"):
+  if what not in ("block_t", "prefetch"):
     with pytest.raises(ValueError):
       da.decode_attention(q, cache, lengths)
   with pytest.raises(ValueError):

@@ -87,31 +87,6 @@ def test_scores_and_pv_lower(lowering, prefetch, splits):
   assert out in text
 
 
-@pytest.mark.parametrize("ring,splits", [(2, 1), (4, 2)], ids=["ring2", "ring4_two_splits"])
-def test_pv_ring_lowers(lowering, ring, splits):
-  g = 4  # the ring's TMA rows of every head's row scales: 4 g bytes, whole 16-byte units
-  kv = (SDS((L, B, T, g, H // 8), jnp.uint32), SDS((L, B, T, g, H // 16), jnp.uint8),
-        SDS((L, B, T, g), jnp.float32))
-  probs = SDS((B, g, R, T), jnp.bfloat16)
-  text = lowering(lambda *a: wgmma_attention.pv(*a, splits=splits, ring=ring), probs, *kv,
-                  LENGTHS, LAYER)
-  assert "decode_attention_pv_wgmma_ring" in text
-  out = f"tensor<{B}x{g}x2x{R}x{H}xf32>" if splits > 1 else f"tensor<{B}x{g}x{R}x{H}xbf16>"
-  assert out in text
-
-
-def test_pv_ring_refuses_what_tma_cannot_load():
-  probs = jnp.zeros((B, G, R, T), jnp.bfloat16)
-  kv = (jnp.zeros((L, B, T, G, H // 8), jnp.uint32), jnp.zeros((L, B, T, G, H // 16), jnp.uint8),
-        jnp.zeros((L, B, T, G), jnp.float32))
-  with pytest.raises(ValueError, match="multiple of 4 kv heads"):
-    wgmma_attention.pv(probs, *kv, jnp.zeros((B,), jnp.int32), jnp.zeros((1,), jnp.int32),
-                       ring=2)
-  with pytest.raises(ValueError, match="ring must be 0"):
-    wgmma_attention.pv(probs, *kv, jnp.zeros((B,), jnp.int32), jnp.zeros((1,), jnp.int32),
-                       ring=1)
-
-
 @pytest.mark.parametrize("splits,block_t,prefetch", [(1, 64, 0), (2, 64, 2), (2, 128, 1)],
                          ids=["one_split", "two_splits_prefetch_2", "two_tiles_a_step_prefetch_1"])
 def test_wgmma_flash_lowers(lowering, splits, block_t, prefetch):

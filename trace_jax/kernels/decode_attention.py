@@ -109,9 +109,6 @@ class AttentionConfig:
     the one they decode (`wgmma_attention.tile_prefetcher`; 0: none). On the H100 one tile
     ahead took the exact pair to 0.92x its time at 64 x 32k and 256 x 8k (2 and 4 tiles:
     0.96-0.97x; the single pass: 0.98-1.01x at any distance; docs/benchmarks.md).
-  pv_ring: tiles the wgmma PV kernel keeps in flight through a shared-memory ring by TMA
-    (`wgmma_attention.pv(ring=)`; 0: none, each tile's loads after the last tile's wgmma,
-    with the L2 prefetch), where the kv heads are a multiple of 4 (`ring_supported`; else none).
   interpret: None runs the kernels on the GPU and the Pallas interpreter elsewhere.
   """
   impl: str = "triton"
@@ -122,7 +119,6 @@ class AttentionConfig:
   num_stages: int = 2
   sm_count: int = SM_COUNT
   prefetch: int = 1
-  pv_ring: int = 0
   interpret: bool | None = None
 
   def __post_init__(self):
@@ -135,8 +131,6 @@ class AttentionConfig:
       raise ValueError(f"block_t must be a power of two >= {MIN_ROWS}, got {self.block_t}")
     if self.prefetch < 0:
       raise ValueError(f"AttentionConfig: prefetch must be >= 0, got {self.prefetch}")
-    if self.pv_ring < 0 or self.pv_ring == 1:
-      raise ValueError(f"AttentionConfig: pv_ring must be 0 (none) or >= 2, got {self.pv_ring}")
 
 
 def _scores_kernel(layer_ref, len_ref, q_ref, *refs, packed: bool, asm: bool,
@@ -230,10 +224,8 @@ def _pv(probs, vs, lengths, lyr, h: int, *, packed: bool, config: AttentionConfi
   b, g, r, t = probs.shape
   if config.impl == "wgmma":  # V decoded into shared memory, probabilities in wgmma's A registers
     vc, vbits, vrow = vs
-    ring = config.pv_ring if wgmma_attention.ring_supported(g) else 0
     out = wgmma_attention.pv(probs, vc.reshape(vc.shape[:4] + (h // 8,)), vbits, vrow,
-                             lengths, lyr, prefetch=config.prefetch, splits=num_splits,
-                             ring=ring)
+                             lengths, lyr, prefetch=config.prefetch, splits=num_splits)
     if out.ndim == 5:  # the splits' float32 partial sums
       out = jnp.sum(out, axis=2).astype(probs.dtype)
     return jnp.take(out, np.argsort(wgmma_decode.column_order(h)), axis=-1)

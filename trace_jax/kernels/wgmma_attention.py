@@ -55,12 +55,6 @@ def supported(h: int, r: int, t: int, dtype) -> bool:
           and t % TILE == 0)
 
 
-def ring_supported(g: int) -> bool:
-  """Whether `pv`'s ring takes g kv heads: its TMA rows of every head's row scales (4 g bytes)
-  must be whole 16-byte units."""
-  return g % 4 == 0
-
-
 def default_splits(batch: int, num_kv_heads: int, num_tiles: int, sm_count: int) -> int:
   """Key splits of a kernel that walks a (sequence, kv head)'s tiles one after another (PV,
   the single pass): about 4 programs per SM (two resident per SM wait on memory while two
@@ -79,16 +73,12 @@ def split_steps(t: int, block_t: int, splits: int) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------- the kernel
 
-def _decode_tile(h: int, g: int, masked: bool = False, shared: bool = False):
+def _decode_tile(h: int, g: int, masked: bool = False):
   """inline_mgpu function: (codes words [.., T, G, H/8], scale bytes [.., T, G, H/16], row
   scales [.., T, G] refs, already indexed to (layer, sequence) and the tile's first key ...[,
   valid: int32 scalar]) -> the tile's K (or V) [64, h] bf16 in the WGMMA layout, columns in
   `column_order`. masked: rows at or beyond `valid` decode to +-0 (their scales taken as 0, so
-  no NaN or inf of an unwritten or stale row reaches a product). shared: the three refs are
-  a ring slot in shared memory (`pv`'s ring): the codes [64, H/8] of one head (rows H/2 bytes
-  apart), the scale bytes [64, G H/16] and row scales [64, G] of every head, and an int32
-  scalar, the head, comes before `valid` (a sliced shared ref cannot be passed: Mosaic swizzles
-  contiguous ones only)."""
+  no NaN or inf of an unwritten or stale row reaches a product)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm
   from jax.experimental.mosaic import gpu as mgpu
@@ -96,49 +86,42 @@ def _decode_tile(h: int, g: int, masked: bool = False, shared: bool = False):
 
   nb = 2 * h // SPAN  # blocks per thread and row (even: 16-byte code loads)
 
-  def fn(ctx, codes, scales, rows, *scalars):
+  def fn(ctx, codes, scales, rows, *valid):
     del ctx
-    assert len(scalars) == int(masked) + int(shared)
-    head, valid = (scalars[0].registers.item(), scalars[1:]) if shared else (None, scalars)
+    assert len(valid) == int(masked)
     i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
     i16, f32 = ir.IntegerType.get_signless(16), ir.F32Type.get()
     c32 = lambda v: mu.c(v, i32)
-    at = i32 if shared else i64  # shared-memory addresses are 32-bit
-    space = "shared" if shared else "global.nc"
-    ca = lambda v: mu.c(v, at)
-    code_pitch = h // 2 if shared else g * h // 2  # bytes between a head's rows
+    c64 = lambda v: mu.c(v, i64)
     row0, quad = thread_coords()
-    addr = lambda ref: llvm.ptrtoint(at, mu.memref_ptr(ref))
+    addr = lambda ref: llvm.ptrtoint(i64, mu.memref_ptr(ref))
     base_c, base_s, base_r = addr(codes), addr(scales), addr(rows)
-    if shared:  # the head's columns of the every-head windows
-      base_s = arith.addi(base_s, arith.muli(head, c32(h // 16)))
-      base_r = arith.addi(base_r, arith.muli(head, c32(4)))
     layout = mgpu.WGMMA_LAYOUT
     regs = np.empty(layout.registers_shape((TILE, h)), dtype=object)
     assert regs.shape[1] == h // 8 and regs.shape[4] == 2, regs.shape  # (1, ct, 1, 1, half..)
     for half in range(2):
       row32 = arith.addi(row0, c32(8 * half))
-      row = row32 if shared else arith.extui(i64, row32)
-      qa = quad if shared else arith.extui(i64, quad)
-      # codes: this thread's 8 nb bytes of its row at quad * 8 nb
-      a_c = arith.addi(base_c, arith.addi(arith.muli(row, ca(code_pitch)),
-                                          arith.muli(qa, ca(8 * nb))))
+      row = arith.extui(i64, row32)
+      q64 = arith.extui(i64, quad)
+      # codes: row pitch g * h/2 bytes; this thread's 8 nb bytes at quad * 8 nb
+      a_c = arith.addi(base_c, arith.addi(arith.muli(row, c64(g * h // 2)),
+                                          arith.muli(q64, c64(8 * nb))))
       words = []
       for v in range(nb // 2):  # 16-byte loads
-        a = arith.addi(a_c, ca(16 * v))
-        words += list(mu.inline_ptx(f"ld.{space}.v4.u32 {{$0, $1, $2, $3}}, [$4];", a,
+        a = arith.addi(a_c, c64(16 * v))
+        words += list(mu.inline_ptx("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", a,
                                     result_types=[i32] * 4))
-      a_s = arith.addi(base_s, arith.addi(arith.muli(row, ca(g * h // 16)),
-                                          arith.muli(qa, ca(nb))))
-      a_r = arith.addi(base_r, arith.muli(row, ca(4 * g)))
-      ts = mu.inline_ptx(f"ld.{space}.f32 $0, [$1];", a_r, result_types=f32)
+      a_s = arith.addi(base_s, arith.addi(arith.muli(row, c64(g * h // 16)),
+                                          arith.muli(q64, c64(nb))))
+      a_r = arith.addi(base_r, arith.muli(row, c64(4 * g)))
+      ts = mu.inline_ptx("ld.global.nc.f32 $0, [$1];", a_r, result_types=f32)
       ok = None
       if masked:
         ok = arith.cmpi(arith.CmpIPredicate.slt, row32, valid[0].registers.item())
         ts = arith.select(ok, ts, mu.c(0.0, f32))
       for i in range(nb):
         if i % 2 == 0:  # two scale bytes per 16-bit load
-          sp = mu.inline_ptx(f"ld.{space}.u16 $0, [$1];", arith.addi(a_s, ca(i)),
+          sp = mu.inline_ptx("ld.global.nc.u16 $0, [$1];", arith.addi(a_s, c64(i)),
                              result_types=i16)
           if masked:
             sp = arith.select(ok, sp, mu.c(0, i16))
@@ -187,17 +170,16 @@ def tile_prefetcher(h: int, g: int):
   return plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)(_prefetch_tile(h, g))
 
 
-def tile_decoder(h: int, g: int, masked: bool, shared: bool = False):
+def tile_decoder(h: int, g: int, masked: bool):
   """`_decode_tile` as a Pallas function of (codes, scale bytes, row scales refs[, valid]) ->
   the tile [64, h] bf16 in the WGMMA layout (also `wgmma_flash`'s decoder)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   refs = (plgpu.RefType(),) * 3
-  scalar = plgpu.Layout.WG_SPLAT(shape=())
   return plgpu.inline_mgpu(
-      arg_types=refs + (scalar,) * (int(shared) + int(masked)),
+      arg_types=refs + ((plgpu.Layout.WG_SPLAT(shape=()),) if masked else ()),
       return_type=plgpu.ShapeDtypeStruct((TILE, h), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-  )(_decode_tile(h, g, masked=masked, shared=shared))
+  )(_decode_tile(h, g, masked=masked))
 
 
 def _store_transposed(t: int):
@@ -229,30 +211,29 @@ def _store_transposed(t: int):
   return fn
 
 
-def _live_row_address(ref, pitch: int, r: int, itemsize: int = 2, shared: bool = False):
+def _live_row_address(ref, pitch: int, r: int, itemsize: int = 2):
   """(address, flag) of this thread's first column pair (row row0, column 2 quad) in a
-  row-major [R, pitch] window `ref` of `itemsize`-byte elements (in global memory, or 32-bit
-  addresses in `shared` memory); flag (int32) is 1 for rows < r, the WGMMA-layout rows that
-  hold data there, and those of other threads point at row 0 (a valid address)."""
+  row-major [R, pitch] window `ref` of `itemsize`-byte elements; flag (int32) is 1 for rows
+  < r, the WGMMA-layout rows that hold data there, and those of other threads point at row 0
+  (a valid address)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm
   from jax.experimental.mosaic.gpu import utils as mu
 
   i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
   row0, quad = thread_coords()
-  base = llvm.ptrtoint(i32 if shared else i64, mu.memref_ptr(ref))
+  base = llvm.ptrtoint(i64, mu.memref_ptr(ref))
   live = arith.cmpi(arith.CmpIPredicate.ult, row0, mu.c(r, i32))
   row = arith.select(live, row0, mu.c(0, i32))
-  off = arith.muli(arith.addi(arith.muli(row, mu.c(pitch, i32)), arith.muli(quad, mu.c(2, i32))),
-                   mu.c(itemsize, i32))
-  return arith.addi(base, off if shared else arith.extui(i64, off)), arith.extui(i32, live)
+  off = arith.addi(arith.muli(row, mu.c(pitch, i32)), arith.muli(quad, mu.c(2, i32)))
+  return arith.addi(base, arith.extui(i64, arith.muli(off, mu.c(itemsize, i32)))), \
+      arith.extui(i32, live)
 
 
-def _probs_tile(t: int, r: int, shared: bool = False):
-  """inline_mgpu function: (probabilities' [R, 64] window of a [R, T] bf16 array, or with
-  `shared` a [R, 64] ring slot in shared memory) -> the A operand [64, 64] bf16 in the WGMMA
-  layout: rows < R the probabilities (columns = keys in order), the other rows zero (wgmma's M
-  is 64; R = 8 rows are warp 0's first half)."""
+def _probs_tile(t: int, r: int):
+  """inline_mgpu function: (probabilities' [R, 64] window of a [R, T] bf16 array) -> the A
+  operand [64, 64] bf16 in the WGMMA layout: rows < R the probabilities (columns = keys in
+  order), the other rows zero (wgmma's M is 64; R = 8 rows are warp 0's first half)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith
   from jax.experimental.mosaic import gpu as mgpu
@@ -265,13 +246,11 @@ def _probs_tile(t: int, r: int, shared: bool = False):
     regs = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
     pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
     zero = mu.bitcast(mu.c(0, i32), pair_ty)
-    a0, flag = _live_row_address(probs, TILE if shared else t, r, shared=shared)  # rows >= r: 0
-    space = "shared" if shared else "global.nc"
+    a0, flag = _live_row_address(probs, t, r)  # rows >= r stay zero
     for ct in range(TILE // 8):
       v = mu.inline_ptx("{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\nmov.b32 $0, 0;\n"
-                        f"@p ld.{space}.b32 $0, [$1];\n}}",
-                        arith.addi(a0, mu.c(16 * ct, i32 if shared else i64)), flag,
-                        result_types=i32)
+                        "@p ld.global.nc.b32 $0, [$1];\n}", arith.addi(a0, mu.c(16 * ct, i64)),
+                        flag, result_types=i32)
       regs[0, ct, 0, 0, 0] = mu.bitcast(v, pair_ty)
       regs[0, ct, 0, 0, 1] = zero  # rows 8 + ..: >= r
     return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
@@ -312,10 +291,10 @@ def _store_rows(h: int, r: int, partial: bool = False):
   return fn
 
 
-@functools.partial(jax.jit, static_argnames=("prefetch", "splits", "ring"))
+@functools.partial(jax.jit, static_argnames=("prefetch", "splits"))
 def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Array,
-       lengths: jax.Array, layer: jax.Array, *, prefetch: int = 0, splits: int = 1,
-       ring: int = 0) -> jax.Array:
+       lengths: jax.Array, layer: jax.Array, *, prefetch: int = 0, splits: int = 1
+       ) -> jax.Array:
   """bf16 [B, G, R, H] (columns in `column_order(H)`): probabilities x V summed in float32 over
   each sequence's keys below its length (wgmma's order), rounded once. splits > 1: the float32
   partial sums [B, G, S, R, H] of S contiguous runs of tiles (`split_steps`; the caller sums
@@ -326,8 +305,7 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   zeros; tiles beyond it are not read (a split wholly beyond it writes zeros). One program per
   (sequence, kv head, split), walking its tiles one after another (`default_splits` gives a
   batch of long sequences enough programs). prefetch: tiles asked of L2 ahead of the decode
-  (0: none). ring >= 2: the tiles' V codes, scales, row scales and probabilities come by TMA
-  through a shared-memory ring of that many tiles instead (`_pv_ring`; prefetch unused)."""
+  (0: none)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -335,15 +313,8 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   h = 16 * scale_bits.shape[-1]
   if not supported(h, r, t, probs.dtype):
     raise ValueError(f"wgmma PV: unsupported shape/dtype {probs.shape} {probs.dtype}, H={h}")
-  if ring == 1 or ring < 0:
-    raise ValueError(f"wgmma PV: ring must be 0 (none) or >= 2 tiles, got {ring}")
-  if ring and not ring_supported(g):
-    raise ValueError(f"wgmma PV: the ring needs a multiple of 4 kv heads, got {g}")
   per, s_count = split_steps(t, TILE, splits)
   partial = s_count > 1
-  if ring:
-    return _pv_ring(probs, codes, scale_bits, rows, lengths, layer, per=per, s_count=s_count,
-                    ring=ring)
   decode = tile_decoder(h, g, masked=True)
   ask = tile_prefetcher(h, g)
   load_probs = plgpu.inline_mgpu(
@@ -405,91 +376,6 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   )
   return kernel(layer.astype(jnp.int32), lengths.astype(jnp.int32), probs, codes, scale_bits,
                 rows)
-
-
-def _pv_ring(probs, codes, scale_bits, rows, lengths, layer, *, per: int, s_count: int,
-             ring: int) -> jax.Array:
-  """`pv` with each program's tiles loaded through a shared-memory ring of `ring` tiles by TMA:
-  V's codes [64, H/8] of the program's head, the scale bytes and row scales of every head (TMA
-  rows of at least 16 bytes; the decode reads its head's) and the probabilities [R, 64]. A
-  program asks for its first `ring` tiles at once and for tile i + ring as tile i's wgmma is
-  done, so `ring` tiles' loads are in flight while it decodes; the pair's loads without a ring
-  waited on each tile's before its decode (docs/benchmarks.md, decode attention)."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  b, g, r, t = probs.shape
-  num_layers, h = codes.shape[0], 16 * scale_bits.shape[-1]
-  partial = s_count > 1
-  decode = tile_decoder(h, g, masked=True, shared=True)
-  load_probs = plgpu.inline_mgpu(
-      arg_types=(plgpu.RefType(),),
-      return_type=plgpu.ShapeDtypeStruct((TILE, TILE), jnp.bfloat16,
-                                         layout=plgpu.Layout.WGMMA),
-  )(_probs_tile(t, r, shared=True))
-  store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
-      _store_rows(h, r, partial=partial))
-  v_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  hs = h // 16  # scale bytes of a head's row
-
-  def body(layer_ref, len_ref, p_ref, c_ref, s_ref, r_ref, o_ref, v_smem, c_smem, s_smem,
-           r_smem, p_smem, bars):
-    bi, gi, si = (jax.lax.axis_index(n) for n in ("b", "g", "s"))
-    lyr = layer_ref[0]
-    length = len_ref[bi]
-    first = si * per
-    last = jnp.minimum(first + per, (length + TILE - 1) // TILE)
-
-    def fetch(i):  # tile i into slot i % ring: four copies, one barrier each
-      keys, slot = pl.ds(pl.multiple_of(i * TILE, TILE), TILE), i % ring
-      for k, (src, dst) in enumerate(((c_ref.at[lyr, bi, keys, gi], c_smem),
-                                      (s_ref.at[lyr, bi, keys], s_smem),
-                                      (r_ref.at[lyr, bi, keys], r_smem),
-                                      (p_ref.at[bi, gi, :, keys], p_smem))):
-        plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[k, slot])
-
-    def run(acc_ref):
-      for j in range(ring):
-        pl.when(first + j < last)(functools.partial(fetch, first + j))
-
-      def step(i, carry):
-        slot = i % ring
-        for k in range(4):
-          plgpu.barrier_wait(bars.at[k, slot])
-        t0 = pl.multiple_of(i * TILE, TILE)
-        v = decode(c_smem.at[slot], s_smem.at[slot], r_smem.at[slot], gi, length - t0)
-        p = load_probs(p_smem.at[slot])
-        v_smem[...] = v
-        plgpu.commit_smem()  # the stores visible to wgmma (async proxy), in every warp
-        plgpu.wgmma(acc_ref, p, v_smem)
-        # wgmma reads its A registers and v_smem while in flight: done in every warp before
-        # the next tile's registers are made, v_smem is overwritten and the slot refilled.
-        plgpu.wgmma_wait(0)
-        plgpu.commit_smem()
-        pl.when(i + ring < last)(functools.partial(fetch, i + ring))
-        return carry
-
-      jax.lax.fori_loop(first, last, step, 0)
-      return acc_ref[...]
-
-    acc = pl.run_scoped(run, plgpu.ACC((TILE, h), jnp.float32))
-    store(acc, o_ref.at[bi, gi, si] if partial else o_ref.at[bi, gi])
-
-  out_type = (jax.ShapeDtypeStruct((b, g, s_count, r, h), jnp.float32) if partial else
-              jax.ShapeDtypeStruct((b, g, r, h), jnp.bfloat16))
-  kernel = plgpu.kernel(
-      body, out_type=out_type, grid=(b, g, s_count), grid_names=("b", "g", "s"),
-      kernel_name="decode_attention_pv_wgmma_ring",
-      scratch_types=[plgpu.SMEM((TILE, h), jnp.bfloat16, transforms=v_transforms),
-                     plgpu.SMEM((ring, TILE, h // 8), jnp.uint32),
-                     plgpu.SMEM((ring, TILE, g * hs), jnp.uint8),
-                     plgpu.SMEM((ring, TILE, g), jnp.float32),
-                     plgpu.SMEM((ring, r, TILE), jnp.bfloat16),
-                     plgpu.Barrier(num_arrivals=1, num_barriers=(4, ring))],
-  )
-  # scale bytes as [.., T, G * H/16] rows (a TMA row of one head's H/16 bytes is too short)
-  return kernel(layer.astype(jnp.int32), lengths.astype(jnp.int32), probs, codes,
-                scale_bits.reshape(num_layers, b, t, g * hs), rows)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "prefetch"))

@@ -62,15 +62,3 @@ def test_pv_split_variants_run_the_wgmma_pair_with_their_splits():
     assert (config.impl, config.num_splits, config.prefetch) == ("wgmma", sp, 1)
     assert bda.base_impl(f"kernel_packed_wgmma_splits{sp}") == "kernel_packed_wgmma"
   assert not any("splits" in k for k in bda._paths(32, 64, 0, 4, 2))
-
-
-def test_pv_ring_variants_run_the_wgmma_pair_with_their_ring():
-  """`--pv_ring=2,4` adds `kernel_packed_wgmma_ring<n>` beside the wgmma pair, its own
-  AttentionConfig with that ring, the name mapping back to the pair; none without it."""
-  paths = bda._paths(32, 64, 0, 4, 2, prefetch=(1,), pv_ring=(2, 4))
-  assert paths["kernel_packed_wgmma"].keywords["config"].pv_ring == 0
-  for n in (2, 4):
-    config = paths[f"kernel_packed_wgmma_ring{n}"].keywords["config"]
-    assert (config.impl, config.pv_ring, config.num_splits) == ("wgmma", n, None)
-    assert bda.base_impl(f"kernel_packed_wgmma_ring{n}") == "kernel_packed_wgmma"
-  assert not any("ring" in k for k in bda._paths(32, 64, 0, 4, 2))
