@@ -109,6 +109,9 @@ class AttentionConfig:
     the one they decode (`wgmma_attention.tile_prefetcher`; 0: none). On the H100 one tile
     ahead took the exact pair to 0.92x its time at 64 x 32k and 256 x 8k (2 and 4 tiles:
     0.96-0.97x; the single pass: 0.98-1.01x at any distance; docs/benchmarks.md).
+  pv_transposed: the wgmma PV kernel's sum as out^T = V^T P^T (wgmma's M = head_dim, N = the
+    8 query heads; `wgmma_attention.pv(transposed=True)`) instead of out = P V (M = 64 rows
+    for 8 probabilities).
   interpret: None runs the kernels on the GPU and the Pallas interpreter elsewhere.
   """
   impl: str = "triton"
@@ -119,6 +122,7 @@ class AttentionConfig:
   num_stages: int = 2
   sm_count: int = SM_COUNT
   prefetch: int = 1
+  pv_transposed: bool = False
   interpret: bool | None = None
 
   def __post_init__(self):
@@ -225,7 +229,8 @@ def _pv(probs, vs, lengths, lyr, h: int, *, packed: bool, config: AttentionConfi
   if config.impl == "wgmma":  # V decoded into shared memory, probabilities in wgmma's A registers
     vc, vbits, vrow = vs
     out = wgmma_attention.pv(probs, vc.reshape(vc.shape[:4] + (h // 8,)), vbits, vrow,
-                             lengths, lyr, prefetch=config.prefetch, splits=num_splits)
+                             lengths, lyr, prefetch=config.prefetch, splits=num_splits,
+                             transposed=config.pv_transposed)
     if out.ndim == 5:  # the splits' float32 partial sums
       out = jnp.sum(out, axis=2).astype(probs.dtype)
     return jnp.take(out, np.argsort(wgmma_decode.column_order(h)), axis=-1)

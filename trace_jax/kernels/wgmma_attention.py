@@ -291,10 +291,47 @@ def _store_rows(h: int, r: int, partial: bool = False):
   return fn
 
 
-@functools.partial(jax.jit, static_argnames=("prefetch", "splits"))
+def _store_cols(h: int, partial: bool = False):
+  """inline_mgpu function: (the transposed PV accumulator [h, R] float32 in the WGMMA layout,
+  R = 8, the output's [R, h] window) -> out[c, n] = acc[n, c], rounded to bf16 (nearest
+  even) or with `partial` as they are, float32. A thread holds rows 64 mt + row0 + 8 half
+  and columns 2 quad + j."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  itemsize = 4 if partial else 2
+
+  def fn(ctx, acc, out):
+    del ctx
+    i32, i64, i16 = (ir.IntegerType.get_signless(w) for w in (32, 64, 16))
+    row0, quad = thread_coords()
+    base = llvm.ptrtoint(i64, mu.memref_ptr(out))
+    regs = acc.registers
+    assert regs.shape[0] == h // TILE and regs.shape[1:] == (1, 1, 1, 2, 1, 1, 1, 1), regs.shape
+    for mt in range(h // TILE):
+      for half in range(2):
+        n = arith.addi(row0, mu.c(TILE * mt + 8 * half, i32))
+        pair = regs[mt, 0, 0, 0, half, 0, 0, 0, 0]
+        for j in range(2):
+          c = arith.addi(arith.muli(quad, mu.c(2, i32)), mu.c(j, i32))
+          at = arith.addi(base, arith.extui(i64, arith.muli(
+              arith.addi(arith.muli(c, mu.c(h, i32)), n), mu.c(itemsize, i32))))
+          val = llvm.extractelement(pair, mu.c(j, i32))
+          if partial:
+            mu.inline_ptx("st.global.f32 [$0], $1;", at, val)
+          else:
+            bits = mu.inline_ptx("cvt.rn.bf16.f32 $0, $1;", val, result_types=i16)
+            mu.inline_ptx("st.global.b16 [$0], $1;", at, bits)
+    return ()
+
+  return fn
+
+
+@functools.partial(jax.jit, static_argnames=("prefetch", "splits", "transposed"))
 def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Array,
-       lengths: jax.Array, layer: jax.Array, *, prefetch: int = 0, splits: int = 1
-       ) -> jax.Array:
+       lengths: jax.Array, layer: jax.Array, *, prefetch: int = 0, splits: int = 1,
+       transposed: bool = False) -> jax.Array:
   """bf16 [B, G, R, H] (columns in `column_order(H)`): probabilities x V summed in float32 over
   each sequence's keys below its length (wgmma's order), rounded once. splits > 1: the float32
   partial sums [B, G, S, R, H] of S contiguous runs of tiles (`split_steps`; the caller sums
@@ -305,7 +342,7 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   zeros; tiles beyond it are not read (a split wholly beyond it writes zeros). One program per
   (sequence, kv head, split), walking its tiles one after another (`default_splits` gives a
   batch of long sequences enough programs). prefetch: tiles asked of L2 ahead of the decode
-  (0: none)."""
+  (0: none). transposed: the sum as out^T [H, R] = V^T P^T (`_pv_transposed`)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -315,6 +352,9 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
     raise ValueError(f"wgmma PV: unsupported shape/dtype {probs.shape} {probs.dtype}, H={h}")
   per, s_count = split_steps(t, TILE, splits)
   partial = s_count > 1
+  if transposed:
+    return _pv_transposed(probs, codes, scale_bits, rows, lengths, layer, per=per,
+                          s_count=s_count, prefetch=prefetch)
   decode = tile_decoder(h, g, masked=True)
   ask = tile_prefetcher(h, g)
   load_probs = plgpu.inline_mgpu(
@@ -373,6 +413,82 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
       body, out_type=out_type, grid=(b, g, s_count), grid_names=("b", "g", "s"),
       kernel_name="decode_attention_pv_wgmma",
       scratch_types=[plgpu.SMEM((TILE, h), jnp.bfloat16, transforms=v_transforms)],
+  )
+  return kernel(layer.astype(jnp.int32), lengths.astype(jnp.int32), probs, codes, scale_bits,
+                rows)
+
+
+def _pv_transposed(probs, codes, scale_bits, rows, lengths, layer, *, per: int, s_count: int,
+                   prefetch: int) -> jax.Array:
+  """`pv` as out^T [H, R] = V^T [H, 64 keys] @ P^T [64 keys, R] per tile: V decoded into
+  shared memory as in `pv` and read transposed as wgmma's A operand (M = H, every row used),
+  the probabilities [R, 64] by TMA into shared memory as its B operand (N = R = 8). `pv`'s
+  form, out [64, H] = P [64, 64 keys] @ V, has wgmma's M = 64 for R = 8 rows: 8x the tensor
+  work of this one."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  b, g, r, t = probs.shape
+  h = 16 * scale_bits.shape[-1]
+  partial = s_count > 1
+  decode = tile_decoder(h, g, masked=True)
+  ask = tile_prefetcher(h, g)
+  store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
+      _store_cols(h, partial=partial))
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def body(layer_ref, len_ref, p_ref, c_ref, s_ref, r_ref, o_ref, v_smem, p_smem, bars):
+    bi, gi, si = (jax.lax.axis_index(n) for n in ("b", "g", "s"))
+    lyr = layer_ref[0]
+    length = len_ref[bi]
+    first = si * per
+    last = jnp.minimum(first + per, (length + TILE - 1) // TILE)
+    at = lambda ref, i: ref.at[lyr, bi, pl.ds(i * TILE, TILE), gi]
+
+    def fetch_probs(i):  # tile i's probabilities into slot i % 2
+      keys = pl.ds(pl.multiple_of(i * TILE, TILE), TILE)
+      plgpu.copy_gmem_to_smem(p_ref.at[bi, gi, :, keys], p_smem.at[i % 2], bars.at[i % 2])
+
+    def ahead(i):  # tile i's lines into L2 (clamped to the split's last: a repeat is harmless)
+      i = jnp.maximum(jnp.minimum(i, last - 1), 0)
+      ask(at(c_ref, i), at(s_ref, i), at(r_ref, i))
+
+    def run(acc_ref):
+      pl.when(first < last)(functools.partial(fetch_probs, first))
+      for i in range(1, prefetch):
+        ahead(first + i)
+
+      def step(i, carry):
+        if prefetch:
+          ahead(i + prefetch)
+        # slot (i + 1) % 2 was read by tile i - 1's wgmma, done in every warp (below)
+        pl.when(i + 1 < last)(functools.partial(fetch_probs, i + 1))
+        t0 = pl.multiple_of(i * TILE, TILE)
+        keys = pl.ds(t0, TILE)
+        v_smem[...] = decode(c_ref.at[lyr, bi, keys, gi], s_ref.at[lyr, bi, keys, gi],
+                             r_ref.at[lyr, bi, keys, gi], length - t0)
+        plgpu.commit_smem()  # the stores visible to wgmma (async proxy), in every warp
+        plgpu.barrier_wait(bars.at[i % 2])
+        plgpu.wgmma(acc_ref, v_smem.T, p_smem.at[i % 2].T)
+        # v_smem and the slot are overwritten after this tile's wgmma is done in every warp
+        plgpu.wgmma_wait(0)
+        plgpu.commit_smem()
+        return carry
+
+      jax.lax.fori_loop(first, last, step, 0)
+      return acc_ref[...]
+
+    acc = pl.run_scoped(run, plgpu.ACC((h, r), jnp.float32))
+    store(acc, o_ref.at[bi, gi, si] if partial else o_ref.at[bi, gi])
+
+  out_type = (jax.ShapeDtypeStruct((b, g, s_count, r, h), jnp.float32) if partial else
+              jax.ShapeDtypeStruct((b, g, r, h), jnp.bfloat16))
+  kernel = plgpu.kernel(
+      body, out_type=out_type, grid=(b, g, s_count), grid_names=("b", "g", "s"),
+      kernel_name="decode_attention_pv_wgmma_t",
+      scratch_types=[plgpu.SMEM((TILE, h), jnp.bfloat16, transforms=swizzled),
+                     plgpu.SMEM((2, r, TILE), jnp.bfloat16, transforms=swizzled),
+                     plgpu.Barrier(num_arrivals=1, num_barriers=2)],
   )
   return kernel(layer.astype(jnp.int32), lengths.astype(jnp.int32), probs, codes, scale_bits,
                 rows)
