@@ -205,10 +205,9 @@ PACKED_VARIANTS = {"packed": (None, {}), "packed_words": (True, {}),
                    "packed_words_exact": (True, {"table": "exact"}),
                    "packed_bits": (False, {}),
                    "packed_wgmma": (True, {"impl": "wgmma"}),
-                   "packed_wgmma_fused": (True, {"impl": "wgmma_fused"}),
-                   "packed_wgmma_pvt": (True, {"impl": "wgmma", "pv_transposed": True})}
+                   "packed_wgmma_fused": (True, {"impl": "wgmma_fused"})}
 # GPU only (Mosaic GPU, inline PTX)
-WGMMA_KINDS = ("packed_wgmma", "packed_wgmma_fused", "packed_wgmma_pvt")
+WGMMA_KINDS = ("packed_wgmma", "packed_wgmma_fused")
 KERNEL_CASES = [(name, kind) for name in ATTN_CASES for kind in ("bf16", "packed",
                                                                    "packed_words")] + [
     ("full_r8", "packed_bits"), ("full_r8", "packed_words_exact"),
@@ -216,8 +215,7 @@ KERNEL_CASES = [(name, kind) for name in ATTN_CASES for kind in ("bf16", "packed
     (name, kind) for name in ("full_r8", "mixed_r8") for kind in WGMMA_KINDS] + [
     ("mixed_r8_split2", "packed_wgmma_fused"), ("long_r8_split3", "packed_wgmma_fused"),
     ("long_r8_split2_block128", "packed_wgmma_fused"), ("mixed_r8_split2", "packed_wgmma"),
-    ("long_r8_split3", "packed_wgmma"), ("mixed_r8_split2", "packed_wgmma_pvt"),
-    ("long_r8_split3", "packed_wgmma_pvt")]
+    ("long_r8_split3", "packed_wgmma")]
 # R = 8 and head_dim 128, the wgmma kernels' shape (GPU only): lengths 1 and mid-tile (rows
 # from the pool: B x T x G <= POOL).
 # Splits of the single-pass kernel and of the wgmma PV kernel: one without keys (sequence 0's
@@ -258,7 +256,7 @@ def test_kernel_matches_reference(name, kind):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "packed", "packed_words", "packed_wgmma",
-                                  "packed_wgmma_fused", "packed_wgmma_pvt"])
+                                  "packed_wgmma_fused"])
 def test_stacked_layer_is_read_in_place(kind):
   """A stack of layers [L, ...] read at a (traced) layer gives that layer's result bit for bit,
   and the other layers' rows (NaN here) never reach it."""
@@ -302,22 +300,6 @@ def test_prefetch_changes_no_bit(kind, case):
   want = run(0)
   for d in (1, 5):
     np.testing.assert_array_equal(_bits(run(d)), _bits(want))
-
-
-@pytest.mark.parametrize("case", ["mixed_r8", "mixed_r8_split2", "long_r8_split3"])
-def test_pv_transposed_changes_no_bit(case):
-  """The wgmma PV sum transposed (out^T = V^T P^T) gives the pair's outputs bit for bit: the
-  same products, summed over the same keys by the tensor cores."""
-  if common.default_interpret():
-    pytest.skip("wgmma_attention runs on a Hopper GPU only: Mosaic GPU with inline PTX, no "
-                "interpret mode (its CPU coverage: tests/kernels/test_mosaic_lowering.py)")
-  b, t, g, n, h, lengths, block_t, splits = ATTN_CASES_GPU[case]
-  q, kv, pos = _attn_inputs(b, t, g, n, h, seed=9)
-  cache = _cache("packed", kv, pos, words=True)
-  lengths = jnp.asarray(lengths, jnp.int32)
-  run = lambda tr: np.asarray(da.decode_attention(q, cache, lengths, config=AttentionConfig(
-      impl="wgmma", block_t=block_t, num_splits=splits, pv_transposed=tr)))
-  np.testing.assert_array_equal(_bits(run(True)), _bits(run(False)))
 
 
 def test_tolerance_rejects_plausible_bugs():

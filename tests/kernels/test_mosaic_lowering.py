@@ -87,16 +87,6 @@ def test_scores_and_pv_lower(lowering, prefetch, splits):
   assert out in text
 
 
-@pytest.mark.parametrize("splits,prefetch", [(1, 0), (2, 1)], ids=["one_split", "two_splits"])
-def test_pv_transposed_lowers(lowering, splits, prefetch):
-  probs = SDS((B, G, R, T), jnp.bfloat16)
-  pv = lambda *a: wgmma_attention.pv(*a, prefetch=prefetch, splits=splits, transposed=True)
-  text = lowering(pv, probs, *KV, LENGTHS, LAYER)
-  assert "decode_attention_pv_wgmma_t" in text
-  out = f"tensor<{B}x{G}x2x{R}x{H}xf32>" if splits > 1 else f"tensor<{B}x{G}x{R}x{H}xbf16>"
-  assert out in text
-
-
 @pytest.mark.parametrize("splits,block_t,prefetch", [(1, 64, 0), (2, 64, 2), (2, 128, 1)],
                          ids=["one_split", "two_splits_prefetch_2", "two_tiles_a_step_prefetch_1"])
 def test_wgmma_flash_lowers(lowering, splits, block_t, prefetch):

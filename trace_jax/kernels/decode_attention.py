@@ -33,8 +33,9 @@ history of docs/benchmarks.md).
 On a Hopper GPU the packed cache's attention takes `wgmma_attention`'s Mosaic GPU kernels
 where the shape allows (`AttentionConfig.impl`; `wgmma_impl`, which the model asks where its
 kernel plan says `decode_attention="wgmma"`): the same probabilities and K/V values, with K
-decoded straight into wgmma's A registers and V into its shared-memory B tile (0.66x the
-Triton pair's time at batch 256, 8k).
+decoded straight into wgmma's A registers and V into shared memory, read transposed as the A
+operand of the PV sum (0.66x the Triton pair's time at batch 256, 8k, before the PV sum was
+transposed).
 
 `AttentionConfig(impl="fused")` runs `flash_decode`'s single kernel instead (scores, online
 softmax and PV in one pass: no scores in memory, not `attend`'s bits; its module docstring);
@@ -109,9 +110,6 @@ class AttentionConfig:
     the one they decode (`wgmma_attention.tile_prefetcher`; 0: none). On the H100 one tile
     ahead took the exact pair to 0.92x its time at 64 x 32k and 256 x 8k (2 and 4 tiles:
     0.96-0.97x; the single pass: 0.98-1.01x at any distance; docs/benchmarks.md).
-  pv_transposed: the wgmma PV kernel's sum as out^T = V^T P^T (wgmma's M = head_dim, N = the
-    8 query heads; `wgmma_attention.pv(transposed=True)`) instead of out = P V (M = 64 rows
-    for 8 probabilities).
   interpret: None runs the kernels on the GPU and the Pallas interpreter elsewhere.
   """
   impl: str = "triton"
@@ -122,7 +120,6 @@ class AttentionConfig:
   num_stages: int = 2
   sm_count: int = SM_COUNT
   prefetch: int = 1
-  pv_transposed: bool = False
   interpret: bool | None = None
 
   def __post_init__(self):
@@ -226,11 +223,10 @@ def _pv(probs, vs, lengths, lyr, h: int, *, packed: bool, config: AttentionConfi
   """[B, G, R, H]: probabilities [B, G, R, T] times V, by the Triton PV kernel (its key splits
   summed in float32 by XLA) or wgmma's."""
   b, g, r, t = probs.shape
-  if config.impl == "wgmma":  # V decoded into shared memory, probabilities in wgmma's A registers
+  if config.impl == "wgmma":  # V decoded into shared memory, read transposed by wgmma
     vc, vbits, vrow = vs
     out = wgmma_attention.pv(probs, vc.reshape(vc.shape[:4] + (h // 8,)), vbits, vrow,
-                             lengths, lyr, prefetch=config.prefetch, splits=num_splits,
-                             transposed=config.pv_transposed)
+                             lengths, lyr, prefetch=config.prefetch, splits=num_splits)
     if out.ndim == 5:  # the splits' float32 partial sums
       out = jnp.sum(out, axis=2).astype(probs.dtype)
     return jnp.take(out, np.argsort(wgmma_decode.column_order(h)), axis=-1)

@@ -8,7 +8,8 @@ Mosaic documents (`WGMMA_LAYOUT`) and its B operand from shared memory, read by 
 instruction itself:
 
   scores: scores^T [64 keys, R] = K [64 keys, H] @ q^T [H, R]   (K decoded into A registers)
-  PV:     out [64 (R used), H]  = P [64, 64 keys] @ V [64 keys, H]   (V decoded into B, shared)
+  PV:     out^T [H, R] = V^T [H, 64 keys] @ P^T [64 keys, R]   (V decoded into shared memory,
+          read transposed as A; P by TMA into shared memory as B)
 
 with R = 8 query heads per kv head. K and V rows are decoded as `wgmma_decode` lays them out
 (each thread two key rows of a tile and, in each, H / 64 whole NVFP4 blocks; one table per
@@ -28,8 +29,7 @@ mode: the decode is inline PTX; `tests/kernels/test_wgmma_attention.py` rebuilds
 registers on CPU and `test_mosaic_lowering.py` lowers the kernels there). Scores of keys at or
 beyond a sequence's length are computed like any other (the softmax masks them); PV decodes
 those V rows as zeros; tiles wholly beyond it are skipped.
-wgmma reads its A registers while in flight: PV waits for the previous tile's wgmma before it
-makes the next tile's registers (without that its outputs were wrong on the H200).
+PV waits for each tile's wgmma before the next tile's V overwrites its shared memory.
 """
 
 from __future__ import annotations
@@ -211,86 +211,6 @@ def _store_transposed(t: int):
   return fn
 
 
-def _live_row_address(ref, pitch: int, r: int, itemsize: int = 2):
-  """(address, flag) of this thread's first column pair (row row0, column 2 quad) in a
-  row-major [R, pitch] window `ref` of `itemsize`-byte elements; flag (int32) is 1 for rows
-  < r, the WGMMA-layout rows that hold data there, and those of other threads point at row 0
-  (a valid address)."""
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, llvm
-  from jax.experimental.mosaic.gpu import utils as mu
-
-  i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-  row0, quad = thread_coords()
-  base = llvm.ptrtoint(i64, mu.memref_ptr(ref))
-  live = arith.cmpi(arith.CmpIPredicate.ult, row0, mu.c(r, i32))
-  row = arith.select(live, row0, mu.c(0, i32))
-  off = arith.addi(arith.muli(row, mu.c(pitch, i32)), arith.muli(quad, mu.c(2, i32)))
-  return arith.addi(base, arith.extui(i64, arith.muli(off, mu.c(itemsize, i32)))), \
-      arith.extui(i32, live)
-
-
-def _probs_tile(t: int, r: int):
-  """inline_mgpu function: (probabilities' [R, 64] window of a [R, T] bf16 array) -> the A
-  operand [64, 64] bf16 in the WGMMA layout: rows < R the probabilities (columns = keys in
-  order), the other rows zero (wgmma's M is 64; R = 8 rows are warp 0's first half)."""
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith
-  from jax.experimental.mosaic import gpu as mgpu
-  from jax.experimental.mosaic.gpu import utils as mu
-
-  def fn(ctx, probs):
-    del ctx
-    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-    layout = mgpu.WGMMA_LAYOUT
-    regs = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
-    pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
-    zero = mu.bitcast(mu.c(0, i32), pair_ty)
-    a0, flag = _live_row_address(probs, t, r)  # rows >= r stay zero
-    for ct in range(TILE // 8):
-      v = mu.inline_ptx("{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\nmov.b32 $0, 0;\n"
-                        "@p ld.global.nc.b32 $0, [$1];\n}", arith.addi(a0, mu.c(16 * ct, i64)),
-                        flag, result_types=i32)
-      regs[0, ct, 0, 0, 0] = mu.bitcast(v, pair_ty)
-      regs[0, ct, 0, 0, 1] = zero  # rows 8 + ..: >= r
-    return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
-
-  return fn
-
-
-def _store_rows(h: int, r: int, partial: bool = False):
-  """inline_mgpu function: (the PV accumulator [64, h] float32 in the WGMMA layout, the
-  output's [R, h] window) -> rows < R stored, columns in `column_order`: rounded to bf16
-  (nearest even; each thread's pairs: 4-byte stores, 16 contiguous bytes per quad), or with
-  `partial` as they are, float32 (8-byte stores, 32 contiguous bytes per quad)."""
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, llvm
-  from jax.experimental.mosaic.gpu import utils as mu
-
-  itemsize = 4 if partial else 2
-
-  def fn(ctx, acc, out):
-    del ctx
-    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-    a0, flag = _live_row_address(out, h, r, itemsize)
-    regs = acc.registers
-    assert regs.shape == (1, h // 8, 1, 1, 2, 1, 1, 1, 1), regs.shape
-    for ct in range(h // 8):
-      pair = regs[0, ct, 0, 0, 0, 0, 0, 0, 0]
-      lo, hi = (llvm.extractelement(pair, mu.c(j, i32)) for j in (0, 1))
-      at = arith.addi(a0, mu.c(8 * itemsize * ct, i64))
-      if partial:
-        mu.inline_ptx("{\n.reg .pred p;\nsetp.ne.u32 p, $3, 0;\n"
-                      "@p st.global.v2.f32 [$0], {$1, $2};\n}", at, lo, hi, flag)
-        continue
-      bits = mu.inline_ptx("cvt.rn.bf16x2.f32 $0, $1, $2;", hi, lo, result_types=i32)
-      mu.inline_ptx("{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\n@p st.global.b32 [$0], $1;\n}",
-                    at, bits, flag)
-    return ()
-
-  return fn
-
-
 def _store_cols(h: int, partial: bool = False):
   """inline_mgpu function: (the transposed PV accumulator [h, R] float32 in the WGMMA layout,
   R = 8, the output's [R, h] window) -> out[c, n] = acc[n, c], rounded to bf16 (nearest
@@ -328,10 +248,10 @@ def _store_cols(h: int, partial: bool = False):
   return fn
 
 
-@functools.partial(jax.jit, static_argnames=("prefetch", "splits", "transposed"))
+@functools.partial(jax.jit, static_argnames=("prefetch", "splits"))
 def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Array,
-       lengths: jax.Array, layer: jax.Array, *, prefetch: int = 0, splits: int = 1,
-       transposed: bool = False) -> jax.Array:
+       lengths: jax.Array, layer: jax.Array, *, prefetch: int = 0, splits: int = 1
+       ) -> jax.Array:
   """bf16 [B, G, R, H] (columns in `column_order(H)`): probabilities x V summed in float32 over
   each sequence's keys below its length (wgmma's order), rounded once. splits > 1: the float32
   partial sums [B, G, S, R, H] of S contiguous runs of tiles (`split_steps`; the caller sums
@@ -342,7 +262,14 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   zeros; tiles beyond it are not read (a split wholly beyond it writes zeros). One program per
   (sequence, kv head, split), walking its tiles one after another (`default_splits` gives a
   batch of long sequences enough programs). prefetch: tiles asked of L2 ahead of the decode
-  (0: none). transposed: the sum as out^T [H, R] = V^T P^T (`_pv_transposed`)."""
+  (0: none).
+
+  Per tile the sum is out^T [H, R] = V^T [H, 64 keys] @ P^T [64 keys, R]: V decoded into
+  shared memory and read transposed as wgmma's A operand (M = H, every row used), the
+  probabilities [R, 64] by TMA into shared memory as its B operand (N = R = 8). The form
+  out [64, H] = P [64, 64 keys] @ V (P in A registers, M = 64 for R = 8 rows: 8x the tensor
+  work) gave the same bits and took 1.06-1.14x this one's attention time on the H100 (the
+  git history of docs/benchmarks.md)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -351,85 +278,6 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   if not supported(h, r, t, probs.dtype):
     raise ValueError(f"wgmma PV: unsupported shape/dtype {probs.shape} {probs.dtype}, H={h}")
   per, s_count = split_steps(t, TILE, splits)
-  partial = s_count > 1
-  if transposed:
-    return _pv_transposed(probs, codes, scale_bits, rows, lengths, layer, per=per,
-                          s_count=s_count, prefetch=prefetch)
-  decode = tile_decoder(h, g, masked=True)
-  ask = tile_prefetcher(h, g)
-  load_probs = plgpu.inline_mgpu(
-      arg_types=(plgpu.RefType(),),
-      return_type=plgpu.ShapeDtypeStruct((TILE, TILE), jnp.bfloat16,
-                                         layout=plgpu.Layout.WGMMA),
-  )(_probs_tile(t, r))
-  store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
-      _store_rows(h, r, partial=partial))
-  v_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-  def body(layer_ref, len_ref, p_ref, c_ref, s_ref, r_ref, o_ref, v_smem):
-    bi, gi, si = (jax.lax.axis_index(n) for n in ("b", "g", "s"))
-    lyr = layer_ref[0]
-    length = len_ref[bi]
-
-    first = si * per
-    last = jnp.minimum(first + per, (length + TILE - 1) // TILE)
-    at = lambda ref, i: ref.at[lyr, bi, pl.ds(i * TILE, TILE), gi]
-
-    def ahead(i):  # tile i's lines into L2 (clamped to the split's last: a repeat is harmless)
-      i = jnp.maximum(jnp.minimum(i, last - 1), 0)
-      ask(at(c_ref, i), at(s_ref, i), at(r_ref, i))
-
-    def run(acc_ref):
-      for i in range(1, prefetch):
-        ahead(first + i)
-
-      def step(i, carry):
-        if prefetch:
-          ahead(i + prefetch)
-        # The previous tile's wgmma is done in every warp before this tile's registers are
-        # made (wgmma reads its A registers while in flight: new values must not reuse them)
-        # and before its V buffer is overwritten (the barrier: the other warps' reads too).
-        plgpu.wgmma_wait(0)
-        plgpu.commit_smem()
-        t0 = pl.multiple_of(i * TILE, TILE)
-        keys = pl.ds(t0, TILE)
-        v = decode(c_ref.at[lyr, bi, keys, gi], s_ref.at[lyr, bi, keys, gi],
-                   r_ref.at[lyr, bi, keys, gi], length - t0)
-        p = load_probs(p_ref.at[bi, gi, :, keys])
-        v_smem[...] = v
-        plgpu.commit_smem()  # the stores visible to wgmma (async proxy), in every warp
-        plgpu.wgmma(acc_ref, p, v_smem)
-        return carry
-
-      jax.lax.fori_loop(first, last, step, 0)
-      return acc_ref[...]
-
-    acc = pl.run_scoped(run, plgpu.ACC((TILE, h), jnp.float32))
-    store(acc, o_ref.at[bi, gi, si] if partial else o_ref.at[bi, gi])
-
-  out_type = (jax.ShapeDtypeStruct((b, g, s_count, r, h), jnp.float32) if partial else
-              jax.ShapeDtypeStruct((b, g, r, h), jnp.bfloat16))
-  kernel = plgpu.kernel(
-      body, out_type=out_type, grid=(b, g, s_count), grid_names=("b", "g", "s"),
-      kernel_name="decode_attention_pv_wgmma",
-      scratch_types=[plgpu.SMEM((TILE, h), jnp.bfloat16, transforms=v_transforms)],
-  )
-  return kernel(layer.astype(jnp.int32), lengths.astype(jnp.int32), probs, codes, scale_bits,
-                rows)
-
-
-def _pv_transposed(probs, codes, scale_bits, rows, lengths, layer, *, per: int, s_count: int,
-                   prefetch: int) -> jax.Array:
-  """`pv` as out^T [H, R] = V^T [H, 64 keys] @ P^T [64 keys, R] per tile: V decoded into
-  shared memory as in `pv` and read transposed as wgmma's A operand (M = H, every row used),
-  the probabilities [R, 64] by TMA into shared memory as its B operand (N = R = 8). `pv`'s
-  form, out [64, H] = P [64, 64 keys] @ V, has wgmma's M = 64 for R = 8 rows: 8x the tensor
-  work of this one."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  b, g, r, t = probs.shape
-  h = 16 * scale_bits.shape[-1]
   partial = s_count > 1
   decode = tile_decoder(h, g, masked=True)
   ask = tile_prefetcher(h, g)
@@ -485,7 +333,7 @@ def _pv_transposed(probs, codes, scale_bits, rows, lengths, layer, *, per: int, 
               jax.ShapeDtypeStruct((b, g, r, h), jnp.bfloat16))
   kernel = plgpu.kernel(
       body, out_type=out_type, grid=(b, g, s_count), grid_names=("b", "g", "s"),
-      kernel_name="decode_attention_pv_wgmma_t",
+      kernel_name="decode_attention_pv_wgmma",
       scratch_types=[plgpu.SMEM((TILE, h), jnp.bfloat16, transforms=swizzled),
                      plgpu.SMEM((2, r, TILE), jnp.bfloat16, transforms=swizzled),
                      plgpu.Barrier(num_arrivals=1, num_barriers=2)],

@@ -62,14 +62,3 @@ def test_pv_split_variants_run_the_wgmma_pair_with_their_splits():
     assert (config.impl, config.num_splits, config.prefetch) == ("wgmma", sp, 1)
     assert bda.base_impl(f"kernel_packed_wgmma_splits{sp}") == "kernel_packed_wgmma"
   assert not any("splits" in k for k in bda._paths(32, 64, 0, 4, 2))
-
-
-def test_pv_transposed_variant_runs_the_wgmma_pair_transposed():
-  """`--pv_transposed` adds `kernel_packed_wgmma_pvt` beside the wgmma pair, its own
-  AttentionConfig with the PV sum transposed, the name mapping back to the pair."""
-  paths = bda._paths(32, 64, 0, 4, 2, prefetch=(1,), pv_transposed=True)
-  assert not paths["kernel_packed_wgmma"].keywords["config"].pv_transposed
-  config = paths["kernel_packed_wgmma_pvt"].keywords["config"]
-  assert (config.impl, config.pv_transposed, config.prefetch) == ("wgmma", True, 1)
-  assert bda.base_impl("kernel_packed_wgmma_pvt") == "kernel_packed_wgmma"
-  assert "kernel_packed_wgmma_pvt" not in bda._paths(32, 64, 0, 4, 2)
