@@ -110,6 +110,9 @@ class AttentionConfig:
     the one they decode (`wgmma_attention.tile_prefetcher`; 0: none). On the H100 one tile
     ahead took the exact pair to 0.92x its time at 64 x 32k and 256 x 8k (2 and 4 tiles:
     0.96-0.97x; the single pass: 0.98-1.01x at any distance; docs/benchmarks.md).
+  flash_transposed: impl "wgmma_fused" with both products transposed (wgmma's N the 8
+    query heads, `wgmma_flash.partials_transposed`; block_t 64) instead of the query heads
+    padded to wgmma's M = 64.
   interpret: None runs the kernels on the GPU and the Pallas interpreter elsewhere.
   """
   impl: str = "triton"
@@ -120,6 +123,7 @@ class AttentionConfig:
   num_stages: int = 2
   sm_count: int = SM_COUNT
   prefetch: int = 1
+  flash_transposed: bool = False
   interpret: bool | None = None
 
   def __post_init__(self):
@@ -263,7 +267,8 @@ def _decode_attention(q, cache, lengths, layer, *, config: AttentionConfig, num_
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
   if config.impl == "wgmma_fused":
     return _wgmma_fused(q, ks, vs, lengths, lyr, num_splits=num_splits,
-                        block_t=config.block_t, prefetch=config.prefetch)
+                        block_t=config.block_t, prefetch=config.prefetch,
+                        transposed=config.flash_transposed)
   if config.impl == "fused":
     return flash_decode.attention(q, ks, vs, lengths, lyr, packed=packed, block_t=config.block_t,
                                   num_splits=num_splits, table=config.table,
@@ -281,19 +286,24 @@ def _decode_attention(q, cache, lengths, layer, *, config: AttentionConfig, num_
 
 
 def _wgmma_fused(q, ks, vs, lengths, lyr, *, num_splits: int, block_t: int,
-                 prefetch: int) -> jax.Array:
+                 prefetch: int, transposed: bool = False) -> jax.Array:
   """[B, N, H]: `wgmma_flash`'s splits over the packed cache, combined as `flash_decode`'s."""
   b, n, h = q.shape
   g = ks[0].shape[3]
   r = n // g
   order = wgmma_decode.column_order(h)
   qw = jnp.take(q.reshape(b, g, r, h), order, axis=-1)
-  qw = jnp.pad(qw, ((0, 0), (0, 0), (0, wgmma_decode.TILE - r), (0, 0)))
   words = lambda c: c.reshape(c.shape[:4] + (h // 8,))
-  acc, m, l = wgmma_flash.partials(
-      qw, (words(ks[0]),) + tuple(ks[1:]), (words(vs[0]),) + tuple(vs[1:]), lengths, lyr, r=r,
-      scale=float(attention_math.score_scale(h)), splits=num_splits, block_t=block_t,
-      prefetch=prefetch)
+  k = (words(ks[0]),) + tuple(ks[1:])
+  v = (words(vs[0]),) + tuple(vs[1:])
+  scale = float(attention_math.score_scale(h))
+  if transposed:
+    acc, m, l = wgmma_flash.partials_transposed(qw, k, v, lengths, lyr, scale=scale,
+                                                splits=num_splits, prefetch=prefetch)
+  else:
+    qw = jnp.pad(qw, ((0, 0), (0, 0), (0, wgmma_decode.TILE - r), (0, 0)))
+    acc, m, l = wgmma_flash.partials(qw, k, v, lengths, lyr, r=r, scale=scale,
+                                     splits=num_splits, block_t=block_t, prefetch=prefetch)
   out = flash_decode.combine(acc, m, l, q.dtype)
   return jnp.take(out, np.argsort(order), axis=-1).reshape(b, n, h)
 
@@ -396,6 +406,9 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
         q.shape[-1], q.shape[1] // g, t, q.dtype, config.block_t):
       raise ValueError(f"impl='wgmma_fused' takes block_t 64 or 128 dividing the context; got "
                        f"block_t={config.block_t}, T={t}")
+    if config.flash_transposed and config.block_t != wgmma_decode.TILE:
+      raise ValueError(f"flash_transposed takes block_t {wgmma_decode.TILE}, got "
+                       f"{config.block_t}")
   return _decode_attention(q, cache, lengths, layer, config=config, num_splits=int(num_splits),
                            interpret=bool(interpret))
 

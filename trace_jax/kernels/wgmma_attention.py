@@ -211,7 +211,7 @@ def _store_transposed(t: int):
   return fn
 
 
-def _store_cols(h: int, partial: bool = False):
+def store_columns(h: int, partial: bool = False):
   """inline_mgpu function: (the transposed PV accumulator [h, R] float32 in the WGMMA layout,
   R = 8, the output's [R, h] window) -> out[c, n] = acc[n, c], rounded to bf16 (nearest
   even) or with `partial` as they are, float32. A thread holds rows 64 mt + row0 + 8 half
@@ -282,7 +282,7 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   decode = tile_decoder(h, g, masked=True)
   ask = tile_prefetcher(h, g)
   store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
-      _store_cols(h, partial=partial))
+      store_columns(h, partial=partial))
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
   def body(layer_ref, len_ref, p_ref, c_ref, s_ref, r_ref, o_ref, v_smem, p_smem, bars):

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax.kernels import wgmma_attention
+from trace_jax.kernels import wgmma_attention, wgmma_decode
 from trace_jax.kernels.wgmma_decode import TILE
 
 ROWS = wgmma_attention.ROWS
@@ -157,5 +157,243 @@ def partials(q: jax.Array, k: tuple[jax.Array, jax.Array, jax.Array],
       + [plgpu.SMEM((block_t, h), jnp.bfloat16, transforms=swz)] * 2
       + [plgpu.SMEM((TILE, h), jnp.float32), plgpu.SMEM((TILE,), jnp.float32),
          plgpu.SMEM((TILE,), jnp.float32), plgpu.Barrier(num_arrivals=1)],
+  )
+  return kernel(layer.astype(jnp.int32), lengths.astype(jnp.int32), q, *k, *v)
+
+
+# ----------------------------------------------------------------------------- transposed
+
+def _col_reduce(op: str, r: int):
+  """inline_mgpu function: (x [64, r] float32 in the WGMMA layout, a [4, r] float32 scratch
+  ref in shared memory) -> [64, r] in the WGMMA layout, every row the column's max (op "max")
+  or sum ("add") over x's 64 rows: within each thread's two rows, across the 8 row lanes of
+  a warp (shuffles), then across the 4 warps through the scratch (between two warpgroup
+  barriers; the caller keeps the scratch's previous readers behind a barrier)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, gpu, llvm
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  def fn(ctx, x, red):
+    del ctx
+    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+    combine = arith.maximumf if op == "max" else arith.addf
+    tid = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), mu.c(128, i32))
+    warp, lane = arith.divui(tid, mu.c(32, i32)), arith.remui(tid, mu.c(32, i32))
+    quad = arith.remui(lane, mu.c(4, i32))
+    writer = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, lane, mu.c(4, i32)))
+    base = llvm.ptrtoint(i32, mu.memref_ptr(red))
+    regs = x.registers
+    assert regs.shape == (1, 1, 1, 1, 2, 1, 1, 1, 1), regs.shape
+    col = lambda j: arith.addi(arith.muli(quad, mu.c(2, i32)), mu.c(j, i32))
+    for j in range(2):
+      v = combine(*(llvm.extractelement(regs[0, 0, 0, 0, hf, 0, 0, 0, 0], mu.c(j, i32))
+                    for hf in range(2)))
+      for d in (4, 8, 16):  # the lanes of one quad position hold the same columns
+        v = combine(v, mu.shfl_bfly(v, d))
+      at = arith.addi(base, arith.muli(arith.addi(arith.muli(warp, mu.c(r, i32)), col(j)),
+                                       mu.c(4, i32)))
+      mu.inline_ptx("{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\n@p st.shared.f32 [$0], $1;\n}",
+                    at, v, writer)
+    mu.warpgroup_barrier()
+    vec = ir.VectorType.get((2,), f32)
+    out = llvm.mlir_undef(vec)
+    for j in range(2):
+      v = None
+      for w in range(4):
+        at = arith.addi(base, arith.muli(arith.addi(mu.c(w * r, i32), col(j)), mu.c(4, i32)))
+        u = mu.inline_ptx("ld.shared.f32 $0, [$1];", at, result_types=f32)
+        v = u if v is None else combine(v, u)
+      out = llvm.insertelement(out, v, mu.c(j, i32))
+    res = np.empty(regs.shape, dtype=object)
+    res[0, 0, 0, 0, 0, 0, 0, 0, 0] = res[0, 0, 0, 0, 1, 0, 0, 0, 0] = out
+    return mgpu.FragmentedArray(_registers=res, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+  return fn
+
+
+def _rows_like(h: int):
+  """inline_mgpu function: (x [64, R] float32 in the WGMMA layout, every row the same) ->
+  [h, R], every row that row (a thread's registers hold the same columns at any row)."""
+  from jax.experimental.mosaic import gpu as mgpu
+
+  def fn(ctx, x):
+    del ctx
+    layout = mgpu.WGMMA_LAYOUT
+    regs = np.empty(layout.registers_shape((h, ROWS)), dtype=object)
+    regs[...] = x.registers[0, 0, 0, 0, 0, 0, 0, 0, 0]
+    return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+  return fn
+
+
+def _store_probs_t():
+  """inline_mgpu function: (p [64 keys, 8] bf16 in the WGMMA layout, a [8, 64] bf16 ref in
+  shared memory tiled (8, 64) with the 128-byte swizzle) -> p^T stored there: element
+  (n, k) at byte 128 n + 16 ((k // 8) ^ n) + 2 (k % 8) (the swizzle XORs the 16-byte chunk
+  with the row)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  def fn(ctx, p, ref):
+    del ctx
+    i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
+    row0, quad = wgmma_decode.thread_coords()
+    base = llvm.ptrtoint(i32, mu.memref_ptr(ref))
+    regs = p.registers
+    assert regs.shape == (1, 1, 1, 1, 2, 1, 1, 1, 1), regs.shape
+    for hf in range(2):
+      key = arith.addi(row0, mu.c(8 * hf, i32))
+      for j in range(2):
+        n = arith.addi(arith.muli(quad, mu.c(2, i32)), mu.c(j, i32))
+        chunk = arith.xori(arith.divui(key, mu.c(8, i32)), n)
+        off = arith.addi(arith.addi(arith.muli(n, mu.c(128, i32)), arith.muli(chunk, mu.c(16, i32))),
+                         arith.muli(arith.remui(key, mu.c(8, i32)), mu.c(2, i32)))
+        val = mu.bitcast(llvm.extractelement(regs[0, 0, 0, 0, hf, 0, 0, 0, 0], mu.c(j, i32)),
+                         i16)
+        mu.inline_ptx("st.shared.b16 [$0], $1;", arith.addi(base, off), val)
+    return ()
+
+  return fn
+
+
+def _store_stat():
+  """inline_mgpu function: (x [64, R] float32 in the WGMMA layout, every row the same; the
+  output's [R] window) -> x's row stored (warp 0's first 4 lanes, 2 columns each)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  def fn(ctx, x, out):
+    del ctx
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    row0, quad = wgmma_decode.thread_coords()
+    writer = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, row0, mu.c(0, i32)))
+    base = llvm.ptrtoint(i64, mu.memref_ptr(out))
+    pair = x.registers[0, 0, 0, 0, 0, 0, 0, 0, 0]
+    for j in range(2):
+      col = arith.addi(arith.muli(quad, mu.c(2, i32)), mu.c(j, i32))
+      at = arith.addi(base, arith.extui(i64, arith.muli(col, mu.c(4, i32))))
+      mu.inline_ptx("{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\n@p st.global.f32 [$0], $1;\n}",
+                    at, llvm.extractelement(pair, mu.c(j, i32)), writer)
+    return ()
+
+  return fn
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "prefetch"))
+def partials_transposed(q: jax.Array, k: tuple[jax.Array, jax.Array, jax.Array],
+                        v: tuple[jax.Array, jax.Array, jax.Array], lengths: jax.Array,
+                        layer: jax.Array, *, scale: float, splits: int, prefetch: int = 0):
+  """`partials` with both products transposed, wgmma's N the R = 8 query heads:
+
+    s^T [64 keys, R] = K [64 keys, H] @ q^T [H, R]     (K decoded into A registers)
+    acc^T [H, R]     = a acc^T + V^T [H, 64 keys] @ round(p, bf16)^T [64 keys, R]
+                       (V decoded into shared memory read transposed as A, p^T stored
+                        transposed into shared memory as B)
+
+  `partials` pads the R rows to wgmma's M = 64 in both: 8x this form's tensor work. The
+  softmax's max over a tile's keys runs down the accumulator's rows, across the 4 warps
+  through shared memory (`_col_reduce`); each thread keeps its rows' partial sums l, added
+  up once at the end. q: bf16 [B, G, R, H] (not padded), columns in `column_order(H)`; the
+  rest and the outputs as `partials`' with block_t 64."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  b, g, r, h = q.shape
+  t = k[0].shape[2]
+  if not supported(h, r, t, q.dtype):
+    raise ValueError(f"wgmma flash (transposed): unsupported q {q.shape} {q.dtype}, T={t}")
+  per, s_count = wgmma_attention.split_steps(t, TILE, splits)
+  decode_k = wgmma_attention.tile_decoder(h, g, masked=False)
+  decode_v = wgmma_attention.tile_decoder(h, g, masked=True)
+  ask = wgmma_attention.tile_prefetcher(h, g)
+  wg = plgpu.Layout.WGMMA
+  tile = plgpu.ShapeDtypeStruct((TILE, r), jnp.float32, layout=wg)
+  col_max, col_sum = (plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()), return_type=tile)(
+      _col_reduce(op, r)) for op in ("max", "add"))
+  rows_like = plgpu.inline_mgpu(
+      arg_types=(wg,), return_type=plgpu.ShapeDtypeStruct((h, r), jnp.float32, layout=wg))(
+          _rows_like(h))
+  swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  store_pt = plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType(transforms=swz)))(_store_probs_t())
+  store_o = plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()))(
+      wgmma_attention.store_columns(h, partial=True))
+  store_stat = plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()))(_store_stat())
+
+  def body(layer_ref, len_ref, q_ref, kc, ks, kr, vc, vs, vr, o_ref, m_ref, l_ref,
+           q_smem, v_smem, p_smem, red, bar):
+    bi, gi, si = (jax.lax.axis_index(n) for n in ("b", "g", "s"))
+    lyr = layer_ref[0]
+    length = len_ref[bi]
+    plgpu.copy_gmem_to_smem(q_ref.at[bi, gi], q_smem, bar)
+    plgpu.barrier_wait(bar)
+    first = si * per
+    last = jnp.minimum(first + per, (length + TILE - 1) // TILE)
+    at = lambda ref, i: ref.at[lyr, bi, pl.ds(i * TILE, TILE), gi]
+
+    def ahead(i):  # tile i's K and V lines into L2 (clamped to the split's last tile)
+      i = jnp.maximum(jnp.minimum(i, last - 1), 0)
+      for c, sc, rs in ((kc, ks, kr), (vc, vs, vr)):
+        ask(at(c, i), at(sc, i), at(rs, i))
+
+    for d in range(1, prefetch):
+      ahead(first + d)
+
+    def step(i, carry):
+      acc, m, l = carry
+      if prefetch:
+        ahead(i + prefetch)
+      # The previous tile's PV wgmma is done in every warp before v_smem and p_smem are
+      # overwritten (and every warp has read the scratch of its max).
+      plgpu.wgmma_wait(0)
+      plgpu.commit_smem()
+      t0 = pl.multiple_of(i * TILE, TILE)
+      keys = pl.ds(t0, TILE)
+      kt = decode_k(kc.at[lyr, bi, keys, gi], ks.at[lyr, bi, keys, gi], kr.at[lyr, bi, keys, gi])
+
+      def qk(ref):
+        plgpu.wgmma(ref, kt, q_smem.T)
+        return ref[...]
+
+      s = pl.run_scoped(qk, plgpu.ACC((TILE, r), jnp.float32)) * np.float32(scale)
+      v_smem[...] = decode_v(vc.at[lyr, bi, keys, gi], vs.at[lyr, bi, keys, gi],
+                             vr.at[lyr, bi, keys, gi], length - t0)
+      key = plgpu.broadcasted_iota(jnp.int32, (TILE, r), 0, layout=wg)
+      s = jnp.where(key < length - t0, s, np.float32(-np.inf))
+      m_new = jnp.maximum(m, col_max(s, red))
+      alpha = jnp.exp(m - m_new)
+      p = jnp.exp(s - m_new)
+      l = l * alpha + p
+      acc = acc * rows_like(alpha)
+      store_pt(p.astype(jnp.bfloat16), p_smem)
+      plgpu.commit_smem()  # v and p^T visible to wgmma (async proxy), in every warp
+
+      def pv(ref):
+        plgpu.wgmma(ref, v_smem.T, p_smem.T)
+
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      return acc, m_new, l
+
+    init = (plgpu.layout_cast(jnp.zeros((h, r), jnp.float32), wg),
+            plgpu.layout_cast(jnp.full((TILE, r), -jnp.inf, jnp.float32), wg),
+            plgpu.layout_cast(jnp.zeros((TILE, r), jnp.float32), wg))
+    acc, m, l = jax.lax.fori_loop(first, last, step, init)
+    plgpu.wgmma_wait(0)
+    plgpu.commit_smem()  # every warp has read the scratch of the last max
+    store_o(acc, o_ref.at[bi, gi, si])
+    store_stat(m, m_ref.at[bi, gi, si])
+    store_stat(col_sum(l, red), l_ref.at[bi, gi, si])
+
+  stat = jax.ShapeDtypeStruct((b, g, s_count, r), jnp.float32)
+  kernel = plgpu.kernel(
+      body, out_type=(jax.ShapeDtypeStruct((b, g, s_count, r, h), jnp.float32), stat, stat),
+      grid=(b, g, s_count), grid_names=("b", "g", "s"),
+      kernel_name="decode_attention_wgmma_flash_t",
+      scratch_types=[plgpu.SMEM((r, h), jnp.bfloat16, transforms=swz),
+                     plgpu.SMEM((TILE, h), jnp.bfloat16, transforms=swz),
+                     plgpu.SMEM((r, TILE), jnp.bfloat16, transforms=swz),
+                     plgpu.SMEM((4, r), jnp.float32), plgpu.Barrier(num_arrivals=1)],
   )
   return kernel(layer.astype(jnp.int32), lengths.astype(jnp.int32), q, *k, *v)
