@@ -248,8 +248,8 @@ def _store_probs_t():
       for j in range(2):
         n = arith.addi(arith.muli(quad, mu.c(2, i32)), mu.c(j, i32))
         chunk = arith.xori(arith.divui(key, mu.c(8, i32)), n)
-        off = arith.addi(arith.addi(arith.muli(n, mu.c(128, i32)), arith.muli(chunk, mu.c(16, i32))),
-                         arith.muli(arith.remui(key, mu.c(8, i32)), mu.c(2, i32)))
+        off = arith.addi(arith.muli(n, mu.c(128, i32)), arith.muli(chunk, mu.c(16, i32)))
+        off = arith.addi(off, arith.muli(arith.remui(key, mu.c(8, i32)), mu.c(2, i32)))
         val = mu.bitcast(llvm.extractelement(regs[0, 0, 0, 0, hf, 0, 0, 0, 0], mu.c(j, i32)),
                          i16)
         mu.inline_ptx("st.shared.b16 [$0], $1;", arith.addi(base, off), val)
