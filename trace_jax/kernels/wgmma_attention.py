@@ -268,8 +268,8 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
   shared memory and read transposed as wgmma's A operand (M = H, every row used), the
   probabilities [R, 64] by TMA into shared memory as its B operand (N = R = 8). The form
   out [64, H] = P [64, 64 keys] @ V (P in A registers, M = 64 for R = 8 rows: 8x the tensor
-  work) gave the same bits and took 1.06-1.14x this one's attention time on the H100 (the
-  git history of docs/benchmarks.md)."""
+  work) gave the same bits and took 1.06-1.14x this one's attention time on the H100
+  (docs/benchmarks.md, decode attention)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
