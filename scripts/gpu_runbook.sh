@@ -14,9 +14,10 @@
 #               (`experiments.bench.rollout`'s GPU preset)
 #   attention   the decode attention without scores in memory (one pass, online softmax:
 #               `decode_attention="fused"`, and `kernels.wgmma_flash` over the packed cache,
-#               impl "wgmma_fused") against the exact pair (Triton, wgmma): the kernels at 8k
-#               (batch 64 and 256) and 32k (batch 16 and 64: the wgmma PV's key splits against
-#               one split) contexts (and the fused kernels with 128-key blocks)
+#               impl "wgmma_fused", also with both products transposed: `--flash_transposed`)
+#               against the exact pair (Triton, wgmma): the kernels at 8k (batch 64 and 256)
+#               and 32k (batch 16 and 64: the wgmma PV's key splits against one split)
+#               contexts (and the fused kernels with 128-key blocks)
 #   attention_budget  the 8k fixed-memory decode (bf16, fp4_rtn) with the plan's decode
 #               attention (bf16: fused, FP4: wgmma), the Triton pair and the fused kernel,
 #               one process per impl
@@ -136,11 +137,11 @@ step_attention() {
   local impls=kernel_bf16,kernel_packed,kernel_packed_wgmma,kernel_bf16_fused,kernel_packed_fused
   impls+=,kernel_packed_wgmma_fused
   TAIL=30 run attention_kernels "$((t * 4 / 9))" python3 -m experiments.bench.decode_attention \
-    --contexts=8192 --batches=64,256 --decoder_check=false --impls="$impls" \
+    --contexts=8192 --batches=64,256 --decoder_check=false --impls="$impls" --flash_transposed \
     --json_out="$OUT/attention_kernels.json"
   TAIL=20 run attention_kernels_32k "$((t / 3))" python3 -m experiments.bench.decode_attention \
     --contexts=32768 --batches=16,64 --decoder_check=false \
-    --impls="$impls" --pv_splits=1 \
+    --impls="$impls" --pv_splits=1 --flash_transposed \
     --json_out="$OUT/attention_kernels_32k.json"
   TAIL=12 run attention_kernels_bt128 "$((t * 2 / 9))" python3 -m \
     experiments.bench.decode_attention --contexts=8192 --batches=256 --decoder_check=false \

@@ -112,7 +112,8 @@ class AttentionConfig:
     0.96-0.97x; the single pass: 0.98-1.01x at any distance; docs/benchmarks.md).
   flash_transposed: impl "wgmma_fused" with both products transposed (wgmma's N the 8
     query heads, `wgmma_flash.partials_transposed`; block_t 64) instead of the query heads
-    padded to wgmma's M = 64.
+    padded to wgmma's M = 64. Not yet run on a GPU: its GPU tests and the runbook's
+    `attention` step are what decide it.
   interpret: None runs the kernels on the GPU and the Pallas interpreter elsewhere.
   """
   impl: str = "triton"
