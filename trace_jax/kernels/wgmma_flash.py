@@ -28,7 +28,7 @@ pass's time and 1.15-1.35x the exact pair's (docs/benchmarks.md): each program i
 warpgroup that decodes a step's K and V, then waits on its wgmmas, with no loads in flight
 across steps; the plan runs it for a forced `decode_attention="fused"` over the packed cache.
 `partials_transposed` is the same pass with the 8 query heads as wgmma's N instead of rows
-padded to its M = 64 (an eighth of the tensor work, as the exact pair's PV kernel gained
+padded to its M = 64 (1/8 of the tensor work, as the exact pair's PV kernel gained
 5-12% from; `AttentionConfig.flash_transposed`): lowered on CPU, not yet run on a GPU.
 """
 
