@@ -259,6 +259,29 @@ def test_single_pass_glue_around_the_kernel(monkeypatch, splits, block_t):
   check_within_tolerance(out, reference(q, cache, lengths), values_of(cache), lengths, n)
 
 
+@pytest.mark.parametrize("splits", [1, 3], ids=["one_split", "three_splits"])
+def test_transposed_single_pass_glue_around_the_kernel(monkeypatch, splits):
+  """impl "wgmma_fused" with `flash_transposed` around its kernel (the same numpy stand-in, on
+  q's R rows unpadded, as `partials_transposed` takes them) gives `attend`'s output within
+  `output_tolerance`."""
+  from tests.kernels.attention_cases import check_within_tolerance, reference, values_of
+  from trace_jax.kernels import decode_attention as da
+  from trace_jax.kernels import wgmma_flash
+
+  def stand_in(q, k, v, lengths, layer, *, scale, splits, prefetch):
+    assert q.shape[2] == wgmma_flash.ROWS  # not padded to wgmma's M
+    return _partials_stand_in(q, k, v, lengths, layer, r=q.shape[2], scale=scale,
+                              splits=splits, block_t=64, prefetch=prefetch)
+
+  monkeypatch.setattr(wgmma_flash, "partials_transposed", stand_in)
+  q, cache, lengths, ks, vs = _glue_case(256, [256, 70], seed=4)
+  out = da._wgmma_fused(q, ks, vs, lengths, jnp.asarray([1], jnp.int32), num_splits=splits,
+                        block_t=64, prefetch=1, transposed=True)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  check_within_tolerance(out, reference(q, cache, lengths), values_of(cache), lengths,
+                         q.shape[1])
+
+
 def _pv_stand_in(probs, codes, scale_bits, rows, lengths, layer, *, prefetch, splits):
   """`wgmma_attention.pv`'s contract in numpy (the kernel runs on a GPU only): probabilities x
   V decoded in `column_order` over the keys below each length, one bf16 rounding, or with
