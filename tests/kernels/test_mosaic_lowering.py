@@ -19,7 +19,7 @@ from trace_jax.kernels import wgmma_attention, wgmma_decode, wgmma_flash, wgmma_
 SDS = jax.ShapeDtypeStruct
 
 
-def _stub_inline_ptx(asm, *args, result_types=None):
+def _stub_inline_ptx(asm, *args, result_types=None, **kwargs):
   """Constants of the result types in place of an inline PTX statement."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm
@@ -31,7 +31,7 @@ def _stub_inline_ptx(asm, *args, result_types=None):
       return arith.constant(ty, 0.0)
     return llvm.mlir_undef(ty)
 
-  del asm, args
+  del asm, args, kwargs
   if result_types is None:
     return None
   if isinstance(result_types, (list, tuple)):

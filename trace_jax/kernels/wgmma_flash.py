@@ -170,8 +170,8 @@ def _col_reduce(op: str, r: int):
   """inline_mgpu function: (x [64, r] float32 in the WGMMA layout, a [4, r] float32 scratch
   ref in shared memory) -> [64, r] in the WGMMA layout, every row the column's max (op "max")
   or sum ("add") over x's 64 rows: within each thread's two rows, across the 8 row lanes of
-  a warp (shuffles), then across the 4 warps through the scratch (between two warpgroup
-  barriers; the caller keeps the scratch's previous readers behind a barrier)."""
+  a warp (shuffles), then across the 4 warps through the scratch, read after a warpgroup
+  barrier (the caller puts a barrier between these reads and the next call's writes)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, gpu, llvm
   from jax.experimental.mosaic import gpu as mgpu
@@ -205,7 +205,9 @@ def _col_reduce(op: str, r: int):
       v = None
       for w in range(4):
         at = arith.addi(base, arith.muli(arith.addi(mu.c(w * r, i32), col(j)), mu.c(4, i32)))
-        u = mu.inline_ptx("ld.shared.f32 $0, [$1];", at, result_types=f32)
+        # side effects: kept after the barrier (a pure asm load may be moved above it)
+        u = mu.inline_ptx("ld.shared.f32 $0, [$1];", at, result_types=f32,
+                          has_side_effects=True)
         v = u if v is None else combine(v, u)
       out = llvm.insertelement(out, v, mu.c(j, i32))
     res = np.empty(regs.shape, dtype=object)
@@ -223,7 +225,7 @@ def _rows_like(h: int):
   def fn(ctx, x):
     del ctx
     layout = mgpu.WGMMA_LAYOUT
-    regs = np.empty(layout.registers_shape((h, ROWS)), dtype=object)
+    regs = np.empty(layout.registers_shape((h, x.shape[1])), dtype=object)
     regs[...] = x.registers[0, 0, 0, 0, 0, 0, 0, 0, 0]
     return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
