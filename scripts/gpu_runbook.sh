@@ -13,11 +13,10 @@
 #               GPU of less than 100 GB), and batch 64 at 32k context
 #               (`experiments.bench.rollout`'s GPU preset)
 #   attention   the decode attention without scores in memory (one pass, online softmax:
-#               `decode_attention="fused"`, and `kernels.wgmma_flash` over the packed cache,
-#               impl "wgmma_fused", also with both products transposed: `--flash_transposed`)
-#               against the exact pair (Triton, wgmma): the kernels at 8k (batch 64 and 256)
-#               and 32k (batch 16 and 64: the wgmma PV's key splits against one split)
-#               contexts (and the fused kernels with 128-key blocks)
+#               `decode_attention="fused"`, the plan's; `kernels.wgmma_flash` over the packed
+#               cache, impl "wgmma_fused") against the exact pair (Triton, wgmma): the kernels
+#               at 8k (batch 64 and 256) and 32k (batch 16 and 64: the wgmma PV's key splits
+#               against one split) contexts (and the Triton single pass with 128-key blocks)
 #   attention_budget  the 8k fixed-memory decode (bf16, fp4_rtn) with the plan's decode
 #               attention (bf16: fused, FP4: wgmma), the Triton pair and the fused kernel,
 #               one process per impl
@@ -29,8 +28,8 @@
 #               process, profiled (kernels and time per step)
 #   mismatch    the rollout/trainer mismatch of the kernel plan against the reference plan
 #               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio), then the kernel
-#               plan with the single-pass decode attention over the packed cache
-#               (`--plan_fields=decode_attention=fused`)
+#               plan with the exact pair's decode attention over the packed cache instead of
+#               the single pass (`--plan_fields=decode_attention=wgmma`)
 #   excess_precision  XLA's excess precision (`--xla_allow_excess_precision`, on by default) off:
 #               the kernel plan's rollout/trainer mismatch with every forward's layers scanned
 #               (with and without the flag) and unrolled (with it; on CPU the flag halved
@@ -137,15 +136,15 @@ step_attention() {
   local impls=kernel_bf16,kernel_packed,kernel_packed_wgmma,kernel_bf16_fused,kernel_packed_fused
   impls+=,kernel_packed_wgmma_fused
   TAIL=30 run attention_kernels "$((t * 4 / 9))" python3 -m experiments.bench.decode_attention \
-    --contexts=8192 --batches=64,256 --decoder_check=false --impls="$impls" --flash_transposed \
+    --contexts=8192 --batches=64,256 --decoder_check=false --impls="$impls" \
     --json_out="$OUT/attention_kernels.json"
   TAIL=20 run attention_kernels_32k "$((t / 3))" python3 -m experiments.bench.decode_attention \
     --contexts=32768 --batches=16,64 --decoder_check=false \
-    --impls="$impls" --pv_splits=1 --flash_transposed \
+    --impls="$impls" --pv_splits=1 \
     --json_out="$OUT/attention_kernels_32k.json"
   TAIL=12 run attention_kernels_bt128 "$((t * 2 / 9))" python3 -m \
     experiments.bench.decode_attention --contexts=8192 --batches=256 --decoder_check=false \
-    --block_t=128 --impls=kernel_bf16_fused,kernel_packed_fused,kernel_packed_wgmma_fused \
+    --block_t=128 --impls=kernel_bf16_fused,kernel_packed_fused \
     --json_out="$OUT/attention_kernels_bt128.json"
 }
 
@@ -176,10 +175,10 @@ step_mismatch() {
   TAIL=20 run mismatch "$((t * 2 / 3))" python3 -m experiments.measure_mismatch \
     --config=configs/small_h200.py --decode_impls=xla,kernel --num_prompts=64 \
     --max_new_tokens=64 --json_out="$OUT/mismatch.json" ${MISMATCH_ARGS:-}
-  TAIL=12 run mismatch_fused "$((t / 3))" python3 -m experiments.measure_mismatch \
+  TAIL=12 run mismatch_pair "$((t / 3))" python3 -m experiments.measure_mismatch \
     --config=configs/small_h200.py --decode_impls=kernel --num_prompts=64 \
-    --max_new_tokens=64 --plan_fields=decode_attention=fused \
-    --json_out="$OUT/mismatch_fused.json" --png_out=/tmp/mismatch_fused.png ${MISMATCH_ARGS:-}
+    --max_new_tokens=64 --plan_fields=decode_attention=wgmma \
+    --json_out="$OUT/mismatch_pair.json" --png_out=/tmp/mismatch_pair.png ${MISMATCH_ARGS:-}
 }
 
 step_excess_precision() {

@@ -19,13 +19,12 @@ Per case (context T, batch B; every sequence at full length T, one query token e
                       softmax and PV in one pass: no scores in memory;
                       `AttentionConfig(impl="fused")`, the plan's `decode_attention="fused"`)
   kernel_packed_wgmma_fused  the single pass over the packed cache with the wgmma kernels'
-                      decoders (`wgmma_flash`, `AttentionConfig(impl="wgmma_fused")`; GPU only)
+                      decoders (`wgmma_flash`, `AttentionConfig(impl="wgmma_fused")`, the
+                      plan's on Hopper; GPU only; 64-key tiles whatever `--block_t`)
   <wgmma path>_prefetch<d>  the same with L2 prefetches d tiles ahead of the decode
                       (`--prefetch`; `AttentionConfig.prefetch`)
   kernel_packed_wgmma_splits<s>  the wgmma pair with its PV kernel's keys in s splits
                       (`--pv_splits`; the default `wgmma_attention.default_splits`)
-  kernel_packed_wgmma_fused_t  the wgmma single pass with both products transposed
-                      (`--flash_transposed`; `AttentionConfig.flash_transposed`)
   kernel_packed_bits  the same cache with the codes as bytes (the bit-arithmetic decoder), for
                       the ratio in one process
   copy                `jnp.copy` of the BF16 K cache: the bandwidth reference (read + write)
@@ -81,9 +80,6 @@ flags.DEFINE_list("prefetch", ["1"], "L2 prefetch distances of the wgmma kernels
                   flag_values=FLAGS)
 flags.DEFINE_list("pv_splits", [], "Key splits of the wgmma PV kernel: each adds "
                   "`kernel_packed_wgmma_splits<s>` beside the wgmma pair (GPU only).",
-                  flag_values=FLAGS)
-flags.DEFINE_bool("flash_transposed", False, "Adds `kernel_packed_wgmma_fused_t` (the wgmma "
-                  "single pass, both products transposed) beside the others (GPU only).",
                   flag_values=FLAGS)
 flags.DEFINE_integer("reps", 0, "Timed calls per path (0: 30 on GPU, 3 otherwise).",
                      flag_values=FLAGS)
@@ -190,31 +186,28 @@ def _cpu_reference(q: Any, cache: Any, lengths: Any, c: int) -> tuple[Any, Any]:
 def base_impl(name: str) -> str:
   """The path a variant `<wgmma path>_prefetch<d>` or `kernel_packed_wgmma_splits<s>` varies
   (else the name itself)."""
-  return name.split("_prefetch")[0].split("_splits")[0].removesuffix("_fused_t") + (
-      "_fused" if name.endswith("_fused_t") else "")
+  return name.split("_prefetch")[0].split("_splits")[0]
 
 
 def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stages: int,
-           prefetch: Sequence[int] = (), pv_splits: Sequence[int] = (),
-           flash_transposed: bool = False) -> dict[str, Callable[..., Any]]:
+           prefetch: Sequence[int] = (), pv_splits: Sequence[int] = ()
+           ) -> dict[str, Callable[..., Any]]:
   """path -> fn(q, cache, lengths); the kernels' `AttentionConfig`s from the flags."""
   from trace_jax.kernels import decode_attention as da
+  from trace_jax.kernels import wgmma_decode
 
   config = functools.partial(da.AttentionConfig, block_t=block_t, num_splits=num_splits or None,
                              num_warps=num_warps, num_stages=num_stages)
   prefetch = tuple(prefetch) or (da.AttentionConfig().prefetch,)
+  tiles = {"wgmma_fused": {"block_t": wgmma_decode.TILE}}  # its only tile (of 64 keys)
   kernel = lambda impl, d=prefetch[0]: functools.partial(
-      da.decode_attention, config=config(impl=impl, prefetch=d))
+      da.decode_attention, config=config(impl=impl, prefetch=d, **tiles.get(impl, {})))
   ref = da.decode_attention_reference
   variants = {f"{path}_prefetch{d}": kernel(path[len("kernel_packed_"):], d)
               for path in GPU_ONLY for d in prefetch[1:]}
   variants.update({f"kernel_packed_wgmma_splits{sp}": functools.partial(
       da.decode_attention, config=config(impl="wgmma", prefetch=prefetch[0], num_splits=sp))
       for sp in pv_splits})
-  if flash_transposed:
-    variants["kernel_packed_wgmma_fused_t"] = functools.partial(
-        da.decode_attention, config=config(impl="wgmma_fused", prefetch=prefetch[0],
-                                           flash_transposed=True))
   return {**variants, "xla_bf16": ref, "xla_fq_bf16": ref, "xla_packed_dequant": ref,
           "kernel_bf16": kernel("triton"), "kernel_packed": kernel("triton"),
           "kernel_packed_bits": kernel("triton"), "kernel_packed_wgmma": kernel("wgmma"),
@@ -400,8 +393,6 @@ def run_bench(preset: str, contexts: Sequence[int], batches: Sequence[int], n: i
             for d in kernel_args.get("prefetch", (0,))[1:]]
   if "kernel_packed_wgmma" in impls:
     impls += [f"kernel_packed_wgmma_splits{sp}" for sp in kernel_args.get("pv_splits", ())]
-  if kernel_args.get("flash_transposed") and on_gpu:
-    impls.append("kernel_packed_wgmma_fused_t")
   reps = reps or (30 if on_gpu else 3)
   inner = inner or (8 if on_gpu else 1)
   dev = common.device_description()
@@ -455,8 +446,7 @@ def main(argv: Sequence[str]) -> dict[str, Any] | None:
   kernel_args = dict(block_t=FLAGS.block_t, num_splits=FLAGS.num_splits,
                      num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages,
                      prefetch=tuple(int(d) for d in FLAGS.prefetch),
-                     pv_splits=tuple(int(sp) for sp in FLAGS.pv_splits),
-                     flash_transposed=FLAGS.flash_transposed)
+                     pv_splits=tuple(int(sp) for sp in FLAGS.pv_splits))
   if any(d < 0 for d in kernel_args["prefetch"]):
     raise ValueError(f"--prefetch: distances must be >= 0, got {FLAGS.prefetch}")
   if any(sp < 1 for sp in kernel_args["pv_splits"]):

@@ -205,28 +205,23 @@ PACKED_VARIANTS = {"packed": (None, {}), "packed_words": (True, {}),
                    "packed_words_exact": (True, {"table": "exact"}),
                    "packed_bits": (False, {}),
                    "packed_wgmma": (True, {"impl": "wgmma"}),
-                   "packed_wgmma_fused": (True, {"impl": "wgmma_fused"}),
-                   "packed_wgmma_fused_t": (True, {"impl": "wgmma_fused",
-                                                   "flash_transposed": True})}
+                   "packed_wgmma_fused": (True, {"impl": "wgmma_fused"})}
 # GPU only (Mosaic GPU, inline PTX)
-WGMMA_KINDS = ("packed_wgmma", "packed_wgmma_fused", "packed_wgmma_fused_t")
+WGMMA_KINDS = ("packed_wgmma", "packed_wgmma_fused")
 KERNEL_CASES = [(name, kind) for name in ATTN_CASES for kind in ("bf16", "packed",
                                                                    "packed_words")] + [
     ("full_r8", "packed_bits"), ("full_r8", "packed_words_exact"),
     ("len1_r4", "packed_words_exact"), ("mixed_lengths_r2_split3", "packed_words_exact")] + [
     (name, kind) for name in ("full_r8", "mixed_r8") for kind in WGMMA_KINDS] + [
     ("mixed_r8_split2", "packed_wgmma_fused"), ("long_r8_split3", "packed_wgmma_fused"),
-    ("long_r8_split2_block128", "packed_wgmma_fused"), ("mixed_r8_split2", "packed_wgmma"),
-    ("long_r8_split3", "packed_wgmma"), ("mixed_r8_split2", "packed_wgmma_fused_t"),
-    ("long_r8_split3", "packed_wgmma_fused_t")]
+    ("mixed_r8_split2", "packed_wgmma"), ("long_r8_split3", "packed_wgmma")]
 # R = 8 and head_dim 128, the wgmma kernels' shape (GPU only): lengths 1 and mid-tile (rows
 # from the pool: B x T x G <= POOL).
 # Splits of the single-pass kernel and of the wgmma PV kernel: one without keys (sequence 0's
 # second), and three of two tiles each over a length ending mid-tile.
 ATTN_CASES_GPU = {"mixed_r8": (2, 128, 4, 32, 128, [1, 70], 64, 1),
                   "mixed_r8_split2": (2, 128, 4, 32, 128, [1, 70], 64, 2),
-                  "long_r8_split3": (1, 384, 2, 16, 128, [301], 64, 3),
-                  "long_r8_split2_block128": (1, 512, 2, 16, 128, [301], 128, 2)}
+                  "long_r8_split3": (1, 384, 2, 16, 128, [301], 64, 3)}
 
 
 @pytest.mark.parametrize("name,kind", KERNEL_CASES, ids=[f"{n}-{k}" for n, k in KERNEL_CASES])
@@ -259,7 +254,7 @@ def test_kernel_matches_reference(name, kind):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "packed", "packed_words", "packed_wgmma",
-                                  "packed_wgmma_fused", "packed_wgmma_fused_t"])
+                                  "packed_wgmma_fused"])
 def test_stacked_layer_is_read_in_place(kind):
   """A stack of layers [L, ...] read at a (traced) layer gives that layer's result bit for bit,
   and the other layers' rows (NaN here) never reach it."""

@@ -87,24 +87,15 @@ def test_scores_and_pv_lower(lowering, prefetch, splits):
   assert out in text
 
 
-@pytest.mark.parametrize("splits,prefetch", [(1, 0), (2, 1)], ids=["one_split", "two_splits"])
-def test_wgmma_flash_transposed_lowers(lowering, splits, prefetch):
+@pytest.mark.parametrize("splits,prefetch", [(1, 0), (2, 2)],
+                         ids=["one_split", "two_splits_prefetch_2"])
+def test_wgmma_flash_lowers(lowering, splits, prefetch):
   q = SDS((B, G, R, H), jnp.bfloat16)
-  fn = lambda q, *a: wgmma_flash.partials_transposed(
+  fn = lambda q, *a: wgmma_flash.partials(
       q, a[:3], a[3:6], *a[6:], scale=0.088, splits=splits, prefetch=prefetch)
   text = lowering(fn, q, *KV, *KV, LENGTHS, LAYER)
-  assert "decode_attention_wgmma_flash_t" in text
+  assert "decode_attention_wgmma_flash" in text
   assert f"tensor<{B}x{G}x{splits}x{R}x{H}xf32>" in text
-
-
-@pytest.mark.parametrize("splits,block_t,prefetch", [(1, 64, 0), (2, 64, 2), (2, 128, 1)],
-                         ids=["one_split", "two_splits_prefetch_2", "two_tiles_a_step_prefetch_1"])
-def test_wgmma_flash_lowers(lowering, splits, block_t, prefetch):
-  q = SDS((B, G, 64, H), jnp.bfloat16)
-  fn = lambda q, kc, kb, kr, vc, vb, vr, n, lyr: wgmma_flash.partials(
-      q, (kc, kb, kr), (vc, vb, vr), n, lyr, r=R, scale=0.088, splits=splits, block_t=block_t,
-      prefetch=prefetch)
-  assert "decode_attention_wgmma_flash" in lowering(fn, q, *KV, *KV, LENGTHS, LAYER)
 
 
 def test_wgmma_moe_lowers(lowering):

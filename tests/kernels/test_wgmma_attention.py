@@ -210,23 +210,24 @@ def _glue_case(t: int, lengths: list[int], seed: int):
   return q, cache, jnp.asarray(lengths, jnp.int32), ks, vs
 
 
-def _partials_stand_in(q, k, v, lengths, layer, *, r, scale, splits, block_t, prefetch):
+def _partials_stand_in(q, k, v, lengths, layer, *, scale, splits, prefetch):
   """`wgmma_flash.partials`' contract in numpy (the kernel runs on a GPU only): each split's
   float32 (acc, m, l) over its keys below the length, K and V decoded from the arguments in
   `column_order` as the kernel decodes them, unnormalized probabilities rounded to bf16."""
   del prefetch  # L2 requests only: no value of the contract depends on them
+  assert q.shape[2] == wgmma_attention.ROWS  # the query heads as wgmma's N: not padded
   lyr = int(np.asarray(layer)[0])
-  h = q.shape[-1]
+  b, g, r, h = q.shape
   kv, vv = _decoded(*k, lyr), _decoded(*v, lyr)
-  per, n_splits = wgmma_attention.split_steps(kv.shape[1], block_t, splits)
-  b, g = q.shape[:2]
+  tile = wgmma_decode.TILE
+  per, n_splits = wgmma_attention.split_steps(kv.shape[1], tile, splits)
   acc = np.zeros((b, g, n_splits, r, h), np.float32)
   m = np.full((b, g, n_splits, r), -np.inf, np.float32)
   l = np.zeros((b, g, n_splits, r), np.float32)
-  qf = np.asarray(q, np.float32)[:, :, :r]
+  qf = np.asarray(q, np.float32)
   for bi, n in enumerate(np.asarray(lengths)):
     for si in range(n_splits):
-      lo, hi = si * per * block_t, min((si + 1) * per * block_t, int(n))
+      lo, hi = si * per * tile, min((si + 1) * per * tile, int(n))
       if lo >= hi:
         continue
       for gi in range(g):
@@ -239,44 +240,20 @@ def _partials_stand_in(q, k, v, lengths, layer, *, r, scale, splits, block_t, pr
   return jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l)
 
 
-@pytest.mark.parametrize("splits,block_t", [(1, 64), (3, 64), (2, 128)],
-                         ids=["one_split", "three_splits", "two_tiles_a_step"])
-def test_single_pass_glue_around_the_kernel(monkeypatch, splits, block_t):
+@pytest.mark.parametrize("splits", [1, 3], ids=["one_split", "three_splits"])
+def test_single_pass_glue_around_the_kernel(monkeypatch, splits):
   """impl "wgmma_fused" around its kernel (replaced by a numpy stand-in of its contract): q's
-  columns permuted and padded to 64 rows, the cache's words handed over per layer, the splits
-  combined and the columns put back give `attend`'s output within `output_tolerance`; a split
-  without keys (sequence 1's last) adds nothing."""
+  columns permuted (its 8 rows a kv head unpadded), the cache's words handed over per layer,
+  the splits combined and the columns put back give `attend`'s output within
+  `output_tolerance`; a split without keys (sequence 1's last) adds nothing."""
   from tests.kernels.attention_cases import check_within_tolerance, reference, values_of
   from trace_jax.kernels import decode_attention as da
   from trace_jax.kernels import wgmma_flash
 
   monkeypatch.setattr(wgmma_flash, "partials", _partials_stand_in)
   q, cache, lengths, ks, vs = _glue_case(256, [256, 70], seed=3)
-  n = q.shape[1]
   out = da._wgmma_fused(q, ks, vs, lengths, jnp.asarray([1], jnp.int32), num_splits=splits,
-                        block_t=block_t, prefetch=2)
-  assert out.shape == q.shape and out.dtype == q.dtype
-  check_within_tolerance(out, reference(q, cache, lengths), values_of(cache), lengths, n)
-
-
-@pytest.mark.parametrize("splits", [1, 3], ids=["one_split", "three_splits"])
-def test_transposed_single_pass_glue_around_the_kernel(monkeypatch, splits):
-  """impl "wgmma_fused" with `flash_transposed` around its kernel (the same numpy stand-in, on
-  q's R rows unpadded, as `partials_transposed` takes them) gives `attend`'s output within
-  `output_tolerance`."""
-  from tests.kernels.attention_cases import check_within_tolerance, reference, values_of
-  from trace_jax.kernels import decode_attention as da
-  from trace_jax.kernels import wgmma_flash
-
-  def stand_in(q, k, v, lengths, layer, *, scale, splits, prefetch):
-    assert q.shape[2] == wgmma_flash.ROWS  # not padded to wgmma's M
-    return _partials_stand_in(q, k, v, lengths, layer, r=q.shape[2], scale=scale,
-                              splits=splits, block_t=64, prefetch=prefetch)
-
-  monkeypatch.setattr(wgmma_flash, "partials_transposed", stand_in)
-  q, cache, lengths, ks, vs = _glue_case(256, [256, 70], seed=4)
-  out = da._wgmma_fused(q, ks, vs, lengths, jnp.asarray([1], jnp.int32), num_splits=splits,
-                        block_t=64, prefetch=1, transposed=True)
+                        prefetch=2)
   assert out.shape == q.shape and out.dtype == q.dtype
   check_within_tolerance(out, reference(q, cache, lengths), values_of(cache), lengths,
                          q.shape[1])

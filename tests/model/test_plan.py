@@ -27,7 +27,7 @@ REFERENCE = dict(moe_impl="tiled", decode_impl="xla", decode_moe_kernel="triton"
                  nvfp4_sites="xla", fp8_gemm="xla", seq_attention="xla", layer_loop="scan",
                  kv_write="xla", fake_quant="xla", fp8_bwd_operands="xla")
 KERNELS = dict(moe_impl="mgpu", decode_impl="kernel", decode_moe_kernel="wgmma",
-               fp4_codes="words", decode_attention="wgmma", kv_cache="packed",
+               fp4_codes="words", decode_attention="fused", kv_cache="packed",
                nvfp4_sites="kernel", fp8_gemm="wgmma", seq_attention="cudnn",
                layer_loop="unrolled", kv_write="kernel", fake_quant="kernel",
                fp8_bwd_operands="kernel")
@@ -70,18 +70,18 @@ def test_other_gpus_resolve_to_the_reference_but_words():
 
 @pytest.mark.parametrize("policy,want", [
     pytest.param("bf16", dict(KERNELS, kv_cache="dense", nvfp4_sites="xla", kv_write="xla",
-                              fake_quant="xla", decode_attention="fused"), id="bf16"),
+                              fake_quant="xla"), id="bf16"),
     pytest.param("fp4_rtn", KERNELS, id="fp4_rtn"),
     pytest.param("mxfp4_trace", dict(KERNELS, decode_impl="xla", kv_cache="dense",
-                                     nvfp4_sites="xla", kv_write="xla", fake_quant="xla",
-                                     decode_attention="fused"), id="mxfp4_decodes_on_xla"),
+                                     nvfp4_sites="xla", kv_write="xla", fake_quant="xla"),
+                 id="mxfp4_decodes_on_xla"),
 ])
 def test_hopper_plan_follows_the_forward(policy, want):
   """The packed cache, the site kernel, the one-kernel k/v write and the fake-quantization
-  kernels are NVFP4's; a dense (BF16) cache's decode attention is the single-pass kernel, the
-  packed cache's the wgmma pair (the fastest measured over each); MXFP4 forwards' weights are
-  not prepared for the decode kernels, so their decode stays on XLA (its decode_attention then
-  inert)."""
+  kernels are NVFP4's; the decode attention is the single pass over either cache (Triton's
+  over a dense one, the wgmma kernel over the packed one: the fastest measured); MXFP4
+  forwards' weights are not prepared for the decode kernels, so their decode stays on XLA (its
+  decode_attention then inert)."""
   assert _fields(plan_lib.resolve(M.tiny(policy=policy, dtype="bfloat16"), HOPPER)) == want
 
 

@@ -110,10 +110,6 @@ class AttentionConfig:
     the one they decode (`wgmma_attention.tile_prefetcher`; 0: none). On the H100 one tile
     ahead took the exact pair to 0.92x its time at 64 x 32k and 256 x 8k (2 and 4 tiles:
     0.96-0.97x; the single pass: 0.98-1.01x at any distance; docs/benchmarks.md).
-  flash_transposed: impl "wgmma_fused" with both products transposed (wgmma's N the 8
-    query heads, `wgmma_flash.partials_transposed`; block_t 64) instead of the query heads
-    padded to wgmma's M = 64. Not yet run on a GPU: its GPU tests and the runbook's
-    `attention` step are what decide it.
   interpret: None runs the kernels on the GPU and the Pallas interpreter elsewhere.
   """
   impl: str = "triton"
@@ -124,7 +120,6 @@ class AttentionConfig:
   num_stages: int = 2
   sm_count: int = SM_COUNT
   prefetch: int = 1
-  flash_transposed: bool = False
   interpret: bool | None = None
 
   def __post_init__(self):
@@ -268,8 +263,7 @@ def _decode_attention(q, cache, lengths, layer, *, config: AttentionConfig, num_
   lyr = jnp.reshape(layer, (1,)).astype(jnp.int32)
   if config.impl == "wgmma_fused":
     return _wgmma_fused(q, ks, vs, lengths, lyr, num_splits=num_splits,
-                        block_t=config.block_t, prefetch=config.prefetch,
-                        transposed=config.flash_transposed)
+                        prefetch=config.prefetch)
   if config.impl == "fused":
     return flash_decode.attention(q, ks, vs, lengths, lyr, packed=packed, block_t=config.block_t,
                                   num_splits=num_splits, table=config.table,
@@ -286,8 +280,7 @@ def _decode_attention(q, cache, lengths, layer, *, config: AttentionConfig, num_
   return out.reshape(b, n, h)
 
 
-def _wgmma_fused(q, ks, vs, lengths, lyr, *, num_splits: int, block_t: int,
-                 prefetch: int, transposed: bool = False) -> jax.Array:
+def _wgmma_fused(q, ks, vs, lengths, lyr, *, num_splits: int, prefetch: int) -> jax.Array:
   """[B, N, H]: `wgmma_flash`'s splits over the packed cache, combined as `flash_decode`'s."""
   b, n, h = q.shape
   g = ks[0].shape[3]
@@ -298,13 +291,8 @@ def _wgmma_fused(q, ks, vs, lengths, lyr, *, num_splits: int, block_t: int,
   k = (words(ks[0]),) + tuple(ks[1:])
   v = (words(vs[0]),) + tuple(vs[1:])
   scale = float(attention_math.score_scale(h))
-  if transposed:
-    acc, m, l = wgmma_flash.partials_transposed(qw, k, v, lengths, lyr, scale=scale,
-                                                splits=num_splits, prefetch=prefetch)
-  else:
-    qw = jnp.pad(qw, ((0, 0), (0, 0), (0, wgmma_decode.TILE - r), (0, 0)))
-    acc, m, l = wgmma_flash.partials(qw, k, v, lengths, lyr, r=r, scale=scale,
-                                     splits=num_splits, block_t=block_t, prefetch=prefetch)
+  acc, m, l = wgmma_flash.partials(qw, k, v, lengths, lyr, scale=scale, splits=num_splits,
+                                   prefetch=prefetch)
   out = flash_decode.combine(acc, m, l, q.dtype)
   return jnp.take(out, np.argsort(order), axis=-1).reshape(b, n, h)
 
@@ -317,8 +305,9 @@ def wgmma_impl(q: jax.Array, cache: PackedKVCache | BF16Cache, *,
   GPU API, `wgmma_attention.supported`'s shapes). The pair: "wgmma" where they run, else
   "triton" (on the H200 0.66x the Triton pair's time at batch 256 x 8k; on the H100 with its
   PV kernel's key splits 0.78x the time of wgmma scores with the Triton PV's at 16 x 32k).
-  The single pass: "wgmma_fused" where they run (on the H200 0.83-0.92x the Triton single
-  pass's time at 64 x 32k and 256 x 8k), else "fused" (docs/benchmarks.md)."""
+  The single pass: "wgmma_fused" where they run (on the H100 0.48-0.54x the Triton single
+  pass's time and 0.71-0.88x the wgmma pair's at 8k-32k contexts), else "fused"
+  (docs/benchmarks.md)."""
   portable = "fused" if fused else "triton"
   if not isinstance(cache, PackedKVCache) or not cache.words:
     return portable
@@ -403,12 +392,8 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
                        f"bf16, {wgmma_attention.ROWS} query heads per kv head, head_dim a "
                        f"multiple of {wgmma_decode.SPAN} and a context a multiple of "
                        f"{wgmma_decode.TILE}; got q {q.shape} {q.dtype}, T={t}")
-    if config.impl == "wgmma_fused" and not wgmma_flash.supported(
-        q.shape[-1], q.shape[1] // g, t, q.dtype, config.block_t):
-      raise ValueError(f"impl='wgmma_fused' takes block_t 64 or 128 dividing the context; got "
-                       f"block_t={config.block_t}, T={t}")
-    if config.flash_transposed and config.block_t != wgmma_decode.TILE:
-      raise ValueError(f"flash_transposed takes block_t {wgmma_decode.TILE}, got "
+    if config.impl == "wgmma_fused" and config.block_t != wgmma_decode.TILE:
+      raise ValueError(f"impl='wgmma_fused' takes block_t {wgmma_decode.TILE}, got "
                        f"{config.block_t}")
   return _decode_attention(q, cache, lengths, layer, config=config, num_splits=int(num_splits),
                            interpret=bool(interpret))

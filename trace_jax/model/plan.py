@@ -18,8 +18,8 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 |                   |             |           | lm_head, attention) on the decode kernels      |
 | decode_moe_kernel | wgmma       | triton    | the packed NVFP4 experts' decode kernel        |
 | fp4_codes         | words (GPU) | bytes     | packed NVFP4 codes' layout (weights, KV cache) |
-| decode_attention  | wgmma/fused | triton    | the kernel decode's attention over its cache   |
-|                   | (=)         |           | (packed NVFP4 / BF16)                          |
+| decode_attention  | fused (=)   | triton    | the kernel decode's attention over its cache   |
+|                   |             |           | (packed NVFP4 or BF16)                         |
 | kv_cache          | packed (*)  | dense     | NVFP4 forwards' KV cache: codes or values      |
 | nvfp4_sites       | kernel (*)  | xla       | the rollout's unguided NVFP4 activation sites  |
 | kv_write          | kernel (-)  | xla       | a kernel decode step's k/v sites (and records) |
@@ -40,17 +40,17 @@ the fastest measured implementation on the backend (docs/benchmarks.md):
 |                   |             |           | activation sites): XLA's or one kernel each    |
 
 (*) with decode_impl "kernel" on any backend: the packed cache and the site kernel are the
-kernel decode's. (=) "wgmma" over the packed NVFP4 cache (the exact pair on a GPU with the Mosaic
-GPU API, else "triton"); "fused" over a dense (BF16) cache: on the H100 the single-pass kernel
-took 0.78-0.98x the Triton pair's time at 8k-32k contexts and decoded the 8k fixed-memory
-case 1.20x faster, while over the packed cache it is the slower one (1.27-1.42x wgmma's time;
-docs/benchmarks.md). A forced "fused" over the packed cache runs `kernels.wgmma_flash` on a GPU
-with the Mosaic GPU API (0.83-0.92x the Triton single pass's time, 1.15-1.35x the pair's on the
-H200), else `kernels.flash_decode`. (-) where the plan has the packed cache and the site
-kernel, on Hopper: `kernels.kv_append` writes the same bits as the site kernel and XLA's
-scatters, in 40 fewer kernels per 8-layer step (+0.2-0.5% tokens/s on the H100). (+) for
-bf16 compute with head_dim a multiple of 8 up to 128 (cuDNN's fused attention). "fp4_codes"
-is "words" on any GPU with Triton's inline assembly.
+kernel decode's. (=) the single pass (online softmax, no scores in memory): over a dense (BF16)
+cache Triton's, over the packed NVFP4 cache `kernels.wgmma_flash` on a GPU with the Mosaic GPU
+API ("triton", the exact pair, elsewhere on Hopper). On the H100 the single pass took
+0.78-0.98x the Triton pair's time over a BF16 cache at 8k-32k contexts and 0.71-0.88x the
+wgmma pair's over the packed cache (docs/benchmarks.md). "wgmma" forces the exact pair
+(`attend`'s probabilities) with the wgmma kernels where they run.
+(-) where the plan has the packed cache and the site kernel, on Hopper: `kernels.kv_append`
+writes the same bits as the site kernel and XLA's scatters, in 40 fewer kernels per 8-layer
+step (+0.2-0.5% tokens/s on the H100). (+) for bf16 compute with head_dim a multiple of 8
+up to 128 (cuDNN's fused attention). "fp4_codes" is "words" on any GPU with Triton's inline
+assembly.
 (~) on a GPU with the Mosaic GPU API, else "kernel" (Triton's); operands `wgmma_fp8` does not
 take (WGrad's 128x1 groups) go to Triton's kernel either way. On the H100 at Qwen3-30B-A3B
 width the wgmma kernel took the experts' FP8 GEMMs 1.1-2.2x faster than Triton's and the
@@ -334,9 +334,9 @@ def _decode_attention(hopper: bool, b: Backend, kv_cache: str) -> str:
   cache the plan holds."""
   if not hopper:
     return "triton"
-  if kv_cache == "dense":
+  if kv_cache == "dense" or b.mosaic_gpu:
     return "fused"
-  return "wgmma" if b.mosaic_gpu else "triton"
+  return "triton"
 
 
 def resolve(config: Any, backend: Backend | None = None) -> KernelPlan:

@@ -64,14 +64,10 @@ def test_pv_split_variants_run_the_wgmma_pair_with_their_splits():
   assert not any("splits" in k for k in bda._paths(32, 64, 0, 4, 2))
 
 
-def test_flash_transposed_variant_runs_the_single_pass_transposed():
-  """`--flash_transposed` adds `kernel_packed_wgmma_fused_t` beside the wgmma single pass, its
-  own AttentionConfig with both products transposed, the name mapping back to the single
-  pass; none without it."""
-  paths = bda._paths(32, 64, 0, 4, 2, prefetch=(1,), flash_transposed=True)
-  assert not paths["kernel_packed_wgmma_fused"].keywords["config"].flash_transposed
-  config = paths["kernel_packed_wgmma_fused_t"].keywords["config"]
-  assert (config.impl, config.flash_transposed, config.block_t) == ("wgmma_fused", True, 64)
-  assert bda.base_impl("kernel_packed_wgmma_fused_t") == "kernel_packed_wgmma_fused"
-  assert bda.base_impl("kernel_packed_wgmma_fused") == "kernel_packed_wgmma_fused"
-  assert "kernel_packed_wgmma_fused_t" not in bda._paths(32, 64, 0, 4, 2)
+def test_wgmma_single_pass_takes_its_tile_whatever_block_t():
+  """The wgmma single pass runs 64-key tiles only: `--block_t` sets the Triton kernels'
+  blocks, not its."""
+  paths = bda._paths(32, 128, 0, 4, 2)
+  assert paths["kernel_packed_wgmma_fused"].keywords["config"].block_t == 64
+  assert paths["kernel_packed_fused"].keywords["config"].block_t == 128
+
