@@ -17,6 +17,9 @@
 #               cache, impl "wgmma_fused") against the exact pair (Triton, wgmma): the kernels
 #               at 8k (batch 64 and 256) and 32k (batch 16 and 64: the wgmma PV's key splits
 #               against one split) contexts (and the Triton single pass with 128-key blocks)
+#   attention_ncu  what bounds the single pass over the packed cache: Nsight Compute over
+#               `kernels.wgmma_flash` at 64 x 32k (throughput, memory, warp stalls, occupancy;
+#               `experiments.bench.ncu`)
 #   attention_budget  the 8k fixed-memory decode (bf16, fp4_rtn) with the plan's decode
 #               attention (bf16: fused, FP4: wgmma), the Triton pair and the fused kernel,
 #               one process per impl
@@ -146,6 +149,14 @@ step_attention() {
     experiments.bench.decode_attention --contexts=8192 --batches=256 --decoder_check=false \
     --block_t=128 --impls=kernel_bf16_fused,kernel_packed_fused \
     --json_out="$OUT/attention_kernels_bt128.json"
+}
+
+step_attention_ncu() {
+  local t=${T_ATTENTION_NCU:-240}
+  TAIL=120 run attention_ncu "$((t + 15))" python3 -m experiments.bench.ncu --kernel=wgmma_flash \
+    --seconds="$t" -- python3 -m experiments.bench.decode_attention --contexts=32768 \
+    --batches=64 --decoder_check=false --impls=kernel_packed_wgmma_fused --reps=1 --warmup=1 \
+    --inner=1 --json_out= ${ATTENTION_NCU_ARGS:-}
 }
 
 step_attention_budget() {
@@ -329,7 +340,8 @@ main() {
   fi
   for s in "${steps[@]}"; do
     if ! declare -F "step_$s" > /dev/null; then
-      echo "unknown step '$s'; steps: check kernels rollout attention attention_budget" \
+      echo "unknown step '$s'; steps: check kernels rollout attention attention_ncu" \
+        "attention_budget" \
         "kv_write mismatch" \
         "excess_precision train_step fp8_layouts train_step_12 train_step_variants rl profile" \
         "multi_gpu tests" >&2
