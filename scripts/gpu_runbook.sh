@@ -21,8 +21,8 @@
 #               `kernels.wgmma_flash` at 64 x 32k (throughput, memory, warp stalls, occupancy;
 #               `experiments.bench.ncu`)
 #   attention_budget  the 8k fixed-memory decode (bf16, fp4_rtn) with the plan's decode
-#               attention (bf16: fused, FP4: wgmma), the Triton pair and the fused kernel,
-#               one process per impl
+#               attention (the single pass: Triton's over BF16, wgmma's over FP4), the wgmma
+#               pair and the Triton pair, one process per impl
 #   kv_write    the k/v sites written into the packed KV cache by one kernel
 #               (`kv_write="kernel"`, `kernels.kv_append`, the plan's on Hopper): its tests on
 #               the GPU (bit for bit against the site kernel and XLA's scatters), then the
@@ -162,7 +162,7 @@ step_attention_ncu() {
 step_attention_budget() {
   local t=${T_ATTENTION_BUDGET:-540} budget=(--budget_gb=60) impl name
   small_gpu && budget=(--budget_gb=36)
-  for impl in kernel+unroll4 kernel+unroll4+attntriton kernel+unroll4+attnfused; do
+  for impl in kernel+unroll4 kernel+unroll4+attnwgmma kernel+unroll4+attntriton; do
     name=attention_budget_${impl##*+}
     TAIL=20 run "$name" "$((t / 3))" python3 -m experiments.bench.rollout --impls="$impl" \
       --budget_impl="$impl" --cases=none --budget_context=8192 --budget_policies=bf16,fp4_rtn \
