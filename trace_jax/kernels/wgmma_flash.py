@@ -41,8 +41,6 @@ import numpy as np
 from trace_jax.kernels import wgmma_attention, wgmma_decode
 from trace_jax.kernels.wgmma_decode import TILE
 
-ROWS = wgmma_attention.ROWS
-
 
 def _col_reduce(op: str, r: int):
   """inline_mgpu function: (x [64, r] float32 in the WGMMA layout, a [4, r] float32 scratch
