@@ -10,8 +10,8 @@ why warps stall (`WarpStateStats`, `SchedulerStats`), occupancy and launch shape
       python3 -m experiments.bench.decode_attention --contexts=32768 --batches=64 \\
       --impls=kernel_packed_wgmma_fused --decoder_check=false --reps=1 --warmup=1 --inner=1
 
-A `timeout` around ncu ends ncu but not the process it profiles; here both run in a session of
-their own, and the whole session is killed after `--seconds` (exit status 124).
+A `timeout` around ncu ends ncu but not the process it profiles; here both run in a process
+group of their own, killed whole after `--seconds` (exit status 124).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def command(target: Sequence[str], kernel: str, skip: int = 1, count: int = 1,
 
 
 def run_limited(cmd: Sequence[str], seconds: float) -> int:
-  """Runs cmd in a session of its own; after `seconds` kills the session (cmd and whatever it
-  started) and returns TIMED_OUT, else cmd's exit status."""
+  """Runs cmd in a process group of its own; after `seconds` kills the group (cmd and whatever
+  it started) and returns TIMED_OUT, else cmd's exit status."""
   proc = subprocess.Popen(list(cmd), start_new_session=True)
   try:
     return proc.wait(timeout=seconds)
