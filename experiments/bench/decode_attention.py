@@ -199,9 +199,9 @@ def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stag
   config = functools.partial(da.AttentionConfig, block_t=block_t, num_splits=num_splits or None,
                              num_warps=num_warps, num_stages=num_stages)
   prefetch = tuple(prefetch) or (da.AttentionConfig().prefetch,)
-  tiles = {"wgmma_fused": {"block_t": wgmma_decode.TILE}}  # its only tile (of 64 keys)
-  kernel = lambda impl, d=prefetch[0]: functools.partial(
-      da.decode_attention, config=config(impl=impl, prefetch=d, **tiles.get(impl, {})))
+  kernel = lambda impl, d=prefetch[0]: functools.partial(  # the wgmma single pass: 64-key tiles
+      da.decode_attention, config=config(impl=impl, prefetch=d, **(
+          {"block_t": wgmma_decode.TILE} if impl == "wgmma_fused" else {})))
   ref = da.decode_attention_reference
   variants = {f"{path}_prefetch{d}": kernel(path[len("kernel_packed_"):], d)
               for path in GPU_ONLY for d in prefetch[1:]}

@@ -377,8 +377,7 @@ def decode_attention(q: jax.Array, cache: PackedKVCache | BF16Cache, lengths: ja
     kv_tiles.check_words(cache.words, q.dtype, bool(interpret))
   num_splits = config.num_splits
   if num_splits is None and config.impl in ("wgmma", "wgmma_fused"):
-    step = wgmma_decode.TILE if config.impl == "wgmma" else config.block_t  # keys per step
-    num_splits = wgmma_attention.default_splits(b, g, t // step, config.sm_count)
+    num_splits = wgmma_attention.default_splits(b, g, t // wgmma_decode.TILE, config.sm_count)
   elif num_splits is None:
     num_splits = default_num_splits(b, g, -(-t // config.block_t), config.sm_count)
   if config.impl in WGMMA_IMPLS:
