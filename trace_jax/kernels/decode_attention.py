@@ -109,7 +109,8 @@ class AttentionConfig:
   prefetch: 64-key tiles (steps of the single pass) the wgmma kernels ask L2 for ahead of
     the one they decode (`wgmma_attention.tile_prefetcher`; 0: none). On the H100 one tile
     ahead took the exact pair to 0.92x its time at 64 x 32k and 256 x 8k (2 and 4 tiles:
-    0.96-0.97x; the single pass: 0.98-1.01x at any distance; docs/benchmarks.md).
+    0.96-0.97x; the padded single pass that preceded `wgmma_flash`'s: 0.98-1.01x at any
+    distance; docs/benchmarks.md).
   interpret: None runs the kernels on the GPU and the Pallas interpreter elsewhere.
   """
   impl: str = "triton"
