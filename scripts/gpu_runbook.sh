@@ -29,6 +29,11 @@
 #               decode at batch 64 and 256 (128 + 128, 8 layers; fp4_rtn, fp4_trace) with it
 #               and with the site kernel and XLA's scatters (`+kvxla`), side by side in one
 #               process, profiled (kernels and time per step)
+#   command_buffers  the fixed-batch decode (batch 64, 128 + 128, 8 layers; bf16, fp4_rtn,
+#               fp4_trace) under XLA's default command buffers (CUDA graphs) and with the decode's
+#               while loop and conditionals captured as well (`--xla_gpu_enable_command_buffer`
+#               with WHILE and CONDITIONAL: no host round trip for the loop's predicate), one
+#               process each
 #   mismatch    the rollout/trainer mismatch of the kernel plan against the reference plan
 #               (`experiments.measure_mismatch`; fp4_trace's |dlogp| ratio), then the kernel
 #               plan with the exact pair's decode attention over the packed cache instead of
@@ -179,6 +184,20 @@ step_kv_write() {
     --policies=fp4_rtn,fp4_trace --batches=64,256 --reps=3 --budget_gb=0 --long_context=0 \
     --transformers=false --budget_s="$((t * 3 / 4 - 90))" --profile_dir=/tmp/profile_kv_write \
     --json_out="$OUT/kv_write_rollout.json" ${KV_WRITE_ARGS:-}
+}
+
+COMMAND_BUFFER_TYPES=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
+
+step_command_buffers() {
+  local t=${T_COMMAND_BUFFERS:-420} xla=${XLA_FLAGS:-} tag flags
+  for tag in default while; do
+    flags=$xla
+    [ "$tag" = while ] && flags+=" --xla_gpu_enable_command_buffer=$COMMAND_BUFFER_TYPES"
+    XLA_FLAGS="$flags" TAIL=20 run "command_buffers_$tag" "$((t / 2))" python3 -m \
+      experiments.bench.rollout --impls=kernel+unroll4 --key_impl=kernel+unroll4 \
+      --policies=bf16,fp4_rtn,fp4_trace --batches=64 --reps=3 --budget_gb=0 --long_context=0 \
+      --transformers=false --json_out="$OUT/command_buffers_$tag.json" ${COMMAND_BUFFERS_ARGS:-}
+  done
 }
 
 step_mismatch() {
@@ -342,7 +361,7 @@ main() {
     if ! declare -F "step_$s" > /dev/null; then
       echo "unknown step '$s'; steps: check kernels rollout attention attention_ncu" \
         "attention_budget" \
-        "kv_write mismatch" \
+        "kv_write command_buffers mismatch" \
         "excess_precision train_step fp8_layouts train_step_12 train_step_variants rl profile" \
         "multi_gpu tests" >&2
       exit 2
