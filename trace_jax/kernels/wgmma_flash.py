@@ -33,6 +33,7 @@ Hopper (`decode_attention="fused"`).
 from __future__ import annotations
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -163,30 +164,19 @@ def _store_stat():
   return fn
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "prefetch"))
-def partials(q: jax.Array, k: tuple[jax.Array, jax.Array, jax.Array],
-             v: tuple[jax.Array, jax.Array, jax.Array], lengths: jax.Array, layer: jax.Array,
-             *, scale: float, splits: int, prefetch: int = 0):
-  """float32 (acc [B, G, S, R, H], m [B, G, S, R], l [B, G, S, R]) of each key split.
-
-  q: bf16 [B, G, R, H], columns in `column_order(H)`; k, v: (code words uint32
-  [L, B, T, G, H/8], scale bytes uint8 [L, B, T, G, H/16], row scales float32 [L, B, T, G]);
-  lengths int32 [B] in [0, T]; layer int32 [1]; prefetch: tiles whose K and V lines are asked
-  of L2 ahead of the decode (0: none). A split with no key below the length gives acc 0,
-  m -inf, l 0. The softmax's max over a tile's keys runs down the scores' rows, across the 4
-  warps through shared memory (`_col_reduce`); each thread keeps its rows' partial sums l,
-  added up once at the end."""
-  from jax.experimental import pallas as pl
+def _swizzle() -> tuple:
+  """The shared-memory transforms of q, V and p^T: (8, 64) tiles, 128-byte swizzle."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  b, g, r, h = q.shape
-  t = k[0].shape[2]
-  if not wgmma_attention.supported(h, r, t, q.dtype):
-    raise ValueError(f"wgmma flash: unsupported q {q.shape} {q.dtype}, T={t}")
-  per, s_count = wgmma_attention.split_steps(t, TILE, splits)
-  decode_k = wgmma_attention.tile_decoder(h, g, masked=False)
-  decode_v = wgmma_attention.tile_decoder(h, g, masked=True)
-  ask = wgmma_attention.tile_prefetcher(h, g)
+  return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
+def _helpers(h: int, g: int, r: int) -> types.SimpleNamespace:
+  """The kernel's pieces for head_dim h, g kv heads and r query heads per kv head: the tile
+  decoders and prefetcher of `wgmma_attention`, and this module's register-level functions as
+  Pallas callables (`plgpu.inline_mgpu`)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
   wg = plgpu.Layout.WGMMA
   tile = plgpu.ShapeDtypeStruct((TILE, r), jnp.float32, layout=wg)
   col_max, col_sum = (plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()), return_type=tile)(
@@ -194,11 +184,25 @@ def partials(q: jax.Array, k: tuple[jax.Array, jax.Array, jax.Array],
   rows_like = plgpu.inline_mgpu(
       arg_types=(wg,), return_type=plgpu.ShapeDtypeStruct((h, r), jnp.float32, layout=wg))(
           _rows_like(h))
-  swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  store_pt = plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType(transforms=swz)))(_store_probs_t())
-  store_o = plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()))(
-      wgmma_attention.store_columns(h, partial=True))
-  store_stat = plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()))(_store_stat())
+  return types.SimpleNamespace(
+      decode_k=wgmma_attention.tile_decoder(h, g, masked=False),
+      decode_v=wgmma_attention.tile_decoder(h, g, masked=True),
+      ask=wgmma_attention.tile_prefetcher(h, g),
+      col_max=col_max, col_sum=col_sum, rows_like=rows_like,
+      store_pt=plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType(transforms=_swizzle())))(
+          _store_probs_t()),
+      store_o=plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()))(
+          wgmma_attention.store_columns(h, partial=True)),
+      store_stat=plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()))(_store_stat()))
+
+
+def _body(f: types.SimpleNamespace, h: int, r: int, per: int, scale: float, prefetch: int):
+  """The program of grid point (b, g, s): split s's tiles of sequence b's kv head g, below the
+  length, through the online softmax (the module docstring); writes acc, m and l."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  wg = plgpu.Layout.WGMMA
 
   def body(layer_ref, len_ref, q_ref, kc, ks, kr, vc, vs, vr, o_ref, m_ref, l_ref,
            q_smem, v_smem, p_smem, red, bar):
@@ -214,7 +218,7 @@ def partials(q: jax.Array, k: tuple[jax.Array, jax.Array, jax.Array],
     def ahead(i):  # tile i's K and V lines into L2 (clamped to the split's last tile)
       i = jnp.maximum(jnp.minimum(i, last - 1), 0)
       for c, sc, rs in ((kc, ks, kr), (vc, vs, vr)):
-        ask(at(c, i), at(sc, i), at(rs, i))
+        f.ask(at(c, i), at(sc, i), at(rs, i))
 
     for d in range(1, prefetch):
       ahead(first + d)
@@ -229,23 +233,24 @@ def partials(q: jax.Array, k: tuple[jax.Array, jax.Array, jax.Array],
       plgpu.commit_smem()
       t0 = pl.multiple_of(i * TILE, TILE)
       keys = pl.ds(t0, TILE)
-      kt = decode_k(kc.at[lyr, bi, keys, gi], ks.at[lyr, bi, keys, gi], kr.at[lyr, bi, keys, gi])
+      kt = f.decode_k(kc.at[lyr, bi, keys, gi], ks.at[lyr, bi, keys, gi],
+                      kr.at[lyr, bi, keys, gi])
 
       def qk(ref):
         plgpu.wgmma(ref, kt, q_smem.T)
         return ref[...]
 
       s = pl.run_scoped(qk, plgpu.ACC((TILE, r), jnp.float32)) * np.float32(scale)
-      v_smem[...] = decode_v(vc.at[lyr, bi, keys, gi], vs.at[lyr, bi, keys, gi],
-                             vr.at[lyr, bi, keys, gi], length - t0)
+      v_smem[...] = f.decode_v(vc.at[lyr, bi, keys, gi], vs.at[lyr, bi, keys, gi],
+                               vr.at[lyr, bi, keys, gi], length - t0)
       key = plgpu.broadcasted_iota(jnp.int32, (TILE, r), 0, layout=wg)
       s = jnp.where(key < length - t0, s, np.float32(-np.inf))
-      m_new = jnp.maximum(m, col_max(s, red))
+      m_new = jnp.maximum(m, f.col_max(s, red))
       alpha = jnp.exp(m - m_new)
       p = jnp.exp(s - m_new)
       l = l * alpha + p
-      acc = acc * rows_like(alpha)
-      store_pt(p.astype(jnp.bfloat16), p_smem)
+      acc = acc * f.rows_like(alpha)
+      f.store_pt(p.astype(jnp.bfloat16), p_smem)
       plgpu.commit_smem()  # v and p^T visible to wgmma (async proxy), in every warp
 
       def pv(ref):
@@ -260,10 +265,35 @@ def partials(q: jax.Array, k: tuple[jax.Array, jax.Array, jax.Array],
     acc, m, l = jax.lax.fori_loop(first, last, step, init)
     plgpu.wgmma_wait(0)
     plgpu.commit_smem()  # every warp has read the scratch of the last max
-    store_o(acc, o_ref.at[bi, gi, si])
-    store_stat(m, m_ref.at[bi, gi, si])
-    store_stat(col_sum(l, red), l_ref.at[bi, gi, si])
+    f.store_o(acc, o_ref.at[bi, gi, si])
+    f.store_stat(m, m_ref.at[bi, gi, si])
+    f.store_stat(f.col_sum(l, red), l_ref.at[bi, gi, si])
 
+  return body
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "prefetch"))
+def partials(q: jax.Array, k: tuple[jax.Array, jax.Array, jax.Array],
+             v: tuple[jax.Array, jax.Array, jax.Array], lengths: jax.Array, layer: jax.Array,
+             *, scale: float, splits: int, prefetch: int = 0):
+  """float32 (acc [B, G, S, R, H], m [B, G, S, R], l [B, G, S, R]) of each key split.
+
+  q: bf16 [B, G, R, H], columns in `column_order(H)`; k, v: (code words uint32
+  [L, B, T, G, H/8], scale bytes uint8 [L, B, T, G, H/16], row scales float32 [L, B, T, G]);
+  lengths int32 [B] in [0, T]; layer int32 [1]; prefetch: tiles whose K and V lines are asked
+  of L2 ahead of the decode (0: none). A split with no key below the length gives acc 0,
+  m -inf, l 0. The softmax's max over a tile's keys runs down the scores' rows, across the 4
+  warps through shared memory (`_col_reduce`); each thread keeps its rows' partial sums l,
+  added up once at the end."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  b, g, r, h = q.shape
+  t = k[0].shape[2]
+  if not wgmma_attention.supported(h, r, t, q.dtype):
+    raise ValueError(f"wgmma flash: unsupported q {q.shape} {q.dtype}, T={t}")
+  per, s_count = wgmma_attention.split_steps(t, TILE, splits)
+  body = _body(_helpers(h, g, r), h, r, per, scale, prefetch)
+  swz = _swizzle()
   stat = jax.ShapeDtypeStruct((b, g, s_count, r), jnp.float32)
   kernel = plgpu.kernel(
       body, out_type=(jax.ShapeDtypeStruct((b, g, s_count, r, h), jnp.float32), stat, stat),
