@@ -248,42 +248,17 @@ def store_columns(h: int, partial: bool = False):
   return fn
 
 
-@functools.partial(jax.jit, static_argnames=("prefetch", "splits"))
-def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Array,
-       lengths: jax.Array, layer: jax.Array, *, prefetch: int = 0, splits: int = 1
-       ) -> jax.Array:
-  """bf16 [B, G, R, H] (columns in `column_order(H)`): probabilities x V summed in float32 over
-  each sequence's keys below its length (wgmma's order), rounded once. splits > 1: the float32
-  partial sums [B, G, S, R, H] of S contiguous runs of tiles (`split_steps`; the caller sums
-  them and rounds), S the splits that `split_steps` makes of `splits`.
-
-  probs: bf16 [B, G, R, T] (zero beyond each length, as the softmax makes them); codes,
-  scale_bits, rows: V's, as `scores` takes K's. V rows at or beyond the length are decoded as
-  zeros; tiles beyond it are not read (a split wholly beyond it writes zeros). One program per
-  (sequence, kv head, split), walking its tiles one after another (`default_splits` gives a
-  batch of long sequences enough programs). prefetch: tiles asked of L2 ahead of the decode
-  (0: none).
-
-  Per tile the sum is out^T [H, R] = V^T [H, 64 keys] @ P^T [64 keys, R]: V decoded into
-  shared memory and read transposed as wgmma's A operand (M = H, every row used), the
-  probabilities [R, 64] by TMA into shared memory as its B operand (N = R = 8). The form
-  out [64, H] = P [64, 64 keys] @ V (P in A registers, M = 64 for R = 8 rows: 8x the tensor
-  work) gave the same bits and took 1.06-1.14x this one's attention time on the H100
-  (docs/benchmarks.md, decode attention)."""
+def _pv_body(h: int, g: int, r: int, per: int, prefetch: int, partial: bool):
+  """`pv`'s program at grid point (b, g, s): split s's tiles of sequence b's kv head g below
+  the length, V decoded into shared memory, the probabilities by TMA (two slots), summed by
+  wgmma into a float32 accumulator that `store_columns` writes."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  b, g, r, t = probs.shape
-  h = 16 * scale_bits.shape[-1]
-  if not supported(h, r, t, probs.dtype):
-    raise ValueError(f"wgmma PV: unsupported shape/dtype {probs.shape} {probs.dtype}, H={h}")
-  per, s_count = split_steps(t, TILE, splits)
-  partial = s_count > 1
   decode = tile_decoder(h, g, masked=True)
   ask = tile_prefetcher(h, g)
   store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
       store_columns(h, partial=partial))
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
   def body(layer_ref, len_ref, p_ref, c_ref, s_ref, r_ref, o_ref, v_smem, p_smem, bars):
     bi, gi, si = (jax.lax.axis_index(n) for n in ("b", "g", "s"))
@@ -329,6 +304,41 @@ def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Arra
     acc = pl.run_scoped(run, plgpu.ACC((h, r), jnp.float32))
     store(acc, o_ref.at[bi, gi, si] if partial else o_ref.at[bi, gi])
 
+  return body
+
+
+@functools.partial(jax.jit, static_argnames=("prefetch", "splits"))
+def pv(probs: jax.Array, codes: jax.Array, scale_bits: jax.Array, rows: jax.Array,
+       lengths: jax.Array, layer: jax.Array, *, prefetch: int = 0, splits: int = 1
+       ) -> jax.Array:
+  """bf16 [B, G, R, H] (columns in `column_order(H)`): probabilities x V summed in float32 over
+  each sequence's keys below its length (wgmma's order), rounded once. splits > 1: the float32
+  partial sums [B, G, S, R, H] of S contiguous runs of tiles (`split_steps`; the caller sums
+  them and rounds), S the splits that `split_steps` makes of `splits`.
+
+  probs: bf16 [B, G, R, T] (zero beyond each length, as the softmax makes them); codes,
+  scale_bits, rows: V's, as `scores` takes K's. V rows at or beyond the length are decoded as
+  zeros; tiles beyond it are not read (a split wholly beyond it writes zeros). One program per
+  (sequence, kv head, split), walking its tiles one after another (`default_splits` gives a
+  batch of long sequences enough programs). prefetch: tiles asked of L2 ahead of the decode
+  (0: none).
+
+  Per tile the sum is out^T [H, R] = V^T [H, 64 keys] @ P^T [64 keys, R]: V decoded into
+  shared memory and read transposed as wgmma's A operand (M = H, every row used), the
+  probabilities [R, 64] by TMA into shared memory as its B operand (N = R = 8). The form
+  out [64, H] = P [64, 64 keys] @ V (P in A registers, M = 64 for R = 8 rows: 8x the tensor
+  work) gave the same bits and took 1.06-1.14x this one's attention time on the H100
+  (docs/benchmarks.md, decode attention)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  b, g, r, t = probs.shape
+  h = 16 * scale_bits.shape[-1]
+  if not supported(h, r, t, probs.dtype):
+    raise ValueError(f"wgmma PV: unsupported shape/dtype {probs.shape} {probs.dtype}, H={h}")
+  per, s_count = split_steps(t, TILE, splits)
+  partial = s_count > 1
+  body = _pv_body(h, g, r, per, prefetch, partial)
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   out_type = (jax.ShapeDtypeStruct((b, g, s_count, r, h), jnp.float32) if partial else
               jax.ShapeDtypeStruct((b, g, r, h), jnp.bfloat16))
   kernel = plgpu.kernel(
