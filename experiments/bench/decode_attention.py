@@ -215,6 +215,48 @@ def _paths(n_heads: int, block_t: int, num_splits: int, num_warps: int, num_stag
           "kernel_packed_wgmma_fused": kernel("wgmma_fused")}
 
 
+# The time ratios every case records (impl a's time over impl b's), where both ran.
+TIME_RATIOS = (
+    ("kernel_packed", "kernel_bf16"), ("kernel_packed_wgmma", "kernel_packed"),
+    ("kernel_packed_wgmma", "kernel_bf16"), ("kernel_packed_fused", "kernel_packed_wgmma"),
+    ("kernel_packed_fused", "kernel_packed"), ("kernel_bf16_fused", "kernel_bf16"),
+    ("kernel_packed_wgmma_fused", "kernel_packed_wgmma"),
+    ("kernel_packed_wgmma_fused", "kernel_bf16_fused"),
+    ("kernel_packed_fused", "kernel_bf16_fused"), ("kernel_packed_bits", "kernel_bf16"),
+    ("kernel_packed", "kernel_packed_bits"), ("kernel_packed", "xla_fq_bf16"),
+    ("kernel_bf16", "xla_bf16"), ("xla_packed_dequant", "xla_fq_bf16"))
+
+
+def _time_paths(case: dict[str, Any], timed: Sequence[tuple[str, Any, tuple, int]],
+                warmup: int, reps: int, inner: int) -> None:
+  """Times each (name, fn, args, bytes moved) of `timed` into case["impls"][name] (median and
+  best ms per call, GB/s; an error recorded instead of raised), printing a line each, then
+  each impl's fraction of the copy's GB/s."""
+  import jax
+
+  for name, fn, args, nbytes in timed:
+    entry = case["impls"].setdefault(name, {"bytes_moved": nbytes})
+    try:
+      med, best = common.median_seconds(lambda fn=fn, args=args: fn(*args),
+                                        jax.block_until_ready, warmup, reps)
+      entry.update(median_ms=1e3 * med / inner, min_ms=1e3 * best / inner,
+                   gbps=nbytes / (med / inner) / 1e9)
+    except Exception as e:
+      entry["error"] = f"{type(e).__name__}: {e}"[:800]
+    if "median_ms" in entry:
+      msg = f"{entry['median_ms']:9.4f} ms {entry['gbps']:8.1f} GB/s"
+      if "max_err_over_tol" in entry:
+        msg += f"  err/tol {entry['max_err_over_tol']:.3f}"
+    else:
+      msg = entry["error"][:200]
+    print(f"  B={case['batch']:<4d} T={case['context']:<6d} {name:20s} {msg}", flush=True)
+  copy_gbps = case["impls"][COPY].get("gbps")
+  case["copy_gbps"] = copy_gbps
+  for e in case["impls"].values():
+    if copy_gbps and "gbps" in e:
+      e["frac_copy"] = e["gbps"] / copy_gbps
+
+
 def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps: int,
              warmup: int, inner: int, check_seqs: int, seed: int,
              kernel_args: dict[str, Any]) -> dict[str, Any]:
@@ -256,53 +298,11 @@ def run_case(b: int, t: int, g: int, n: int, h: int, impls: Sequence[str], reps:
                     (inp["q"], inp[kind], inp["lengths"]), kv_bytes[kind]))
     except Exception as e:  # keep benchmarking the rest; the error goes into the record
       entry["error"] = f"{type(e).__name__}: {e}"[:800]
-  for name, fn, args, nbytes in timed:
-    entry = case["impls"].setdefault(name, {"bytes_moved": nbytes})
-    try:
-      med, best = common.median_seconds(lambda fn=fn, args=args: fn(*args),
-                                        jax.block_until_ready, warmup, reps)
-      entry.update(median_ms=1e3 * med / inner, min_ms=1e3 * best / inner,
-                   gbps=nbytes / (med / inner) / 1e9)
-    except Exception as e:
-      entry["error"] = f"{type(e).__name__}: {e}"[:800]
-    if "median_ms" in entry:
-      msg = f"{entry['median_ms']:9.4f} ms {entry['gbps']:8.1f} GB/s"
-      if "max_err_over_tol" in entry:
-        msg += f"  err/tol {entry['max_err_over_tol']:.3f}"
-    else:
-      msg = entry["error"][:200]
-    print(f"  B={b:<4d} T={t:<6d} {name:20s} {msg}", flush=True)
-  copy_gbps = case["impls"][COPY].get("gbps")
-  case["copy_gbps"] = copy_gbps
-  for e in case["impls"].values():
-    if copy_gbps and "gbps" in e:
-      e["frac_copy"] = e["gbps"] / copy_gbps
+  _time_paths(case, timed, warmup, reps, inner)
   ms = {k: e.get("median_ms") for k, e in case["impls"].items()}
   ratio = lambda a, b: ms[a] / ms[b] if ms.get(a) and ms.get(b) else None
-  case["ratios"] = {
-      "kv_bytes_packed_over_bf16": kv_bytes["packed"] / kv_bytes["bf16"],
-      "time_kernel_packed_over_kernel_bf16": ratio("kernel_packed", "kernel_bf16"),
-      "time_kernel_packed_wgmma_over_kernel_packed": ratio("kernel_packed_wgmma",
-                                                           "kernel_packed"),
-      "time_kernel_packed_wgmma_over_kernel_bf16": ratio("kernel_packed_wgmma", "kernel_bf16"),
-      "time_kernel_packed_fused_over_kernel_packed_wgmma": ratio("kernel_packed_fused",
-                                                                 "kernel_packed_wgmma"),
-      "time_kernel_packed_fused_over_kernel_packed": ratio("kernel_packed_fused",
-                                                           "kernel_packed"),
-      "time_kernel_bf16_fused_over_kernel_bf16": ratio("kernel_bf16_fused", "kernel_bf16"),
-      "time_kernel_packed_wgmma_fused_over_kernel_packed_wgmma": ratio(
-          "kernel_packed_wgmma_fused", "kernel_packed_wgmma"),
-      "time_kernel_packed_wgmma_fused_over_kernel_bf16_fused": ratio(
-          "kernel_packed_wgmma_fused", "kernel_bf16_fused"),
-      "time_kernel_packed_fused_over_kernel_bf16_fused": ratio("kernel_packed_fused",
-                                                               "kernel_bf16_fused"),
-      "time_kernel_packed_bits_over_kernel_bf16": ratio("kernel_packed_bits", "kernel_bf16"),
-      "time_kernel_packed_over_kernel_packed_bits": ratio("kernel_packed",
-                                                          "kernel_packed_bits"),
-      "time_kernel_packed_over_xla_fq_bf16": ratio("kernel_packed", "xla_fq_bf16"),
-      "time_kernel_bf16_over_xla_bf16": ratio("kernel_bf16", "xla_bf16"),
-      "time_xla_packed_dequant_over_xla_fq_bf16": ratio("xla_packed_dequant", "xla_fq_bf16"),
-  }
+  case["ratios"] = {"kv_bytes_packed_over_bf16": kv_bytes["packed"] / kv_bytes["bf16"]}
+  case["ratios"].update({f"time_{a}_over_{b}": ratio(a, b) for a, b in TIME_RATIOS})
   for name in impls:
     if base_impl(name) != name:
       case["ratios"][f"time_{name}_over_{base_impl(name)}"] = ratio(name, base_impl(name))

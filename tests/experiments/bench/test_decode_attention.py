@@ -1,4 +1,5 @@
-"""experiments/bench/decode_attention.py: the on-device bit check of the packed cache's decoders."""
+"""experiments/bench/decode_attention.py: the on-device bit check of the packed cache's decoders,
+the paths of its flags, and one case's record (checked, timed, related)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -71,3 +72,26 @@ def test_wgmma_single_pass_takes_its_tile_whatever_block_t():
   assert paths["kernel_packed_wgmma_fused"].keywords["config"].block_t == 64
   assert paths["kernel_packed_fused"].keywords["config"].block_t == 128
 
+
+
+def test_a_case_checks_times_and_relates_its_paths(capsys):
+  """A small case on CPU: the XLA reference and the Triton kernel (interpreted) pass their check
+  and are timed beside the copy; the wgmma pair, which runs on a Hopper GPU only, records its
+  error, and a ratio over it stays empty while the two timed paths' ratio is their times'."""
+  kernel_args = dict(block_t=64, num_splits=0, num_warps=4, num_stages=2, prefetch=(),
+                     pv_splits=())
+  case = bda.run_case(2, 128, 1, 8, 128, ["xla_bf16", "kernel_bf16", "kernel_packed_wgmma"],
+                      reps=2, warmup=1, inner=1, check_seqs=2, seed=0, kernel_args=kernel_args)
+  impls = case["impls"]
+  for name in ("xla_bf16", "kernel_bf16"):
+    assert impls[name]["check_ok"] and impls[name]["median_ms"] > 0, impls[name]
+    assert impls[name]["frac_copy"] == impls[name]["gbps"] / case["copy_gbps"]
+  assert impls[bda.COPY]["frac_copy"] == 1.0
+  assert "error" in impls["kernel_packed_wgmma"] and "median_ms" not in impls["kernel_packed_wgmma"]
+  ratios = case["ratios"]
+  assert ratios["time_kernel_bf16_over_xla_bf16"] == (impls["kernel_bf16"]["median_ms"]
+                                                      / impls["xla_bf16"]["median_ms"])
+  assert ratios["time_kernel_packed_wgmma_over_kernel_bf16"] is None
+  assert set(ratios) == {"kv_bytes_packed_over_bf16"} | {
+      f"time_{a}_over_{b}" for a, b in bda.TIME_RATIOS}
+  assert "B=2    T=128    kernel_bf16" in capsys.readouterr().out
