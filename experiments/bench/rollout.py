@@ -407,6 +407,26 @@ def _preset(name: str) -> Any:
   return PRESETS[FLAGS.preset][name] if value is None else value
 
 
+def _print_case(name: str, r: dict[str, Any]) -> None:
+  """A decode case's line: tokens/s, first call and compile, bytes per step and their fraction
+  of the read and copy rates; the engine's set-up; an fp4_trace case's records."""
+  nbytes = r["step_bytes"]
+  print(f"  {name:<22} {r['tokens_per_s']:>10,.0f} tok/s  first call "
+        f"{r['first_call_s']:6.1f} s (compile {r['compile_s']:6.1f} s)  "
+        f"{_gb(nbytes)}/step -> {100 * r['read_fraction']:4.1f}% of read, "
+        f"{100 * r['copy_fraction']:4.1f}% of copy bandwidth", flush=True)
+  print(f"  {'':<22} engine made in {r['engine_init_s']:.1f} s (weights prepared, their "
+        f"program compiled), weights updated in {r['update_weights_s']:.2f} s", flush=True)
+  if "emit_s_per_call" in r:
+    print(f"  {'':<22} records: {_gb(r['emit_bytes_per_call'])} per call, "
+          f"{1e3 * r['emit_s_per_call']:.1f} ms of each call to start their transfer "
+          f"({100 * r['emit_fraction']:.1f}%), {1e3 * r['records_drain_s']:.1f} ms to "
+          f"drain the last (counted in tok/s); generate calls alone "
+          f"{1e3 * r['generate_s']:.1f} ms (records drained: {FLAGS.records_drain}); "
+          f"the start, call by call: "
+          f"{', '.join(f'{1e3 * e:.1f}' for e in r['emit_s_calls'])} ms", flush=True)
+
+
 def run_bench() -> dict[str, Any]:
   import jax
 
@@ -446,22 +466,8 @@ def run_bench() -> dict[str, Any]:
         config = _impl_case(base, policy, impl)
         r, first_tokens[name] = run_case(params, config, batch, FLAGS.reps, name)
         _with_bandwidth(r, config, batch, FLAGS.prompt_len + r["tokens_per_seq"] / 2, res)
-        nbytes = r["step_bytes"]
         res["cases"][name] = r
-        print(f"  {name:<22} {r['tokens_per_s']:>10,.0f} tok/s  first call "
-              f"{r['first_call_s']:6.1f} s (compile {r['compile_s']:6.1f} s)  "
-              f"{_gb(nbytes)}/step -> {100 * r['read_fraction']:4.1f}% of read, "
-              f"{100 * r['copy_fraction']:4.1f}% of copy bandwidth", flush=True)
-        print(f"  {'':<22} engine made in {r['engine_init_s']:.1f} s (weights prepared, their "
-              f"program compiled), weights updated in {r['update_weights_s']:.2f} s", flush=True)
-        if "emit_s_per_call" in r:
-          print(f"  {'':<22} records: {_gb(r['emit_bytes_per_call'])} per call, "
-                f"{1e3 * r['emit_s_per_call']:.1f} ms of each call to start their transfer "
-                f"({100 * r['emit_fraction']:.1f}%), {1e3 * r['records_drain_s']:.1f} ms to "
-                f"drain the last (counted in tok/s); generate calls alone "
-                f"{1e3 * r['generate_s']:.1f} ms (records drained: {FLAGS.records_drain}); "
-                f"the start, call by call: "
-                f"{', '.join(f'{1e3 * e:.1f}' for e in r['emit_s_calls'])} ms", flush=True)
+        _print_case(name, r)
 
   if _preset("transformers"):
     hf_batches = [int(b) for b in FLAGS.transformers_batches] or [key_batch]
