@@ -41,21 +41,23 @@ lint: $(STAMP)
 # whole suite, bit-exact tests included, passed at both.
 # FAST_COMPILE_FLAGS: XLA's CPU backend emits its fusions through its older elemental emitters,
 # which compile in about 2/3 of the time (the whole suite on the 2-core machine: 20 min 33 s ->
-# 14 min 34 s). EXACT_FUSION_TESTS compare two differently fused programs bit for bit (the
-# trainer against the rollout, the fake-quant kernels against XLA's quantizers): those bits are
-# the default emitters', the ones a user's program runs (under the older emitters the logprobs
-# differ in their last bits and 1% of a gradient's elements differ), so they run under XLA's
-# defaults.
+# 14 min 34 s). DEFAULT_EMITTER_TESTS run under XLA's default emitters, the ones a user's
+# program runs: the quantizers' bits (against numpy, torch and the GPU checks' references), and
+# the tests that compare two differently fused programs bit for bit and fail under the older
+# emitters (the trainer against the rollout under the invariant plan: the logprobs differ in
+# their last bits; the fake-quant kernels against XLA's quantizers: 1% of a gradient's elements).
 TEST_XLA_FLAGS = --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0
 FAST_COMPILE_FLAGS = --xla_cpu_use_fusion_emitters=false
-EXACT_FUSION_TESTS = tests/train/test_exact_on_policy.py tests/model/test_precision.py
+DEFAULT_EMITTER_TESTS = tests/quant tests/rollout_bridge/test_torch_quant.py \
+  tests/experiments/bench/test_bit_checks.py tests/train/test_exact_on_policy.py \
+  tests/model/test_precision.py
 PYTEST = $(BIN)/python -m pytest -n 2 --dist worksteal -q
 test: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/ruff check .
 	XLA_FLAGS="$(TEST_XLA_FLAGS) $(FAST_COMPILE_FLAGS)" $(PYTEST) --durations=20 \
 	  --ignore=tests/rollout_bridge/test_sglang_plugin.py \
-	  $(addprefix --ignore=,$(EXACT_FUSION_TESTS))
-	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(PYTEST) $(EXACT_FUSION_TESTS)
+	  $(addprefix --ignore=,$(DEFAULT_EMITTER_TESTS))
+	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(PYTEST) $(DEFAULT_EMITTER_TESTS)
 	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(BIN)/python -m pytest -q \
 	  tests/rollout_bridge/test_sglang_plugin.py
 
