@@ -34,7 +34,7 @@ lint: $(STAMP)
 # module fixtures and compiled programs stay in one process) and steals queued tests when idle.
 # The SGLang plugin's tests run in a process of their own: SGLang loads tvm_ffi, whose SIGSEGV
 # handler deadlocked a JAX test worker (WORKSPACE.md, Traps). --durations: the
-# slowest tests at the end of the log (the suite runs near its ~20 minute budget).
+# slowest tests at the end of the log (keep the suite under its ~20 minute budget).
 # TEST_XLA_FLAGS: 8 simulated CPU devices for the sharding tests, and XLA's CPU backend at
 # optimization level 0: the suite's time is mostly compiling small programs once (the packed-KV
 # sessions test: 84 -> 68 s alone). XLA's CPU backend uses no fast math at either level; the
