@@ -73,7 +73,6 @@ def test_wgmma_single_pass_takes_its_tile_whatever_block_t():
   assert paths["kernel_packed_fused"].keywords["config"].block_t == 128
 
 
-
 def test_a_case_checks_times_and_relates_its_paths(capsys):
   """A small case on CPU: the XLA reference and the Triton kernel (interpreted) pass their check
   and are timed beside the copy; the wgmma pair, which runs on a Hopper GPU only, records its
